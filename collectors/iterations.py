@@ -1,0 +1,52 @@
+"""Where the training iterations are in a trace.
+
+The PyTorch profiler marks each step with a ``ProfilerStep#N`` range on the thread that called
+``prof.step()``; a user may instead name their own ``record_function`` range; a trace with
+neither (a hand-cut capture of one iteration) is one span from its first to its last event.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+import pandas as pd
+
+from .kineto import EventKind, KinetoTrace, TraceError
+
+WHOLE_TRACE = "whole trace"
+
+
+def find_iterations(trace: KinetoTrace, name: Optional[str] = None) -> pd.DataFrame:
+    """The iteration spans: columns name, thread (None for the whole trace), start_us, end_us.
+
+    ``name`` is a regular expression matched against annotation and operator names; without
+    it, ``ProfilerStep#N`` ranges are used where the trace has them.
+    """
+    ev = trace.events
+    ranges = ev[ev["kind"].isin([int(EventKind.ANNOTATION), int(EventKind.CPU_OP)])]
+    if name is not None:
+        try:
+            regex = re.compile(name)
+        except re.error as err:
+            raise TraceError(trace.path, f"iteration name {name!r} is not a valid regular expression ({err})") from None
+        hits = [c for c in ranges["name"].cat.categories if regex.fullmatch(c) or regex.search(c)]
+        chosen = ranges[ranges["name"].isin(hits)]
+        if chosen.empty:
+            raise TraceError(trace.path, f"no annotation or operator named {name!r} (the iteration to use)")
+    else:
+        chosen = ranges[ranges["name"].str.startswith("ProfilerStep#", na=False)]
+        if chosen.empty:
+            cpu_or_gpu = ev[~ev["kind"].isin([int(EventKind.CUDA_SYNC), int(EventKind.GPU_ANNOTATION)])]
+            start = float(cpu_or_gpu["ts_us"].min())
+            end = float((cpu_or_gpu["ts_us"] + cpu_or_gpu["dur_us"]).max())
+            return pd.DataFrame({"name": [WHOLE_TRACE], "thread": [None], "start_us": [start], "end_us": [end]})
+    chosen = chosen.sort_values("ts_us")
+    return pd.DataFrame(
+        {
+            "name": chosen["name"].astype(str).to_numpy(),
+            "thread": chosen["thread"].astype(str).to_numpy(),
+            "start_us": chosen["ts_us"].to_numpy(),
+            "end_us": (chosen["ts_us"] + chosen["dur_us"]).to_numpy(),
+        }
+    )

@@ -1,0 +1,257 @@
+"""Reading PyTorch-profiler (Kineto) Chrome-trace JSON into one columnar event table.
+
+This module is the one place that knows the trace schema. Two generations of Kineto output are
+in the wild: the 2021 schema (categories ``Operator``, ``Runtime``, ``Kernel``, ``Memcpy``,
+``Memset``; flows ``async``) and the current one (``cpu_op``, ``cuda_runtime``, ``kernel``,
+``gpu_memcpy``, ``cuda_sync`` ...). Both are mapped onto the same small set of event kinds, so
+nothing downstream ever looks at a category string.
+
+Large traces (200k+ events) are decoded with msgspec into typed structs that keep only the
+fields the simulator needs; everything else in ``args`` (call stacks, memory counters) is skipped
+by the decoder instead of becoming Python dicts. The result is a pandas frame of numbers with
+names interned as categoricals, as Holistic Trace Analysis does.
+"""
+
+from __future__ import annotations
+
+import enum
+import gzip
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Union
+
+import msgspec
+import numpy as np
+import pandas as pd
+
+
+class TraceError(Exception):
+    """A trace file that cannot be used; the message names the file and the problem."""
+
+    def __init__(self, path: Union[str, Path], problem: str):
+        super().__init__(f"{path}: {problem}")
+        self.path = str(path)
+        self.problem = problem
+
+
+class EventKind(enum.IntEnum):
+    """What an event is, independent of the schema generation that wrote it."""
+
+    CPU_OP = 0
+    ANNOTATION = 1  # user_annotation / record_function ranges, ProfilerStep#N
+    PYTHON = 2  # python_function stack frames (with_stack=True or with_modules=True)
+    RUNTIME = 3  # CUDA runtime or driver API call on a CPU thread
+    KERNEL = 4
+    MEMCPY = 5
+    MEMSET = 6
+    GPU_ANNOTATION = 7
+    CUDA_SYNC = 8  # Kineto's description of what a sync call waited for; not time on a resource
+
+
+CPU_KINDS = (EventKind.CPU_OP, EventKind.ANNOTATION, EventKind.PYTHON, EventKind.RUNTIME)
+GPU_KINDS = (EventKind.KERNEL, EventKind.MEMCPY, EventKind.MEMSET)
+
+_KIND_OF_CATEGORY = {
+    "operator": EventKind.CPU_OP,
+    "cpu_op": EventKind.CPU_OP,
+    "user_annotation": EventKind.ANNOTATION,
+    "python_function": EventKind.PYTHON,
+    "runtime": EventKind.RUNTIME,
+    "cuda_runtime": EventKind.RUNTIME,
+    "cuda_driver": EventKind.RUNTIME,
+    "kernel": EventKind.KERNEL,
+    "memcpy": EventKind.MEMCPY,
+    "gpu_memcpy": EventKind.MEMCPY,
+    "memset": EventKind.MEMSET,
+    "gpu_memset": EventKind.MEMSET,
+    "gpu_user_annotation": EventKind.GPU_ANNOTATION,
+    "cuda_sync": EventKind.CUDA_SYNC,
+}
+_IGNORED_CATEGORIES = {"trace", "", "cpu_instant_event"}
+
+
+class _Args(msgspec.Struct, gc=False):
+    correlation: int = -1
+    external_id: int = msgspec.field(name="External id", default=-1)
+    stream: int = -1
+    device: int = -1
+    bytes: int = -1
+    sync_kind: str = msgspec.field(name="cuda_sync_kind", default="")
+    wait_on_stream: int = -1
+    wait_on_record_correlation: int = msgspec.field(name="wait_on_cuda_event_record_corr_id", default=-1)
+    input_dims: msgspec.Raw = msgspec.field(name="Input Dims", default=msgspec.Raw())
+
+
+class _Event(msgspec.Struct, gc=False):
+    ph: str = ""
+    name: str = ""
+    cat: str = ""
+    pid: Union[int, str, None] = None
+    tid: Union[int, str, None] = None
+    ts: float = 0.0
+    dur: float = -1.0
+    args: Optional[_Args] = None
+
+
+class _TraceFile(msgspec.Struct):
+    traceEvents: Optional[list[_Event]] = None
+    deviceProperties: msgspec.Raw = msgspec.Raw()
+    distributedInfo: msgspec.Raw = msgspec.Raw()
+    schemaVersion: msgspec.Raw = msgspec.Raw()
+    nodes: msgspec.Raw = msgspec.Raw()  # present in execution traces, never in Kineto ones
+
+
+@dataclass
+class KinetoTrace:
+    """A loaded trace: timed events as a columnar table, plus the file's metadata.
+
+    ``events`` columns: kind (EventKind), name (categorical), thread (categorical "pid/tid" for
+    CPU events, "device/stream" for GPU events), ts_us and dur_us (relative to the first event,
+    so float64 keeps sub-microsecond precision), correlation, external_id, stream, device, bytes,
+    and the cuda_sync fields (sync_kind, wait_on_stream, wait_on_record_correlation).
+    """
+
+    path: str
+    events: pd.DataFrame
+    origin_us: float
+    device_properties: list = field(default_factory=list)
+    distributed_info: dict = field(default_factory=dict)
+    input_dims: dict = field(default_factory=dict)  # event row -> raw JSON of "Input Dims"
+
+    @property
+    def has_gpu(self) -> bool:
+        return bool(self.events["kind"].isin([int(k) for k in GPU_KINDS]).any())
+
+
+def _read_bytes(path: Path) -> bytes:
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise TraceError(path, "no such file") from None
+    except IsADirectoryError:
+        raise TraceError(path, "is a directory, not a trace file") from None
+    except OSError as err:
+        raise TraceError(path, f"cannot be read ({err.strerror})") from None
+    if raw[:2] == b"\x1f\x8b":
+        try:
+            raw = gzip.decompress(raw)
+        except (EOFError, zlib.error, gzip.BadGzipFile, OSError):
+            raise TraceError(path, "truncated or corrupt gzip data") from None
+    return raw
+
+
+def _decode(path: Path, raw: bytes) -> tuple[_TraceFile, list[_Event]]:
+    stripped = raw.lstrip()
+    if not stripped:
+        raise TraceError(path, "is empty")
+    try:
+        if stripped[:1] == b"[":
+            events = msgspec.json.decode(raw, type=list[_Event])
+            return _TraceFile(traceEvents=events), events
+        doc = msgspec.json.decode(raw, type=_TraceFile)
+    except msgspec.ValidationError as err:
+        raise TraceError(path, f"JSON is not a Chrome trace ({err})") from None
+    except msgspec.DecodeError as err:
+        if stripped[:1] not in (b"{", b"["):
+            raise TraceError(path, "is not JSON") from None
+        raise TraceError(path, f"not valid JSON, truncated or corrupt ({err})") from None
+    if doc.traceEvents is None:
+        if len(doc.nodes):
+            raise TraceError(
+                path,
+                "is a PyTorch execution trace (an operator graph without timings), not a Kineto "
+                "profiler trace; pass the matching *.pt.trace.json instead",
+            )
+        raise TraceError(path, "JSON has no 'traceEvents' list, so it is not a Chrome/Kineto trace")
+    return doc, doc.traceEvents
+
+
+def _thread_label(pid, tid) -> str:
+    return f"{pid}/{tid}"
+
+
+def load_trace(path: Union[str, Path]) -> KinetoTrace:
+    """Read a Kineto trace (plain or gzipped JSON) into a :class:`KinetoTrace`.
+
+    Raises :class:`TraceError` with a one-line reason for anything that is not a usable trace.
+    """
+    path = Path(path)
+    raw = _read_bytes(path)
+    doc, decoded = _decode(path, raw)
+
+    kinds, names, threads, ts, dur = [], [], [], [], []
+    corr, ext, stream, device, nbytes = [], [], [], [], []
+    sync_kind, wait_stream, wait_record = [], [], []
+    input_dims = {}
+    kind_of = _KIND_OF_CATEGORY
+    for ev in decoded:
+        if ev.ph != "X" or ev.dur < 0:
+            continue
+        cat = ev.cat.lower()
+        kind = kind_of.get(cat)
+        if kind is None:
+            if cat in _IGNORED_CATEGORIES:
+                continue
+            kind = EventKind.CPU_OP  # an unknown CPU-side category is still CPU time
+        a = ev.args or _Args()
+        if kind in GPU_KINDS or kind == EventKind.GPU_ANNOTATION:
+            dev = a.device if a.device >= 0 else ev.pid
+            st = a.stream if a.stream >= 0 else ev.tid
+            threads.append(f"gpu {dev}/stream {str(st).replace('stream ', '')}")
+        else:
+            threads.append(_thread_label(ev.pid, ev.tid))
+        if len(a.input_dims) and kind == EventKind.CPU_OP:
+            input_dims[len(kinds)] = a.input_dims
+        kinds.append(int(kind))
+        names.append(ev.name)
+        ts.append(ev.ts)
+        dur.append(ev.dur)
+        corr.append(a.correlation)
+        ext.append(a.external_id)
+        stream.append(a.stream)
+        device.append(a.device)
+        nbytes.append(a.bytes)
+        sync_kind.append(a.sync_kind)
+        wait_stream.append(a.wait_on_stream)
+        wait_record.append(a.wait_on_record_correlation)
+
+    timed = [i for i, k in enumerate(kinds) if k != EventKind.CUDA_SYNC]
+    if not timed:
+        raise TraceError(path, "has no timed events (no complete 'X' events with a duration)")
+    ts_arr = np.asarray(ts, dtype=np.float64)
+    origin = float(ts_arr.min())
+    events = pd.DataFrame(
+        {
+            "kind": np.asarray(kinds, dtype=np.int8),
+            "name": pd.Categorical(names),
+            "thread": pd.Categorical(threads),
+            "ts_us": ts_arr - origin,
+            "dur_us": np.asarray(dur, dtype=np.float64),
+            "correlation": np.asarray(corr, dtype=np.int64),
+            "external_id": np.asarray(ext, dtype=np.int64),
+            "stream": np.asarray(stream, dtype=np.int64),
+            "device": np.asarray(device, dtype=np.int64),
+            "bytes": np.asarray(nbytes, dtype=np.int64),
+            "sync_kind": pd.Categorical(sync_kind),
+            "wait_on_stream": np.asarray(wait_stream, dtype=np.int64),
+            "wait_on_record_correlation": np.asarray(wait_record, dtype=np.int64),
+        }
+    )
+    return KinetoTrace(
+        path=str(path),
+        events=events,
+        origin_us=origin,
+        device_properties=_json_or(doc.deviceProperties, []),
+        distributed_info=_json_or(doc.distributedInfo, {}),
+        input_dims=input_dims,
+    )
+
+
+def _json_or(raw: msgspec.Raw, default):
+    if not len(raw):
+        return default
+    try:
+        return msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        return default

@@ -1,0 +1,68 @@
+"""The simulated timeline as a Chrome trace that Perfetto and chrome://tracing open."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import msgspec
+import numpy as np
+
+from whatif.sim.engine import Schedule
+from whatif.sim.graph import TaskKind
+
+
+def write_timeline(schedule: Schedule, path: Path, protect: tuple = ()) -> None:
+    """Write one complete event per task, a track per resource, CPU threads and GPU streams in
+    two processes. The file is written beside the target and renamed into place, so an
+    interrupted run never leaves half a file; ``protect`` lists paths (the input trace) that
+    must never be overwritten."""
+    path = Path(path)
+    if any(path.resolve() == Path(p).resolve() for p in protect):
+        raise OSError(f"{path}: refusing to overwrite the input trace with the timeline")
+    tasks = schedule.graph.tasks
+    resources = list(tasks["resource"].cat.categories)
+    pid_of = {r: (2 if r.startswith("gpu") else 1) for r in resources}
+    tid_of = {r: i for i, r in enumerate(resources)}
+    kind_names = [k.name.lower() for k in TaskKind]
+    names = tasks["name"].astype(str).to_numpy()
+    res = tasks["resource"].astype(str).to_numpy()
+    kinds = tasks["kind"].to_numpy()
+    context = tasks["context"].astype(str).to_numpy()
+    measured = tasks["measured_start_us"].to_numpy()
+    events = [
+        {"ph": "M", "name": "process_name", "pid": 1, "tid": 0, "args": {"name": "CPU threads (simulated)"}},
+        {"ph": "M", "name": "process_name", "pid": 2, "tid": 0, "args": {"name": "GPU streams (simulated)"}},
+    ]
+    events += [
+        {"ph": "M", "name": "thread_name", "pid": pid_of[r], "tid": tid_of[r], "args": {"name": r}} for r in resources
+    ]
+    start = schedule.start_us
+    dur = schedule.end_us - schedule.start_us
+    for i in range(len(tasks)):
+        events.append(
+            {
+                "ph": "X",
+                "name": names[i],
+                "cat": kind_names[kinds[i]],
+                "pid": pid_of[res[i]],
+                "tid": tid_of[res[i]],
+                "ts": float(start[i]),
+                "dur": float(dur[i]),
+                "args": {
+                    "context": context[i],
+                    "measured_start_us": None if np.isnan(measured[i]) else float(measured[i]),
+                },
+            }
+        )
+    payload = msgspec.json.encode({"traceEvents": events, "displayTimeUnit": "ms"})
+    directory = path.parent if str(path.parent) else Path(".")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(payload)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,244 @@
+"""Executing a dependency graph in a SimPy simulation.
+
+Each resource (CPU thread, GPU stream, link) is a SimPy process that runs its tasks one at a
+time. A task starts when its resource is free and every predecessor has ended, plus the edge's
+lag: ``start = max(resource free, release, max(end(pred) + lag))``.
+
+Two engines compute that schedule:
+
+* ``simulate`` (the default) lets a resource run straight through every task whose predecessors
+  have already been computed, without yielding to SimPy; it only suspends when a predecessor on
+  another resource is still unknown, and is woken when that one is computed. With a fixed task
+  order per resource the end times depend only on the predecessors' end times, so computing
+  them ahead of the simulation clock gives exactly the same answer with one SimPy event per
+  cross-resource wait instead of one per task.
+* ``simulate_event_per_task`` advances the SimPy clock through every task start and end, the
+  textbook discrete-event model; it is the reference the fast engine is tested against.
+
+A resource given a :class:`Policy` does not have a fixed order: whenever it is free it asks the
+policy to choose among the tasks that are ready at that moment (Daydream's Schedule primitive).
+Such a resource always runs on the SimPy clock, in both engines, because which tasks are ready
+depends on the time.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import simpy
+
+from .graph import GraphError, TaskGraph
+
+
+class Policy:
+    """Chooses which of the ready tasks a resource runs next.
+
+    ``choose`` gets the ids of the ready tasks (in the resource's original order) and the
+    current simulated time; subclasses look up whatever they rank by (a priority column, a
+    layer index) in the graph they were built with.
+    """
+
+    def choose(self, ready: list[int], now_us: float) -> int:
+        return ready[0]
+
+
+@dataclass
+class Schedule:
+    """When every task of a graph ran in the simulation."""
+
+    graph: TaskGraph
+    start_us: np.ndarray
+    end_us: np.ndarray
+    simpy_events: int
+    wall_s: float
+
+    @property
+    def makespan_us(self) -> float:
+        if not len(self.end_us):
+            return 0.0
+        return float(np.max(self.end_us) - np.min(self.start_us))
+
+    @property
+    def tasks_per_second(self) -> float:
+        return len(self.start_us) / self.wall_s if self.wall_s > 0 else float("inf")
+
+
+class _Compiled:
+    """The graph as plain Python lists, which the inner loops index fastest."""
+
+    def __init__(self, graph: TaskGraph):
+        tasks = graph.tasks
+        self.n = len(tasks)
+        self.duration = tasks["duration_us"].to_numpy(dtype=np.float64).tolist()
+        self.release = tasks["release_us"].to_numpy(dtype=np.float64).tolist()
+        self.labels = tasks["resource"].cat.categories
+        self.sequences = graph.resource_order()
+        self.resource_of_sequence = [str(tasks["resource"].iat[int(seq[0])]) for seq in self.sequences]
+        edges = graph.edges
+        self.preds: list = [()] * self.n
+        if len(edges):
+            dst = edges["dst"].to_numpy()
+            order = np.argsort(dst, kind="stable")
+            dst = dst[order]
+            pairs = list(zip(edges["src"].to_numpy()[order].tolist(), edges["lag_us"].to_numpy()[order].tolist()))
+            firsts = np.flatnonzero(np.r_[True, dst[1:] != dst[:-1]])
+            lasts = np.r_[firsts[1:], len(dst)]
+            for t, a, b in zip(dst[firsts].tolist(), firsts.tolist(), lasts.tolist()):
+                self.preds[t] = pairs[a:b]
+
+
+class _Run:
+    """One simulation: shared state of the resource processes."""
+
+    def __init__(self, graph: TaskGraph, policies: Optional[dict], event_per_task: bool):
+        self.graph = graph
+        self.c = _Compiled(graph)
+        self.env = simpy.Environment()
+        self.start: list = [None] * self.c.n
+        self.end: list = [None] * self.c.n
+        self.waiting: dict = {}
+        self.events = 0
+        self.event_per_task = event_per_task
+        policies = policies or {}
+        unknown = set(policies) - set(self.c.resource_of_sequence)
+        if unknown:
+            raise GraphError(f"policy given for resources that have no tasks: {sorted(unknown)}")
+        for seq, resource in zip(self.c.sequences, self.c.resource_of_sequence):
+            ids = seq.tolist()
+            if resource in policies:
+                self.env.process(self._run_with_policy(ids, policies[resource]))
+            elif event_per_task:
+                self.env.process(self._run_event_per_task(ids))
+            else:
+                self.env.process(self._run_in_order(ids))
+
+    def _done_event(self, task: int) -> simpy.Event:
+        ev = self.waiting.get(task)
+        if ev is None:
+            ev = self.waiting[task] = self.env.event()
+            self.events += 1
+        return ev
+
+    def _finish(self, task: int, start: float, end: float) -> None:
+        self.start[task] = start
+        self.end[task] = end
+        ev = self.waiting.pop(task, None)
+        if ev is not None:
+            ev.succeed()
+
+    def _run_in_order(self, ids: list):
+        end, release, duration, preds = self.end, self.release_list, self.c.duration, self.c.preds
+        free = -np.inf
+        for t in ids:
+            ready = release[t]
+            for d, lag in preds[t]:
+                e = end[d]
+                if e is None:
+                    yield self._done_event(d)
+                    e = end[d]
+                e += lag
+                if e > ready:
+                    ready = e
+            s = free if free > ready else ready
+            free = s + duration[t]
+            self._finish(t, s, free)
+
+    def _run_event_per_task(self, ids: list):
+        env, end, release, duration, preds = self.env, self.end, self.release_list, self.c.duration, self.c.preds
+        free = -np.inf
+        for t in ids:
+            ready = release[t]
+            for d, lag in preds[t]:
+                if end[d] is None:
+                    yield self._done_event(d)
+                e = end[d] + lag
+                if e > ready:
+                    ready = e
+            s = free if free > ready else ready
+            if s > env.now:
+                self.events += 1
+                yield env.timeout(s - env.now)
+            free = s + duration[t]
+            if free > env.now:
+                self.events += 1
+                yield env.timeout(free - env.now)
+            self._finish(t, s, free)
+
+    def _run_with_policy(self, ids: list, policy: Policy):
+        env, end, release, duration, preds = self.env, self.end, self.release_list, self.c.duration, self.c.preds
+        pending = list(ids)
+        free = -np.inf
+        while pending:
+            now = max(free, env.now)
+            if now > env.now:
+                self.events += 1
+                yield env.timeout(now - env.now)
+            self.events += 1
+            yield env.timeout(0)  # let every task that ends at this instant be computed first
+            ready, next_ready, unknown = [], np.inf, []
+            for t in pending:
+                r = release[t]
+                for d, lag in preds[t]:
+                    if end[d] is None:
+                        unknown.append(d)
+                        r = None
+                        break
+                    r = max(r, end[d] + lag)
+                if r is None:
+                    continue
+                if r <= now:
+                    ready.append(t)
+                elif r < next_ready:
+                    next_ready = r
+            if not ready:
+                wake = [self._done_event(d) for d in dict.fromkeys(unknown)]
+                if next_ready < np.inf:
+                    self.events += 1
+                    wake.append(env.timeout(next_ready - env.now))
+                if not wake:
+                    return  # blocked for good: reported as unscheduled tasks
+                yield env.any_of(wake)
+                continue
+            t = policy.choose(ready, now)
+            pending.remove(t)
+            free = now + duration[t]
+            if self.event_per_task and free > env.now:
+                self.events += 1
+                yield env.timeout(free - env.now)
+            self._finish(t, now, free)
+
+    @property
+    def release_list(self) -> list:
+        return self.c.release
+
+    def run(self) -> Schedule:
+        t0 = time.perf_counter()
+        self.env.run()
+        wall = time.perf_counter() - t0
+        stuck = [i for i, e in enumerate(self.end) if e is None]
+        if stuck:
+            names = self.graph.tasks["name"].iloc[stuck[:3]].astype(str).tolist()
+            raise GraphError(
+                f"the graph cannot be scheduled: {len(stuck)} tasks wait on each other in a cycle "
+                f"(for example {names})"
+            )
+        return Schedule(
+            graph=self.graph,
+            start_us=np.asarray(self.start, dtype=np.float64),
+            end_us=np.asarray(self.end, dtype=np.float64),
+            simpy_events=self.events,
+            wall_s=wall,
+        )
+
+
+def simulate(graph: TaskGraph, policies: Optional[dict] = None) -> Schedule:
+    """Schedule ``graph``; ``policies`` maps resource names to :class:`Policy` objects."""
+    return _Run(graph, policies, event_per_task=False).run()
+
+
+def simulate_event_per_task(graph: TaskGraph, policies: Optional[dict] = None) -> Schedule:
+    """The reference engine: one SimPy event for every task start and end."""
+    return _Run(graph, policies, event_per_task=True).run()

@@ -1,0 +1,267 @@
+"""The dependency graph of one training process, and Daydream's transformation primitives on it.
+
+A task is a span of time on one resource: a CPU thread or a GPU stream. Tasks on a resource run
+one at a time in their ``order_key`` order. An edge ``src -> dst`` with lag ``L`` says that
+``dst`` cannot start before ``end(src) + L``; lags carry the latencies the trace shows between
+causally linked tasks (a kernel starting some microseconds after its launch call returned, a
+CPU thread resuming after a GPU synchronisation). A task with no edges still waits for the task
+before it on its resource; the first task of a resource is released at ``release_us``.
+
+The primitives follow Daydream (Zhu et al., ATC'20): select tasks, scale their durations, insert
+a task between two others, remove tasks while keeping the graph connected, and let a pluggable
+policy choose among ready tasks (see ``sim.engine``).
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence, Union
+
+import numpy as np
+import pandas as pd
+
+
+class TaskKind(enum.IntEnum):
+    CPU = 0  # self time of an operator, annotation or Python frame
+    RUNTIME = 1  # a CUDA runtime / driver call
+    GAP = 2  # CPU time on a thread that no event names
+    WAIT = 3  # a thread idle until another thread signals it
+    KERNEL = 4
+    MEMCPY = 5
+    MEMSET = 6
+    COMM = 7  # a communication kernel (NCCL) or a simulated transfer
+    INSERTED = 8
+
+
+GPU_TASK_KINDS = (TaskKind.KERNEL, TaskKind.MEMCPY, TaskKind.MEMSET, TaskKind.COMM)
+
+
+class EdgeKind(enum.IntEnum):
+    LAUNCH = 0  # CPU launch call -> GPU task (correlation id)
+    GPU_SEQ = 1  # consecutive tasks on a GPU stream
+    SYNC = 2  # GPU task -> CPU call that waited for it
+    STREAM_WAIT = 3  # cudaEventRecord on one stream -> cudaStreamWaitEvent on another
+    THREAD = 4  # CPU thread -> CPU thread it woke up
+    USER = 5  # added by a transformation
+    BYPASS = 6  # replaces a removed task
+
+
+class GraphError(Exception):
+    """A graph that cannot be built, transformed or scheduled as asked."""
+
+
+@dataclass
+class TaskGraph:
+    """Tasks and edges as two pandas frames of numbers (names are categoricals).
+
+    ``tasks`` columns: name, kind, resource, duration_us, release_us, order_key,
+    measured_start_us, measured_end_us, context (the enclosing operators and annotations,
+    outermost first, joined by `` > ``), operator (outermost operator), layer (innermost module
+    or user annotation). ``edges`` columns: src, dst, lag_us, kind.
+    """
+
+    tasks: pd.DataFrame
+    edges: pd.DataFrame
+    source: str = ""
+    notes: list = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.tasks)
+
+    def copy(self) -> "TaskGraph":
+        return TaskGraph(self.tasks.copy(), self.edges.copy(), self.source, list(self.notes))
+
+    # -- selection -----------------------------------------------------------------------------
+
+    def select(
+        self,
+        pattern: Optional[str] = None,
+        kinds: Optional[Sequence[TaskKind]] = None,
+        where: Optional[Callable[[pd.DataFrame], Union[pd.Series, np.ndarray]]] = None,
+    ) -> np.ndarray:
+        """Indices of the tasks that match all given conditions.
+
+        ``pattern`` is a regular expression searched in a task's name and in the names of the
+        operators and annotations that enclose it (its context); ``where`` is a vectorised
+        predicate on the task table.
+        """
+        mask = np.ones(len(self.tasks), dtype=bool)
+        if pattern is not None:
+            mask &= self.match(pattern)
+        if kinds is not None:
+            mask &= self.tasks["kind"].isin([int(k) for k in kinds]).to_numpy()
+        if where is not None:
+            mask &= np.asarray(where(self.tasks), dtype=bool)
+        return np.flatnonzero(mask)
+
+    def match(self, pattern: str) -> np.ndarray:
+        try:
+            regex = re.compile(pattern)
+        except re.error as err:
+            raise GraphError(f"pattern {pattern!r} is not a valid regular expression ({err})") from None
+        hits = np.zeros(len(self.tasks), dtype=bool)
+        for column in ("name", "context"):
+            col = self.tasks[column]
+            category_hit = np.array([bool(regex.search(c)) for c in col.cat.categories] + [False])
+            hits |= category_hit[col.cat.codes.to_numpy()]  # code -1 (missing) maps to False
+        return hits
+
+    # -- transformation primitives -------------------------------------------------------------
+
+    def scale(self, task_ids: np.ndarray, factor: float) -> None:
+        """Multiply the durations of ``task_ids`` by ``factor`` (0.5 = twice as fast)."""
+        if not np.isfinite(factor) or factor < 0:
+            raise GraphError(f"scale factor must be a non-negative number, got {factor}")
+        col = self.tasks.columns.get_loc("duration_us")
+        self.tasks.iloc[np.asarray(task_ids, dtype=np.int64), col] *= factor
+
+    def insert(
+        self,
+        after: int,
+        before: Optional[int],
+        name: str,
+        duration_us: float,
+        resource: Optional[str] = None,
+        kind: TaskKind = TaskKind.INSERTED,
+    ) -> int:
+        """Insert a new task that starts after task ``after`` ends and that ``before`` waits for.
+
+        The new task runs on ``resource`` (default: the resource of ``after``), placed in that
+        resource's order just behind ``after`` when they share it. Returns the new task's id.
+        """
+        if duration_us < 0 or not np.isfinite(duration_us):
+            raise GraphError(f"inserted task {name!r} needs a non-negative duration, got {duration_us}")
+        t = self.tasks
+        resource = resource if resource is not None else str(t["resource"].iat[after])
+        on_resource = t["resource"] == resource
+        if str(t["resource"].iat[after]) == resource:
+            later = t.loc[on_resource & (t["order_key"] > t["order_key"].iat[after]), "order_key"]
+            nxt = later.min() if len(later) else t["order_key"].iat[after] + 1.0
+            key = (t["order_key"].iat[after] + nxt) / 2.0
+        else:
+            key = float(t.loc[on_resource, "order_key"].max()) + 1.0 if on_resource.any() else 0.0
+        new_id = len(t)
+        row = {
+            "name": name,
+            "kind": int(kind),
+            "resource": resource,
+            "duration_us": float(duration_us),
+            "release_us": -np.inf,
+            "order_key": key,
+            "measured_start_us": np.nan,
+            "measured_end_us": np.nan,
+            "context": t["context"].iat[after],
+            "operator": t["operator"].iat[after],
+            "layer": t["layer"].iat[after],
+        }
+        self.tasks = _append_rows(t, pd.DataFrame([row], index=[new_id]))
+        new_edges = [(after, new_id, 0.0, int(EdgeKind.USER))]
+        if before is not None:
+            new_edges.append((new_id, int(before), 0.0, int(EdgeKind.USER)))
+        self.add_edges(new_edges)
+        return new_id
+
+    def add_edges(self, edges: Sequence[tuple]) -> None:
+        frame = pd.DataFrame(edges, columns=["src", "dst", "lag_us", "kind"])
+        self.edges = pd.concat([self.edges, frame.astype(self.edges.dtypes.to_dict())], ignore_index=True)
+
+    def remove(self, task_ids: np.ndarray) -> None:
+        """Remove tasks, connecting each removed task's predecessors to its successors.
+
+        A removed task's place on its resource counts as an edge from the task before it and to
+        the task after it, so a kernel whose launch call is removed still waits for whatever ran
+        before that call. A bypass edge's lag is the sum of the lags along the removed path (the
+        longest such sum where there are several), as if the removed tasks took no time.
+        """
+        removed = np.zeros(len(self.tasks), dtype=bool)
+        removed[np.asarray(task_ids, dtype=np.int64)] = True
+        if not removed.any():
+            return
+        src = self.edges["src"].to_numpy().tolist()
+        dst = self.edges["dst"].to_numpy().tolist()
+        lag = self.edges["lag_us"].to_numpy().tolist()
+        for seq in self.resource_order():
+            for i in np.flatnonzero(removed[seq]).tolist():
+                if i > 0:
+                    src.append(int(seq[i - 1])); dst.append(int(seq[i])); lag.append(0.0)
+                if i + 1 < len(seq):
+                    src.append(int(seq[i])); dst.append(int(seq[i + 1])); lag.append(0.0)
+        into: dict[int, list] = {}
+        out: dict[int, list] = {}
+        for s_, d_, l_ in zip(src, dst, lag):
+            if removed[d_]:
+                into.setdefault(d_, []).append((s_, l_))
+            if removed[s_]:
+                out.setdefault(s_, []).append((d_, l_))
+        # longest lag from each outside task to each removed task, in topological order of the
+        # removed tasks (Kahn's algorithm on the removed subgraph)
+        pending = {r: sum(1 for s_, _ in into.get(r, ()) if removed[s_]) for r in np.flatnonzero(removed).tolist()}
+        ready = [r for r, n in pending.items() if n == 0]
+        reach: dict[int, dict] = {}
+        bypass: dict[tuple, float] = {}
+        while ready:
+            r = ready.pop()
+            sources = reach.pop(r, {})
+            for s_, l_ in into.get(r, ()):
+                if not removed[s_] and sources.get(s_, -np.inf) < l_:
+                    sources[s_] = l_
+            for d_, l_ in out.get(r, ()):
+                if removed[d_]:
+                    target = reach.setdefault(d_, {})
+                    for s_, acc in sources.items():
+                        if target.get(s_, -np.inf) < acc + l_:
+                            target[s_] = acc + l_
+                    pending[d_] -= 1
+                    if pending[d_] == 0:
+                        ready.append(d_)
+                else:
+                    for s_, acc in sources.items():
+                        if bypass.get((s_, d_), -np.inf) < acc + l_:
+                            bypass[(s_, d_)] = acc + l_
+        if any(n > 0 for n in pending.values()):
+            raise GraphError("the tasks to remove depend on each other in a cycle")
+        kept_edges = self.edges[~(removed[self.edges["src"].to_numpy()] | removed[self.edges["dst"].to_numpy()])]
+        new_edges = pd.DataFrame(
+            [(s_, d_, l_, int(EdgeKind.BYPASS)) for (s_, d_), l_ in bypass.items()],
+            columns=["src", "dst", "lag_us", "kind"],
+        ).astype(self.edges.dtypes.to_dict())
+        keep = np.flatnonzero(~removed)
+        remap = np.full(len(self.tasks), -1, dtype=np.int64)
+        remap[keep] = np.arange(len(keep))
+        edges = pd.concat([kept_edges, new_edges], ignore_index=True)
+        edges["src"] = remap[edges["src"].to_numpy()]
+        edges["dst"] = remap[edges["dst"].to_numpy()]
+        self.tasks = self.tasks.iloc[keep].reset_index(drop=True)
+        self.edges = edges.reset_index(drop=True)
+
+    # -- views ---------------------------------------------------------------------------------
+
+    def resource_order(self) -> list[np.ndarray]:
+        """Task ids of each resource, in the order the resource runs them."""
+        t = self.tasks
+        codes = t["resource"].cat.codes.to_numpy()
+        order = np.lexsort((np.arange(len(t)), t["order_key"].to_numpy(), codes))
+        sorted_codes = codes[order]
+        bounds = np.flatnonzero(np.diff(sorted_codes)) + 1
+        return [seq for seq in np.split(order, bounds) if len(seq)]
+
+
+def _append_rows(tasks: pd.DataFrame, rows: pd.DataFrame) -> pd.DataFrame:
+    combined = pd.concat([tasks.astype({c: object for c in _CATEGORICAL}), rows], ignore_index=True)
+    return combined.astype({c: "category" for c in _CATEGORICAL})
+
+
+_CATEGORICAL = ("name", "resource", "context", "operator", "layer")
+
+
+def empty_edges() -> pd.DataFrame:
+    return pd.DataFrame(
+        {
+            "src": np.zeros(0, dtype=np.int64),
+            "dst": np.zeros(0, dtype=np.int64),
+            "lag_us": np.zeros(0, dtype=np.float64),
+            "kind": np.zeros(0, dtype=np.int8),
+        }
+    )

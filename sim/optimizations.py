@@ -1,0 +1,124 @@
+"""Built-in what-ifs, each a short function on the transformation primitives of ``sim.graph``.
+
+They follow the estimates of the Daydream paper (Zhu et al., ATC'20, section 5): what an
+optimization does to the tasks it touches, not a re-measurement.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable
+
+import numpy as np
+import pandas as pd
+
+from .graph import GPU_TASK_KINDS, EdgeKind, GraphError, TaskGraph, TaskKind
+
+#: Kernels that run on Tensor Cores under mixed precision: GEMMs and convolutions (cuDNN, CUTLASS,
+#: cuBLAS naming), including the data- and weight-gradient convolutions of the backward pass.
+TENSOR_CORE_ELIGIBLE = re.compile(
+    r"gemm|conv|cudnn|cutlass|xmma|wgrad|dgrad|fprop|implicit_gemm|scudnn|sgemm|hgemm|s884|s1688|h884|h1688",
+    re.IGNORECASE,
+)
+OPTIMIZER_STEP = r"Optimizer\.step|optimizer\.step|## optimizer ##"
+DATA_LOADING = r"DataLoader|## wait_for_batch ##|## copy_batch_to_gpu ##"
+
+
+def automatic_mixed_precision(graph: TaskGraph) -> None:
+    """AMP: Tensor-Core-eligible kernels 3x faster, every other kernel 2x (half the bytes).
+
+    Communication kernels and copies are left alone: under AMP gradients are still all-reduced
+    in the precision the optimizer keeps, and host-device copies move the same input batch.
+    """
+    kernels = graph.select(kinds=[TaskKind.KERNEL])
+    names = graph.tasks["name"]
+    eligible_category = np.array([bool(TENSOR_CORE_ELIGIBLE.search(c)) for c in names.cat.categories] + [False])
+    eligible = eligible_category[names.cat.codes.to_numpy()[kernels]]
+    graph.scale(kernels[eligible], 1 / 3)
+    graph.scale(kernels[~eligible], 1 / 2)
+
+
+def fused_optimizer(graph: TaskGraph) -> None:
+    """FusedAdam-style fusion: each optimizer step's per-parameter kernels become one kernel per
+    stream, and the CPU work that launched them (Python, aten dispatch, launch calls) goes.
+
+    The fused kernel does the same memory traffic as the kernels it replaces, so its duration is
+    their sum; what disappears is the launch overhead and the gaps between the small kernels.
+    One launch call is kept to start it.
+    """
+    in_step = graph.match(OPTIMIZER_STEP)
+    if not in_step.any():
+        raise GraphError("fused optimizer: the trace has no optimizer step (no 'Optimizer.step' annotation)")
+    tasks = graph.tasks
+    kinds = tasks["kind"].to_numpy()
+    cpu = np.isin(kinds, [int(TaskKind.CPU), int(TaskKind.RUNTIME), int(TaskKind.GAP)]) & in_step
+    steps = _contiguous_runs(cpu, tasks["resource"].cat.codes.to_numpy())
+    step_of = np.full(len(tasks), -1)
+    for number, ids in enumerate(steps):
+        step_of[ids] = number
+    launches = graph.edges[graph.edges["kind"] == int(EdgeKind.LAUNCH)]
+    launch_of = pd.Series(launches["src"].to_numpy(), index=launches["dst"].to_numpy())
+    launch_of = launch_of[~launch_of.index.duplicated()]
+    kernels = np.flatnonzero((kinds == int(TaskKind.KERNEL)) & in_step)
+    kernel_launch = launch_of.reindex(kernels).fillna(-1).to_numpy(dtype=np.int64)
+    kernel_step = np.where(kernel_launch >= 0, step_of[np.maximum(kernel_launch, 0)], -1)
+    remove = cpu.copy()
+    duration = tasks.columns.get_loc("duration_us")
+    frame = pd.DataFrame({"kernel": kernels, "step": kernel_step, "stream": tasks["resource"].cat.codes.to_numpy()[kernels]})
+    for (step, _), group in frame[frame["step"] >= 0].groupby(["step", "stream"], sort=False):
+        first = int(group["kernel"].iloc[0])
+        tasks.iat[first, duration] = float(tasks["duration_us"].to_numpy()[group["kernel"].to_numpy()].sum())
+        remove[group["kernel"].to_numpy()[1:]] = True
+        remove[int(kernel_launch[group.index[0]])] = False  # the launch of the fused kernel stays
+    graph.remove(np.flatnonzero(remove))
+
+
+def _contiguous_runs(mask: np.ndarray, resource_codes: np.ndarray) -> list[np.ndarray]:
+    """Runs of consecutive selected tasks on one CPU thread (one optimizer step each)."""
+    ids = np.flatnonzero(mask)
+    if not len(ids):
+        return []
+    breaks = np.flatnonzero((np.diff(ids) != 1) | (np.diff(resource_codes[ids]) != 0)) + 1
+    return np.split(ids, breaks)
+
+
+def faster_gpu(graph: TaskGraph, speedup: float = 2.0) -> None:
+    """A GPU ``speedup`` times faster: every kernel, copy and memset takes 1/speedup as long.
+
+    Communication kernels keep their duration: they are bound by the interconnect, not the GPU.
+    """
+    if speedup <= 0:
+        raise GraphError(f"faster GPU: speed-up must be positive, got {speedup}")
+    gpu = graph.select(kinds=[k for k in GPU_TASK_KINDS if k != TaskKind.COMM])
+    graph.scale(gpu, 1.0 / speedup)
+
+
+def no_data_loading(graph: TaskGraph) -> None:
+    """Input data that is always ready: remove data loading and everything it launched."""
+    graph.remove(graph.select(pattern=DATA_LOADING))
+
+
+OPTIMIZATIONS: dict[str, Callable] = {
+    "amp": automatic_mixed_precision,
+    "fused-optimizer": fused_optimizer,
+    "faster-gpu": faster_gpu,
+    "no-dataloader": no_data_loading,
+}
+
+
+def apply_optimization(graph: TaskGraph, spec: str) -> None:
+    """Apply ``NAME`` or ``NAME=VALUE`` (e.g. ``faster-gpu=2``) from :data:`OPTIMIZATIONS`."""
+    name, _, value = spec.partition("=")
+    name = name.strip().lower().replace("_", "-")
+    if name not in OPTIMIZATIONS:
+        raise GraphError(f"unknown optimization {spec!r}; choose from {', '.join(OPTIMIZATIONS)}")
+    if value:
+        try:
+            argument = float(value)
+        except ValueError:
+            raise GraphError(f"optimization {name}: {value!r} is not a number") from None
+        if name != "faster-gpu":
+            raise GraphError(f"optimization {name} takes no value")
+        OPTIMIZATIONS[name](graph, argument)
+    else:
+        OPTIMIZATIONS[name](graph)

@@ -1,0 +1,141 @@
+"""The ``whatif`` command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+import msgspec
+import numpy as np
+import pandas as pd
+
+from whatif.collectors.kineto import TraceError
+from whatif.report.timeline import write_timeline
+from whatif.sim.graph import GraphError
+from whatif.sim.optimizations import OPTIMIZATIONS
+from whatif.study import TraceStudy, WhatIf
+
+
+class UsageError(Exception):
+    """A command-line value that is well-formed for argparse but means nothing."""
+
+
+def _parse_scale(spec: str) -> tuple[str, float]:
+    pattern, sep, factor = spec.rpartition("=")
+    if not sep or not pattern:
+        raise UsageError(f"--scale {spec!r}: expected PATTERN=FACTOR, e.g. 'conv=0.5'")
+    try:
+        value = float(factor)
+    except ValueError:
+        raise UsageError(f"--scale {spec!r}: factor {factor!r} is not a number") from None
+    if not np.isfinite(value) or value < 0:
+        raise UsageError(f"--scale {spec!r}: factor must be a non-negative number")
+    return pattern, value
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="whatif",
+        description="Predict DNN training iteration time from a PyTorch profiler trace, and what "
+        "an optimization would change.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def common(p):
+        p.add_argument("trace", type=Path, help="Kineto / PyTorch profiler trace (.json or .json.gz)")
+        p.add_argument("--iteration", metavar="NAME", help="annotation that marks an iteration (default: ProfilerStep#N)")
+        p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+        p.add_argument("--timeline", type=Path, metavar="OUT.json", help="write the simulated timeline (Chrome trace)")
+
+    replay = sub.add_parser("replay", help="simulate the unmodified trace: measured against predicted")
+    common(replay)
+    simulate = sub.add_parser("simulate", help="apply what-ifs to the trace's graph and predict")
+    common(simulate)
+    simulate.add_argument(
+        "--optimization",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help=f"one of {', '.join(OPTIMIZATIONS)} (faster-gpu=K for a K times faster GPU); repeatable",
+    )
+    simulate.add_argument("--scale", action="append", default=[], metavar="PATTERN=FACTOR", help="scale matching tasks")
+    simulate.add_argument("--remove", action="append", default=[], metavar="PATTERN", help="remove matching tasks")
+    return parser
+
+
+_COLUMNS = {
+    "name": "iteration",
+    "measured_ms": "measured ms",
+    "replay_ms": "replay ms",
+    "predicted_ms": "predicted ms",
+    "error_pct": "error %",
+    "speedup": "speed-up",
+    "gpu_busy_ms": "GPU busy ms",
+    "gpu_idle_ms": "GPU idle ms",
+    "sync_wait_ms": "sync wait ms",
+}
+
+
+def _table(report: pd.DataFrame) -> str:
+    shown = report.rename(columns=_COLUMNS)
+    return shown.to_string(index=False, float_format=lambda v: f"{v:.2f}", na_rep="-")
+
+
+def _json_records(report: pd.DataFrame) -> list[dict]:
+    return [
+        {k: (None if isinstance(v, float) and not np.isfinite(v) else v) for k, v in row.items()}
+        for row in report.to_dict(orient="records")
+    ]
+
+
+def run(args: argparse.Namespace) -> int:
+    study = TraceStudy.from_trace(args.trace, args.iteration)
+    if args.command == "replay":
+        schedule, report = study.replay, study.replay_report()
+        what = {}
+    else:
+        what_if = WhatIf(
+            optimizations=args.optimization,
+            scale=[_parse_scale(s) for s in args.scale],
+            remove=args.remove,
+        )
+        schedule, report = study.predict(what_if)
+        what = {"optimizations": list(args.optimization), "scale": list(args.scale), "remove": list(args.remove)}
+    if args.timeline is not None:
+        write_timeline(schedule, args.timeline, protect=(args.trace,))
+    summary = {
+        "median_measured_ms": float(report["measured_ms"].median()),
+        "median_predicted_ms": float(report["predicted_ms"].median()),
+        "tasks": len(schedule.graph.tasks),
+        "edges": len(schedule.graph.edges),
+    }
+    if args.json:
+        out = {"trace": str(args.trace), "iterations": _json_records(report), "summary": summary, **what}
+        sys.stdout.write(msgspec.json.encode(out).decode() + "\n")
+    else:
+        print(f"{args.trace}: {summary['tasks']} tasks, {summary['edges']} dependencies")
+        print(_table(report))
+        if args.timeline is not None:
+            print(f"timeline written to {args.timeline}")
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return run(args)
+    except (TraceError, GraphError, UsageError) as err:
+        print(f"whatif: error: {err}", file=sys.stderr)
+    except OSError as err:
+        where = f"{err.filename}: " if err.filename else ""
+        print(f"whatif: error: {where}{err.strerror or err}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("whatif: interrupted", file=sys.stderr)
+        return 130
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
