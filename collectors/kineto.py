@@ -194,6 +194,8 @@ def load_trace(path: Union[str, Path]) -> KinetoTrace:
             if cat in _IGNORED_CATEGORIES:
                 continue
             kind = EventKind.CPU_OP  # an unknown CPU-side category is still CPU time
+        if kind == EventKind.CPU_OP and cat == "operator" and _looks_like_annotation(ev.name):
+            kind = EventKind.ANNOTATION
         a = ev.args or _Args()
         if kind in GPU_KINDS or kind == EventKind.GPU_ANNOTATION:
             dev = a.device if a.device >= 0 else ev.pid
@@ -246,6 +248,12 @@ def load_trace(path: Union[str, Path]) -> KinetoTrace:
         distributed_info=_json_or(doc.distributedInfo, {}),
         input_dims=input_dims,
     )
+
+
+def _looks_like_annotation(name: str) -> bool:
+    """The 2021 schema files record_function ranges under ``Operator``; their names give them
+    away (``ProfilerStep#3``, ``Optimizer.step#SGD.step``, ``## forward ##``)."""
+    return "#" in name and "::" not in name
 
 
 def _json_or(raw: msgspec.Raw, default):

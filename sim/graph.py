@@ -46,6 +46,7 @@ class EdgeKind(enum.IntEnum):
     THREAD = 4  # CPU thread -> CPU thread it woke up
     USER = 5  # added by a transformation
     BYPASS = 6  # replaces a removed task
+    QUEUE = 7  # GPU task -> launch call that waited for a free slot in the full launch queue
 
 
 class GraphError(Exception):
