@@ -167,8 +167,49 @@ def _decode(path: Path, raw: bytes) -> tuple[_TraceFile, list[_Event]]:
     return doc, doc.traceEvents
 
 
-def _thread_label(pid, tid) -> str:
-    return f"{pid}/{tid}"
+def _timed_events(decoded: list) -> tuple[list, list]:
+    """The complete ('X') events worth keeping, and their kinds."""
+    kind_by_category: dict[str, Optional[EventKind]] = {}
+    kept, kinds = [], []
+    for ev in decoded:
+        if ev.ph != "X" or ev.dur < 0:
+            continue
+        kind = kind_by_category.get(ev.cat, ...)
+        if kind is ...:
+            cat = ev.cat.lower()
+            # an unknown CPU-side category is still CPU time
+            kind = None if cat in _IGNORED_CATEGORIES else _KIND_OF_CATEGORY.get(cat, EventKind.CPU_OP)
+            kind_by_category[ev.cat] = kind
+        if kind is None:
+            continue
+        if kind == EventKind.CPU_OP and ev.cat == "Operator" and _looks_like_annotation(ev.name):
+            kind = EventKind.ANNOTATION
+        kept.append(ev)
+        kinds.append(int(kind))
+    return kept, kinds
+
+
+class _ThreadLabels:
+    """Labels "pid/tid" for CPU threads and "gpu D/stream S" for GPU streams, built once each."""
+
+    _GPU = {int(k) for k in GPU_KINDS} | {int(EventKind.GPU_ANNOTATION)}
+
+    def __init__(self):
+        self.cache: dict[tuple, str] = {}
+
+    def __call__(self, kind: int, ev: _Event, a: _Args) -> str:
+        if kind in self._GPU:
+            key = ("gpu", a.device if a.device >= 0 else ev.pid, a.stream if a.stream >= 0 else ev.tid)
+        else:
+            key = ("cpu", ev.pid, ev.tid)
+        label = self.cache.get(key)
+        if label is None:
+            if key[0] == "gpu":
+                label = f"gpu {key[1]}/stream {str(key[2]).replace('stream ', '').strip()}"
+            else:
+                label = f"{key[1]}/{key[2]}"
+            self.cache[key] = label
+        return label
 
 
 def load_trace(path: Union[str, Path]) -> KinetoTrace:
@@ -180,47 +221,16 @@ def load_trace(path: Union[str, Path]) -> KinetoTrace:
     raw = _read_bytes(path)
     doc, decoded = _decode(path, raw)
 
-    kinds, names, threads, ts, dur = [], [], [], [], []
-    corr, ext, stream, device, nbytes = [], [], [], [], []
-    sync_kind, wait_stream, wait_record = [], [], []
-    input_dims = {}
-    kind_of = _KIND_OF_CATEGORY
-    for ev in decoded:
-        if ev.ph != "X" or ev.dur < 0:
-            continue
-        cat = ev.cat.lower()
-        kind = kind_of.get(cat)
-        if kind is None:
-            if cat in _IGNORED_CATEGORIES:
-                continue
-            kind = EventKind.CPU_OP  # an unknown CPU-side category is still CPU time
-        if kind == EventKind.CPU_OP and cat == "operator" and _looks_like_annotation(ev.name):
-            kind = EventKind.ANNOTATION
-        a = ev.args or _Args()
-        if kind in GPU_KINDS or kind == EventKind.GPU_ANNOTATION:
-            dev = a.device if a.device >= 0 else ev.pid
-            st = a.stream if a.stream >= 0 else ev.tid
-            threads.append(f"gpu {dev}/stream {str(st).replace('stream ', '')}")
-        else:
-            threads.append(_thread_label(ev.pid, ev.tid))
-        if len(a.input_dims) and kind == EventKind.CPU_OP:
-            input_dims[len(kinds)] = a.input_dims
-        kinds.append(int(kind))
-        names.append(ev.name)
-        ts.append(ev.ts)
-        dur.append(ev.dur)
-        corr.append(a.correlation)
-        ext.append(a.external_id)
-        stream.append(a.stream)
-        device.append(a.device)
-        nbytes.append(a.bytes)
-        sync_kind.append(a.sync_kind)
-        wait_stream.append(a.wait_on_stream)
-        wait_record.append(a.wait_on_record_correlation)
-
-    timed = [i for i, k in enumerate(kinds) if k != EventKind.CUDA_SYNC]
-    if not timed:
+    kept, kinds = _timed_events(decoded)
+    if not any(k != EventKind.CUDA_SYNC for k in kinds):
         raise TraceError(path, "has no timed events (no complete 'X' events with a duration)")
+    no_args = _Args()
+    args = [ev.args or no_args for ev in kept]
+    thread_of = _ThreadLabels()
+    threads = [thread_of(k, ev, a) for k, ev, a in zip(kinds, kept, args)]
+    names = [ev.name for ev in kept]
+    ts = [ev.ts for ev in kept]
+    input_dims = {i: a.input_dims for i, a in enumerate(args) if len(a.input_dims) and kinds[i] == EventKind.CPU_OP}
     ts_arr = np.asarray(ts, dtype=np.float64)
     origin = float(ts_arr.min())
     events = pd.DataFrame(
@@ -229,15 +239,15 @@ def load_trace(path: Union[str, Path]) -> KinetoTrace:
             "name": pd.Categorical(names),
             "thread": pd.Categorical(threads),
             "ts_us": ts_arr - origin,
-            "dur_us": np.asarray(dur, dtype=np.float64),
-            "correlation": np.asarray(corr, dtype=np.int64),
-            "external_id": np.asarray(ext, dtype=np.int64),
-            "stream": np.asarray(stream, dtype=np.int64),
-            "device": np.asarray(device, dtype=np.int64),
-            "bytes": np.asarray(nbytes, dtype=np.int64),
-            "sync_kind": pd.Categorical(sync_kind),
-            "wait_on_stream": np.asarray(wait_stream, dtype=np.int64),
-            "wait_on_record_correlation": np.asarray(wait_record, dtype=np.int64),
+            "dur_us": np.asarray([ev.dur for ev in kept], dtype=np.float64),
+            "correlation": np.asarray([a.correlation for a in args], dtype=np.int64),
+            "external_id": np.asarray([a.external_id for a in args], dtype=np.int64),
+            "stream": np.asarray([a.stream for a in args], dtype=np.int64),
+            "device": np.asarray([a.device for a in args], dtype=np.int64),
+            "bytes": np.asarray([a.bytes for a in args], dtype=np.int64),
+            "sync_kind": pd.Categorical([a.sync_kind for a in args]),
+            "wait_on_stream": np.asarray([a.wait_on_stream for a in args], dtype=np.int64),
+            "wait_on_record_correlation": np.asarray([a.wait_on_record_correlation for a in args], dtype=np.int64),
         }
     )
     return KinetoTrace(

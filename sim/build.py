@@ -63,9 +63,13 @@ _KIND_PRIORITY = {  # how to nest events that start at the same instant: outermo
 
 
 class _Segments:
-    """Accumulates the leaf segments of CPU threads and interns their contexts."""
+    """The leaf segments of all CPU threads, as parallel lists, and their interned contexts.
 
-    def __init__(self, names: list[str], kinds: np.ndarray):
+    A context is the chain of events enclosing a segment, outermost first; chains are interned
+    as a trie (parent context, event name, event kind) so each distinct stack is stored once.
+    """
+
+    def __init__(self, names: list[str], kinds: list[int]):
         self.names = names
         self.kinds = kinds
         self.start: list[float] = []
@@ -73,14 +77,12 @@ class _Segments:
         self.owner: list[int] = []  # event row, -1 for gaps
         self.ctx: list[int] = []
         self.thread: list[int] = []
-        self.last_segment_of_event: dict[int, int] = {}
-        self.first_segment_of_event: dict[int, int] = {}
         self.ctx_ids: dict[tuple, int] = {}
         self.ctx_parent: list[int] = []
         self.ctx_event: list[int] = []
 
     def context(self, parent: int, row: int) -> int:
-        key = (parent, self.names[row], int(self.kinds[row]))
+        key = (parent, self.names[row], self.kinds[row])
         ctx = self.ctx_ids.get(key)
         if ctx is None:
             ctx = len(self.ctx_parent)
@@ -89,38 +91,43 @@ class _Segments:
             self.ctx_event.append(row)
         return ctx
 
-    def emit(self, thread: int, start: float, end: float, owner: int, ctx: int) -> None:
-        seg = len(self.start)
-        self.start.append(start)
-        self.end.append(end)
-        self.owner.append(owner)
-        self.ctx.append(ctx)
-        self.thread.append(thread)
-        if owner >= 0:
-            self.last_segment_of_event[owner] = seg
-            self.first_segment_of_event.setdefault(owner, seg)
+    def first_and_last_segment(self) -> tuple[dict, dict]:
+        """For every event that owns segments: its first and its last segment."""
+        owner = np.asarray(self.owner, dtype=np.int64)
+        named = np.flatnonzero(owner >= 0)
+        rows, first = np.unique(owner[named], return_index=True)
+        _, last_from_end = np.unique(owner[named][::-1], return_index=True)
+        last = len(named) - 1 - last_from_end
+        return (
+            dict(zip(rows.tolist(), named[first].tolist())),
+            dict(zip(rows.tolist(), named[last].tolist())),
+        )
 
 
-def _cut_thread(seg: _Segments, thread: int, rows: np.ndarray, ts: np.ndarray, end: np.ndarray) -> None:
+def _cut_thread(seg: _Segments, thread: int, rows: list, ts: list, end: list) -> None:
     """Cut one thread's nested events into leaf segments and gaps (from time 0 on)."""
     stack: list[tuple[float, int, int]] = []  # (end, row, ctx)
     cursor = 0.0
     runtime = int(EventKind.RUNTIME)
     kinds = seg.kinds
-    for row in rows.tolist():
+    out_start, out_end, out_owner, out_ctx = seg.start, seg.end, seg.owner, seg.ctx
+    emitted_before = len(out_start)
+    for row in rows:
         s = ts[row]
         e = end[row]
         while stack and stack[-1][0] <= s:
             top_end, top_row, top_ctx = stack.pop()
             if top_end > cursor or kinds[top_row] == runtime:
-                seg.emit(thread, cursor, max(top_end, cursor), top_row, top_ctx)
-                cursor = max(top_end, cursor)
+                if top_end < cursor:
+                    top_end = cursor
+                out_start.append(cursor); out_end.append(top_end); out_owner.append(top_row); out_ctx.append(top_ctx)
+                cursor = top_end
         if s > cursor:
             if stack:
                 _, top_row, top_ctx = stack[-1]
-                seg.emit(thread, cursor, s, top_row, top_ctx)
             else:
-                seg.emit(thread, cursor, s, -1, -1)
+                top_row, top_ctx = -1, -1
+            out_start.append(cursor); out_end.append(s); out_owner.append(top_row); out_ctx.append(top_ctx)
             cursor = s
         parent_ctx = -1
         if stack:
@@ -132,8 +139,11 @@ def _cut_thread(seg: _Segments, thread: int, rows: np.ndarray, ts: np.ndarray, e
     while stack:
         top_end, top_row, top_ctx = stack.pop()
         if top_end > cursor or kinds[top_row] == runtime:
-            seg.emit(thread, cursor, max(top_end, cursor), top_row, top_ctx)
-            cursor = max(top_end, cursor)
+            if top_end < cursor:
+                top_end = cursor
+            out_start.append(cursor); out_end.append(top_end); out_owner.append(top_row); out_ctx.append(top_ctx)
+            cursor = top_end
+    seg.thread.extend([thread] * (len(out_start) - emitted_before))
 
 
 def _context_tables(seg: _Segments, names: list[str], kinds: np.ndarray) -> tuple[list, list, list]:
@@ -178,17 +188,19 @@ def build_graph(trace: KinetoTrace) -> TaskGraph:
     thread_labels = list(ev["thread"].cat.categories)
 
     # -- CPU threads --------------------------------------------------------------------------
-    seg = _Segments(names, kinds)
+    seg = _Segments(names, kinds.tolist())
     cpu_rows = np.flatnonzero(np.isin(kinds, [int(k) for k in CPU_KINDS]))
     priority = np.array([_KIND_PRIORITY.get(int(k), 2) for k in range(9)])[kinds[cpu_rows]]
     order = np.lexsort((priority, -(end[cpu_rows] - ts[cpu_rows]), ts[cpu_rows], thread_codes[cpu_rows]))
     cpu_rows = cpu_rows[order]
     bounds = np.flatnonzero(np.diff(thread_codes[cpu_rows])) + 1
     cpu_threads = []
+    ts_list, end_list = ts.tolist(), end.tolist()
     for rows in np.split(cpu_rows, bounds):
         if len(rows):
             cpu_threads.append(thread_codes[rows[0]])
-            _cut_thread(seg, int(thread_codes[rows[0]]), rows, ts, end)
+            _cut_thread(seg, int(thread_codes[rows[0]]), rows.tolist(), ts_list, end_list)
+    first_seg, last_seg = seg.first_and_last_segment()
     ctx_text, ctx_operator, ctx_layer = _context_tables(seg, names, kinds)
 
     n_cpu = len(seg.start)
@@ -222,7 +234,6 @@ def build_graph(trace: KinetoTrace) -> TaskGraph:
     launch_row_of_corr = launch_row_of_corr[launch_row_of_corr.index >= 0]
     gpu_corr = correlation[gpu_rows]
     launching_row = launch_row_of_corr.reindex(gpu_corr).to_numpy()
-    last_seg = seg.last_segment_of_event
     launching_seg = np.array(
         [last_seg.get(int(r), -1) if r == r else -1 for r in launching_row], dtype=np.int64
     )
@@ -318,7 +329,6 @@ def build_graph(trace: KinetoTrace) -> TaskGraph:
     # launch edge comes from the thread position just before the call
     launch_src = launching_seg.copy()
     if waiting_calls:
-        first_seg = seg.first_segment_of_event
         for i in np.flatnonzero(np.isin(launching_seg, list(waiting_calls))).tolist():
             first = first_seg.get(int(launching_row[i]), int(launching_seg[i]))
             same_thread_before = first - 1
