@@ -179,267 +179,284 @@ def _is_layer(name: str, kind: int, layer_kinds: tuple) -> bool:
 
 def build_graph(trace: KinetoTrace) -> TaskGraph:
     """The dependency graph of everything in ``trace``."""
-    ev = trace.events
-    kinds = ev["kind"].to_numpy()
-    ts = ev["ts_us"].to_numpy()
-    end = ts + ev["dur_us"].to_numpy()
-    names = ev["name"].cat.categories.to_numpy(dtype=object)[ev["name"].cat.codes.to_numpy()].tolist()
-    thread_codes = ev["thread"].cat.codes.to_numpy()
-    thread_labels = list(ev["thread"].cat.categories)
+    return _Builder(trace).graph()
 
-    # -- CPU threads --------------------------------------------------------------------------
-    seg = _Segments(names, kinds.tolist())
-    cpu_rows = np.flatnonzero(np.isin(kinds, [int(k) for k in CPU_KINDS]))
-    priority = np.array([_KIND_PRIORITY.get(int(k), 2) for k in range(9)])[kinds[cpu_rows]]
-    order = np.lexsort((priority, -(end[cpu_rows] - ts[cpu_rows]), ts[cpu_rows], thread_codes[cpu_rows]))
-    cpu_rows = cpu_rows[order]
-    bounds = np.flatnonzero(np.diff(thread_codes[cpu_rows])) + 1
-    cpu_threads = []
-    ts_list, end_list = ts.tolist(), end.tolist()
-    for rows in np.split(cpu_rows, bounds):
-        if len(rows):
-            cpu_threads.append(thread_codes[rows[0]])
-            _cut_thread(seg, int(thread_codes[rows[0]]), rows.tolist(), ts_list, end_list)
-    first_seg, last_seg = seg.first_and_last_segment()
-    ctx_text, ctx_operator, ctx_layer = _context_tables(seg, names, kinds)
 
-    n_cpu = len(seg.start)
-    owner = np.asarray(seg.owner, dtype=np.int64)
-    owner_kind = np.where(owner >= 0, kinds[np.maximum(owner, 0)], -1)
-    # the self time of an annotation (ProfilerStep#N, a record_function range) is time no event
-    # names, like a gap between events: a thread blocked in backward() shows only its step range
-    unnamed = (owner < 0) | (owner_kind == int(EventKind.ANNOTATION))
-    cpu_kind = np.where(unnamed, int(TaskKind.GAP), int(TaskKind.CPU))
-    cpu_kind[owner_kind == int(EventKind.RUNTIME)] = int(TaskKind.RUNTIME)
+class _Builder:
+    """One pass over a trace: tasks first (CPU segments, then GPU tasks), then each kind of
+    dependency, then timing. Task ids are CPU segments in thread order followed by GPU tasks in
+    stream order."""
 
-    # -- GPU streams ----------------------------------------------------------------------------
-    gpu_rows = np.flatnonzero(np.isin(kinds, [int(EventKind.KERNEL), int(EventKind.MEMCPY), int(EventKind.MEMSET)]))
-    gpu_rows = gpu_rows[np.lexsort((ts[gpu_rows], thread_codes[gpu_rows]))]
-    n_gpu = len(gpu_rows)
-    gpu_kind = np.select(
-        [kinds[gpu_rows] == int(EventKind.MEMCPY), kinds[gpu_rows] == int(EventKind.MEMSET)],
-        [int(TaskKind.MEMCPY), int(TaskKind.MEMSET)],
-        int(TaskKind.KERNEL),
-    )
-    gpu_names = [names[r] for r in gpu_rows.tolist()]
-    is_comm = np.array([any(m in nm.lower() for m in _COMM_MARKERS) for nm in gpu_names], dtype=bool)
-    gpu_kind[is_comm] = int(TaskKind.COMM)
+    def __init__(self, trace: KinetoTrace):
+        self.trace = trace
+        ev = trace.events
+        self.ev = ev
+        self.kinds = ev["kind"].to_numpy()
+        self.ts = ev["ts_us"].to_numpy()
+        self.end = self.ts + ev["dur_us"].to_numpy()
+        self.names = ev["name"].cat.categories.to_numpy(dtype=object)[ev["name"].cat.codes.to_numpy()].tolist()
+        self.thread_codes = ev["thread"].cat.codes.to_numpy()
+        self.thread_labels = list(ev["thread"].cat.categories)
+        self.correlation = ev["correlation"].to_numpy()
+        self.edges: list[tuple[np.ndarray, np.ndarray, int]] = []
 
-    # task ids: CPU segments first, then GPU tasks
-    gpu_id = n_cpu + np.arange(n_gpu)
-    correlation = ev["correlation"].to_numpy()
-    runtime_rows = np.flatnonzero(kinds == int(EventKind.RUNTIME))
-    launch_row_of_corr = pd.Series(runtime_rows, index=correlation[runtime_rows])
-    launch_row_of_corr = launch_row_of_corr[~launch_row_of_corr.index.duplicated(keep="first")]
-    launch_row_of_corr = launch_row_of_corr[launch_row_of_corr.index >= 0]
-    gpu_corr = correlation[gpu_rows]
-    launching_row = launch_row_of_corr.reindex(gpu_corr).to_numpy()
-    launching_seg = np.array(
-        [last_seg.get(int(r), -1) if r == r else -1 for r in launching_row], dtype=np.int64
-    )
-
-    seg_start = np.asarray(seg.start)
-    seg_end = np.asarray(seg.end)
-    start = np.concatenate([seg_start, ts[gpu_rows]])
-    finish = np.concatenate([seg_end, end[gpu_rows]])
-    thread_of_task = np.concatenate([np.asarray(seg.thread, dtype=np.int64), thread_codes[gpu_rows]])
-
-    edges_src: list[np.ndarray] = []
-    edges_dst: list[np.ndarray] = []
-    edges_kind: list[int] = []
-
-    def add(src, dst, kind):
+    def add(self, src, dst, kind: EdgeKind) -> None:
         src = np.asarray(src, dtype=np.int64)
         dst = np.asarray(dst, dtype=np.int64)
         ok = (src >= 0) & (dst >= 0)
-        edges_src.append(src[ok])
-        edges_dst.append(dst[ok])
-        edges_kind.append((int(kind), int(ok.sum())))
+        self.edges.append((src[ok], dst[ok], int(kind)))
 
-    # GPU stream order
-    gpu_threads = thread_codes[gpu_rows]
-    same_stream = np.flatnonzero(gpu_threads[1:] == gpu_threads[:-1]) if n_gpu > 1 else np.zeros(0, np.int64)
-    add(gpu_id[same_stream], gpu_id[same_stream + 1], EdgeKind.GPU_SEQ)
+    def graph(self) -> TaskGraph:
+        self._cpu_tasks()
+        self._gpu_tasks()
+        if self.n_cpu + self.n_gpu == 0:
+            raise GraphError(f"{self.trace.path}: no CPU or GPU activity to build a graph from")
+        self.add(self.gpu_id[self.same_stream], self.gpu_id[self.same_stream + 1], EdgeKind.GPU_SEQ)
+        waiting_calls = self._sync_edges()
+        self._launch_edges(waiting_calls)
+        self._stream_wait_edges()
+        self.add(*_launch_queue_edges(self.gpu_id, self.gpu_corr, self.launching_seg, self.finish, self.seg_start, self.seg_end), EdgeKind.QUEUE)
+        self._thread_wake_edges()
+        return self._table()
 
-    # per stream: tasks in order and the running maximum of their launch correlation
-    stream_tasks: dict[int, np.ndarray] = {}
-    stream_corr: dict[int, np.ndarray] = {}
-    stream_label: dict[int, str] = {}
-    for code in np.unique(gpu_threads).tolist():
-        idx = np.flatnonzero(gpu_threads == code)
-        stream_tasks[code] = gpu_id[idx]
-        stream_corr[code] = np.maximum.accumulate(np.where(gpu_corr[idx] >= 0, gpu_corr[idx], -1))
-        stream_label[code] = thread_labels[code]
-    stream_by_number = {}
-    for code, label in stream_label.items():
-        stream_by_number.setdefault(int(label.rsplit("stream ", 1)[-1]), []).append(code)
+    # -- tasks ----------------------------------------------------------------------------------
 
-    def last_launched_before(code: int, corr: int) -> int:
-        pos = int(np.searchsorted(stream_corr[code], corr, side="left")) - 1
-        return int(stream_tasks[code][pos]) if pos >= 0 else -1
+    def _cpu_tasks(self) -> None:
+        kinds, ts, end, codes = self.kinds, self.ts, self.end, self.thread_codes
+        seg = _Segments(self.names, kinds.tolist())
+        rows = np.flatnonzero(np.isin(kinds, [int(k) for k in CPU_KINDS]))
+        priority = np.array([_KIND_PRIORITY.get(k, 2) for k in range(len(EventKind))])[kinds[rows]]
+        rows = rows[np.lexsort((priority, -(end[rows] - ts[rows]), ts[rows], codes[rows]))]
+        self.cpu_threads = set()
+        ts_list, end_list = ts.tolist(), end.tolist()
+        for thread_rows in np.split(rows, np.flatnonzero(np.diff(codes[rows])) + 1):
+            if len(thread_rows):
+                self.cpu_threads.add(int(codes[thread_rows[0]]))
+                _cut_thread(seg, int(codes[thread_rows[0]]), thread_rows.tolist(), ts_list, end_list)
+        self.seg = seg
+        self.first_seg, self.last_seg = seg.first_and_last_segment()
+        self.n_cpu = len(seg.start)
+        self.seg_start = np.asarray(seg.start, dtype=np.float64)
+        self.seg_end = np.asarray(seg.end, dtype=np.float64)
+        self.seg_thread = np.asarray(seg.thread, dtype=np.int64)
+        self.owner = np.asarray(seg.owner, dtype=np.int64)
+        owner_kind = np.where(self.owner >= 0, kinds[np.maximum(self.owner, 0)], -1)
+        # the self time of an annotation (ProfilerStep#N, a record_function range) is time no event
+        # names, like a gap between events: a thread blocked in backward() shows only its step range
+        self.unnamed = (self.owner < 0) | (owner_kind == int(EventKind.ANNOTATION))
+        self.cpu_kind = np.where(self.unnamed, int(TaskKind.GAP), int(TaskKind.CPU))
+        self.cpu_kind[owner_kind == int(EventKind.RUNTIME)] = int(TaskKind.RUNTIME)
 
-    # GPU -> CPU synchronisation
-    sync_rows = np.flatnonzero(kinds == int(EventKind.CUDA_SYNC))
-    sync_info = {}
-    for r in sync_rows.tolist():
-        sync_info.setdefault(int(correlation[r]), r)
-    sync_kind_col = ev["sync_kind"].astype(str).to_numpy() if len(sync_rows) else None
-    wait_stream = ev["wait_on_stream"].to_numpy()
-    wait_record = ev["wait_on_record_correlation"].to_numpy()
-    stream_col = ev["stream"].to_numpy()
+    def _gpu_tasks(self) -> None:
+        kinds, codes = self.kinds, self.thread_codes
+        rows = np.flatnonzero(np.isin(kinds, [int(EventKind.KERNEL), int(EventKind.MEMCPY), int(EventKind.MEMSET)]))
+        rows = rows[np.lexsort((self.ts[rows], codes[rows]))]
+        self.gpu_rows = rows
+        self.n_gpu = len(rows)
+        self.gpu_id = self.n_cpu + np.arange(self.n_gpu)
+        kind = np.select(
+            [kinds[rows] == int(EventKind.MEMCPY), kinds[rows] == int(EventKind.MEMSET)],
+            [int(TaskKind.MEMCPY), int(TaskKind.MEMSET)],
+            int(TaskKind.KERNEL),
+        )
+        self.gpu_names = [self.names[r] for r in rows.tolist()]
+        is_comm = np.array([any(m in nm.lower() for m in _COMM_MARKERS) for nm in self.gpu_names], dtype=bool)
+        kind[is_comm] = int(TaskKind.COMM)
+        self.gpu_kind = kind
+        self.gpu_threads = codes[rows]
+        self.same_stream = np.flatnonzero(self.gpu_threads[1:] == self.gpu_threads[:-1])
+        self.start = np.concatenate([self.seg_start, self.ts[rows]])
+        self.finish = np.concatenate([self.seg_end, self.end[rows]])
+        self.resource_code = np.concatenate([self.seg_thread, self.gpu_threads])
 
-    sync_src, sync_dst = [], []
-    waiting_calls = set()
-    for r in runtime_rows.tolist():
-        if names[r] not in _BLOCKING_CALLS:
-            continue
-        call_seg = last_seg.get(r, -1)
-        if call_seg < 0:
-            continue
-        corr = int(correlation[r])
-        limit = corr
-        targets = list(stream_tasks)
-        info = sync_info.get(corr)
-        if info is not None:
-            kind = sync_kind_col[info]
-            if kind == "Stream Sync" and stream_col[info] in stream_by_number:
-                targets = stream_by_number[int(stream_col[info])]
-            elif kind == "Event Sync" and wait_stream[info] in stream_by_number:
-                targets = stream_by_number[int(wait_stream[info])]
-                if wait_record[info] >= 0:
-                    limit = int(wait_record[info])
-        for code in targets:
-            t = last_launched_before(code, limit)
-            if t >= 0 and finish[t] <= end[r] + TOLERANCE_US:
-                sync_src.append(t)
-                sync_dst.append(call_seg)
-                waiting_calls.add(call_seg)
-    # synchronous copies: the copy ended before the call that issued it returned
-    memcpy = np.flatnonzero((gpu_kind == int(TaskKind.MEMCPY)) & (launching_seg >= 0))
-    copy_end = finish[gpu_id[memcpy]]
-    call_rows = launching_row[memcpy].astype(np.int64)
-    blocking = (copy_end <= end[call_rows] + TOLERANCE_US) & (copy_end > ts[call_rows] + TOLERANCE_US)
-    for i in memcpy[blocking].tolist():
-        sync_src.append(int(gpu_id[i]))
-        sync_dst.append(int(launching_seg[i]))
-        waiting_calls.add(int(launching_seg[i]))
-    add(sync_src, sync_dst, EdgeKind.SYNC)
+        # the runtime call that launched each GPU task, by correlation id
+        runtime_rows = np.flatnonzero(kinds == int(EventKind.RUNTIME))
+        self.runtime_rows = runtime_rows
+        by_corr = pd.Series(runtime_rows, index=self.correlation[runtime_rows])
+        by_corr = by_corr[~by_corr.index.duplicated(keep="first") & (by_corr.index >= 0)]
+        self.gpu_corr = self.correlation[rows]
+        self.launching_row = by_corr.reindex(self.gpu_corr).fillna(-1).to_numpy(dtype=np.int64)
+        self.launching_seg = np.array(
+            [self.last_seg.get(r, -1) for r in self.launching_row.tolist()], dtype=np.int64
+        )
 
-    # a call that waits for the GPU cannot also be where its own copy was launched from: the
-    # launch edge comes from the thread position just before the call
-    launch_src = launching_seg.copy()
-    if waiting_calls:
-        for i in np.flatnonzero(np.isin(launching_seg, list(waiting_calls))).tolist():
-            first = first_seg.get(int(launching_row[i]), int(launching_seg[i]))
-            same_thread_before = first - 1
-            ok = same_thread_before >= 0 and seg.thread[same_thread_before] == seg.thread[first]
-            launch_src[i] = same_thread_before if ok else -1
-    add(launch_src, gpu_id, EdgeKind.LAUNCH)
+        # per stream: its tasks in order and the running maximum of their launch correlation, to
+        # find "the last task launched on stream S before call C"
+        self.stream_tasks: dict[int, np.ndarray] = {}
+        self.stream_corr: dict[int, np.ndarray] = {}
+        self.streams_numbered: dict[int, list] = {}
+        for code in np.unique(self.gpu_threads).tolist():
+            idx = np.flatnonzero(self.gpu_threads == code)
+            self.stream_tasks[code] = self.gpu_id[idx]
+            self.stream_corr[code] = np.maximum.accumulate(np.maximum(self.gpu_corr[idx], -1))
+            number = int(self.thread_labels[code].rsplit("stream ", 1)[-1])
+            self.streams_numbered.setdefault(number, []).append(code)
 
-    # GPU -> GPU: cudaStreamWaitEvent, when Kineto recorded which event it waited for
-    sw_src, sw_dst = [], []
-    if len(sync_rows):
-        for r in sync_rows[sync_kind_col[sync_rows] == "Stream Wait Event"].tolist():
-            waited = stream_by_number.get(int(wait_stream[r]), [])
-            waiting = stream_by_number.get(int(stream_col[r]), [])
+    def _last_launched_before(self, stream_code: int, corr: int) -> int:
+        pos = int(np.searchsorted(self.stream_corr[stream_code], corr, side="left")) - 1
+        return int(self.stream_tasks[stream_code][pos]) if pos >= 0 else -1
+
+    # -- dependencies ---------------------------------------------------------------------------
+
+    def _sync_records(self) -> np.ndarray:
+        return np.flatnonzero(self.kinds == int(EventKind.CUDA_SYNC))
+
+    def _sync_edges(self) -> set:
+        """GPU -> CPU: blocking synchronisation calls and synchronous copies. Returns the calls
+        that waited."""
+        names, corr = self.names, self.correlation
+        records = self._sync_records()
+        record_of_call = {}
+        for r in records.tolist():
+            record_of_call.setdefault(int(corr[r]), r)
+        record_kind = self.ev["sync_kind"].astype(str).to_numpy()
+        wait_stream = self.ev["wait_on_stream"].to_numpy()
+        wait_record = self.ev["wait_on_record_correlation"].to_numpy()
+        stream_col = self.ev["stream"].to_numpy()
+        src, dst = [], []
+        for r in self.runtime_rows.tolist():
+            if names[r] not in _BLOCKING_CALLS:
+                continue
+            call_seg = self.last_seg.get(r, -1)
+            if call_seg < 0:
+                continue
+            limit = int(corr[r])
+            targets = list(self.stream_tasks)
+            info = record_of_call.get(limit)
+            if info is not None:
+                kind = record_kind[info]
+                if kind == "Stream Sync" and stream_col[info] in self.streams_numbered:
+                    targets = self.streams_numbered[int(stream_col[info])]
+                elif kind == "Event Sync" and wait_stream[info] in self.streams_numbered:
+                    targets = self.streams_numbered[int(wait_stream[info])]
+                    if wait_record[info] >= 0:
+                        limit = int(wait_record[info])
+            for code in targets:
+                t = self._last_launched_before(code, limit)
+                if t >= 0 and self.finish[t] <= self.end[r] + TOLERANCE_US:
+                    src.append(t)
+                    dst.append(call_seg)
+        # synchronous copies: the copy ended before the call that issued it returned
+        memcpy = np.flatnonzero((self.gpu_kind == int(TaskKind.MEMCPY)) & (self.launching_seg >= 0))
+        copy_end = self.finish[self.gpu_id[memcpy]]
+        calls = self.launching_row[memcpy]
+        blocking = (copy_end <= self.end[calls] + TOLERANCE_US) & (copy_end > self.ts[calls] + TOLERANCE_US)
+        src += self.gpu_id[memcpy[blocking]].tolist()
+        dst += self.launching_seg[memcpy[blocking]].tolist()
+        self.add(src, dst, EdgeKind.SYNC)
+        return set(dst)
+
+    def _launch_edges(self, waiting_calls: set) -> None:
+        """CPU -> GPU launch. A call that waits for the GPU cannot also be where its own copy was
+        launched from: that launch edge comes from the thread position just before the call."""
+        src = self.launching_seg.copy()
+        if waiting_calls:
+            for i in np.flatnonzero(np.isin(src, list(waiting_calls))).tolist():
+                first = self.first_seg.get(int(self.launching_row[i]), int(src[i]))
+                before = first - 1
+                same_thread = before >= 0 and self.seg_thread[before] == self.seg_thread[first]
+                src[i] = before if same_thread else -1
+        self.add(src, self.gpu_id, EdgeKind.LAUNCH)
+
+    def _stream_wait_edges(self) -> None:
+        """GPU -> GPU: cudaStreamWaitEvent, where Kineto recorded which event it waited for."""
+        records = self._sync_records()
+        record_kind = self.ev["sync_kind"].astype(str).to_numpy()
+        wait_stream = self.ev["wait_on_stream"].to_numpy()
+        wait_record = self.ev["wait_on_record_correlation"].to_numpy()
+        stream_col = self.ev["stream"].to_numpy()
+        src, dst = [], []
+        for r in records[record_kind[records] == "Stream Wait Event"].tolist():
+            waited = self.streams_numbered.get(int(wait_stream[r]), [])
+            waiting = self.streams_numbered.get(int(stream_col[r]), [])
             if not waited or not waiting or wait_record[r] < 0:
                 continue
-            src = last_launched_before(waited[0], int(wait_record[r]))
-            pos = int(np.searchsorted(stream_corr[waiting[0]], int(correlation[r]), side="right"))
-            if src >= 0 and pos < len(stream_tasks[waiting[0]]):
-                sw_src.append(src)
-                sw_dst.append(int(stream_tasks[waiting[0]][pos]))
-    add(sw_src, sw_dst, EdgeKind.STREAM_WAIT)
+            before = self._last_launched_before(waited[0], int(wait_record[r]))
+            pos = int(np.searchsorted(self.stream_corr[waiting[0]], int(self.correlation[r]), side="right"))
+            if before >= 0 and pos < len(self.stream_tasks[waiting[0]]):
+                src.append(before)
+                dst.append(int(self.stream_tasks[waiting[0]][pos]))
+        self.add(src, dst, EdgeKind.STREAM_WAIT)
 
-    # GPU -> CPU back-pressure: a launch returns only once the launch queue has a free slot
-    queue_src, queue_dst = _launch_queue_edges(gpu_id, gpu_corr, launching_seg, finish, seg_start, seg_end)
-    add(queue_src, queue_dst, EdgeKind.QUEUE)
+    def _thread_wake_edges(self) -> None:
+        """CPU thread -> CPU thread: an idle stretch of one thread ends after another thread went
+        idle (or ended); the stretch becomes a WAIT task."""
+        start, end, thread = self.seg_start, self.seg_end, self.seg_thread
+        idle = self.unnamed & ((end - start >= IDLE_GAP_US) | (start == 0.0))
+        next_same = np.r_[thread[1:] == thread[:-1], False]
+        followed_by_idle = next_same & np.r_[idle[1:], False]
+        signals = np.flatnonzero((followed_by_idle | ~next_same) & ~self.unnamed)
+        signals = signals[np.argsort(end[signals], kind="stable")]
+        signal_time = end[signals]
+        src, dst = [], []
+        for g in np.flatnonzero(idle).tolist():
+            pos = int(np.searchsorted(signal_time, end[g], side="right")) - 1
+            while pos >= 0 and signal_time[pos] >= start[g]:
+                x = int(signals[pos])
+                if thread[x] != thread[g]:
+                    src.append(x)
+                    dst.append(g)
+                    break
+                pos -= 1
+        self.add(src, dst, EdgeKind.THREAD)
+        self.woken = dst
 
-    # CPU thread -> CPU thread: an idle stretch ends after another thread went idle
-    seg_thread = np.asarray(seg.thread, dtype=np.int64)
-    is_gap = unnamed
-    gap_len = seg_end - seg_start
-    idle = is_gap & ((gap_len >= IDLE_GAP_US) | (seg_start == 0.0))
-    next_same = np.zeros(n_cpu, dtype=bool)
-    if n_cpu > 1:
-        next_same[:-1] = seg_thread[1:] == seg_thread[:-1]
-    followed_by_idle = np.zeros(n_cpu, dtype=bool)
-    followed_by_idle[:-1] = next_same[:-1] & idle[1:]
-    last_of_thread = ~next_same
-    signals = np.flatnonzero((followed_by_idle | last_of_thread) & ~is_gap)
-    sig_order = np.argsort(seg_end[signals], kind="stable")
-    signals = signals[sig_order]
-    signal_time = seg_end[signals]
-    wait_src, wait_dst = [], []
-    for g in np.flatnonzero(idle).tolist():
-        a, b = seg_start[g], seg_end[g]
-        pos = int(np.searchsorted(signal_time, b, side="right")) - 1
-        while pos >= 0 and signal_time[pos] >= a:
-            x = int(signals[pos])
-            if seg_thread[x] != seg_thread[g]:
-                wait_src.append(x)
-                wait_dst.append(g)
-                break
-            pos -= 1
-    add(wait_src, wait_dst, EdgeKind.THREAD)
-    task_kind = np.concatenate([cpu_kind, gpu_kind]).astype(np.int8)
-    if wait_dst:
-        task_kind[np.asarray(wait_dst)] = int(TaskKind.WAIT)
+    # -- timing and the table -------------------------------------------------------------------
 
-    src = np.concatenate(edges_src) if edges_src else np.zeros(0, np.int64)
-    dst = np.concatenate(edges_dst) if edges_dst else np.zeros(0, np.int64)
-    ekind = np.concatenate([np.full(n, k, dtype=np.int8) for k, n in edges_kind]) if edges_kind else np.zeros(0, np.int8)
+    def _table(self) -> TaskGraph:
+        src = np.concatenate([e[0] for e in self.edges])
+        dst = np.concatenate([e[1] for e in self.edges])
+        ekind = np.concatenate([np.full(len(e[0]), e[2], dtype=np.int8) for e in self.edges])
+        start, finish = self.start, self.finish
 
-    # -- effective starts, durations and lags -------------------------------------------------
-    n = n_cpu + n_gpu
-    effective_start = start.copy()
-    waits_for_others = np.isin(ekind, [int(EdgeKind.SYNC), int(EdgeKind.THREAD), int(EdgeKind.QUEUE)])
-    if waits_for_others.any():
-        latest = pd.Series(finish[src[waits_for_others]]).groupby(dst[waits_for_others]).max()
-        idx = latest.index.to_numpy()
-        effective_start[idx] = np.clip(latest.to_numpy(), start[idx], finish[idx])
-    _start_after_stream_predecessor(effective_start, finish, gpu_id, gpu_threads)
-    duration = np.maximum(finish - effective_start, 0.0)
-    lag = _lags(src, dst, ekind, effective_start, finish, start, thread_of_task)
+        # a task that waited for another resource starts, in effect, when it was released
+        effective_start = start.copy()
+        waits = np.isin(ekind, [int(EdgeKind.SYNC), int(EdgeKind.THREAD), int(EdgeKind.QUEUE)])
+        if waits.any():
+            latest = pd.Series(finish[src[waits]]).groupby(dst[waits]).max()
+            idx = latest.index.to_numpy()
+            effective_start[idx] = np.clip(latest.to_numpy(), start[idx], finish[idx])
+        _start_after_stream_predecessor(effective_start, finish, self.gpu_id, self.gpu_threads)
+        duration = np.maximum(finish - effective_start, 0.0)
+        lag = _lags(src, dst, ekind, effective_start, finish, self.resource_code)
 
-    # -- the task table -------------------------------------------------------------------------
-    ctx_of_seg = np.asarray(seg.ctx, dtype=np.int64)
-    owner_name = [names[o] if not gap else "cpu gap" for o, gap in zip(owner.tolist(), unnamed.tolist())]
-    task_name = owner_name + gpu_names
-    gpu_ctx = np.where(launching_seg >= 0, ctx_of_seg[np.maximum(launching_seg, 0)] if n_cpu else -1, -1)
-    ctx_all = np.concatenate([ctx_of_seg, gpu_ctx]) if n_cpu else gpu_ctx
-    ctx_text = np.asarray(ctx_text + [""], dtype=object)
-    operator = np.asarray(ctx_operator + [""], dtype=object)
-    layer = np.asarray(ctx_layer + [""], dtype=object)
-    cpu_codes = set(int(c) for c in cpu_threads)
-    resource_label = np.asarray(
-        [("cpu " + label) if c in cpu_codes else label for c, label in enumerate(thread_labels)], dtype=object
-    )
-    resources = resource_label[thread_of_task]
-    release = np.full(n, -np.inf)
-    order_key = start.copy()
-    tasks = pd.DataFrame(
-        {
-            "name": pd.Categorical(task_name),
-            "kind": task_kind,
-            "resource": pd.Categorical(resources),
-            "duration_us": duration,
-            "release_us": release,
-            "order_key": order_key,
-            "measured_start_us": start,
-            "measured_end_us": finish,
-            "context": pd.Categorical(ctx_text[ctx_all]),
-            "operator": pd.Categorical(operator[ctx_all]),
-            "layer": pd.Categorical(layer[ctx_all]),
-        }
-    )
-    # the first task of every resource is released when it started in the trace
-    graph = TaskGraph(tasks, pd.DataFrame({"src": src, "dst": dst, "lag_us": lag, "kind": ekind}), trace.path)
-    for seq in graph.resource_order():
-        tasks.iat[int(seq[0]), tasks.columns.get_loc("release_us")] = effective_start[seq[0]]
-    if n == 0:
-        raise GraphError(f"{trace.path}: no CPU or GPU activity to build a graph from")
-    return graph
+        task_kind = np.concatenate([self.cpu_kind, self.gpu_kind]).astype(np.int8)
+        task_kind[np.asarray(self.woken, dtype=np.int64)] = int(TaskKind.WAIT)
+        ctx_text, ctx_operator, ctx_layer = _context_tables(self.seg, self.names, self.kinds)
+        ctx_of_seg = np.asarray(self.seg.ctx, dtype=np.int64)
+        gpu_ctx = ctx_of_seg[self.launching_seg] if self.n_cpu else np.full(self.n_gpu, -1)
+        gpu_ctx = np.where(self.launching_seg >= 0, gpu_ctx, -1)
+        ctx = np.concatenate([ctx_of_seg, gpu_ctx])  # -1 picks the trailing "" below
+        ctx_text = np.asarray(ctx_text + [""], dtype=object)
+        operator = np.asarray(ctx_operator + [""], dtype=object)
+        layer = np.asarray(ctx_layer + [""], dtype=object)
+        cpu_names = [
+            "cpu gap" if gap else self.names[o] for o, gap in zip(self.owner.tolist(), self.unnamed.tolist())
+        ]
+        resource_label = np.asarray(
+            [("cpu " + label) if c in self.cpu_threads else label for c, label in enumerate(self.thread_labels)],
+            dtype=object,
+        )
+        tasks = pd.DataFrame(
+            {
+                "name": pd.Categorical(cpu_names + self.gpu_names),
+                "kind": task_kind,
+                "resource": pd.Categorical(resource_label[self.resource_code]),
+                "duration_us": duration,
+                "release_us": np.full(len(start), -np.inf),
+                "order_key": start.copy(),
+                "measured_start_us": start,
+                "measured_end_us": finish,
+                "context": pd.Categorical(ctx_text[ctx]),
+                "operator": pd.Categorical(operator[ctx]),
+                "layer": pd.Categorical(layer[ctx]),
+            }
+        )
+        graph = TaskGraph(tasks, pd.DataFrame({"src": src, "dst": dst, "lag_us": lag, "kind": ekind}), self.trace.path)
+        # the first task of every resource is released when it started in the trace
+        firsts = np.array([seq[0] for seq in graph.resource_order()], dtype=np.int64)
+        tasks.iloc[firsts, tasks.columns.get_loc("release_us")] = effective_start[firsts]
+        return graph
 
 
 def _launch_queue_edges(gpu_id, gpu_corr, launching_seg, finish, seg_start, seg_end) -> tuple[np.ndarray, np.ndarray]:
@@ -486,7 +503,7 @@ def _start_after_stream_predecessor(effective_start, finish, gpu_id, gpu_threads
     effective_start[gpu_id] = np.minimum(np.maximum(effective_start[gpu_id], prev_end), np.maximum(finish[gpu_id], prev_end))
 
 
-def _lags(src, dst, ekind, effective_start, finish, start, resource) -> np.ndarray:
+def _lags(src, dst, ekind, effective_start, finish, resource) -> np.ndarray:
     """Edge lags: exact for the edge that explains each task's start, typical for the others."""
     slack = effective_start[dst] - finish[src]
     typical = np.zeros(len(EdgeKind))
