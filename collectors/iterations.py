@@ -30,7 +30,7 @@ def find_iterations(trace: KinetoTrace, name: Optional[str] = None) -> pd.DataFr
             regex = re.compile(name)
         except re.error as err:
             raise TraceError(trace.path, f"iteration name {name!r} is not a valid regular expression ({err})") from None
-        hits = [c for c in ranges["name"].cat.categories if regex.fullmatch(c) or regex.search(c)]
+        hits = [c for c in ranges["name"].cat.categories if regex.search(c)]
         chosen = ranges[ranges["name"].isin(hits)]
         if chosen.empty:
             raise TraceError(trace.path, f"no annotation or operator named {name!r} (the iteration to use)")
