@@ -1,0 +1,308 @@
+"""Clusters as data: machines of GPUs, the link between GPUs of a machine and each machine's NIC.
+
+A cluster is described by a plain dict, as it comes from YAML (Calculon's approach: hardware is
+data, not code)::
+
+    machines: 4
+    gpus_per_machine: 8
+    intra_node: nvlink2                            # a preset name
+    inter_node: {preset: 25gbe, efficiency: 0.85}  # a preset with overrides
+    # or: inter_node: {bandwidth: 25Gbps, latency: 10us, efficiency: 0.9}
+
+Link presets live in ``presets/links.yaml``, with the numbers' sources. Every problem in a
+description is reported as a :class:`~whatif.topology.units.TopologyError` whose message is one
+line that names the offending key.
+
+Endpoints. The network moves bytes between endpoints: GPU ``g`` (``0 <= g < n_gpus``, numbered
+machine by machine, so GPU ``g`` is on machine ``g // gpus_per_machine``) and one host CPU per
+machine, ``host(k) = n_gpus + k``, where parameter servers run. ``server_machines`` adds
+machines without GPUs (hosts only, same NIC) for dedicated parameter servers; they are numbered
+after the GPU machines.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any, Mapping, Optional, Union
+
+import numpy as np
+import yaml
+
+from .units import (
+    TopologyError,
+    format_bandwidth,
+    format_duration,
+    parse_bandwidth,
+    parse_fraction,
+    parse_latency,
+)
+
+LINK_KINDS = ("inter_node", "intra_node")
+_LINK_KEYS = ("preset", "bandwidth", "latency", "efficiency", "note")
+_CLUSTER_KEYS = ("machines", "gpus_per_machine", "intra_node", "inter_node", "server_machines", "name", "note")
+
+
+def _join(key: str, sub: str) -> str:
+    return f"{key}.{sub}" if key else sub
+
+
+def _normalize(name: str) -> str:
+    return "".join(ch for ch in name.lower() if ch not in " -_")
+
+
+def _check_keys(config: Mapping, allowed: tuple, key: str) -> None:
+    for k in config:
+        if k not in allowed:
+            close = difflib.get_close_matches(str(k), allowed, n=1, cutoff=0.5)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise TopologyError(_join(key, str(k)), f"unknown key; {hint}known keys: {', '.join(allowed)}")
+
+
+@dataclass(frozen=True)
+class Link:
+    """A full-duplex link: ``bandwidth_bytes_per_us`` in each direction, at once.
+
+    A transfer over it takes ``latency_us + nbytes / effective_bandwidth_bytes_per_us`` when it
+    has the link to itself; ``efficiency`` is the fraction of the nominal bandwidth that
+    collective traffic achieves (protocol headers, flow control). ``name`` is the preset the
+    link came from, if any.
+    """
+
+    bandwidth_bytes_per_us: float
+    latency_us: float = 0.0
+    efficiency: float = 1.0
+    name: str = ""
+
+    def __post_init__(self):
+        if not (np.isfinite(self.bandwidth_bytes_per_us) and self.bandwidth_bytes_per_us > 0):
+            raise TopologyError("bandwidth_bytes_per_us", f"must be positive, got {self.bandwidth_bytes_per_us}")
+        if not (np.isfinite(self.latency_us) and self.latency_us >= 0):
+            raise TopologyError("latency_us", f"must not be negative, got {self.latency_us}")
+        if not (0 < self.efficiency <= 1):
+            raise TopologyError("efficiency", f"must be in (0, 1], got {self.efficiency}")
+
+    @property
+    def effective_bandwidth_bytes_per_us(self) -> float:
+        return self.bandwidth_bytes_per_us * self.efficiency
+
+    def transfer_time_us(self, nbytes: float) -> float:
+        """Time to move ``nbytes`` over the link when nothing else uses it."""
+        return self.latency_us + nbytes / self.effective_bandwidth_bytes_per_us
+
+    def describe(self) -> str:
+        name = f"{self.name}: " if self.name else ""
+        return f"{name}{format_bandwidth(self.effective_bandwidth_bytes_per_us)}, {format_duration(self.latency_us)}"
+
+    @classmethod
+    def from_config(cls, value: Any, key: str = "link", kind: str = "inter_node") -> "Link":
+        """A link from a preset name, ``{bandwidth, latency, efficiency}``, or ``{preset, ...overrides}``.
+
+        ``kind`` (``inter_node`` or ``intra_node``) says which presets the name is looked up in.
+        """
+        if isinstance(value, Link):
+            return value
+        if isinstance(value, str):
+            return _preset(value, key, kind)
+        if not isinstance(value, Mapping):
+            raise TopologyError(key, f"expected a preset name or a mapping with bandwidth and latency, got {value!r}")
+        _check_keys(value, _LINK_KEYS, key)
+        base = _preset(value["preset"], _join(key, "preset"), kind) if "preset" in value else None
+        if base is None:
+            for required, example in (("bandwidth", "25Gbps"), ("latency", "10us")):
+                if required not in value:
+                    raise TopologyError(
+                        _join(key, required),
+                        f"missing; write e.g. {required}: {example}, or use a preset ({', '.join(preset_names(kind))})",
+                    )
+        overridden = any(k in value for k in ("bandwidth", "latency", "efficiency"))
+        return cls(
+            bandwidth_bytes_per_us=(
+                parse_bandwidth(value["bandwidth"], _join(key, "bandwidth"))
+                if "bandwidth" in value
+                else base.bandwidth_bytes_per_us
+            ),
+            latency_us=parse_latency(value["latency"], _join(key, "latency")) if "latency" in value else base.latency_us,
+            efficiency=(
+                parse_fraction(value["efficiency"], _join(key, "efficiency"))
+                if "efficiency" in value
+                else (base.efficiency if base is not None else 1.0)
+            ),
+            name=(f"{base.name}*" if overridden else base.name) if base is not None else "",
+        )
+
+
+@functools.lru_cache(maxsize=None)
+def link_presets() -> dict:
+    """``{"inter_node": {name: Link}, "intra_node": {name: Link}}`` from ``presets/links.yaml``."""
+    source = resources.files(__package__).joinpath("presets", "links.yaml")
+    data = yaml.safe_load(source.read_text(encoding="utf-8"))
+    presets = {}
+    for kind in LINK_KINDS:
+        presets[kind] = {}
+        for name, entry in (data.get(kind) or {}).items():
+            key = f"links.yaml:{kind}.{name}"
+            _check_keys(entry, _LINK_KEYS[1:], key)
+            presets[kind][_normalize(str(name))] = Link(
+                bandwidth_bytes_per_us=parse_bandwidth(entry["bandwidth"], _join(key, "bandwidth")),
+                latency_us=parse_latency(entry["latency"], _join(key, "latency")),
+                efficiency=parse_fraction(entry.get("efficiency", 1.0), _join(key, "efficiency")),
+                name=_normalize(str(name)),
+            )
+    return presets
+
+
+def preset_names(kind: str) -> list:
+    """Names of the link presets of ``kind`` (``inter_node`` or ``intra_node``)."""
+    return list(link_presets()[kind])
+
+
+def _preset(name: Any, key: str, kind: str) -> Link:
+    if kind not in LINK_KINDS:
+        raise TopologyError(key, f"link kind must be one of {', '.join(LINK_KINDS)}, got {kind!r}")
+    if not isinstance(name, str):
+        raise TopologyError(key, f"expected a preset name, got {name!r}")
+    presets = link_presets()
+    found = presets[kind].get(_normalize(name))
+    if found is not None:
+        return found
+    known = ", ".join(presets[kind])
+    other = next(k for k in LINK_KINDS if k != kind)
+    if _normalize(name) in presets[other]:
+        raise TopologyError(key, f"{name!r} is an {other} link; {kind} presets: {known}")
+    close = difflib.get_close_matches(_normalize(name), list(presets[kind]), n=3, cutoff=0.4)
+    hint = f"did you mean {' or '.join(close)}? " if close else ""
+    try:
+        parse_bandwidth(name, key)
+        hint += f"for a custom link write {{bandwidth: {name}, latency: 10us}}; "
+    except TopologyError:
+        pass
+    raise TopologyError(key, f"unknown preset {name!r}; {hint}known: {known}")
+
+
+def _count(value: Any, key: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer)) or value != int(value):
+        raise TopologyError(key, f"must be a whole number, got {value!r}")
+    if value < minimum:
+        what = "positive" if minimum == 1 else f"at least {minimum}"
+        raise TopologyError(key, f"must be {what}, got {value!r}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``machines`` machines of ``gpus_per_machine`` GPUs each.
+
+    GPUs of a machine talk over ``intra_node`` (per GPU and direction, see ``network.py``);
+    machines talk through their NICs, ``inter_node``, over a non-blocking switch, so the only
+    shared capacity between machines is each NIC's egress and ingress. ``server_machines`` are
+    extra GPU-less machines with the same NIC, for dedicated parameter servers.
+    """
+
+    machines: int
+    gpus_per_machine: int
+    intra_node: Link
+    inter_node: Link
+    server_machines: int = 0
+    name: str = ""
+
+    def __post_init__(self):
+        _count(self.machines, "machines", 1)
+        _count(self.gpus_per_machine, "gpus_per_machine", 1)
+        _count(self.server_machines, "server_machines", 0)
+        for kind in LINK_KINDS:
+            if not isinstance(getattr(self, kind), Link):
+                raise TopologyError(kind, f"expected a Link, got {getattr(self, kind)!r}")
+
+    # -- endpoints -------------------------------------------------------------------------------
+
+    @property
+    def n_gpus(self) -> int:
+        return self.machines * self.gpus_per_machine
+
+    @property
+    def n_machines(self) -> int:
+        """GPU machines plus server machines: the number of NICs."""
+        return self.machines + self.server_machines
+
+    @property
+    def n_endpoints(self) -> int:
+        """GPUs plus one host per machine."""
+        return self.n_gpus + self.n_machines
+
+    def host(self, machine: int) -> int:
+        """The endpoint id of ``machine``'s host CPU (``machine >= machines`` is a server machine)."""
+        if not 0 <= machine < self.n_machines:
+            raise TopologyError("machine", f"{machine} does not exist; the cluster has {self.n_machines} machines")
+        return self.n_gpus + machine
+
+    def gpus_of(self, machine: int) -> range:
+        g = self.gpus_per_machine
+        return range(machine * g, (machine + 1) * g) if machine < self.machines else range(0)
+
+    @functools.cached_property
+    def endpoint_machines(self) -> np.ndarray:
+        """The machine of every endpoint, indexed by endpoint id."""
+        gpus = np.arange(self.n_gpus, dtype=np.int64) // self.gpus_per_machine
+        hosts = np.arange(self.n_machines, dtype=np.int64)
+        machines = np.concatenate([gpus, hosts])
+        machines.flags.writeable = False
+        return machines
+
+    def machine_of(self, endpoint):
+        """The machine of an endpoint id (or an array of them)."""
+        return self.endpoint_machines[endpoint]
+
+    def link_between(self, src: int, dst: int) -> Link:
+        """The link a transfer from ``src`` to ``dst`` uses: ``intra_node`` within a machine."""
+        return self.intra_node if self.machine_of(src) == self.machine_of(dst) else self.inter_node
+
+    def describe(self) -> str:
+        servers = f" + {self.server_machines} server machines" if self.server_machines else ""
+        return (
+            f"{self.machines} x {self.gpus_per_machine} GPUs{servers}; "
+            f"intra_node {self.intra_node.describe()}; inter_node {self.inter_node.describe()}"
+        )
+
+    # -- construction ----------------------------------------------------------------------------
+
+    @classmethod
+    def from_config(cls, config: Any, key: str = "") -> "Cluster":
+        """A cluster from a plain dict; errors name keys under ``key`` (e.g. ``cluster.machines``)."""
+        if not isinstance(config, Mapping):
+            raise TopologyError(key or "cluster", f"expected a mapping with machines, gpus_per_machine, ..., got {config!r}")
+        _check_keys(config, _CLUSTER_KEYS, key)
+        for required in ("machines", "gpus_per_machine", "intra_node", "inter_node"):
+            if required not in config:
+                examples = {
+                    "machines": "machines: 4",
+                    "gpus_per_machine": "gpus_per_machine: 8",
+                    "intra_node": f"intra_node: nvlink2 (presets: {', '.join(preset_names('intra_node'))})",
+                    "inter_node": f"inter_node: 25gbe (presets: {', '.join(preset_names('inter_node'))})",
+                }
+                raise TopologyError(_join(key, required), f"missing; write e.g. {examples[required]}")
+        return cls(
+            machines=_count(config["machines"], _join(key, "machines"), 1),
+            gpus_per_machine=_count(config["gpus_per_machine"], _join(key, "gpus_per_machine"), 1),
+            intra_node=Link.from_config(config["intra_node"], _join(key, "intra_node"), "intra_node"),
+            inter_node=Link.from_config(config["inter_node"], _join(key, "inter_node"), "inter_node"),
+            server_machines=_count(config.get("server_machines", 0), _join(key, "server_machines"), 0),
+            name=str(config.get("name", "")),
+        )
+
+
+def load_cluster(path: Union[str, Path], key: Optional[str] = None) -> Cluster:
+    """A cluster from a YAML file; ``key`` picks a sub-mapping (e.g. ``cluster`` in a scenario)."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as err:
+        raise TopologyError(str(path), f"not valid YAML ({str(err).splitlines()[0]})") from None
+    if key is not None:
+        if not isinstance(data, Mapping) or key not in data:
+            raise TopologyError(f"{path}:{key}", "missing")
+        data = data[key]
+    return Cluster.from_config(data, key or "")
