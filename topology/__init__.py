@@ -2,9 +2,26 @@
 
 * ``units``: bandwidths, latencies and sizes as people write them, parsed in one place.
 * ``cluster``: :class:`Link` and :class:`Cluster`, built from plain dicts and YAML presets.
+* ``plan``: a collective as steps of concurrent transfers.
+* ``collectives``: ring, hierarchical and parameter-server all-reduce, as plans and closed forms.
+* ``network``: a SimPy model of links shared max-min fairly, which times plans and transfers.
 """
 
 from .cluster import Cluster, Link, link_presets, load_cluster, preset_names
+from .collectives import (
+    ALGORITHMS,
+    allreduce_time_us,
+    hierarchical_allreduce_time_us,
+    parameter_server_time_us,
+    plan_allreduce,
+    plan_hierarchical_allreduce,
+    plan_parameter_server,
+    plan_ring_allreduce,
+    ring_allreduce_time_us,
+    server_hosts,
+)
+from .network import Network, fair_rates, simulate_plan
+from .plan import NicTraffic, Plan, Step, nic_traffic
 from .units import (
     TopologyError,
     as_gbps,
@@ -19,19 +36,36 @@ from .units import (
 )
 
 __all__ = [
+    "ALGORITHMS",
     "Cluster",
     "Link",
+    "Network",
+    "NicTraffic",
+    "Plan",
+    "Step",
     "TopologyError",
+    "allreduce_time_us",
     "as_gbps",
     "as_gigabytes_per_s",
+    "fair_rates",
     "gbps",
     "gigabytes_per_s",
+    "hierarchical_allreduce_time_us",
     "link_presets",
     "load_cluster",
     "mbps",
+    "nic_traffic",
+    "parameter_server_time_us",
     "parse_bandwidth",
     "parse_fraction",
     "parse_latency",
     "parse_size",
+    "plan_allreduce",
+    "plan_hierarchical_allreduce",
+    "plan_parameter_server",
+    "plan_ring_allreduce",
     "preset_names",
+    "ring_allreduce_time_us",
+    "server_hosts",
+    "simulate_plan",
 ]

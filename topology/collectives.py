@@ -1,0 +1,228 @@
+"""Gradient all-reduce algorithms, each as a plan of transfers and as a closed form.
+
+``plan_*`` functions say what an algorithm sends, step by step (a :class:`~.plan.Plan`, timed
+by ``network.py`` with links shared among whatever else is running); ``*_time_us`` functions
+give the time the same algorithm takes on an otherwise idle cluster, from a formula. The two
+agree when nothing competes (the tests check it), so the formula documents the plan and the
+plan generalises the formula to contention.
+
+Notation: ``S`` bytes per GPU, ``m`` machines of ``g`` GPUs, ``n = m g``; ``B_i``, ``L_i`` the
+effective bandwidth and latency of the intra-node link, ``B_n``, ``L_n`` of the NIC. A step
+costs the latency of its links plus its bytes over the bandwidth it gets; steps run one after
+another (each waits for the last transfer of the previous one).
+
+* Ring all-reduce (NCCL; Patarasuk & Yuan 2009): a reduce-scatter then an all-gather around one
+  ring of all ``n`` GPUs, ``2(n-1)`` steps in which every GPU sends ``S/n`` to its neighbour.
+  The ring visits the GPUs machine by machine, so each step crosses each NIC once each way and
+  each GPU's intra-node port once each way::
+
+      T = 2(n-1) * max over links used (L + S / (n B))
+
+  which is the familiar ``2(n-1)/n * S/B + 2(n-1) L`` when one link is both the slowest and
+  the one with the largest latency (the NIC, typically).
+
+* Hierarchical all-reduce (Jia et al. 2018, "Highly scalable deep learning training system
+  with mixed-precision"; Horovod's hierarchical allreduce): reduce-scatter inside each
+  machine (ring of ``g``, shards of ``S/g``), all-reduce of each shard across machines among
+  the GPUs with the same local rank (``g`` rings of ``m``, run at once), all-gather inside each
+  machine. The ``g`` inter-node rings each send ``S/(gm)`` per step through every NIC, so a NIC
+  carries ``S/m`` per step::
+
+      T = 2(g-1) (L_i + S / (g B_i)) + 2(m-1) (L_n + S / (m B_n))
+
+  A NIC carries ``2(m-1)/m S`` instead of the ring's ``2(n-1)/n S`` (about the same), but
+  pays ``2(m-1)`` network latencies instead of ``2(n-1)``.
+
+* Parameter server (Li et al., OSDI 2014; BytePS, OSDI 2020): ``P`` servers each own ``S/P``
+  of the tensor. Every worker (GPU) pushes its gradient shard to each server in one step, then
+  pulls the updated shard back in a second. Servers run on host CPUs, either ``colocated`` on
+  the worker machines (server ``k`` on machine ``k mod m``) or on ``dedicated`` server
+  machines (server ``k`` on server machine ``k mod D``). Each step's time is set by its most
+  loaded link, because all transfers on a link are equal in size and share it equally:
+
+  - colocated, ``p`` = most servers on a machine, ``p'`` = fewest: a machine's NIC sends
+    ``g (P - p') S/P`` and receives ``p (n - g) S/P``; a host's intra-node port takes
+    ``g p S/P`` from its own GPUs::
+
+        T = 2 max(L_n + max(g (P - p'), p (n - g)) S / (P B_n),  L_i + g p S / (P B_i))
+
+  - dedicated, ``q`` = most servers on a server machine: every worker machine's NIC sends
+    ``g S``, the busiest server NIC receives ``q n S/P``::
+
+        T = 2 (L_n + max(g, q n / P) S / B_n)
+
+  Exact when servers spread evenly (``P`` a multiple of the machine count); otherwise the
+  busiest link's transfers can finish before the others and the formula is a lower bound.
+  Server-side summation is not modelled.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from typing import Optional
+
+import numpy as np
+
+from .cluster import Cluster, Link
+from .plan import Plan, Step
+from .units import TopologyError
+
+PLACEMENTS = ("colocated", "dedicated")
+
+
+def _check_size(size_bytes: float) -> float:
+    if isinstance(size_bytes, bool) or not isinstance(size_bytes, (int, float, np.number)):
+        raise TopologyError("size_bytes", f"expected a number of bytes, got {size_bytes!r} (parse text with parse_size)")
+    if not (math.isfinite(size_bytes) and size_bytes >= 0):
+        raise TopologyError("size_bytes", f"must be a finite number of bytes >= 0, got {size_bytes!r}")
+    return float(size_bytes)
+
+
+def _ring_step(rings: np.ndarray, chunk_bytes: float) -> Step:
+    """One step of rings running at once: every member of each row sends to the next one."""
+    return Step(rings.reshape(-1), np.roll(rings, -1, axis=1).reshape(-1), chunk_bytes)
+
+
+def _step_time_us(link: Link, nbytes: float) -> float:
+    return link.latency_us + nbytes / link.effective_bandwidth_bytes_per_us
+
+
+# -- ring ----------------------------------------------------------------------------------------
+
+
+def plan_ring_allreduce(cluster: Cluster, size_bytes: float) -> Plan:
+    """NCCL-style ring all-reduce of ``size_bytes`` over all GPUs, ordered machine by machine."""
+    size = _check_size(size_bytes)
+    n = cluster.n_gpus
+    if n == 1:
+        return Plan("ring", size, ())
+    step = _ring_step(np.arange(n).reshape(1, n), size / n)
+    return Plan("ring", size, (step,) * (2 * (n - 1)))
+
+
+def ring_allreduce_time_us(cluster: Cluster, size_bytes: float) -> float:
+    """``2(n-1) * max over links used (L + S/(n B))``; see the module docstring."""
+    size = _check_size(size_bytes)
+    n = cluster.n_gpus
+    if n == 1:
+        return 0.0
+    links = ([cluster.intra_node] if cluster.gpus_per_machine > 1 else []) + (
+        [cluster.inter_node] if cluster.machines > 1 else []
+    )
+    return 2 * (n - 1) * max(_step_time_us(link, size / n) for link in links)
+
+
+# -- hierarchical --------------------------------------------------------------------------------
+
+
+def plan_hierarchical_allreduce(cluster: Cluster, size_bytes: float) -> Plan:
+    """Intra-node reduce-scatter, inter-node ring all-reduce per local rank, intra-node all-gather."""
+    size = _check_size(size_bytes)
+    m, g = cluster.machines, cluster.gpus_per_machine
+    gpus = np.arange(cluster.n_gpus).reshape(m, g)
+    intra = (_ring_step(gpus, size / g),) * (g - 1) if g > 1 else ()
+    inter = (_ring_step(gpus.T.copy(), size / (g * m)),) * (2 * (m - 1)) if m > 1 else ()
+    return Plan("hierarchical", size, intra + inter + intra)
+
+
+def hierarchical_allreduce_time_us(cluster: Cluster, size_bytes: float) -> float:
+    """``2(g-1)(L_i + S/(g B_i)) + 2(m-1)(L_n + S/(m B_n))``; see the module docstring."""
+    size = _check_size(size_bytes)
+    m, g = cluster.machines, cluster.gpus_per_machine
+    intra = 2 * (g - 1) * _step_time_us(cluster.intra_node, size / g) if g > 1 else 0.0
+    inter = 2 * (m - 1) * _step_time_us(cluster.inter_node, size / m) if m > 1 else 0.0
+    return intra + inter
+
+
+# -- parameter server ----------------------------------------------------------------------------
+
+
+def server_hosts(cluster: Cluster, servers: Optional[int] = None, placement: str = "colocated") -> np.ndarray:
+    """The endpoint (a host) of each parameter server.
+
+    ``servers`` defaults to one per machine of the placement: ``machines`` when colocated,
+    ``server_machines`` when dedicated.
+    """
+    if placement not in PLACEMENTS:
+        close = difflib.get_close_matches(str(placement), PLACEMENTS, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise TopologyError("placement", f"unknown placement {placement!r}; {hint}use one of {', '.join(PLACEMENTS)}")
+    if placement == "dedicated":
+        if cluster.server_machines == 0:
+            raise TopologyError("server_machines", "dedicated parameter servers need server_machines >= 1 in the cluster")
+        first, count = cluster.machines, cluster.server_machines
+    else:
+        first, count = 0, cluster.machines
+    if servers is None:
+        servers = count
+    if isinstance(servers, bool) or not isinstance(servers, (int, np.integer)) or servers < 1:
+        raise TopologyError("servers", f"must be a positive whole number, got {servers!r}")
+    return cluster.n_gpus + first + np.arange(servers) % count
+
+
+def plan_parameter_server(
+    cluster: Cluster, size_bytes: float, servers: Optional[int] = None, placement: str = "colocated"
+) -> Plan:
+    """Every GPU pushes ``S/P`` to each of ``P`` servers, then pulls ``S/P`` back from each."""
+    size = _check_size(size_bytes)
+    hosts = server_hosts(cluster, servers, placement)
+    workers = np.arange(cluster.n_gpus)
+    shard = size / len(hosts)
+    push = Step(np.repeat(workers, len(hosts)), np.tile(hosts, len(workers)), shard)
+    pull = Step(push.dst, push.src, shard)
+    return Plan(f"parameter_server/{placement}", size, (push, pull))
+
+
+def parameter_server_time_us(
+    cluster: Cluster, size_bytes: float, servers: Optional[int] = None, placement: str = "colocated"
+) -> float:
+    """Push plus pull, each set by its busiest link; see the module docstring."""
+    size = _check_size(size_bytes)
+    p_servers = len(server_hosts(cluster, servers, placement))
+    m, g, n = cluster.machines, cluster.gpus_per_machine, cluster.n_gpus
+    nic, intra = cluster.inter_node, cluster.intra_node
+    shard = size / p_servers
+    if placement == "dedicated":
+        most = math.ceil(p_servers / cluster.server_machines)
+        return 2 * _step_time_us(nic, max(g * size, most * n * shard))
+    most, fewest = math.ceil(p_servers / m), p_servers // m
+    phase = _step_time_us(intra, g * most * shard)
+    if m > 1:
+        nic_bytes = max(g * (p_servers - fewest), most * (n - g)) * shard
+        phase = max(phase, _step_time_us(nic, nic_bytes))
+    return 2 * phase
+
+
+# -- by name -------------------------------------------------------------------------------------
+
+_PLANS = {
+    "ring": plan_ring_allreduce,
+    "hierarchical": plan_hierarchical_allreduce,
+    "parameter_server": plan_parameter_server,
+}
+_TIMES = {
+    "ring": ring_allreduce_time_us,
+    "hierarchical": hierarchical_allreduce_time_us,
+    "parameter_server": parameter_server_time_us,
+}
+ALGORITHMS = tuple(_PLANS)
+
+
+def _algorithm(name: str) -> str:
+    name = {"ps": "parameter_server"}.get(name, name)
+    if name not in _PLANS:
+        close = difflib.get_close_matches(str(name), ALGORITHMS, n=1, cutoff=0.5)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise TopologyError("algorithm", f"unknown all-reduce algorithm {name!r}; {hint}known: {', '.join(ALGORITHMS)}")
+    return name
+
+
+def plan_allreduce(cluster: Cluster, size_bytes: float, algorithm: str = "ring", **options) -> Plan:
+    """The plan of ``algorithm`` (``ring``, ``hierarchical``, ``parameter_server``/``ps``)."""
+    return _PLANS[_algorithm(algorithm)](cluster, size_bytes, **options)
+
+
+def allreduce_time_us(cluster: Cluster, size_bytes: float, algorithm: str = "ring", **options) -> float:
+    """The closed-form time of ``algorithm`` on an idle cluster."""
+    return _TIMES[_algorithm(algorithm)](cluster, size_bytes, **options)
