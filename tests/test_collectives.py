@@ -165,7 +165,16 @@ def test_algorithms_by_name():
 
 
 @pytest.mark.parametrize("machines, gpus", SHAPES)
-@pytest.mark.parametrize("links", [("nvlink2", "25gbe"), ("pcie3", "10gbe"), ("nvlink3", "100gbe")])
+@pytest.mark.parametrize(
+    "links",
+    [
+        ("nvlink2", "25gbe"),
+        ("pcie3", "10gbe"),
+        ("nvlink3", "100gbe"),
+        ({"bandwidth": "1GB/s", "latency": "1us"}, "100gbe"),  # a slow intra-node link with less latency
+    ],
+    ids=["nvlink2-25gbe", "pcie3-10gbe", "nvlink3-100gbe", "slow_intra-100gbe"],
+)
 @pytest.mark.parametrize("size", [100 * MB, 64 * 1024.0])
 def test_ring_and_hierarchical_simulate_to_their_closed_forms(machines, gpus, links, size):
     c = cluster(machines, gpus, *links)
