@@ -1,0 +1,38 @@
+"""Fixtures and parametrisation over the test traces (see ``trace_corpus``).
+
+When the shared GPU traces are absent, every test that needs them is skipped with the reason,
+and the tests on the bundled CPU trace still run. Tests that take the argument ``kineto_trace``
+run once per shared Kineto trace; tests that take ``any_trace`` run for those and the bundled
+trace.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from trace_corpus import BUNDLED, NO_SHARED, SHARED_TRACES, Traces, shared_kineto_traces
+
+
+def pytest_generate_tests(metafunc):
+    shared = shared_kineto_traces()
+    absent = [pytest.param(None, id="shared-traces-absent", marks=pytest.mark.skip(reason=NO_SHARED))]
+    if "kineto_trace" in metafunc.fixturenames:
+        metafunc.parametrize("kineto_trace", shared or absent)
+    if "any_trace" in metafunc.fixturenames:
+        metafunc.parametrize("any_trace", [BUNDLED] + shared)
+
+
+@pytest.fixture(scope="session")
+def traces() -> Traces:
+    """Every test's access to the traces, loaded once per session."""
+    return Traces(SHARED_TRACES)
+
+
+@pytest.fixture(scope="session")
+def shared_traces() -> Path:
+    """The shared trace folder; skips the test when it is absent."""
+    if not SHARED_TRACES.is_dir():
+        pytest.skip(NO_SHARED)
+    return SHARED_TRACES
