@@ -81,6 +81,9 @@ class _Args(msgspec.Struct, gc=False):
     wait_on_stream: int = -1
     wait_on_record_correlation: int = msgspec.field(name="wait_on_cuda_event_record_corr_id", default=-1)
     input_dims: msgspec.Raw = msgspec.field(name="Input Dims", default=msgspec.Raw())
+    input_types: msgspec.Raw = msgspec.field(name="Input type", default=msgspec.Raw())
+    message_elements: int = msgspec.field(name="In msg nelems", default=-1)
+    message_dtype: str = msgspec.field(name="dtype", default="")
 
 
 class _Event(msgspec.Struct, gc=False):
@@ -109,7 +112,8 @@ class KinetoTrace:
     ``events`` columns: kind (EventKind), name (categorical), thread (categorical "pid/tid" for
     CPU events, "device/stream" for GPU events), ts_us and dur_us (relative to the first event,
     so float64 keeps sub-microsecond precision), correlation, external_id, stream, device, bytes,
-    and the cuda_sync fields (sync_kind, wait_on_stream, wait_on_record_correlation).
+    the cuda_sync fields (sync_kind, wait_on_stream, wait_on_record_correlation), and the message
+    of a collective kernel (message_elements, message_dtype: NCCL's "In msg nelems", "dtype").
     """
 
     path: str
@@ -118,6 +122,7 @@ class KinetoTrace:
     device_properties: list = field(default_factory=list)
     distributed_info: dict = field(default_factory=dict)
     input_dims: dict = field(default_factory=dict)  # event row -> raw JSON of "Input Dims"
+    input_types: dict = field(default_factory=dict)  # event row -> raw JSON of "Input type"
 
     @property
     def has_gpu(self) -> bool:
@@ -231,6 +236,7 @@ def load_trace(path: Union[str, Path]) -> KinetoTrace:
     names = [ev.name for ev in kept]
     ts = [ev.ts for ev in kept]
     input_dims = {i: a.input_dims for i, a in enumerate(args) if len(a.input_dims) and kinds[i] == EventKind.CPU_OP}
+    input_types = {i: a.input_types for i, a in enumerate(args) if len(a.input_types) and kinds[i] == EventKind.CPU_OP}
     ts_arr = np.asarray(ts, dtype=np.float64)
     origin = float(ts_arr.min())
     events = pd.DataFrame(
@@ -248,6 +254,8 @@ def load_trace(path: Union[str, Path]) -> KinetoTrace:
             "sync_kind": pd.Categorical([a.sync_kind for a in args]),
             "wait_on_stream": np.asarray([a.wait_on_stream for a in args], dtype=np.int64),
             "wait_on_record_correlation": np.asarray([a.wait_on_record_correlation for a in args], dtype=np.int64),
+            "message_elements": np.asarray([a.message_elements for a in args], dtype=np.int64),
+            "message_dtype": pd.Categorical([a.message_dtype for a in args]),
         }
     )
     return KinetoTrace(
@@ -257,6 +265,7 @@ def load_trace(path: Union[str, Path]) -> KinetoTrace:
         device_properties=_json_or(doc.deviceProperties, []),
         distributed_info=_json_or(doc.distributedInfo, {}),
         input_dims=input_dims,
+        input_types=input_types,
     )
 
 

@@ -450,6 +450,7 @@ class _Builder:
                 "context": pd.Categorical(ctx_text[ctx]),
                 "operator": pd.Categorical(operator[ctx]),
                 "layer": pd.Categorical(layer[ctx]),
+                "event": np.concatenate([self.owner, self.gpu_rows]),
             }
         )
         graph = TaskGraph(tasks, pd.DataFrame({"src": src, "dst": dst, "lag_us": lag, "kind": ekind}), self.trace.path)

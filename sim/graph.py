@@ -60,7 +60,8 @@ class TaskGraph:
     ``tasks`` columns: name, kind, resource, duration_us, release_us, order_key,
     measured_start_us, measured_end_us, context (the enclosing operators and annotations,
     outermost first, joined by `` > ``), operator (outermost operator), layer (innermost module
-    or user annotation). ``edges`` columns: src, dst, lag_us, kind.
+    or user annotation), event (the row of the trace event the task belongs to, -1 for gaps and
+    inserted tasks). ``edges`` columns: src, dst, lag_us, kind.
     """
 
     tasks: pd.DataFrame
@@ -156,6 +157,7 @@ class TaskGraph:
             "context": t["context"].iat[after],
             "operator": t["operator"].iat[after],
             "layer": t["layer"].iat[after],
+            "event": -1,
         }
         self.tasks = _append_rows(t, pd.DataFrame([row], index=[new_id]))
         new_edges = [(after, new_id, 0.0, int(EdgeKind.USER))]
