@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 import pandas as pd
 
@@ -11,39 +13,43 @@ from whatif.sim.graph import GPU_TASK_KINDS, EdgeKind
 _TOLERANCE_US = 1e-6
 
 
-def iteration_report(schedule: Schedule, iterations: pd.DataFrame) -> pd.DataFrame:
+def iteration_report(schedule: Schedule, iterations: pd.DataFrame, worker: Optional[np.ndarray] = None) -> pd.DataFrame:
     """One row per iteration: name, measured_ms, predicted_ms, error_pct, and the breakdown of the
     predicted span into gpu_busy_ms, gpu_idle_ms (the GPU waiting for the CPU) and sync_wait_ms
     (CPU threads blocked in a GPU synchronisation).
 
     The predicted span is the simulated time between the first and the last task that the
-    measured span holds on the iteration's thread, so both cover the same part of the timeline.
+    measured span holds on the iteration's thread, so both cover the same part of the timeline;
+    ``span_start_us`` and ``span_end_us`` give it. ``worker`` masks the tasks of the worker to
+    report on when the schedule holds several.
     """
     tasks = schedule.graph.tasks
     m_start = tasks["measured_start_us"].to_numpy()
     m_end = tasks["measured_end_us"].to_numpy()
     resource = tasks["resource"].astype(str).to_numpy()
-    gpu = np.isin(tasks["kind"].to_numpy(), [int(k) for k in GPU_TASK_KINDS])
+    mine = np.ones(len(tasks), dtype=bool) if worker is None else worker
+    on_network = np.char.startswith(resource.astype(str), "network")
+    gpu = np.isin(tasks["kind"].to_numpy(), [int(k) for k in GPU_TASK_KINDS]) & mine & ~on_network
     waits = _sync_waits(schedule)
     rows = []
     for it in iterations.itertuples(index=False):
-        inside = (m_start >= it.start_us - _TOLERANCE_US) & (m_end <= it.end_us + _TOLERANCE_US)
+        inside = (m_start >= it.start_us - _TOLERANCE_US) & (m_end <= it.end_us + _TOLERANCE_US) & mine
         if it.thread is not None:
             inside &= resource == f"cpu {it.thread}"
         ids = np.flatnonzero(inside)
         measured_us = it.end_us - it.start_us
         if len(ids) == 0:
-            rows.append(_row(it.name, measured_us, np.nan, np.nan, np.nan, gpu.any()))
+            rows.append(_row(it.name, measured_us, np.nan, np.nan, np.nan, gpu.any(), np.nan, np.nan))
             continue
         span_start = float(schedule.start_us[ids].min())
         span_end = float(schedule.end_us[ids].max())
-        busy = _union_within(schedule.start_us[gpu], schedule.end_us[gpu], span_start, span_end)
-        sync = _union_within(waits[0], waits[1], span_start, span_end)
-        rows.append(_row(it.name, measured_us, span_end - span_start, busy, sync, gpu.any()))
+        busy = union_within(schedule.start_us[gpu], schedule.end_us[gpu], span_start, span_end)
+        sync = union_within(waits[0], waits[1], span_start, span_end)
+        rows.append(_row(it.name, measured_us, span_end - span_start, busy, sync, gpu.any(), span_start, span_end))
     return pd.DataFrame(rows)
 
 
-def _row(name, measured_us, predicted_us, busy_us, sync_us, has_gpu) -> dict:
+def _row(name, measured_us, predicted_us, busy_us, sync_us, has_gpu, span_start, span_end) -> dict:
     return {
         "name": name,
         "measured_ms": measured_us / 1e3,
@@ -52,6 +58,8 @@ def _row(name, measured_us, predicted_us, busy_us, sync_us, has_gpu) -> dict:
         "gpu_busy_ms": busy_us / 1e3 if has_gpu else np.nan,
         "gpu_idle_ms": (predicted_us - busy_us) / 1e3 if has_gpu else np.nan,
         "sync_wait_ms": sync_us / 1e3,
+        "span_start_us": span_start,
+        "span_end_us": span_end,
     }
 
 
@@ -72,7 +80,7 @@ def _sync_waits(schedule: Schedule) -> tuple[np.ndarray, np.ndarray]:
     return free[has_wait], start[has_wait]
 
 
-def _union_within(starts: np.ndarray, ends: np.ndarray, lo: float, hi: float) -> float:
+def union_within(starts: np.ndarray, ends: np.ndarray, lo: float, hi: float) -> float:
     """Total length of the union of intervals, clipped to [lo, hi]."""
     s = np.clip(starts, lo, hi)
     e = np.clip(ends, lo, hi)

@@ -39,10 +39,26 @@ class Policy:
     ``choose`` gets the ids of the ready tasks (in the resource's original order) and the
     current simulated time; subclasses look up whatever they rank by (a priority column, a
     layer index) in the graph they were built with.
+
+    A policy may also run several ready tasks as one (``choose_batch``: Horovod fusing tensors
+    into one all-reduce), price that batch (``batch_duration_us``), and start work only at
+    certain instants (``start_at``: Horovod's background thread wakes once per cycle).
     """
 
     def choose(self, ready: list[int], now_us: float) -> int:
         return ready[0]
+
+    def choose_batch(self, ready: list[int], now_us: float) -> list[int]:
+        return [self.choose(ready, now_us)]
+
+    def batch_duration_us(self, batch: list[int], durations_us: list[float]) -> float:
+        return float(sum(durations_us))
+
+    def start_at(self, now_us: float) -> float:
+        return now_us
+
+    def finished(self, batch: list[int], start_us: float, end_us: float) -> None:
+        """Told when a batch has been scheduled, for policies that keep state (cycles)."""
 
 
 @dataclass
@@ -202,13 +218,19 @@ class _Run:
                     return  # blocked for good: reported as unscheduled tasks
                 yield env.any_of(wake)
                 continue
-            t = policy.choose(ready, now)
-            pending.remove(t)
-            free = now + duration[t]
+            start_at = policy.start_at(now)
+            if start_at > now:
+                free = start_at  # wait for the policy's next opportunity, then look again
+                continue
+            batch = policy.choose_batch(ready, now)
+            free = now + policy.batch_duration_us(batch, [duration[t] for t in batch])
+            policy.finished(batch, now, free)
             if self.event_per_task and free > env.now:
                 self.events += 1
                 yield env.timeout(free - env.now)
-            self._finish(t, now, free)
+            for t in batch:
+                pending.remove(t)
+                self._finish(t, now, free)
 
     @property
     def release_list(self) -> list:

@@ -79,7 +79,7 @@ _COLUMNS = {
 
 
 def _table(report: pd.DataFrame) -> str:
-    shown = report.rename(columns=_COLUMNS)
+    shown = report[[c for c in report.columns if c in _COLUMNS]].rename(columns=_COLUMNS)
     return shown.to_string(index=False, float_format=lambda v: f"{v:.2f}", na_rep="-")
 
 

@@ -1,0 +1,314 @@
+"""Data-parallel training on a cluster: worker graphs stitched together by communication tasks.
+
+Every worker runs the single-GPU graph. Each message of the framework (``sim.frameworks``)
+becomes a task on the cluster's network queue that starts once its gradients are ready on every
+worker and the queue's policy (``sim.policies``) picks it; it lasts as long as its collective
+takes on the cluster (``topology``: ring, hierarchical or parameter-server, timed on the links
+it crosses); and what the framework makes wait for it (the optimizer step, or the next forward
+use of the layer) waits for it on every worker.
+
+Collectives of one queue run one at a time, as NCCL's stream and Horovod's background thread run
+them, so a collective's time is that of its plan on otherwise idle links (the closed forms of
+``topology.collectives``, which the topology tests hold to the link-sharing simulation). A
+parameter server has two queues, push and pull, which use opposite directions of the
+full-duplex links.
+
+Identical workers need not all be simulated: every worker would compute the same schedule, so
+one worker graph plus the network gives the same answer (a test compares it with full
+replication). Workers that differ (a straggler, a slower GPU on one machine) are replicated.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Optional, Sequence
+
+import numpy as np
+import pandas as pd
+
+from whatif.topology import Cluster, allreduce_time_us, parameter_server_time_us
+
+from .engine import Schedule, simulate
+from .frameworks import FrameworkOptions, Message, plan_messages
+from .gradients import Gradients
+from .graph import GPU_TASK_KINDS, EdgeKind, GraphError, TaskGraph, TaskKind
+from .optimizations import OPTIMIZER_STEP
+from .policies import Fifo, HorovodCycle, Priority
+
+POLICIES = ("fifo", "p3")
+_WEIGHT_OPS = re.compile(
+    r"^aten::(conv\w*|_convolution|cudnn_convolution|linear|addmm|matmul|mm|bmm|batch_norm|layer_norm|"
+    r"embedding\w*|lstm|gru|rnn_\w+)$"
+)
+
+
+@dataclass(frozen=True)
+class Straggler:
+    """The workers of one machine run slower: all their tasks (``slowdown``) or only their GPU
+    tasks (``gpu_slowdown``)."""
+
+    machine: int
+    slowdown: float = 1.0
+    gpu_slowdown: float = 1.0
+
+
+@dataclass
+class ClusterConfig:
+    cluster: Cluster
+    framework: str = "horovod"
+    policy: str = "fifo"
+    algorithm: str = "ring"
+    options: FrameworkOptions = field(default_factory=FrameworkOptions)
+    stragglers: Sequence[Straggler] = ()
+    replicate: Optional[bool] = None  # None: only when workers differ
+
+    @property
+    def workers(self) -> int:
+        return self.cluster.n_gpus
+
+
+@dataclass
+class ClusterSchedule:
+    """A simulated cluster: the schedule, the task ids of the communication, and worker 0."""
+
+    schedule: Schedule
+    comm_tasks: np.ndarray
+    worker0: np.ndarray  # mask of worker 0's tasks
+    messages_per_iteration: float
+    bytes_per_iteration: float
+
+
+def collective_cost(config: ClusterConfig):
+    """Time (us) of one message of ``nbytes`` on the cluster, for each phase of the framework."""
+    cluster = config.cluster
+
+    @lru_cache(maxsize=None)
+    def allreduce(nbytes: float) -> float:
+        return allreduce_time_us(cluster, nbytes, config.algorithm)
+
+    @lru_cache(maxsize=None)
+    def half_ps(nbytes: float) -> float:
+        return parameter_server_time_us(cluster, nbytes) / 2
+
+    return half_ps if config.framework == "ps" else allreduce
+
+
+def simulate_cluster(worker: TaskGraph, gradients: Gradients, iterations: pd.DataFrame, config: ClusterConfig) -> ClusterSchedule:
+    """Simulate ``config.workers`` copies of ``worker`` training together."""
+    n = len(worker.tasks)
+    if config.workers == 1:
+        schedule = simulate(worker)
+        return ClusterSchedule(schedule, np.zeros(0, np.int64), np.ones(n, bool), 0.0, 0.0)
+    if config.policy not in POLICIES:
+        raise GraphError(f"unknown policy {config.policy!r}; choose from {', '.join(POLICIES)}")
+    replicate = config.replicate if config.replicate is not None else bool(config.stragglers)
+    copies = config.workers if replicate else 1
+    graph = _replicate(worker, copies, config)
+    thread = _iteration_thread(worker, iterations)
+    sync = _SyncPoints(worker, iterations, thread)
+    cost = collective_cost(config)
+
+    sliced = config.policy == "p3"
+    layerwise = sliced or config.framework == "ps"
+    rows, edges = [], []
+    nbytes, priority, order = [], [], []
+    per_iteration = {}
+    for it in range(len(iterations)):
+        messages = plan_messages(gradients.of_iteration(it), config.framework, config.options, sliced)
+        per_iteration[it] = messages
+    barrier = sync.barrier(graph) if any(per_iteration.values()) else None
+    base = len(graph.tasks)
+    measured_end = worker.tasks["measured_end_us"].to_numpy()
+    for it, messages in per_iteration.items():
+        first_id = base + len(rows)
+        for j, m in enumerate(messages):
+            tid = base + len(rows)
+            resource = "network" if config.framework != "ps" else f"network {m.phase}"
+            ready_us = max((measured_end[t] for t in m.ready_after), default=np.nan)
+            rows.append(_comm_row(m, resource, cost(m.nbytes), ready_us))
+            nbytes.append(m.nbytes)
+            priority.append(m.priority)
+            order.append((ready_us if ready_us == ready_us else np.inf, it, j))
+            for k in range(copies):
+                edges += [(t + k * n, tid, 0.0) for t in m.ready_after]
+            if m.follows is not None:
+                edges.append((first_id + m.follows, tid, 0.0))
+            if m.phase == "push":
+                continue
+            consumer = sync.consumer(it, m, layerwise, config.framework, len(gradients.of_iteration(it)))
+            targets = [consumer + k * n for k in range(copies)] if consumer is not None else [barrier]
+            edges += [(tid, c, 0.0) for c in targets]
+    _add_comm_tasks(graph, rows, edges)
+    comm = np.arange(base, base + len(rows))
+    rank = {int(comm[i]): r for r, i in enumerate(sorted(range(len(order)), key=order.__getitem__))}
+    prio = {int(comm[i]): p for i, p in enumerate(priority)}
+    size = {int(comm[i]): b for i, b in enumerate(nbytes)}
+    policies = {}
+    for resource in sorted({r["resource"] for r in rows}):
+        inner = Priority(prio, rank) if sliced else Fifo(rank)
+        if config.framework == "horovod" and not sliced:
+            inner = HorovodCycle(inner, size, config.options.fusion_buffer_bytes, config.options.cycle_time_us, cost)
+        policies[resource] = inner
+    schedule = simulate(graph, policies)
+    worker0 = np.zeros(len(graph.tasks), dtype=bool)
+    worker0[:n] = True
+    iterations_with = max(sum(1 for m in per_iteration.values() if m), 1)
+    return ClusterSchedule(
+        schedule,
+        comm,
+        worker0,
+        len(rows) / iterations_with,
+        sum(nbytes) / iterations_with / (2 if config.framework == "ps" else 1),
+    )
+
+
+def _comm_row(m: Message, resource: str, duration_us: float, ready_us: float) -> dict:
+    return {
+        "name": m.name if m.phase != "allreduce" else f"all-reduce {m.name}",
+        "kind": int(TaskKind.COMM),
+        "resource": resource,
+        "duration_us": float(duration_us),
+        "release_us": -np.inf,
+        "order_key": ready_us if ready_us == ready_us else np.inf,
+        "measured_start_us": np.nan,
+        "measured_end_us": np.nan,
+        "context": f"iteration {m.iteration} > {m.phase}",
+        "operator": "",
+        "layer": "",
+        "event": -1,
+    }
+
+
+def _add_comm_tasks(graph: TaskGraph, rows: list, edges: list) -> None:
+    if not rows:
+        return
+    extra = pd.DataFrame(rows)
+    tasks = graph.tasks
+    categorical = [c for c in tasks.columns if isinstance(tasks[c].dtype, pd.CategoricalDtype)]
+    combined = pd.concat([tasks.astype({c: object for c in categorical}), extra], ignore_index=True)
+    graph.tasks = combined.astype({c: "category" for c in categorical})
+    graph.add_edges([(s, d, lag, int(EdgeKind.USER)) for s, d, lag in edges])
+
+
+def _replicate(worker: TaskGraph, copies: int, config: ClusterConfig) -> TaskGraph:
+    """``copies`` workers; worker 0 keeps its resource names, the others are prefixed."""
+    graph = worker.copy()
+    if copies == 1:
+        return graph
+    n = len(worker.tasks)
+    frames, edge_frames = [], []
+    kinds = worker.tasks["kind"].to_numpy()
+    gpu = np.isin(kinds, [int(k) for k in GPU_TASK_KINDS])
+    unscaled = np.isin(kinds, [int(TaskKind.WAIT)])
+    slow = {s.machine: s for s in config.stragglers}
+    for k in range(copies):
+        t = worker.tasks.copy()
+        if k:
+            t["resource"] = t["resource"].cat.rename_categories(lambda r, k=k: f"worker {k}: {r}")
+        machine = k // config.cluster.gpus_per_machine
+        if machine in slow:
+            duration = t["duration_us"].to_numpy().copy()
+            duration[~unscaled] *= slow[machine].slowdown
+            duration[gpu] *= slow[machine].gpu_slowdown
+            t["duration_us"] = duration
+        frames.append(t)
+        e = worker.edges.copy()
+        e["src"] += k * n
+        e["dst"] += k * n
+        edge_frames.append(e)
+    categorical = [c for c in worker.tasks.columns if isinstance(worker.tasks[c].dtype, pd.CategoricalDtype)]
+    tasks = pd.concat([f.astype({c: object for c in categorical}) for f in frames], ignore_index=True)
+    graph.tasks = tasks.astype({c: "category" for c in categorical})
+    graph.edges = pd.concat(edge_frames, ignore_index=True)
+    return graph
+
+
+def _iteration_thread(worker: TaskGraph, iterations: pd.DataFrame) -> str:
+    threads = [t for t in iterations["thread"] if t is not None]
+    if threads:
+        return f"cpu {threads[0]}"
+    cpu = worker.tasks.loc[worker.tasks["resource"].astype(str).str.startswith("cpu "), "resource"]
+    if cpu.empty:
+        raise GraphError("the trace has no CPU thread to attach communication to")
+    return str(cpu.astype(str).value_counts().index[0])
+
+
+class _SyncPoints:
+    """What waits for communication in each iteration of the worker graph."""
+
+    def __init__(self, worker: TaskGraph, iterations: pd.DataFrame, thread: str):
+        self.worker = worker
+        self.iterations = iterations
+        self.thread = thread
+        tasks = worker.tasks
+        self.start = tasks["measured_start_us"].to_numpy()
+        self.on_thread = (tasks["resource"].astype(str) == thread).to_numpy()
+        self.in_optimizer = worker.match(OPTIMIZER_STEP)
+        self.kinds = tasks["kind"].to_numpy()
+        self.cache: dict = {}
+
+    def _span(self, it: int) -> np.ndarray:
+        row = self.iterations.iloc[it]
+        return (self.start >= row.start_us) & (self.start < row.end_us)
+
+    def first_of_iteration(self, it: int) -> Optional[int]:
+        if it >= len(self.iterations):
+            return None
+        ids = np.flatnonzero(self._span(it) & self.on_thread)
+        return int(ids[np.argmin(self.start[ids])]) if len(ids) else None
+
+    def optimizer(self, it: int, on_gpu: bool) -> Optional[int]:
+        key = ("optimizer", it, on_gpu)
+        if key not in self.cache:
+            cpu = np.flatnonzero(self._span(it) & self.on_thread & self.in_optimizer)
+            found = int(cpu[np.argmin(self.start[cpu])]) if len(cpu) else None
+            if found is not None and on_gpu:
+                gpu = np.flatnonzero(self.in_optimizer & np.isin(self.kinds, [int(TaskKind.KERNEL)]))
+                gpu = gpu[self.start[gpu] >= self.start[found]]
+                found = int(gpu[np.argmin(self.start[gpu])]) if len(gpu) else found
+            self.cache[key] = found if found is not None else self.first_of_iteration(it + 1)
+        return self.cache[key]
+
+    def forward_ops(self, it: int) -> np.ndarray:
+        """First task of each weight-using operator of iteration ``it``'s forward pass, in order."""
+        key = ("forward", it)
+        if key not in self.cache:
+            tasks = self.worker.tasks
+            names = tasks["name"].astype(str).to_numpy()
+            outer = tasks["operator"].astype(str).to_numpy()
+            span = self._span(it) & self.on_thread
+            candidates = np.flatnonzero(span & (names == outer))
+            weight = [t for t in candidates.tolist() if _WEIGHT_OPS.match(names[t])]
+            event = tasks["event"].to_numpy()
+            firsts, seen = [], set()
+            for t in sorted(weight, key=lambda t: self.start[t]):
+                if event[t] not in seen:
+                    seen.add(event[t])
+                    firsts.append(t)
+            self.cache[key] = np.asarray(firsts, dtype=np.int64)
+        return self.cache[key]
+
+    def consumer(self, it: int, m: Message, layerwise: bool, framework: str, layers: int) -> Optional[int]:
+        """The task that waits for message ``m`` of iteration ``it`` (None: the end barrier).
+
+        Layer by layer, the gradient at forward position ``p`` of ``layers`` is needed by the
+        weight operator at the same relative position of the next forward pass.
+        """
+        if not layerwise:
+            return self.optimizer(it, on_gpu=framework == "ddp")
+        ops = self.forward_ops(it + 1)
+        if not len(ops):
+            return self.first_of_iteration(it + 1)
+        position = min(m.layers) if m.layers else m.priority
+        return int(ops[min(position * len(ops) // max(layers, 1), len(ops) - 1)])
+
+    def barrier(self, graph: TaskGraph) -> int:
+        """A zero-length task closing the last iteration, for communication nothing else awaits."""
+        last = self.iterations.iloc[-1]
+        ids = np.flatnonzero(self.on_thread & (self.start < last.end_us))
+        after = int(ids[np.argmax(self.start[ids])])
+        barrier = graph.insert(after, None, "end of training step", 0.0)
+        graph.tasks.loc[barrier, ["measured_start_us", "measured_end_us"]] = last.end_us
+        return barrier

@@ -1,0 +1,186 @@
+"""Which gradients a training step produces, how big they are, and after which task each is ready.
+
+Data-parallel training sends every gradient once per iteration; when each can be sent and how
+long it takes depend on exactly this. The sources, most precise first:
+
+1. sizes given by the user (a scenario's ``gradients.sizes``), placed on the trace's
+   ``AccumulateGrad`` operators in order;
+2. ``AccumulateGrad`` operators with their recorded input shapes (``record_shapes=True``): one
+   gradient per parameter, ready when its accumulation ends;
+3. the collective messages of a DDP trace (NCCL's ``In msg nelems`` on ``record_param_comms``):
+   one per bucket, ready when DDP launched it;
+4. a total (a scenario's ``gradients.total``) spread evenly over the ``AccumulateGrad``
+   operators, or over the GPU kernels of the iteration's second half when there are none.
+
+The chosen source is reported with the prediction, so a user knows what it rests on.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import msgspec
+import numpy as np
+import pandas as pd
+
+from whatif.collectors.kineto import KinetoTrace
+
+from .graph import GraphError, TaskGraph, TaskKind
+
+ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
+_BYTES_PER_ELEMENT = {
+    "float": 4, "float32": 4, "c10::half": 2, "half": 2, "c10::bfloat16": 2, "bfloat16": 2,
+    "double": 8, "float64": 8, "int": 4, "long int": 8, "int64": 8, "bool": 1,
+}
+
+
+@dataclass(frozen=True)
+class Gradient:
+    """One tensor to communicate: ``ready_task`` is the task after whose end it can be sent."""
+
+    name: str
+    nbytes: float
+    ready_task: int
+    iteration: int
+
+
+@dataclass
+class Gradients:
+    """The gradients of every iteration, in the order they become ready, and where they came from."""
+
+    gradients: list[Gradient]
+    source: str
+
+    def of_iteration(self, iteration: int) -> list[Gradient]:
+        return [g for g in self.gradients if g.iteration == iteration]
+
+    def bytes_per_iteration(self) -> float:
+        per = pd.Series([g.nbytes for g in self.gradients]).groupby([g.iteration for g in self.gradients]).sum()
+        return float(per.median()) if len(per) else 0.0
+
+
+def find_gradients(
+    trace: KinetoTrace,
+    graph: TaskGraph,
+    iterations: pd.DataFrame,
+    sizes: Optional[Sequence[float]] = None,
+    total_bytes: Optional[float] = None,
+) -> Gradients:
+    """The gradients of each iteration of ``iterations`` (a frame from ``find_iterations``)."""
+    tasks = graph.tasks
+    event = tasks["event"].to_numpy()
+    names = trace.events["name"]
+    accumulate = _last_task_of_events(event, np.flatnonzero(names.to_numpy() == ACCUMULATE_GRAD))
+    span = _iteration_of(tasks, iterations)
+
+    if sizes is not None:
+        return _spread(tasks, span, accumulate, list(sizes), f"scenario: {len(sizes)} sizes")
+    if len(accumulate):
+        shapes = [_gradient_bytes(trace, int(event[t])) for t in accumulate]
+        if all(b is not None and b > 0 for b in shapes):
+            grads = [
+                Gradient(f"grad {i}", float(b), int(t), int(span[t]))
+                for i, (t, b) in enumerate(zip(accumulate, shapes))
+                if span[t] >= 0
+            ]
+            return Gradients(grads, "AccumulateGrad input shapes in the trace")
+    messages = _ddp_messages(trace, tasks, event)
+    if messages:
+        grads = [
+            Gradient(f"bucket {i}", nbytes, t, int(span[t])) for i, (t, nbytes) in enumerate(messages) if span[t] >= 0
+        ]
+        return Gradients(grads, "DDP all-reduce messages in the trace (one per bucket)")
+    if total_bytes is not None:
+        n = max(len(accumulate) // max(len(iterations), 1), 1) if len(accumulate) else 64
+        per = [total_bytes / n] * n
+        return _spread(tasks, span, accumulate, per, f"scenario: total {total_bytes / 1e6:.1f} MB spread evenly")
+    raise GraphError(
+        f"{trace.path}: cannot tell the gradient sizes (no AccumulateGrad shapes, no DDP messages); "
+        "give gradients.total or gradients.sizes in the scenario"
+    )
+
+
+def _last_task_of_events(event: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """For each event row, the id of its last task (segments of an event ascend in id)."""
+    if not len(rows):
+        return np.zeros(0, dtype=np.int64)
+    ids = np.flatnonzero(np.isin(event, rows))
+    last = pd.Series(ids).groupby(event[ids]).max()
+    return np.sort(last.to_numpy())
+
+
+def _iteration_of(tasks: pd.DataFrame, iterations: pd.DataFrame) -> np.ndarray:
+    """Index of the iteration whose measured span holds each task's end (-1 for none)."""
+    end = tasks["measured_end_us"].to_numpy()
+    which = np.full(len(end), -1)
+    for i, it in enumerate(iterations.itertuples(index=False)):
+        which[(end > it.start_us) & (end <= it.end_us)] = i
+    return which
+
+
+def _gradient_bytes(trace: KinetoTrace, row: int) -> Optional[float]:
+    raw = trace.input_dims.get(row)
+    if raw is None:
+        return None
+    try:
+        dims = msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        return None
+    if not dims or not isinstance(dims[0], list) or not dims[0]:
+        return None
+    elements = float(np.prod(dims[0]))
+    element_bytes = 4
+    raw_types = trace.input_types.get(row)
+    if raw_types is not None:
+        try:
+            types = msgspec.json.decode(raw_types)
+            element_bytes = _BYTES_PER_ELEMENT.get(str(types[0]).lower(), 4)
+        except (msgspec.DecodeError, IndexError, TypeError):
+            pass
+    return elements * element_bytes
+
+
+def _ddp_messages(trace: KinetoTrace, tasks: pd.DataFrame, event: np.ndarray) -> list[tuple[int, float]]:
+    """DDP all-reduce buckets: (task just before the bucket's launch, bytes)."""
+    ev = trace.events
+    rows = np.flatnonzero(
+        (ev["message_elements"].to_numpy() > 0) & (ev["name"].astype(str).to_numpy() == "record_param_comms")
+    )
+    out = []
+    context = tasks["context"].astype(str).to_numpy()
+    for row in rows.tolist():
+        ids = np.flatnonzero(event == row)
+        if not len(ids) or not re.search(r"all_?reduce", context[ids[0]]):
+            continue
+        dtype = str(ev["message_dtype"].iat[row]).lower()
+        nbytes = float(ev["message_elements"].iat[row]) * _BYTES_PER_ELEMENT.get(dtype, 4)
+        out.append((int(max(ids[0] - 1, 0)), nbytes))
+    return out
+
+
+def _spread(tasks: pd.DataFrame, span: np.ndarray, anchors: np.ndarray, sizes: list, source: str) -> Gradients:
+    """Place ``sizes`` (one iteration's gradients, in ready order) on each iteration's anchors."""
+    grads = []
+    for it in sorted(set(span[span >= 0].tolist())):
+        points = anchors[span[anchors] == it] if len(anchors) else np.zeros(0, dtype=np.int64)
+        how = "AccumulateGrad operators"
+        if not len(points):
+            points = _late_kernels(tasks, span, it)
+            how = "GPU kernels of the iteration's second half (no AccumulateGrad operators)"
+        if not len(points):
+            raise GraphError("cannot place gradients: the iteration has neither AccumulateGrad operators nor kernels")
+        pick = points[(np.arange(len(sizes)) * len(points)) // len(sizes)]
+        grads += [Gradient(f"grad {i}", float(b), int(t), it) for i, (t, b) in enumerate(zip(pick, sizes))]
+    return Gradients(grads, f"{source}, placed on {how}")
+
+
+def _late_kernels(tasks: pd.DataFrame, span: np.ndarray, iteration: int) -> np.ndarray:
+    ids = np.flatnonzero((span == iteration) & (tasks["kind"].to_numpy() == int(TaskKind.KERNEL)))
+    if not len(ids):
+        return ids
+    start = tasks["measured_start_us"].to_numpy()[ids]
+    middle = (start.min() + start.max()) / 2
+    late = ids[start >= middle]
+    return late[np.argsort(tasks["measured_end_us"].to_numpy()[late], kind="stable")]

@@ -1,0 +1,83 @@
+"""Scheduling policies for the communication queue (Daydream's Schedule primitive).
+
+A policy sees the messages that are ready (their gradients computed on every worker) whenever
+the network is free, and picks what goes next. Adding a policy is writing a small subclass of
+:class:`whatif.sim.engine.Policy`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+from .engine import Policy
+
+
+class Fifo(Policy):
+    """First come, first served: messages go in the order they became ready (ties: in the order
+    the framework queued them), as NCCL runs collectives in launch order."""
+
+    def __init__(self, ready_order: Sequence[float]):
+        self.ready_order = ready_order  # task id -> queue position
+
+    def choose(self, ready: list[int], now_us: float) -> int:
+        return min(ready, key=lambda t: self.ready_order[t])
+
+
+class Priority(Policy):
+    """P3 (Jayarajan et al., MLSys 2019): the ready slice whose layer the next forward pass needs
+    first goes next; since messages are slices, a large low-priority tensor is pre-empted at slice
+    boundaries by a higher-priority one that becomes ready."""
+
+    def __init__(self, priority: Sequence[float], ready_order: Sequence[float]):
+        self.priority = priority
+        self.ready_order = ready_order
+
+    def choose(self, ready: list[int], now_us: float) -> int:
+        return min(ready, key=lambda t: (self.priority[t], self.ready_order[t]))
+
+
+class HorovodCycle(Policy):
+    """Horovod's background loop: once per cycle it takes the tensors ready on every worker, in
+    the order of ``inner``, and fuses them into one all-reduce of at most ``fusion_bytes``; a
+    cycle starts no sooner than ``cycle_us`` after the previous one started."""
+
+    def __init__(
+        self,
+        inner: Policy,
+        nbytes: Sequence[float],
+        fusion_bytes: float,
+        cycle_us: float,
+        cost_us: Callable[[float], float],
+    ):
+        self.inner = inner
+        self.nbytes = nbytes
+        self.fusion_bytes = fusion_bytes
+        self.cycle_us = cycle_us
+        self.cost_us = cost_us
+        self.next_cycle = -math.inf
+
+    def start_at(self, now_us: float) -> float:
+        """The first cycle tick at or after ``now_us``; ticks go on every cycle while idle."""
+        if self.next_cycle == -math.inf:
+            return now_us
+        if now_us <= self.next_cycle:
+            return self.next_cycle
+        return self.next_cycle + math.ceil((now_us - self.next_cycle) / self.cycle_us) * self.cycle_us
+
+    def choose_batch(self, ready: list[int], now_us: float) -> list[int]:
+        batch, size, left = [], 0.0, list(ready)
+        while left:
+            t = self.inner.choose(left, now_us)
+            if batch and size + self.nbytes[t] > self.fusion_bytes:
+                break
+            batch.append(t)
+            size += self.nbytes[t]
+            left.remove(t)
+        return batch
+
+    def batch_duration_us(self, batch: list[int], durations_us: list[float]) -> float:
+        return self.cost_us(sum(self.nbytes[t] for t in batch))
+
+    def finished(self, batch: list[int], start_us: float, end_us: float) -> None:
+        self.next_cycle = max(start_us + self.cycle_us, end_us)
