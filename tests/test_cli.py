@@ -1,0 +1,135 @@
+"""The ``whatif`` command: what ``replay`` and ``simulate`` print, as JSON and as a table, and the
+timeline they write."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from trace_corpus import BUNDLED, BUNDLED_TRACE, EVENT_SYNC_MULTISTREAM, RESNET50
+from whatif.cli import main
+
+BUNDLED_STEPS = [f"ProfilerStep#{n}" for n in range(1, 6)]
+
+
+def run_cli(capsys, *argv):
+    status = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    assert status == 0, err
+    assert err == ""
+    return out
+
+
+def run_json(capsys, *argv) -> dict:
+    out = run_cli(capsys, *argv, "--json")
+    assert out.endswith("\n") and out.count("\n") == 1, "one JSON object on one line"
+    return json.loads(out)
+
+
+def test_replay_json_reports_every_iteration(capsys, traces):
+    doc = run_json(capsys, "replay", BUNDLED_TRACE)
+    assert doc["trace"] == str(BUNDLED_TRACE)
+    iterations = doc["iterations"]
+    assert [it["name"] for it in iterations] == BUNDLED_STEPS
+    study = traces.study(BUNDLED)
+    expected = study.replay_report()
+    for it, row in zip(iterations, expected.itertuples()):
+        assert it["measured_ms"] == pytest.approx(row.measured_ms)
+        assert it["predicted_ms"] == pytest.approx(row.predicted_ms)
+        assert abs(it["error_pct"]) <= 2.0
+    assert doc["summary"]["tasks"] == len(study.graph.tasks)
+    assert doc["summary"]["edges"] == len(study.graph.edges)
+
+
+def test_replay_json_of_a_cpu_trace_has_no_gpu_figures(capsys):
+    doc = run_json(capsys, "replay", BUNDLED_TRACE)
+    assert all(it["gpu_busy_ms"] is None for it in doc["iterations"]), "NaN is written as null"
+
+
+def test_simulate_json_reports_the_prediction_beside_the_replay(capsys):
+    doc = run_json(capsys, "simulate", BUNDLED_TRACE, "--optimization", "amp")
+    assert doc["optimizations"] == ["amp"]
+    for it in doc["iterations"]:
+        assert {"name", "measured_ms", "replay_ms", "predicted_ms", "speedup"} <= set(it)
+        assert it["speedup"] == pytest.approx(it["replay_ms"] / it["predicted_ms"])
+        assert it["speedup"] == 1.0, "AMP does nothing without a GPU"
+
+
+def test_simulate_json_on_a_gpu_trace_predicts_a_speed_up(capsys, traces):
+    path = traces.path(EVENT_SYNC_MULTISTREAM)
+    doc = run_json(capsys, "simulate", path, "--optimization", "amp")
+    (it,) = doc["iterations"]
+    assert it["predicted_ms"] < it["replay_ms"]
+    assert it["speedup"] > 1.0
+
+
+def test_simulate_json_lists_every_what_if_asked(capsys):
+    doc = run_json(
+        capsys, "simulate", BUNDLED_TRACE, "--scale", "conv=0.5", "--scale", "relu=0", "--remove", "DataLoader"
+    )
+    assert doc["scale"] == ["conv=0.5", "relu=0"]
+    assert doc["remove"] == ["DataLoader"]
+    assert all(it["predicted_ms"] < it["replay_ms"] for it in doc["iterations"])
+
+
+def test_a_user_named_iteration_is_reported_per_occurrence(capsys, traces):
+    doc = run_json(capsys, "replay", traces.path(RESNET50), "--iteration", "Optimizer.step#SGD.step")
+    assert [it["name"] for it in doc["iterations"]] == ["Optimizer.step#SGD.step"] * 6
+
+
+def test_the_table_has_a_header_and_one_row_per_iteration(capsys):
+    lines = run_cli(capsys, "replay", BUNDLED_TRACE).splitlines()
+    assert lines[0].startswith(f"{BUNDLED_TRACE}: ") and "tasks" in lines[0]
+    header, rows = lines[1], lines[2:]
+    for column in ("iteration", "measured ms", "predicted ms", "error %"):
+        assert column in header
+    assert [row.split()[0] for row in rows] == BUNDLED_STEPS
+
+
+def test_the_simulate_table_shows_the_speed_up(capsys):
+    lines = run_cli(capsys, "simulate", BUNDLED_TRACE, "--remove", "Optimizer").splitlines()
+    header, rows = lines[1], lines[2:]
+    assert "replay ms" in header and "speed-up" in header and "error %" not in header
+    assert len(rows) == 5
+    speedups = [float(row.split()[-1]) for row in rows]
+    assert all(s >= 1.0 for s in speedups)
+
+
+def test_the_timeline_is_a_chrome_trace_with_one_event_per_task(capsys, tmp_path, traces):
+    out = tmp_path / "timeline.json"
+    printed = run_cli(capsys, "replay", BUNDLED_TRACE, "--timeline", out)
+    assert f"timeline written to {out}" in printed
+    doc = json.loads(out.read_text())
+    events = doc["traceEvents"]
+    graph = traces.study(BUNDLED).graph
+    complete = [e for e in events if e["ph"] == "X"]
+    assert len(complete) == len(graph.tasks)
+    names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert names == set(graph.tasks["resource"].cat.categories)
+    replay = traces.study(BUNDLED).replay
+    assert sorted(e["ts"] for e in complete) == pytest.approx(sorted(replay.start_us.tolist()))
+    assert all(e["dur"] >= 0 for e in complete)
+    assert [p.name for p in tmp_path.iterdir()] == ["timeline.json"], "no temporary file left behind"
+
+
+def test_the_timeline_of_a_gpu_trace_has_cpu_and_gpu_tracks(capsys, tmp_path, traces):
+    out = tmp_path / "timeline.json"
+    run_cli(capsys, "simulate", traces.path(EVENT_SYNC_MULTISTREAM), "--optimization", "faster-gpu=2", "--timeline", out)
+    events = json.loads(out.read_text())["traceEvents"]
+    processes = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert processes == {"CPU threads (simulated)", "GPU streams (simulated)"}
+    gpu_tracks = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name" and e["pid"] == 2}
+    assert gpu_tracks == {"gpu 0/stream 20", "gpu 0/stream 24", "gpu 0/stream 28"}
+    assert len([e for e in events if e["ph"] == "X"]) == len(traces.study(EVENT_SYNC_MULTISTREAM).graph.tasks)
+
+
+def test_the_installed_command_runs_a_replay(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "whatif.cli", "replay", str(BUNDLED_TRACE), "--json"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert [it["name"] for it in json.loads(result.stdout)["iterations"]] == BUNDLED_STEPS
