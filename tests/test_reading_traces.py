@@ -8,6 +8,7 @@ import gzip
 import json
 
 import numpy as np
+import pandas.testing as pd_testing
 import pytest
 
 from trace_corpus import BUNDLED, EXECUTION_TRACE, RESNET18, RESNET50, V100_1GPU
@@ -104,6 +105,20 @@ def test_the_bundled_cpu_trace_has_no_gpu_events(traces):
     read = kind_counts(trace)
     assert all(read[k] == 0 for k in GPU_KINDS)
     assert read[EventKind.CPU_OP] > 0 and read[EventKind.RUNTIME] == 0
+
+
+def test_a_plain_json_trace_reads_like_its_gzip(traces, tmp_path):
+    plain = tmp_path / "convnet.pt.trace.json"
+    plain.write_bytes(gzip.decompress(traces.path(BUNDLED).read_bytes()))
+    pd_testing.assert_frame_equal(load_trace(plain).events, traces.trace(BUNDLED).events)
+
+
+def test_a_bare_list_of_events_is_a_trace(traces, tmp_path):
+    """Chrome's trace format also allows the event array alone, without the wrapping object."""
+    doc = json.loads(gzip.decompress(traces.path(BUNDLED).read_bytes()))
+    bare = tmp_path / "events.json"
+    bare.write_text(json.dumps(doc["traceEvents"]))
+    pd_testing.assert_frame_equal(load_trace(bare).events, traces.trace(BUNDLED).events)
 
 
 # -- iterations ------------------------------------------------------------------------------
