@@ -56,7 +56,12 @@ def write_timeline(schedule: Schedule, path: Path, protect: tuple = ()) -> None:
                 },
             }
         )
-    payload = msgspec.json.encode({"traceEvents": events, "displayTimeUnit": "ms"})
+    write_atomically(path, msgspec.json.encode({"traceEvents": events, "displayTimeUnit": "ms"}))
+
+
+def write_atomically(path: Path, payload: bytes) -> None:
+    """Write beside the target and rename into place: an interrupted run leaves no half file."""
+    path = Path(path)
     directory = path.parent if str(path.parent) else Path(".")
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=directory)
     try:

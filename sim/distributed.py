@@ -298,6 +298,8 @@ class _SyncPoints:
         """
         if not layerwise:
             return self.optimizer(it, on_gpu=framework == "ddp")
+        if it + 1 >= len(self.iterations):
+            return None
         ops = self.forward_ops(it + 1)
         if not len(ops):
             return self.first_of_iteration(it + 1)

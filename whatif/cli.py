@@ -12,9 +12,13 @@ import numpy as np
 import pandas as pd
 
 from whatif.collectors.kineto import TraceError
-from whatif.report.timeline import write_timeline
+from whatif.predict import predict_scenario
+from whatif.report.plots import plot_scenario
+from whatif.report.timeline import write_atomically, write_timeline
+from whatif.scenario import ScenarioError, load_scenario
 from whatif.sim.graph import GraphError
 from whatif.sim.optimizations import OPTIMIZATIONS
+from whatif.topology import TopologyError
 from whatif.study import TraceStudy, WhatIf
 
 
@@ -62,6 +66,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     simulate.add_argument("--scale", action="append", default=[], metavar="PATTERN=FACTOR", help="scale matching tasks")
     simulate.add_argument("--remove", action="append", default=[], metavar="PATTERN", help="remove matching tasks")
+
+    predict = sub.add_parser("predict", help="data-parallel training on a cluster, from a scenario YAML")
+    predict.add_argument("scenario", type=Path, help="scenario file (see scenarios/)")
+    predict.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    predict.add_argument("--plot", type=Path, metavar="OUT.png", help="scaling curve and time breakdown")
+    predict.add_argument("--csv", type=Path, metavar="OUT.csv", help="the results table as CSV")
+    predict.add_argument("--timeline", type=Path, metavar="OUT.json", help="simulated timeline of each configuration")
     return parser
 
 
@@ -90,7 +101,68 @@ def _json_records(report: pd.DataFrame) -> list[dict]:
     ]
 
 
+def run_predict(args: argparse.Namespace) -> int:
+    scenario = load_scenario(args.scenario)
+    inputs = (args.scenario, scenario.trace)
+    outcome = predict_scenario(scenario)
+    results = outcome.results
+    if args.csv is not None:
+        _refuse_inputs(args.csv, inputs)
+        write_atomically(args.csv, results.to_csv(index=False).encode())
+    if args.plot is not None:
+        _refuse_inputs(args.plot, inputs)
+        plot_scenario(results, args.plot, title=scenario.path.name)
+    if args.timeline is not None:
+        for label, run in outcome.runs.items():
+            target = args.timeline if len(outcome.runs) == 1 else _suffixed(args.timeline, label)
+            write_timeline(run.schedule, target, protect=inputs)
+    if args.json:
+        out = {
+            "scenario": str(args.scenario),
+            "trace": str(scenario.trace),
+            "gradients": {"source": outcome.gradient_source, "mb_per_iteration": outcome.bytes_per_iteration / 1e6},
+            "baseline_1x1_ms": outcome.baseline_ms,
+            "results": _json_records(results),
+        }
+        sys.stdout.write(msgspec.json.encode(out).decode() + "\n")
+        return 0
+    print(f"{scenario.trace}: 1x1 iteration {outcome.baseline_ms:.2f} ms; gradients: "
+          f"{outcome.bytes_per_iteration / 1e6:.1f} MB per iteration ({outcome.gradient_source})")
+    shown = results.rename(columns=_PREDICT_COLUMNS)[list(_PREDICT_COLUMNS.values())]
+    print(shown.to_string(index=False, float_format=lambda v: f"{v:.2f}"))
+    for what, path in (("plot", args.plot), ("CSV", args.csv)):
+        if path is not None:
+            print(f"{what} written to {path}")
+    return 0
+
+
+_PREDICT_COLUMNS = {
+    "machines": "machines",
+    "gpus_per_machine": "GPUs/machine",
+    "inter_node_gbps": "Gbps",
+    "framework": "framework",
+    "policy": "policy",
+    "iteration_ms": "iteration ms",
+    "speedup": "speed-up",
+    "scaling_efficiency": "efficiency",
+    "exposed_comm_ms": "exposed comm ms",
+    "comm_ms": "comm ms",
+}
+
+
+def _suffixed(path: Path, label: str) -> Path:
+    slug = label.replace(" ", "_").replace("/", "-")
+    return path.with_name(f"{path.stem}.{slug}{path.suffix}")
+
+
+def _refuse_inputs(path: Path, inputs: tuple) -> None:
+    if any(path.resolve() == Path(p).resolve() for p in inputs):
+        raise UsageError(f"{path}: refusing to overwrite an input file")
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.command == "predict":
+        return run_predict(args)
     study = TraceStudy.from_trace(args.trace, args.iteration)
     if args.command == "replay":
         schedule, report = study.replay, study.replay_report()
@@ -126,8 +198,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return run(args)
-    except (TraceError, GraphError, UsageError) as err:
+    except (TraceError, GraphError, UsageError, ScenarioError, TopologyError) as err:
         print(f"whatif: error: {err}", file=sys.stderr)
+    except BrokenPipeError:
+        return 0  # the reader of our output went away (| head): nothing left to say
     except OSError as err:
         where = f"{err.filename}: " if err.filename else ""
         print(f"whatif: error: {where}{err.strerror or err}", file=sys.stderr)

@@ -1,0 +1,81 @@
+"""Answering a scenario: the grid of cluster configurations, each simulated, against 1x1."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pandas as pd
+
+from whatif.report.cluster import cluster_breakdown
+from whatif.report.iterations import iteration_report
+from whatif.sim.distributed import ClusterConfig, simulate_cluster
+from whatif.sim.engine import simulate
+from whatif.sim.gradients import find_gradients
+from whatif.sim.graph import TaskKind
+from whatif.study import TraceStudy, WhatIf
+
+from .scenario import Scenario
+
+
+@dataclass
+class ScenarioResult:
+    results: pd.DataFrame  # one row per configuration
+    runs: dict  # configuration label -> ClusterSchedule
+    gradient_source: str
+    bytes_per_iteration: float
+    baseline_ms: float
+
+
+def predict_scenario(scenario: Scenario) -> ScenarioResult:
+    """Simulate every configuration of ``scenario``; speed-ups are against one worker (1x1),
+    which is the replay of the (optimized) trace."""
+    study = TraceStudy.from_trace(scenario.trace, scenario.iteration)
+    worker = WhatIf(optimizations=scenario.optimizations).apply(study.graph)
+    baseline = iteration_report(simulate(worker), study.iterations)
+    baseline_ms = float(baseline["predicted_ms"].median())
+    without_comm = worker.copy()
+    without_comm.remove(without_comm.select(kinds=[TaskKind.COMM]))  # replaced by simulated ones
+    gradients = find_gradients(
+        study.trace, without_comm, study.iterations, scenario.gradient_sizes, scenario.gradient_total
+    )
+    rows, runs = [], {}
+    for point in scenario.points:
+        config = ClusterConfig(
+            cluster=point.cluster,
+            framework=point.framework,
+            policy=point.policy,
+            algorithm=scenario.collective,
+            options=scenario.options,
+            stragglers=[s for s in scenario.stragglers if s.machine < point.cluster.machines],
+            replicate=scenario.replicate,
+        )
+        graph = worker if config.workers == 1 else without_comm
+        run = simulate_cluster(graph, gradients, study.iterations, config)
+        report = iteration_report(run.schedule, study.iterations, run.worker0)
+        breakdown = cluster_breakdown(run, report)
+        iteration_ms = float(report["predicted_ms"].median())
+        workers = config.workers
+        row = {
+            "machines": point.cluster.machines,
+            "gpus_per_machine": point.cluster.gpus_per_machine,
+            "workers": workers,
+            "inter_node_gbps": round(point.inter_node_gbps, 3),
+            "framework": point.framework,
+            "policy": point.policy,
+            "iteration_ms": iteration_ms,
+            "speedup": workers * baseline_ms / iteration_ms,
+            "scaling_efficiency": baseline_ms / iteration_ms,
+            "exposed_comm_ms": float(breakdown["exposed_comm_ms"].median()),
+            "comm_ms": float(breakdown["comm_ms"].median()),
+            "compute_ms": float(breakdown["compute_ms"].median()),
+            "idle_ms": float(breakdown["idle_ms"].median()),
+            "messages_per_iteration": run.messages_per_iteration,
+            "comm_mb_per_iteration": run.bytes_per_iteration / 1e6,
+        }
+        rows.append(row)
+        runs[_label(row)] = run
+    return ScenarioResult(pd.DataFrame(rows), runs, gradients.source, gradients.bytes_per_iteration(), baseline_ms)
+
+
+def _label(row: dict) -> str:
+    return f"{row['machines']}x{row['gpus_per_machine']} {row['inter_node_gbps']:g}Gbps {row['framework']} {row['policy']}"

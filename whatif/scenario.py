@@ -1,0 +1,232 @@
+"""What-if scenarios in YAML: a trace, a cluster (or a grid of clusters), a framework and a policy.
+
+A scenario file looks like::
+
+    trace: ../data/convnet_cpu.pt.trace.json.gz      # relative to this file
+    iteration: ProfilerStep#.*                        # optional, default ProfilerStep#N
+    cluster:
+      machines: [1, 2, 3, 4]
+      gpus_per_machine: [1, 2]
+      intra_node: nvlink2                             # preset or {bandwidth, latency, efficiency}
+      inter_node: {bandwidth: [10Gbps, 20Gbps, 40Gbps], latency: 5us}
+    framework: horovod                                # horovod | ddp | ps, or a list
+    policy: fifo                                      # fifo | p3, or a list
+    collective: ring                                  # ring | hierarchical (all-reduce algorithm)
+    optimizations: [amp]                              # any of whatif simulate's
+    gradients: {total: 100MB}                         # or {sizes: [..]}; default: from the trace
+    stragglers: [{machine: 1, slowdown: 1.5}]         # or gpu_slowdown
+    framework_options: {fusion_buffer: 64MB, cycle_time: 5ms, bucket_cap: 25MB,
+                        first_bucket: 1MB, partition: 4MB, slice: 1MB}
+
+Lists in ``machines``, ``gpus_per_machine``, ``inter_node.bandwidth`` (or ``inter_node`` itself,
+as a list of presets), ``framework`` and ``policy`` make the scenario the grid of all their
+combinations. Every mistake is reported as one line naming the file and the key.
+"""
+
+from __future__ import annotations
+
+import difflib
+import itertools
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from whatif.sim.distributed import POLICIES, Straggler
+from whatif.sim.frameworks import FRAMEWORKS, FrameworkOptions
+from whatif.sim.optimizations import OPTIMIZATIONS
+from whatif.topology import Cluster, TopologyError, as_gbps, parse_latency, parse_size
+
+_TOP_KEYS = (
+    "trace", "iteration", "cluster", "framework", "policy", "collective", "optimizations",
+    "gradients", "stragglers", "framework_options", "replicate", "name", "description",
+)
+_CLUSTER_KEYS = ("machines", "gpus_per_machine", "intra_node", "inter_node", "server_machines", "name")
+_OPTION_KEYS = {
+    "bucket_cap": "bucket_cap_bytes",
+    "first_bucket": "first_bucket_bytes",
+    "fusion_buffer": "fusion_buffer_bytes",
+    "cycle_time": "cycle_time_us",
+    "partition": "partition_bytes",
+    "slice": "slice_bytes",
+}
+_COLLECTIVES = ("ring", "hierarchical")
+
+
+class ScenarioError(Exception):
+    """A scenario that cannot be used: ``str`` is ``FILE: KEY: problem``."""
+
+    def __init__(self, path: Path, key: str, message: str):
+        self.path, self.key = str(path), key
+        super().__init__(f"{path}: {key}: {message}" if key else f"{path}: {message}")
+
+
+@dataclass
+class ScenarioPoint:
+    """One configuration of the grid."""
+
+    cluster: Cluster
+    framework: str
+    policy: str
+    inter_node_gbps: float
+
+
+@dataclass
+class Scenario:
+    path: Path
+    trace: Path
+    iteration: Optional[str]
+    points: list[ScenarioPoint]
+    collective: str = "ring"
+    optimizations: list = field(default_factory=list)
+    gradient_sizes: Optional[list] = None
+    gradient_total: Optional[float] = None
+    stragglers: list = field(default_factory=list)
+    options: FrameworkOptions = field(default_factory=FrameworkOptions)
+    replicate: Optional[bool] = None
+
+
+def _as_list(value) -> list:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _check_keys(path: Path, mapping: Any, allowed, where: str) -> None:
+    if not isinstance(mapping, dict):
+        raise ScenarioError(path, where or "", f"expected a mapping, got {type(mapping).__name__}")
+    for key in mapping:
+        if key not in allowed:
+            close = difflib.get_close_matches(str(key), list(allowed), n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(allowed)}"
+            raise ScenarioError(path, f"{where}.{key}" if where else str(key), f"unknown key{hint}")
+
+
+def _choice(path: Path, key: str, value, allowed) -> str:
+    text = str(value).strip().lower()
+    if text not in allowed:
+        close = difflib.get_close_matches(text, list(allowed), n=1, cutoff=0.5)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ScenarioError(path, key, f"unknown value {value!r}{hint} (choose from {', '.join(allowed)})")
+    return text
+
+
+def load_scenario(path: Path) -> Scenario:
+    """Parse and validate a scenario file (YAML loaded safely)."""
+    path = Path(path)
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ScenarioError(path, "", "no such file") from None
+    except OSError as err:
+        raise ScenarioError(path, "", f"cannot be read ({err.strerror})") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise ScenarioError(path, "", f"not valid YAML{where}") from None
+    _check_keys(path, doc, _TOP_KEYS, "")
+    for required in ("trace", "cluster"):
+        if required not in doc:
+            raise ScenarioError(path, required, "missing")
+    trace = Path(str(doc["trace"]))
+    if not trace.is_absolute():
+        trace = path.parent / trace
+    if not trace.is_file():
+        raise ScenarioError(path, "trace", f"no such file: {trace}")
+
+    cluster = doc["cluster"]
+    _check_keys(path, cluster, _CLUSTER_KEYS, "cluster")
+    frameworks = [_choice(path, "framework", f, FRAMEWORKS) for f in _as_list(doc.get("framework", "horovod"))]
+    policies = [_choice(path, "policy", p, POLICIES) for p in _as_list(doc.get("policy", "fifo"))]
+    points = []
+    for machines, gpus, inter in itertools.product(
+        _as_list(cluster.get("machines", 1)), _as_list(cluster.get("gpus_per_machine", 1)), _inter_nodes(cluster)
+    ):
+        config = dict(cluster, machines=machines, gpus_per_machine=gpus, inter_node=inter)
+        try:
+            built = Cluster.from_config(config, "cluster")
+        except TopologyError as err:
+            raise ScenarioError(path, err.key, err.message) from None
+        for framework, policy in itertools.product(frameworks, policies):
+            points.append(ScenarioPoint(built, framework, policy, as_gbps(built.inter_node.bandwidth_bytes_per_us)))
+
+    scenario = Scenario(
+        path=path,
+        trace=trace,
+        iteration=None if doc.get("iteration") is None else str(doc["iteration"]),
+        points=points,
+        collective=_choice(path, "collective", doc.get("collective", "ring"), _COLLECTIVES),
+        optimizations=[_optimization(path, o) for o in _as_list(doc.get("optimizations") or [])],
+    )
+    _gradients(path, doc.get("gradients"), scenario)
+    scenario.stragglers = [_straggler(path, i, s, points) for i, s in enumerate(_as_list(doc.get("stragglers") or []))]
+    scenario.options = _options(path, doc.get("framework_options") or {})
+    replicate = doc.get("replicate", "auto")
+    if replicate not in ("auto", True, False):
+        raise ScenarioError(path, "replicate", f"expected auto, true or false, got {replicate!r}")
+    scenario.replicate = None if replicate == "auto" else bool(replicate)
+    return scenario
+
+
+def _inter_nodes(cluster: dict) -> list:
+    """The inter-node links of the grid: a list of presets, or a mapping whose bandwidth is a list."""
+    inter = cluster.get("inter_node")
+    if isinstance(inter, list):
+        return inter
+    if isinstance(inter, dict) and isinstance(inter.get("bandwidth"), list):
+        return [dict(inter, bandwidth=b) for b in inter["bandwidth"]]
+    return [inter]
+
+
+def _optimization(path: Path, spec) -> str:
+    name = str(spec).partition("=")[0].strip().lower().replace("_", "-")
+    if name not in OPTIMIZATIONS:
+        _choice(path, "optimizations", name, tuple(OPTIMIZATIONS))
+    return str(spec)
+
+
+def _gradients(path: Path, spec, scenario: Scenario) -> None:
+    if spec is None:
+        return
+    _check_keys(path, spec, ("total", "sizes"), "gradients")
+    try:
+        if "sizes" in spec:
+            scenario.gradient_sizes = [parse_size(s, f"gradients.sizes[{i}]") for i, s in enumerate(_as_list(spec["sizes"]))]
+        if "total" in spec:
+            scenario.gradient_total = parse_size(spec["total"], "gradients.total")
+    except TopologyError as err:
+        raise ScenarioError(path, err.key, err.message) from None
+    for size in (scenario.gradient_sizes or []) + [scenario.gradient_total or 1]:
+        if size <= 0:
+            raise ScenarioError(path, "gradients", "sizes must be positive")
+
+
+def _straggler(path: Path, index: int, spec, points: list) -> Straggler:
+    key = f"stragglers[{index}]"
+    _check_keys(path, spec, ("machine", "slowdown", "gpu_slowdown"), key)
+    if "machine" not in spec:
+        raise ScenarioError(path, f"{key}.machine", "missing")
+    machine = spec["machine"]
+    if not isinstance(machine, int) or machine < 0:
+        raise ScenarioError(path, f"{key}.machine", f"must be a machine index >= 0, got {machine!r}")
+    factors = {}
+    for name in ("slowdown", "gpu_slowdown"):
+        value = spec.get(name, 1.0)
+        if not isinstance(value, (int, float)) or value <= 0:
+            raise ScenarioError(path, f"{key}.{name}", f"must be a positive number, got {value!r}")
+        factors[name] = float(value)
+    return Straggler(machine, **factors)
+
+
+def _options(path: Path, spec) -> FrameworkOptions:
+    _check_keys(path, spec, tuple(_OPTION_KEYS), "framework_options")
+    values = {}
+    try:
+        for key, value in spec.items():
+            where = f"framework_options.{key}"
+            values[_OPTION_KEYS[key]] = parse_latency(value, where) if key == "cycle_time" else parse_size(value, where)
+    except TopologyError as err:
+        raise ScenarioError(path, err.key, err.message) from None
+    for field_name, value in values.items():
+        if value <= 0:
+            raise ScenarioError(path, "framework_options", f"{field_name} must be positive")
+    return FrameworkOptions(**values)
