@@ -63,6 +63,8 @@ def write_atomically(path: Path, payload: bytes) -> None:
     """Write beside the target and rename into place: an interrupted run leaves no half file."""
     path = Path(path)
     directory = path.parent if str(path.parent) else Path(".")
+    if not directory.is_dir():
+        raise FileNotFoundError(2, "no such folder to write into", str(path))
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=directory)
     try:
         with os.fdopen(fd, "wb") as out:

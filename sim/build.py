@@ -454,8 +454,10 @@ class _Builder:
             }
         )
         graph = TaskGraph(tasks, pd.DataFrame({"src": src, "dst": dst, "lag_us": lag, "kind": ekind}), self.trace.path)
-        # the first task of every resource is released when it started in the trace
+        # the first task of a resource that no edge explains is released when it started in the
+        # trace; one with an edge (a stream's first kernel, a thread woken by another) follows it
         firsts = np.array([seq[0] for seq in graph.resource_order()], dtype=np.int64)
+        firsts = firsts[~np.isin(firsts, dst)]
         tasks.iloc[firsts, tasks.columns.get_loc("release_us")] = effective_start[firsts]
         return graph
 

@@ -18,7 +18,8 @@ Two engines compute that schedule:
 A resource given a :class:`Policy` does not have a fixed order: whenever it is free it asks the
 policy to choose among the tasks that are ready at that moment (Daydream's Schedule primitive).
 Such a resource always runs on the SimPy clock, in both engines, because which tasks are ready
-depends on the time.
+depends on the time; there a task is ready only once its predecessors have ended (a negative
+lag cannot pull it before them).
 """
 
 from __future__ import annotations
@@ -147,7 +148,7 @@ class _Run:
 
     def _run_in_order(self, ids: list):
         end, release, duration, preds = self.end, self.release_list, self.c.duration, self.c.preds
-        free = -np.inf
+        free = 0.0  # simulated time starts at the trace's first event
         for t in ids:
             ready = release[t]
             for d, lag in preds[t]:
@@ -164,7 +165,7 @@ class _Run:
 
     def _run_event_per_task(self, ids: list):
         env, end, release, duration, preds = self.env, self.end, self.release_list, self.c.duration, self.c.preds
-        free = -np.inf
+        free = 0.0  # simulated time starts at the trace's first event
         for t in ids:
             ready = release[t]
             for d, lag in preds[t]:
@@ -186,7 +187,7 @@ class _Run:
     def _run_with_policy(self, ids: list, policy: Policy):
         env, end, release, duration, preds = self.env, self.end, self.release_list, self.c.duration, self.c.preds
         pending = list(ids)
-        free = -np.inf
+        free = 0.0  # simulated time starts at the trace's first event
         while pending:
             now = max(free, env.now)
             if now > env.now:
@@ -194,15 +195,22 @@ class _Run:
                 yield env.timeout(now - env.now)
             self.events += 1
             yield env.timeout(0)  # let every task that ends at this instant be computed first
+            # a task is ready once every predecessor has ended by now on the SimPy clock (the fast
+            # engine may know a later end already; using it would let negative lags act early)
             ready, next_ready, unknown = [], np.inf, []
             for t in pending:
                 r = release[t]
                 for d, lag in preds[t]:
-                    if end[d] is None:
+                    e = end[d]
+                    if e is None:
                         unknown.append(d)
                         r = None
                         break
-                    r = max(r, end[d] + lag)
+                    if e > now:
+                        next_ready = min(next_ready, e)
+                        r = None
+                        break
+                    r = max(r, e + lag)
                 if r is None:
                     continue
                 if r <= now:

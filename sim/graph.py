@@ -176,7 +176,8 @@ class TaskGraph:
         A removed task's place on its resource counts as an edge from the task before it and to
         the task after it, so a kernel whose launch call is removed still waits for whatever ran
         before that call. A bypass edge's lag is the sum of the lags along the removed path (the
-        longest such sum where there are several), as if the removed tasks took no time.
+        longest such sum where there are several), as if the removed tasks took no time; lags out
+        of a removed task count from its start, so they are never negative.
         """
         removed = np.zeros(len(self.tasks), dtype=bool)
         removed[np.asarray(task_ids, dtype=np.int64)] = True
@@ -211,6 +212,9 @@ class TaskGraph:
                 if not removed[s_] and sources.get(s_, -np.inf) < l_:
                     sources[s_] = l_
             for d_, l_ in out.get(r, ()):
+                # a removed task takes no time, and nothing starts before its cause started: a
+                # negative lag out of it (a kernel starting before its launch call returned) is 0
+                l_ = max(l_, 0.0)
                 if removed[d_]:
                     target = reach.setdefault(d_, {})
                     for s_, acc in sources.items():
@@ -230,6 +234,14 @@ class TaskGraph:
             [(s_, d_, l_, int(EdgeKind.BYPASS)) for (s_, d_), l_ in bypass.items()],
             columns=["src", "dst", "lag_us", "kind"],
         ).astype(self.edges.dtypes.to_dict())
+        # a resource whose first tasks go keeps its start: the first survivor inherits the release
+        release = self.tasks["release_us"].to_numpy().copy()
+        for seq in self.resource_order():
+            if removed[seq[0]]:
+                survivors = seq[~removed[seq]]
+                if len(survivors):
+                    release[survivors[0]] = max(release[survivors[0]], release[seq[0]])
+        self.tasks["release_us"] = release
         keep = np.flatnonzero(~removed)
         remap = np.full(len(self.tasks), -1, dtype=np.int64)
         remap[keep] = np.arange(len(keep))

@@ -138,11 +138,6 @@ def test_a_timeline_into_a_missing_folder_is_one_line(good_trace, tmp_path, caps
     assert not target.exists()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="report/timeline.py: the error names mkstemp's temporary file (.timeline.json.XXXX), "
-    "not the --timeline path the user gave",
-)
 def test_a_timeline_into_a_missing_folder_names_the_path_given(good_trace, tmp_path, capsys):
     target = tmp_path / "no" / "such" / "folder" / "timeline.json"
     status, _, err = run_cli(capsys, ["replay", good_trace, "--timeline", target])

@@ -175,19 +175,13 @@ def test_a_policy_only_sees_tasks_whose_predecessors_are_done(run):
     assert starts(s) == [4.0, 6.0, 0.0, 0.0]
 
 
-@pytest.mark.parametrize(
-    "run",
-    [simulate, pytest.param(simulate_event_per_task, marks=pytest.mark.xfail(
-        strict=True,
-        reason="sim/engine.py _run_with_policy: on the SimPy clock a predecessor's end is only "
-        "known when the clock reaches it, so a negative lag cannot pull a task earlier on a "
-        "resource with a policy in the event-per-task engine",
-    ))],
-    ids=ENGINE_IDS,
-)
-def test_a_negative_lag_into_a_resource_with_a_policy(run):
+@pytest.mark.parametrize("run", ENGINES, ids=ENGINE_IDS)
+def test_on_a_resource_with_a_policy_a_task_waits_for_its_predecessors_to_end(run):
+    """A negative lag (a kernel the trace shows starting before its launch call returned) cannot
+    pull a task ahead of its predecessor's end on a resource whose policy decides on the SimPy
+    clock: the kernel starts when the launch ends, in both engines."""
     g = make_graph([("launch", "cpu 0", 10, 0.0), ("kernel", "gpu 0", 5, 0.0)], [(0, 1, -3.0)])
-    assert starts(run(g, {"gpu 0": Policy()})) == [0.0, 7.0]
+    assert starts(run(g, {"gpu 0": Policy()})) == [0.0, 10.0]
 
 
 def test_a_policy_for_a_resource_that_does_not_exist_is_an_error():
@@ -226,13 +220,6 @@ class ShortestReadyFirst(Policy):
         return min(ready, key=lambda t: self.duration[t])
 
 
-NEGATIVE_LAG_WITH_POLICY = pytest.mark.xfail(
-    strict=True,
-    reason="sim/engine.py _run_with_policy: negative LAUNCH lags from sim/build.py (kernels the "
-    "trace shows starting before their launch call returned) are honoured by the fast engine but "
-    "not by the event-per-task one, whose policy resource learns a predecessor's end only when "
-    "the SimPy clock reaches it",
-)
 
 
 @pytest.mark.parametrize(
@@ -241,8 +228,8 @@ NEGATIVE_LAG_WITH_POLICY = pytest.mark.xfail(
         (DLRM_RANK0, "gpu 0/stream 7"),
         (DLRM_RANK0, "gpu 0/stream 84"),
         (DLRM_RANK0, "cpu 59811/59976"),  # no stream-order edges: the policy reorders the thread
-        pytest.param(EVENT_SYNC_MULTISTREAM, "gpu 0/stream 20", marks=NEGATIVE_LAG_WITH_POLICY),
-        pytest.param(RECSYS, "gpu 3/stream 20", marks=NEGATIVE_LAG_WITH_POLICY),
+        (EVENT_SYNC_MULTISTREAM, "gpu 0/stream 20"),
+        (RECSYS, "gpu 3/stream 20"),
     ],
 )
 def test_both_engines_agree_with_a_policy_on_one_resource(traces, name, stream):
