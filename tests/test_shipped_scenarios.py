@@ -1,0 +1,140 @@
+"""The scenarios in ``scenarios/``: each loads, predicts, and its answer obeys what the question
+it asks takes for granted.
+
+Every scenario runs on a trace the repository ships, so these tests need nothing beside it. Each
+scenario is predicted once per session (all of them in about 15 s).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from whatif import TraceStudy
+from whatif.predict import ScenarioResult, predict_scenario
+from whatif.report.iterations import iteration_report, union_within
+from whatif.scenario import Scenario, load_scenario
+from whatif.sim.frameworks import FrameworkOptions
+
+REPO = Path(__file__).resolve().parents[1]
+SCENARIOS = sorted((REPO / "scenarios").glob("*.yaml"))
+BANDWIDTH_SCENARIOS = ["bandwidth_10_20_40.yaml", "bandwidth_cpu_analogue.yaml"]
+CYCLE_MS = FrameworkOptions().cycle_time_us / 1e3  # Horovod's background loop: one tick per 5 ms
+
+
+@lru_cache(maxsize=None)
+def predicted(name: str) -> tuple[Scenario, ScenarioResult]:
+    scenario = load_scenario(REPO / "scenarios" / name)
+    return scenario, predict_scenario(scenario)
+
+
+@lru_cache(maxsize=None)
+def iteration_times_ms(name: str) -> dict:
+    """Per configuration label, the predicted time of every iteration of worker 0."""
+    scenario, outcome = predicted(name)
+    iterations = TraceStudy.from_trace(scenario.trace, scenario.iteration).iterations
+    return {
+        label: iteration_report(run.schedule, iterations, run.worker0)["predicted_ms"].to_numpy()
+        for label, run in outcome.runs.items()
+    }
+
+
+def test_the_shipped_scenarios_are_there():
+    names = {p.name for p in SCENARIOS}
+    assert {"p3_vs_fifo.yaml", "ring_vs_ps.yaml", "straggler.yaml", *BANDWIDTH_SCENARIOS} <= names
+
+
+@pytest.mark.parametrize("path", SCENARIOS, ids=lambda p: p.name)
+def test_a_scenario_says_what_it_asks_and_uses_a_shipped_trace(path):
+    header = path.read_text().split("\ntrace:")[0]
+    assert header.startswith("# Question:"), "a scenario opens with the question it answers"
+    scenario = load_scenario(path)
+    assert not Path(path.read_text().split("\ntrace:")[1].split()[0]).is_absolute(), "trace is relative"
+    assert scenario.trace.resolve().is_relative_to(REPO / "data"), "only traces the repository ships"
+    assert scenario.points
+
+
+@pytest.mark.parametrize("path", SCENARIOS, ids=lambda p: p.name)
+def test_a_scenario_predicts_every_configuration_no_faster_than_linear(path):
+    scenario, outcome = predicted(path.name)
+    results = outcome.results
+    assert len(results) == len(scenario.points)
+    assert np.isfinite(results["iteration_ms"]).all() and (results["iteration_ms"] > 0).all()
+    assert (results["speedup"] <= results["workers"] * (1 + 1e-9)).all(), results.to_string()
+    assert (results["exposed_comm_ms"] <= results["iteration_ms"] + 1e-9).all()
+    one = results["workers"] == 1
+    assert np.allclose(results.loc[one, "iteration_ms"], outcome.baseline_ms), "1x1 is the replay"
+
+
+def test_p3_is_never_slower_than_fifo_and_faster_where_communication_is_exposed():
+    _, outcome = predicted("p3_vs_fifo.yaml")
+    keys = ["machines", "gpus_per_machine", "inter_node_gbps", "framework"]
+    table = outcome.results.pivot_table(index=keys, columns="policy", values="iteration_ms")
+    assert len(table) == len(outcome.results) // 2 and not table.isna().any().any()
+    assert (table["p3"] <= table["fifo"] * (1 + 1e-9)).all(), table.to_string()
+    fifo = outcome.results[outcome.results["policy"] == "fifo"].set_index(keys)
+    exposed = fifo["exposed_comm_ms"] > 0.1 * fifo["iteration_ms"]
+    assert exposed.any(), "the scenario is meant to be communication-bound somewhere"
+    assert (table.loc[exposed[exposed].index, "p3"] < table.loc[exposed[exposed].index, "fifo"]).all(), table.to_string()
+
+
+@pytest.mark.parametrize("name", BANDWIDTH_SCENARIOS)
+def test_more_bandwidth_is_never_slower_under_fifo(name):
+    """Up to one Horovod cycle: its loop fuses and starts all-reduces only on 5 ms ticks, so a
+    faster network can shift the ticks so that the last gradient of a step just misses one; and
+    the median iteration can be a different one of the (unequal) measured iterations."""
+    _, outcome = predicted(name)
+    times = iteration_times_ms(name)
+    results = outcome.results.assign(label=list(outcome.runs))
+    assert (results["policy"] == "fifo").all()
+    for _, group in results.groupby(["machines", "gpus_per_machine", "framework"]):
+        group = group.sort_values("inter_node_gbps")
+        median = group["iteration_ms"].to_numpy()
+        assert (np.diff(median) <= CYCLE_MS).all(), group.to_string()
+        total = np.array([times[label].sum() for label in group["label"]])
+        assert (np.diff(total) <= CYCLE_MS).all(), f"time of all iterations {total} ms at {group['inter_node_gbps'].tolist()} Gbps"
+
+
+@pytest.mark.parametrize("path", SCENARIOS, ids=lambda p: p.name)
+def test_the_network_never_idles_while_a_message_is_ready(path):
+    """A FIFO or P3 queue starts a ready message at once; Horovod's loop may first wait for its
+    next tick, at most one cycle for each fused all-reduce it starts meanwhile."""
+    _, outcome = predicted(path.name)
+    for label, run in outcome.runs.items():
+        if not len(run.comm_tasks):
+            continue
+        schedule = run.schedule
+        tasks, edges = schedule.graph.tasks, schedule.graph.edges
+        resource = tasks["resource"].astype(str).to_numpy()
+        start, end = schedule.start_us, schedule.end_us
+        incoming = edges[edges["dst"].isin(run.comm_tasks)]
+        ready_us = pd.Series(end[incoming["src"].to_numpy()] + incoming["lag_us"].to_numpy()).groupby(
+            incoming["dst"].to_numpy()
+        ).max()
+        horovod = "horovod fifo" in label
+        for t in run.comm_tasks.tolist():
+            lo, hi = ready_us[t], start[t]
+            if hi <= lo:
+                continue
+            same = run.comm_tasks[resource[run.comm_tasks] == resource[t]]
+            idle_ms = (hi - lo - union_within(start[same], end[same], lo, hi)) / 1e3
+            batches = len(np.unique(start[same][(start[same] >= lo) & (start[same] < hi)]))
+            allowed_ms = CYCLE_MS * (batches + 1) if horovod else 0.0
+            assert idle_ms <= allowed_ms + 1e-6, (
+                f"{label}: {resource[t]} idle {idle_ms:.2f} ms while {tasks['name'].iat[t]!r} was ready "
+                f"(from {lo / 1e3:.2f} to {hi / 1e3:.2f} ms; at most {allowed_ms:.0f} ms)"
+            )
+
+
+def test_a_straggler_sets_the_pace_of_every_worker():
+    _, outcome = predicted("straggler.yaml")
+    results = outcome.results
+    assert set(results["machines"]) == {2, 4}
+    slowdown = 1.5
+    for row in results.itertuples():
+        assert row.iteration_ms >= slowdown * outcome.baseline_ms * 0.98, row
+        assert row.speedup <= row.workers / slowdown * 1.02, row
