@@ -8,10 +8,11 @@ it crosses); and what the framework makes wait for it (the optimizer step, or th
 use of the layer) waits for it on every worker.
 
 Collectives of one queue run one at a time, as NCCL's stream and Horovod's background thread run
-them, so a collective's time is that of its plan on otherwise idle links (the closed forms of
-``topology.collectives``, which the topology tests hold to the link-sharing simulation). A
-parameter server has two queues, push and pull, which use opposite directions of the
-full-duplex links.
+them, so an all-reduce takes the time of its plan on otherwise idle links: the closed forms of
+``topology.collectives``, which the topology tests hold to the link-sharing simulation. A
+parameter server has two queues, push and pull, whose transfers meet on the same NICs (with
+servers on the worker machines every NIC pushes and pulls at once), so there each message's plan
+runs on ``topology.network``'s shared links, in flight with the others.
 
 Identical workers need not all be simulated: every worker would compute the same schedule, so
 one worker graph plus the network gives the same answer (a test compares it with full
@@ -28,9 +29,11 @@ from typing import Optional, Sequence
 import numpy as np
 import pandas as pd
 
-from whatif.topology import Cluster, allreduce_time_us, parameter_server_time_us
+import simpy
 
-from .engine import Schedule, simulate
+from whatif.topology import Cluster, Network, Plan, allreduce_time_us, parameter_server_time_us, plan_allreduce
+
+from .engine import Policy, Schedule, simulate
 from .frameworks import FrameworkOptions, Message, plan_messages
 from .gradients import Gradients
 from .graph import GPU_TASK_KINDS, EdgeKind, GraphError, TaskGraph, TaskKind
@@ -63,6 +66,15 @@ class ClusterConfig:
     options: FrameworkOptions = field(default_factory=FrameworkOptions)
     stragglers: Sequence[Straggler] = ()
     replicate: Optional[bool] = None  # None: only when workers differ
+    # run each collective's plan on links shared with the collectives in flight beside it, or
+    # time it by its closed form; None: shared for a parameter server, whose push and pull queues
+    # overlap, closed form for all-reduce, whose one queue runs a collective at a time (the two
+    # agree there, and the closed form is much faster on large clusters)
+    shared_links: Optional[bool] = None
+
+    @property
+    def on_shared_links(self) -> bool:
+        return self.framework == "ps" if self.shared_links is None else self.shared_links
 
     @property
     def workers(self) -> int:
@@ -146,14 +158,19 @@ def simulate_cluster(worker: TaskGraph, gradients: Gradients, iterations: pd.Dat
     prio = {int(comm[i]): p for i, p in enumerate(priority)}
     size = {int(comm[i]): b for i, b in enumerate(nbytes)}
     policies = {}
+    networks: dict = {}  # one Network per simulation, shared by the push and pull queues
     for resource in sorted({r["resource"] for r in rows}):
         inner = Priority(prio, rank) if sliced else Fifo(rank)
         if config.framework == "horovod" and not sliced:
             inner = HorovodCycle(inner, size, config.options.fusion_buffer_bytes, config.options.cycle_time_us, cost)
+        if config.on_shared_links:
+            inner = _OnSharedLinks(inner, size, _plan_maker(config, resource), networks)
         policies[resource] = inner
     schedule = simulate(graph, policies)
     worker0 = np.zeros(len(graph.tasks), dtype=bool)
     worker0[:n] = True
+    if barrier is not None:
+        worker0[barrier] = True  # it closes worker 0's last iteration
     iterations_with = max(sum(1 for m in per_iteration.values() if m), 1)
     return ClusterSchedule(
         schedule,
@@ -162,6 +179,47 @@ def simulate_cluster(worker: TaskGraph, gradients: Gradients, iterations: pd.Dat
         len(rows) / iterations_with,
         sum(nbytes) / iterations_with / (2 if config.framework == "ps" else 1),
     )
+
+
+class _OnSharedLinks(Policy):
+    """Runs each batch its policy picks as the collective's plan of transfers on the cluster's
+    links (``topology.network``), so collectives in flight at once (a parameter server's pushes
+    and pulls) share the links they cross instead of each taking its idle-network time."""
+
+    def __init__(self, inner: Policy, nbytes: dict, plan_of, networks: dict):
+        self.inner, self.nbytes, self.plan_of, self.networks = inner, nbytes, plan_of, networks
+
+    def choose_batch(self, ready, now_us):
+        return self.inner.choose_batch(ready, now_us)
+
+    def start_at(self, now_us):
+        return self.inner.start_at(now_us)
+
+    def finished(self, batch, start_us, end_us):
+        self.inner.finished(batch, start_us, end_us)
+
+    def execute(self, env: simpy.Environment, batch, now_us):
+        network = self.networks.get(env)
+        if network is None:
+            network = self.networks.setdefault(env, Network(env, self.plan_of.cluster))
+        return network.execute(self.plan_of(sum(self.nbytes[t] for t in batch)))
+
+
+class _PlanMaker:
+    def __init__(self, cluster: Cluster, algorithm: str, phase: Optional[int]):
+        self.cluster, self.algorithm, self.phase = cluster, algorithm, phase
+
+    def __call__(self, nbytes: float) -> Plan:
+        plan = plan_allreduce(self.cluster, nbytes, self.algorithm)
+        if self.phase is None:
+            return plan
+        return Plan(plan.algorithm, plan.size_bytes, plan.steps[self.phase : self.phase + 1])
+
+
+def _plan_maker(config: ClusterConfig, resource: str) -> _PlanMaker:
+    if config.framework != "ps":
+        return _PlanMaker(config.cluster, config.algorithm, None)
+    return _PlanMaker(config.cluster, "parameter_server", 0 if resource.endswith("push") else 1)
 
 
 def _comm_row(m: Message, resource: str, duration_us: float, ready_us: float) -> dict:

@@ -61,6 +61,12 @@ class Policy:
     def finished(self, batch: list[int], start_us: float, end_us: float) -> None:
         """Told when a batch has been scheduled, for policies that keep state (cycles)."""
 
+    def execute(self, env: simpy.Environment, batch: list[int], now_us: float) -> Optional[simpy.Event]:
+        """Run the batch as a SimPy process of its own (a collective on shared links) instead of
+        for a fixed duration; the batch ends when the returned event fires. None: use
+        ``batch_duration_us``."""
+        return None
+
 
 @dataclass
 class Schedule:
@@ -231,7 +237,13 @@ class _Run:
                 free = start_at  # wait for the policy's next opportunity, then look again
                 continue
             batch = policy.choose_batch(ready, now)
-            free = now + policy.batch_duration_us(batch, [duration[t] for t in batch])
+            running = policy.execute(env, batch, now)
+            if running is not None:
+                self.events += 1
+                yield running
+                free = env.now
+            else:
+                free = now + policy.batch_duration_us(batch, [duration[t] for t in batch])
             policy.finished(batch, now, free)
             if self.event_per_task and free > env.now:
                 self.events += 1

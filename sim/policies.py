@@ -63,7 +63,9 @@ class HorovodCycle(Policy):
             return now_us
         if now_us <= self.next_cycle:
             return self.next_cycle
-        return self.next_cycle + math.ceil((now_us - self.next_cycle) / self.cycle_us) * self.cycle_us
+        # the tolerance keeps a tick computed from a tick from landing one cycle late by rounding
+        cycles = math.ceil((now_us - self.next_cycle) / self.cycle_us - 1e-9)
+        return self.next_cycle + cycles * self.cycle_us
 
     def choose_batch(self, ready: list[int], now_us: float) -> list[int]:
         batch, size, left = [], 0.0, list(ready)

@@ -48,6 +48,7 @@ def predict_scenario(scenario: Scenario) -> ScenarioResult:
             options=scenario.options,
             stragglers=[s for s in scenario.stragglers if s.machine < point.cluster.machines],
             replicate=scenario.replicate,
+            shared_links=scenario.shared_links,
         )
         graph = worker if config.workers == 1 else without_comm
         run = simulate_cluster(graph, gradients, study.iterations, config)

@@ -15,6 +15,7 @@ A scenario file looks like::
     optimizations: [amp]                              # any of whatif simulate's
     gradients: {total: 100MB}                         # or {sizes: [..]}; default: from the trace
     stragglers: [{machine: 1, slowdown: 1.5}]         # or gpu_slowdown
+    network: auto                                     # closed_form | shared_links (see sim.distributed)
     framework_options: {fusion_buffer: 64MB, cycle_time: 5ms, bucket_cap: 25MB,
                         first_bucket: 1MB, partition: 4MB, slice: 1MB}
 
@@ -40,7 +41,7 @@ from whatif.topology import Cluster, TopologyError, as_gbps, parse_latency, pars
 
 _TOP_KEYS = (
     "trace", "iteration", "cluster", "framework", "policy", "collective", "optimizations",
-    "gradients", "stragglers", "framework_options", "replicate", "name", "description",
+    "gradients", "stragglers", "framework_options", "replicate", "network", "name", "description",
 )
 _CLUSTER_KEYS = ("machines", "gpus_per_machine", "intra_node", "inter_node", "server_machines", "name")
 _OPTION_KEYS = {
@@ -85,6 +86,7 @@ class Scenario:
     stragglers: list = field(default_factory=list)
     options: FrameworkOptions = field(default_factory=FrameworkOptions)
     replicate: Optional[bool] = None
+    shared_links: Optional[bool] = None
 
 
 def _as_list(value) -> list:
@@ -164,6 +166,8 @@ def load_scenario(path: Path) -> Scenario:
     if replicate not in ("auto", True, False):
         raise ScenarioError(path, "replicate", f"expected auto, true or false, got {replicate!r}")
     scenario.replicate = None if replicate == "auto" else bool(replicate)
+    network = _choice(path, "network", doc.get("network", "auto"), ("auto", "closed_form", "shared_links"))
+    scenario.shared_links = {"auto": None, "closed_form": False, "shared_links": True}[network]
     return scenario
 
 
