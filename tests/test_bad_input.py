@@ -184,3 +184,9 @@ def test_the_unmodified_graph_still_simulates_after_a_failed_copy(traces):
     graph.add_edges([(1, 0, 0.0, int(EdgeKind.USER))])
     assert len(study.graph.edges) == edges_before
     assert np.isfinite(simulate(study.graph).end_us).all()
+
+
+def test_a_what_if_that_removes_every_task_is_an_error_not_an_empty_table(good_trace, capsys):
+    status, out, err = run_cli(capsys, ["simulate", good_trace, "--remove", "ProfilerStep"])
+    assert_one_line_error(status, err, "removed every task")
+    assert out == ""

@@ -66,6 +66,13 @@ class TraceStudy:
         There is no error column: nothing measured the transformed run."""
         schedule = simulate(what_if.apply(self.graph))
         report = iteration_report(schedule, self.iterations).drop(columns=["error_pct"])
+        emptied = report.loc[report["predicted_ms"].isna(), "name"].tolist()
+        if emptied:
+            raise GraphError(
+                f"the what-if removed every task of iteration {emptied[0]!r}"
+                + (f" and {len(emptied) - 1} more" if len(emptied) > 1 else "")
+                + "; nothing is left to predict"
+            )
         report.insert(2, "replay_ms", self.replay_report()["predicted_ms"].to_numpy())
         report["speedup"] = report["replay_ms"] / report["predicted_ms"]
         return schedule, report
