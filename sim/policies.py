@@ -39,8 +39,13 @@ class Priority(Policy):
 
 class HorovodCycle(Policy):
     """Horovod's background loop: once per cycle it takes the tensors ready on every worker, in
-    the order of ``inner``, and fuses them into one all-reduce of at most ``fusion_bytes``; a
-    cycle starts no sooner than ``cycle_us`` after the previous one started."""
+    the order of ``inner``, and fuses them into one all-reduce of at most ``fusion_bytes``.
+
+    The loop wakes every ``cycle_us`` (ticks at multiples of the cycle); an all-reduce that runs
+    past a tick makes the loop skip it, so work starts at the first tick after both the tensors
+    and the network are ready. Anchoring the ticks keeps a faster network from ever delaying
+    the next start, which a loop re-timed from each finish would.
+    """
 
     def __init__(
         self,
@@ -55,17 +60,10 @@ class HorovodCycle(Policy):
         self.fusion_bytes = fusion_bytes
         self.cycle_us = cycle_us
         self.cost_us = cost_us
-        self.next_cycle = -math.inf
 
     def start_at(self, now_us: float) -> float:
-        """The first cycle tick at or after ``now_us``; ticks go on every cycle while idle."""
-        if self.next_cycle == -math.inf:
-            return now_us
-        if now_us <= self.next_cycle:
-            return self.next_cycle
-        # the tolerance keeps a tick computed from a tick from landing one cycle late by rounding
-        cycles = math.ceil((now_us - self.next_cycle) / self.cycle_us - 1e-9)
-        return self.next_cycle + cycles * self.cycle_us
+        """The first tick at or after ``now_us`` (the tolerance keeps rounding from skipping one)."""
+        return math.ceil(now_us / self.cycle_us - 1e-9) * self.cycle_us
 
     def choose_batch(self, ready: list[int], now_us: float) -> list[int]:
         batch, size, left = [], 0.0, list(ready)
@@ -80,6 +78,3 @@ class HorovodCycle(Policy):
 
     def batch_duration_us(self, batch: list[int], durations_us: list[float]) -> float:
         return self.cost_us(sum(self.nbytes[t] for t in batch))
-
-    def finished(self, batch: list[int], start_us: float, end_us: float) -> None:
-        self.next_cycle = max(start_us + self.cycle_us, end_us)

@@ -32,7 +32,7 @@ def predict_scenario(scenario: Scenario) -> ScenarioResult:
     study = TraceStudy.from_trace(scenario.trace, scenario.iteration)
     worker = WhatIf(optimizations=scenario.optimizations).apply(study.graph)
     baseline = iteration_report(simulate(worker), study.iterations)
-    baseline_ms = float(baseline["predicted_ms"].median())
+    baseline_ms = steady_median(baseline["predicted_ms"])
     without_comm = worker.copy()
     without_comm.remove(without_comm.select(kinds=[TaskKind.COMM]))  # replaced by simulated ones
     gradients = find_gradients(
@@ -54,7 +54,7 @@ def predict_scenario(scenario: Scenario) -> ScenarioResult:
         run = simulate_cluster(graph, gradients, study.iterations, config)
         report = iteration_report(run.schedule, study.iterations, run.worker0)
         breakdown = cluster_breakdown(run, report)
-        iteration_ms = float(report["predicted_ms"].median())
+        iteration_ms = steady_median(report["predicted_ms"])
         workers = config.workers
         row = {
             "machines": point.cluster.machines,
@@ -66,16 +66,26 @@ def predict_scenario(scenario: Scenario) -> ScenarioResult:
             "iteration_ms": iteration_ms,
             "speedup": workers * baseline_ms / iteration_ms,
             "scaling_efficiency": baseline_ms / iteration_ms,
-            "exposed_comm_ms": float(breakdown["exposed_comm_ms"].median()),
-            "comm_ms": float(breakdown["comm_ms"].median()),
-            "compute_ms": float(breakdown["compute_ms"].median()),
-            "idle_ms": float(breakdown["idle_ms"].median()),
+            "exposed_comm_ms": steady_median(breakdown["exposed_comm_ms"]),
+            "comm_ms": steady_median(breakdown["comm_ms"]),
+            "compute_ms": steady_median(breakdown["compute_ms"]),
+            "idle_ms": steady_median(breakdown["idle_ms"]),
             "messages_per_iteration": run.messages_per_iteration,
             "comm_mb_per_iteration": run.bytes_per_iteration / 1e6,
         }
         rows.append(row)
         runs[_label(row)] = run
     return ScenarioResult(pd.DataFrame(rows), runs, gradients.source, gradients.bytes_per_iteration(), baseline_ms)
+
+
+def steady_median(values: pd.Series) -> float:
+    """The median over iterations, leaving out the first and the last where there are three or
+    more: the first starts with an idle network and the last pays for draining it (with
+    layer-by-layer synchronisation its own communication and the previous one's); neither is
+    the steady state a training run lives in."""
+    values = values.to_numpy()
+    steady = values[1:-1] if len(values) >= 3 else values
+    return float(pd.Series(steady).median())
 
 
 def _label(row: dict) -> str:
