@@ -72,7 +72,7 @@ def plan_messages(
         messages = _ddp_buckets(gradients, forward, options)
     elif framework == "horovod":
         messages = [
-            Message(g.name, g.nbytes, [g.ready_task], forward[id(g)], g.iteration, layers=[forward[id(g)]])
+            Message(g.name, g.nbytes, g.ready_after, forward[id(g)], g.iteration, layers=[forward[id(g)]])
             for g in gradients
         ]
     elif framework == "ps":
@@ -87,21 +87,24 @@ def plan_messages(
 
 
 def _ddp_buckets(gradients: list[Gradient], forward: dict, options: FrameworkOptions) -> list[Message]:
+    # as PyTorch's Reducer: a bucket closes once it holds at least its cap, keeping the gradient
+    # that took it over
     buckets: list[list[Gradient]] = [[]]
     cap = options.first_bucket_bytes
     size = 0.0
     for g in gradients:
-        if buckets[-1] and size + g.nbytes > cap:
+        buckets[-1].append(g)
+        size += g.nbytes
+        if size >= cap:
             buckets.append([])
             size = 0.0
             cap = options.bucket_cap_bytes
-        buckets[-1].append(g)
-        size += g.nbytes
+    buckets = [b for b in buckets if b]
     return [
         Message(
             f"bucket {i}",
             sum(g.nbytes for g in bucket),
-            [g.ready_task for g in bucket],
+            sorted({t for g in bucket for t in g.ready_after}),
             min(forward[id(g)] for g in bucket),
             bucket[0].iteration,
             layers=[forward[id(g)] for g in bucket],
@@ -119,7 +122,7 @@ def _partitions(gradients: list[Gradient], forward: dict, partition_bytes: float
                 Message(
                     f"{g.name} part {p}",
                     g.nbytes / pieces,
-                    [g.ready_task],
+                    g.ready_after,
                     forward[id(g)],
                     g.iteration,
                     layers=[forward[id(g)]],

@@ -18,7 +18,7 @@ The chosen source is reported with the prediction, so a user knows what it rests
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 import msgspec
@@ -27,7 +27,7 @@ import pandas as pd
 
 from whatif.collectors.kineto import KinetoTrace
 
-from .graph import GraphError, TaskGraph, TaskKind
+from .graph import EdgeKind, GraphError, TaskGraph, TaskKind
 
 ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
 _BYTES_PER_ELEMENT = {
@@ -38,12 +38,20 @@ _BYTES_PER_ELEMENT = {
 
 @dataclass(frozen=True)
 class Gradient:
-    """One tensor to communicate: ``ready_task`` is the task after whose end it can be sent."""
+    """One tensor to communicate. It can be sent once ``ready_task`` (the CPU task that hands it
+    over: its AccumulateGrad, or the step before DDP's launch) has ended and, on a GPU, once
+    ``computed_by`` (the last kernel that thread launched before then, which every kernel
+    computing the gradient precedes) has ended too; -1 where there is no GPU."""
 
     name: str
     nbytes: float
     ready_task: int
     iteration: int
+    computed_by: int = -1
+
+    @property
+    def ready_after(self) -> list[int]:
+        return [self.ready_task] + ([self.computed_by] if self.computed_by >= 0 else [])
 
 
 @dataclass
@@ -75,6 +83,14 @@ def find_gradients(
     accumulate = _last_task_of_events(event, np.flatnonzero(names.to_numpy() == ACCUMULATE_GRAD))
     span = _iteration_of(tasks, iterations)
 
+    found = _find(trace, graph, iterations, sizes, total_bytes, event, names, accumulate, span)
+    kernel = _last_kernel_launched_before(graph, np.asarray([g.ready_task for g in found.gradients], dtype=np.int64))
+    found.gradients = [replace(g, computed_by=int(k)) for g, k in zip(found.gradients, kernel)]
+    return found
+
+
+def _find(trace, graph, iterations, sizes, total_bytes, event, names, accumulate, span) -> Gradients:
+    tasks = graph.tasks
     if sizes is not None:
         return _spread(tasks, span, accumulate, list(sizes), f"scenario: {len(sizes)} sizes")
     if len(accumulate):
@@ -100,6 +116,30 @@ def find_gradients(
         f"{trace.path}: cannot tell the gradient sizes (no AccumulateGrad shapes, no DDP messages); "
         "give gradients.total or gradients.sizes in the scenario"
     )
+
+
+def _last_kernel_launched_before(graph: TaskGraph, cpu_tasks: np.ndarray) -> np.ndarray:
+    """For each CPU task, the GPU task launched last from its thread before it ended (-1: none)."""
+    out = np.full(len(cpu_tasks), -1, dtype=np.int64)
+    edges = graph.edges
+    launch = edges[edges["kind"] == int(EdgeKind.LAUNCH)]
+    if not len(cpu_tasks) or launch.empty:
+        return out
+    tasks = graph.tasks
+    resource = tasks["resource"].cat.codes.to_numpy()
+    end = tasks["measured_end_us"].to_numpy()
+    src, dst = launch["src"].to_numpy(), launch["dst"].to_numpy()
+    for code in np.unique(resource[cpu_tasks]).tolist():
+        mine = resource[src] == code
+        if not mine.any():
+            continue  # a gradient placed on a GPU task, or a thread that launched nothing
+        order = np.argsort(end[src[mine]], kind="stable")
+        launch_end = end[src[mine]][order]
+        launched = dst[mine][order]
+        asking = np.flatnonzero(resource[cpu_tasks] == code)
+        pos = np.searchsorted(launch_end, end[cpu_tasks[asking]], side="right") - 1
+        out[asking] = np.where(pos >= 0, launched[np.maximum(pos, 0)], -1)
+    return out
 
 
 def _last_task_of_events(event: np.ndarray, rows: np.ndarray) -> np.ndarray:
