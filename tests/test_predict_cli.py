@@ -1,0 +1,235 @@
+"""``whatif predict SCENARIO``: the table, ``--json``, ``--csv``, ``--plot`` and ``--timeline``, and
+that no output ever lands on an input.
+
+The scenarios run on the bundled CPU trace (it predicts in about a second) except where a GPU
+trace is the point.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import stat
+
+import pytest
+
+from trace_corpus import BUNDLED_TRACE, RESNET50
+from whatif.cli import main
+
+RESULT_KEYS = {
+    "machines", "gpus_per_machine", "inter_node_gbps", "framework", "policy",
+    "iteration_ms", "speedup", "scaling_efficiency", "exposed_comm_ms",
+}
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+BUNDLED_ITERATIONS = 5
+
+
+@pytest.fixture
+def trace(tmp_path):
+    """A copy of the bundled trace, so a misbehaving command can only damage the copy."""
+    path = tmp_path / "convnet.pt.trace.json.gz"
+    shutil.copyfile(BUNDLED_TRACE, path)
+    return path
+
+
+def scenario_file(folder, trace, machines="[1, 2]", gbps="[10Gbps, 40Gbps]", extra=""):
+    path = folder / "scenario.yaml"
+    path.write_text(
+        f"trace: {trace}\n"
+        f"cluster: {{machines: {machines}, gpus_per_machine: 1, intra_node: nvlink2,"
+        f" inter_node: {{bandwidth: {gbps}, latency: 5us}}}}\n" + extra
+    )
+    return path
+
+
+def predict(capsys, *argv) -> str:
+    status = main(["predict", *[str(a) for a in argv]])
+    out, err = capsys.readouterr()
+    assert status == 0, err
+    assert err == ""
+    return out
+
+
+def predict_json(capsys, *argv) -> dict:
+    out = predict(capsys, *argv, "--json")
+    assert out.endswith("\n") and out.count("\n") == 1, "one JSON object on one line"
+    return json.loads(out)
+
+
+def refused(capsys, *argv) -> str:
+    status = main(["predict", *[str(a) for a in argv]])
+    _, err = capsys.readouterr()
+    assert status == 2
+    assert err.startswith("whatif: error: ") and err.count("\n") == 1 and "Traceback" not in err
+    return err
+
+
+@pytest.fixture
+def grid_json(capsys, tmp_path, trace):
+    """machines 1 and 2 at 10 and 40 Gbps, Horovod and DDP: 8 configurations, as JSON."""
+    return predict_json(capsys, scenario_file(tmp_path, trace, extra="framework: [horovod, ddp]\n"))
+
+
+def test_json_has_a_result_per_configuration_with_the_documented_keys(grid_json, trace):
+    results = grid_json["results"]
+    assert len(results) == 2 * 2 * 2
+    for row in results:
+        assert RESULT_KEYS <= set(row)
+    assert {(r["machines"], r["inter_node_gbps"], r["framework"]) for r in results} == {
+        (m, g, f) for m in (1, 2) for g in (10.0, 40.0) for f in ("horovod", "ddp")
+    }
+    assert grid_json["trace"] == str(trace)
+    assert "AccumulateGrad" in grid_json["gradients"]["source"]
+
+
+def test_json_speed_up_is_against_one_worker(grid_json):
+    baseline = grid_json["baseline_1x1_ms"]
+    for row in grid_json["results"]:
+        workers = row["machines"] * row["gpus_per_machine"]
+        if workers == 1:
+            assert row["speedup"] == 1.0 and row["scaling_efficiency"] == 1.0
+            assert row["iteration_ms"] == baseline and row["exposed_comm_ms"] == 0
+        else:
+            assert row["speedup"] == pytest.approx(workers * baseline / row["iteration_ms"], rel=1e-12)
+            assert row["scaling_efficiency"] == pytest.approx(row["speedup"] / workers, rel=1e-12)
+            assert 0 < row["speedup"] <= workers
+            assert 0 <= row["exposed_comm_ms"] <= row["iteration_ms"]
+
+
+@pytest.mark.parametrize(
+    "which",
+    [
+        "bundled",
+        pytest.param(
+            "resnet50",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="whatif/predict.py summarises iterations with steady_median (first and last "
+                "left out) while whatif replay's summary (whatif/cli.py run) is the median of all: "
+                "on ResNet-50 1x1 says 150.39 ms, replay 152.47 ms (1.4 %)",
+            ),
+        ),
+    ],
+)
+def test_one_worker_predicts_what_replay_says(capsys, tmp_path, traces, which):
+    path = BUNDLED_TRACE if which == "bundled" else traces.path(RESNET50)
+    replay = json.loads(predict_replay(capsys, path))["summary"]["median_predicted_ms"]
+    doc = predict_json(capsys, scenario_file(tmp_path, path, machines=1, gbps="10Gbps"))
+    (row,) = doc["results"]
+    assert row["iteration_ms"] == pytest.approx(replay, rel=5e-3)
+    assert row["iteration_ms"] == pytest.approx(replay, rel=1e-12), "exactly: it is the same simulation"
+
+
+def predict_replay(capsys, path) -> str:
+    status = main(["replay", str(path), "--json"])
+    out, err = capsys.readouterr()
+    assert status == 0, err
+    return out
+
+
+def test_the_table_has_a_row_per_configuration(capsys, tmp_path, trace):
+    out = predict(capsys, scenario_file(tmp_path, trace))
+    lines = out.splitlines()
+    assert lines[0].startswith(f"{trace}: 1x1 iteration ")
+    assert "MB per iteration" in lines[0]
+    assert lines[1].split()[:3] == ["machines", "GPUs/machine", "Gbps"]
+    assert len(lines) == 2 + 4
+
+
+def test_csv_has_a_row_per_configuration(capsys, tmp_path, trace):
+    out_csv = tmp_path / "results.csv"
+    doc = predict_json(capsys, scenario_file(tmp_path, trace, extra="policy: [fifo, p3]\n"), "--csv", out_csv)
+    with out_csv.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == len(doc["results"]) == 2 * 2 * 2
+    assert RESULT_KEYS <= set(rows[0])
+    for row, result in zip(rows, doc["results"]):
+        assert int(row["machines"]) == result["machines"] and row["policy"] == result["policy"]
+        assert float(row["iteration_ms"]) == pytest.approx(result["iteration_ms"], rel=1e-9)
+
+
+def test_the_table_says_where_the_csv_went(capsys, tmp_path, trace):
+    out_csv = tmp_path / "results.csv"
+    out = predict(capsys, scenario_file(tmp_path, trace), "--csv", out_csv)
+    assert f"CSV written to {out_csv}" in out
+    assert out_csv.read_text().count("\n") == 1 + 4
+
+
+def test_plot_writes_a_png(capsys, tmp_path, trace):
+    out_png = tmp_path / "scaling.png"
+    predict(capsys, scenario_file(tmp_path, trace, extra="framework: [horovod, ps]\n"), "--plot", out_png)
+    data = out_png.read_bytes()
+    assert data.startswith(PNG_SIGNATURE)
+    assert len(data) > 20_000, "two panels of curves and bars, not an empty canvas"
+    assert not list(tmp_path.glob(".scaling.png*")), "no temporary file left behind"
+
+
+def network_events(timeline: dict) -> list:
+    events = timeline["traceEvents"]
+    tracks = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+    return [e for e in events if e["ph"] == "X" and tracks[(e["pid"], e["tid"])] == "network"]
+
+
+def test_timeline_of_one_configuration_shows_the_network(capsys, tmp_path, trace):
+    out_json = tmp_path / "timeline.json"
+    doc = predict_json(capsys, scenario_file(tmp_path, trace, machines=2, gbps="10Gbps"), "--timeline", out_json)
+    (row,) = doc["results"]
+    timeline = json.loads(out_json.read_text())
+    on_network = network_events(timeline)
+    assert len(on_network) == row["messages_per_iteration"] * BUNDLED_ITERATIONS
+    assert all(e["name"].startswith("all-reduce ") and e["dur"] > 0 for e in on_network)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("timeline")] == ["timeline.json"]
+
+
+def test_timelines_of_a_grid_are_one_file_per_configuration(capsys, tmp_path, trace):
+    out_json = tmp_path / "timeline.json"
+    doc = predict_json(capsys, scenario_file(tmp_path, trace), "--timeline", out_json)
+    written = sorted(tmp_path.glob("timeline.*.json"))
+    assert len(written) == len(doc["results"]) == 4
+    assert not out_json.exists()
+    for path in written:
+        assert json.loads(path.read_text())["traceEvents"]
+
+
+def test_csv_over_the_scenario_is_refused_and_leaves_it_alone(capsys, tmp_path, trace):
+    scenario = scenario_file(tmp_path, trace)
+    before = scenario.read_bytes()
+    err = refused(capsys, scenario, "--csv", scenario)
+    assert str(scenario) in err
+    assert scenario.read_bytes() == before
+
+
+@pytest.mark.parametrize("option", ["--csv", "--plot", "--timeline"])
+def test_no_output_overwrites_the_trace(capsys, tmp_path, trace, option):
+    scenario = scenario_file(tmp_path, trace, machines=2, gbps="10Gbps")
+    before = trace.read_bytes()
+    err = refused(capsys, scenario, option, trace)
+    assert str(trace) in err
+    assert trace.read_bytes() == before
+
+
+def test_outputs_over_an_input_by_another_spelling_are_refused(capsys, tmp_path, trace, monkeypatch):
+    scenario = scenario_file(tmp_path, trace)
+    before = scenario.read_bytes()
+    monkeypatch.chdir(tmp_path)
+    refused(capsys, scenario, "--plot", f"./{scenario.name}")
+    assert scenario.read_bytes() == before
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="report/timeline.py write_atomically and report/plots.py plot_scenario write through "
+    "tempfile.mkstemp, whose file is mode 0600, and rename it into place: outputs are readable by "
+    "their owner only, whatever the umask",
+)
+def test_outputs_get_the_permissions_of_any_new_file(capsys, tmp_path, trace):
+    old = os.umask(0o022)
+    try:
+        predict(capsys, scenario_file(tmp_path, trace, machines=2, gbps="10Gbps"),
+                "--csv", tmp_path / "r.csv", "--plot", tmp_path / "r.png", "--timeline", tmp_path / "r.json")
+    finally:
+        os.umask(old)
+    for name in ("r.csv", "r.png", "r.json"):
+        assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o644, name

@@ -1,0 +1,307 @@
+"""Scenario files (``load_scenario``) and what ``predict_scenario`` answers for them.
+
+A scenario names a trace and a cluster, or a grid of them; every mistake in one is a single line
+that names the file and the key, with exit status 2 from ``whatif predict``. Scenario files are
+written into the test's folder, with absolute trace paths unless the test is about relative ones.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import whatif.predict
+from trace_corpus import A100_DDP2, BUNDLED, BUNDLED_TRACE, RESNET50
+from whatif.cli import main
+from whatif.predict import predict_scenario, steady_median
+from whatif.scenario import ScenarioError, load_scenario
+
+CLUSTER = "cluster: {machines: 2, gpus_per_machine: 1, intra_node: nvlink2, inter_node: 10gbe}\n"
+
+
+def write_scenario(folder: Path, text: str, name: str = "scenario.yaml") -> Path:
+    path = folder / name
+    path.write_text(text)
+    return path
+
+
+@pytest.fixture
+def cached_loading(monkeypatch, traces):
+    """``predict_scenario`` gets each trace's study from the session cache instead of parsing the
+    file again (it reads nothing else from the trace file)."""
+    bundled = BUNDLED_TRACE.resolve()
+
+    class CachedStudies:
+        @staticmethod
+        def from_trace(path, iteration=None):
+            assert iteration is None
+            path = Path(path).resolve()
+            name = BUNDLED if path == bundled else path.relative_to(traces.shared_root.resolve()).as_posix()
+            return traces.study(name)
+
+    monkeypatch.setattr(whatif.predict, "TraceStudy", CachedStudies)
+
+
+# -- grids ---------------------------------------------------------------------------------------
+
+
+def test_the_minimal_scenario_of_the_issue_is_a_grid_of_24_clusters(tmp_path):
+    scenario = load_scenario(write_scenario(tmp_path, (
+        f"trace: {BUNDLED_TRACE}\n"
+        "cluster:\n"
+        "  machines: [1, 2, 3, 4]\n"
+        "  gpus_per_machine: [1, 2]\n"
+        "  intra_node: nvlink2\n"
+        "  inter_node: {bandwidth: [10Gbps, 20Gbps, 40Gbps], latency: 5us}\n"
+    )))
+    points = {(p.cluster.machines, p.cluster.gpus_per_machine, p.inter_node_gbps) for p in scenario.points}
+    assert len(scenario.points) == 24
+    assert points == {(m, g, b) for m in (1, 2, 3, 4) for g in (1, 2) for b in (10.0, 20.0, 40.0)}
+    assert {(p.framework, p.policy) for p in scenario.points} == {("horovod", "fifo")}, "the defaults"
+    assert scenario.trace == BUNDLED_TRACE
+    assert scenario.gradient_total is None and scenario.gradient_sizes is None, "gradients from the trace"
+
+
+def test_frameworks_policies_and_link_presets_multiply_the_grid(tmp_path):
+    scenario = load_scenario(write_scenario(tmp_path, (
+        f"trace: {BUNDLED_TRACE}\n"
+        "cluster: {machines: [2, 4], gpus_per_machine: 8, intra_node: nvlink2, inter_node: [10gbe, 25gbe, 100gbe]}\n"
+        "framework: [horovod, ddp, ps]\n"
+        "policy: [fifo, p3]\n"
+    )))
+    assert len(scenario.points) == 2 * 3 * 3 * 2
+    assert {round(p.inter_node_gbps) for p in scenario.points} == {10, 25, 100}
+    assert {p.framework for p in scenario.points} == {"horovod", "ddp", "ps"}
+
+
+def test_framework_options_take_units(tmp_path):
+    scenario = load_scenario(write_scenario(tmp_path, (
+        f"trace: {BUNDLED_TRACE}\n{CLUSTER}"
+        "framework_options: {cycle_time: 2ms, bucket_cap: 10MB, first_bucket: 1MiB, fusion_buffer: 32MB,"
+        " partition: 2MB, slice: 512KB}\n"
+        "stragglers: [{machine: 1, slowdown: 1.5}]\n"
+        "gradients: {total: 80MB}\n"
+    )))
+    options = scenario.options
+    assert options.cycle_time_us == 2000
+    assert options.bucket_cap_bytes == 10e6 and options.first_bucket_bytes == 2**20
+    assert options.fusion_buffer_bytes == 32e6 and options.partition_bytes == 2e6 and options.slice_bytes == 512e3
+    assert [(s.machine, s.slowdown) for s in scenario.stragglers] == [(1, 1.5)]
+    assert scenario.gradient_total == 80e6
+
+
+def test_a_relative_trace_path_is_relative_to_the_scenario_file(tmp_path, monkeypatch):
+    (tmp_path / "traces").mkdir()
+    (tmp_path / "scenarios").mkdir()
+    trace = tmp_path / "traces" / "convnet.pt.trace.json.gz"
+    shutil.copyfile(BUNDLED_TRACE, trace)
+    path = write_scenario(tmp_path / "scenarios", f"trace: ../traces/{trace.name}\n{CLUSTER}")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    scenario = load_scenario(path)
+    assert scenario.trace.resolve() == trace.resolve()
+
+
+# -- mistakes ------------------------------------------------------------------------------------
+
+GOOD_TRACE = f"trace: {BUNDLED_TRACE}\n"
+
+BAD_SCENARIOS = {
+    # case: (text, the key named, more the message says)
+    "typo in a top-level key": (GOOD_TRACE + CLUSTER + "framwork: ddp\n", "framwork", "'framework'"),
+    "unknown cluster key": (
+        GOOD_TRACE + "cluster: {machines: 2, gpus: 2, gpus_per_machine: 1, intra_node: nvlink2, inter_node: 10gbe}\n",
+        "cluster.gpus", "gpus_per_machine",
+    ),
+    "typo in a preset": (
+        GOOD_TRACE + "cluster: {machines: 2, gpus_per_machine: 1, intra_node: nvlink2, inter_node: 10gbee}\n",
+        "cluster.inter_node", "10gbe",
+    ),
+    "zero GPUs": (
+        GOOD_TRACE + "cluster: {machines: 2, gpus_per_machine: 0, intra_node: nvlink2, inter_node: 10gbe}\n",
+        "cluster.gpus_per_machine", "positive",
+    ),
+    "zero GPUs in a grid": (
+        GOOD_TRACE + "cluster: {machines: 2, gpus_per_machine: [1, 0], intra_node: nvlink2, inter_node: 10gbe}\n",
+        "cluster.gpus_per_machine", "positive",
+    ),
+    "negative bandwidth": (
+        GOOD_TRACE + "cluster: {machines: 2, gpus_per_machine: 1, intra_node: nvlink2,"
+        " inter_node: {bandwidth: [10Gbps, -40Gbps], latency: 5us}}\n",
+        "cluster.inter_node.bandwidth", "-40Gbps",
+    ),
+    "bandwidth without a unit": (
+        GOOD_TRACE + "cluster: {machines: 2, gpus_per_machine: 1, intra_node: nvlink2,"
+        " inter_node: {bandwidth: '10', latency: 5us}}\n",
+        "cluster.inter_node.bandwidth", "unit",
+    ),
+    "a trace that is not there": ("trace: no_such_trace.json.gz\n" + CLUSTER, "trace", "no_such_trace.json.gz"),
+    "unknown policy": (GOOD_TRACE + CLUSTER + "policy: [fifo, lifo]\n", "policy", "lifo"),
+    "unknown framework": (GOOD_TRACE + CLUSTER + "framework: mpi\n", "framework", "mpi"),
+    "a straggler without a machine": (GOOD_TRACE + CLUSTER + "stragglers: [{slowdown: 2}]\n", "stragglers[0].machine", "missing"),
+    "no cluster": (GOOD_TRACE, "cluster", "missing"),
+    "a size without a known unit": (GOOD_TRACE + CLUSTER + "gradients: {total: 50 MBs}\n", "gradients.total", "MBs"),
+}
+
+NOT_A_SCENARIO = {
+    "invalid YAML": ("trace: [unclosed\ncluster: {\n", "YAML"),
+    "a list": (f"- {GOOD_TRACE}- {CLUSTER}", "mapping"),
+    "empty": ("", "mapping"),
+}
+
+
+def run_predict(capsys, *argv):
+    status = main(["predict", *[str(a) for a in argv]])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def assert_one_line_error(status: int, err: str, *mentions: str):
+    assert status == 2
+    assert "Traceback" not in err
+    assert err.startswith("whatif: error: ") and err.endswith("\n") and err.count("\n") == 1, repr(err)
+    for text in mentions:
+        assert text in err, f"{text!r} not in {err!r}"
+
+
+@pytest.mark.parametrize("case", list(BAD_SCENARIOS))
+def test_a_mistake_is_one_line_naming_the_file_and_the_key(tmp_path, capsys, case):
+    text, key, hint = BAD_SCENARIOS[case]
+    path = write_scenario(tmp_path, text)
+    with pytest.raises(ScenarioError) as info:
+        load_scenario(path)
+    assert info.value.key == key
+    status, out, err = run_predict(capsys, path)
+    assert_one_line_error(status, err, f"{path}: {key}: ", hint)
+    assert out == ""
+    assert path.read_text() == text
+
+
+@pytest.mark.parametrize("case", list(NOT_A_SCENARIO))
+def test_a_file_that_is_not_a_scenario_is_one_line_naming_it(tmp_path, capsys, case):
+    text, says = NOT_A_SCENARIO[case]
+    path = write_scenario(tmp_path, text)
+    status, _, err = run_predict(capsys, path)
+    assert_one_line_error(status, err, str(path), says)
+
+
+def test_a_missing_scenario_is_one_line_naming_it(tmp_path, capsys):
+    missing = tmp_path / "nowhere.yaml"
+    status, _, err = run_predict(capsys, missing)
+    assert_one_line_error(status, err, str(missing))
+
+
+@pytest.mark.parametrize(
+    "tag",
+    [
+        "!!python/object/apply:os.system ['touch {marker}']",
+        "!!python/object/apply:pathlib.Path.touch [!!python/object/apply:pathlib.Path ['{marker}']]",
+        "!!python/object/new:type ['Evil', !!python/tuple [], {{}}]",
+    ],
+)
+def test_yaml_is_loaded_safely(tmp_path, capsys, tag):
+    """A tag that would construct Python objects is refused, not executed."""
+    marker = tmp_path / "executed"
+    path = write_scenario(tmp_path, f"{GOOD_TRACE}{CLUSTER}name: {tag.format(marker=marker)}\n")
+    status, _, err = run_predict(capsys, path)
+    assert_one_line_error(status, err, str(path))
+    assert not marker.exists()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="whatif/scenario.py load_scenario builds the grid with itertools.product and never "
+    "checks a list is non-empty: an empty grid predicts nothing, and whatif/cli.py run_predict "
+    "then raises KeyError selecting the columns of an empty frame (a traceback, exit 1)",
+)
+@pytest.mark.parametrize(
+    "cluster",
+    [
+        "{machines: [], gpus_per_machine: 1, intra_node: nvlink2, inter_node: 10gbe}",
+        "{machines: 2, gpus_per_machine: 1, intra_node: nvlink2, inter_node: {bandwidth: [], latency: 5us}}",
+    ],
+    ids=["no machines", "no bandwidths"],
+)
+def test_an_empty_list_in_the_grid_is_a_mistake(tmp_path, capsys, cluster):
+    path = write_scenario(tmp_path, f"{GOOD_TRACE}cluster: {cluster}\n")
+    status, _, err = run_predict(capsys, path)
+    assert_one_line_error(status, err, str(path), "cluster.")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="whatif/scenario.py _gradients checks `scenario.gradient_total or 1`, so a total of 0 "
+    "passes the 'sizes must be positive' check",
+)
+def test_no_gradients_at_all_is_a_mistake(tmp_path):
+    path = write_scenario(tmp_path, f"{GOOD_TRACE}{CLUSTER}gradients: {{total: 0MB}}\n")
+    with pytest.raises(ScenarioError) as info:
+        load_scenario(path)
+    assert info.value.key.startswith("gradients")
+
+
+def test_the_command_fails_in_one_line_without_a_traceback(tmp_path):
+    path = write_scenario(tmp_path, GOOD_TRACE + CLUSTER + "framwork: ddp\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "whatif.cli", "predict", str(path)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert result.stderr.startswith(f"whatif: error: {path}: framwork: ")
+
+
+# -- predicting ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", [RESNET50, A100_DDP2, BUNDLED])
+def test_one_worker_predicts_the_replay(traces, tmp_path, cached_loading, name):
+    """1x1 is the trace itself: every iteration as the replay predicts it (exactly: the same graph
+    simulated the same way), so the same steady-state iteration, a speed-up of 1, no network."""
+    path = write_scenario(tmp_path, (
+        f"trace: {traces.path(name)}\n"
+        "cluster: {machines: 1, gpus_per_machine: 1, intra_node: nvlink2, inter_node: 10gbe}\n"
+        "framework: [horovod, ddp, ps]\npolicy: [fifo, p3]\n"
+    ))
+    outcome = predict_scenario(load_scenario(path))
+    replay = traces.study(name).replay_report()["predicted_ms"]
+    assert outcome.baseline_ms == pytest.approx(steady_median(replay), rel=1e-12)
+    results = outcome.results
+    assert len(results) == 6
+    for label, run in outcome.runs.items():
+        assert len(run.comm_tasks) == 0, label
+    assert np.allclose(results["iteration_ms"], steady_median(replay), rtol=1e-12, atol=0)
+    assert (results["speedup"] == 1.0).all()
+    assert (results["comm_ms"] == 0).all() and (results["exposed_comm_ms"] == 0).all()
+
+
+def test_every_kineto_trace_is_usable_with_a_gradient_total(traces, tmp_path, cached_loading, kineto_trace):
+    path = write_scenario(tmp_path, f"trace: {traces.path(kineto_trace)}\n{CLUSTER}gradients: {{total: 50MB}}\n")
+    outcome = predict_scenario(load_scenario(path))
+    (row,) = outcome.results.itertuples()
+    assert np.isfinite(row.iteration_ms) and row.iteration_ms > 0
+    assert np.isfinite(outcome.baseline_ms) and outcome.baseline_ms > 0
+    assert row.messages_per_iteration > 0 and row.comm_mb_per_iteration > 0
+    assert row.speedup <= 2 * (1 + 1e-9), "two workers are at most twice as fast as one"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="sim/gradients.py find_gradients uses a total only when the trace has no sizes "
+    "(AccumulateGrad shapes or DDP messages win), so the scenario's gradients.total is silently "
+    "ignored on such traces",
+)
+@pytest.mark.parametrize("name", [RESNET50, A100_DDP2])
+def test_a_gradient_total_in_the_scenario_is_what_is_communicated(traces, tmp_path, cached_loading, name):
+    """The scenario format documents ``gradients: {total: 100MB}`` as the alternative to the
+    default "from the trace": asking what 50 MB of gradients would cost gets 50 MB."""
+    path = write_scenario(tmp_path, f"trace: {traces.path(name)}\n{CLUSTER}gradients: {{total: 50MB}}\n")
+    outcome = predict_scenario(load_scenario(path))
+    assert outcome.bytes_per_iteration == pytest.approx(50e6)
+    assert outcome.results["comm_mb_per_iteration"].tolist() == pytest.approx([50.0])
