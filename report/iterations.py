@@ -96,3 +96,13 @@ def union_within(starts: np.ndarray, ends: np.ndarray, lo: float, hi: float) -> 
     block_start = s[new_block]
     block_end = np.r_[reach[:-1][new_block[1:]], reach[-1]]
     return float(np.sum(block_end - block_start))
+
+
+def steady_median(values: pd.Series) -> float:
+    """The median over iterations, leaving out the first and the last where there are three or
+    more: the first starts with an idle network and the last pays for draining it (with
+    layer-by-layer synchronisation its own communication and the previous one's); neither is
+    the steady state a training run lives in."""
+    values = values.to_numpy()
+    steady = values[1:-1] if len(values) >= 3 else values
+    return float(pd.Series(steady).median())

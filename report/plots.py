@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
+import io
 from pathlib import Path
 
 import pandas as pd
+
+from .timeline import write_atomically
 
 
 def _configuration(frame: pd.DataFrame) -> pd.Series:
@@ -69,12 +70,9 @@ def plot_scenario(results: pd.DataFrame, path: Path, title: str = "") -> None:
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix or ".png", dir=path.parent if str(path.parent) else ".")
-    os.close(fd)
+    image = io.BytesIO()
     try:
-        fig.savefig(tmp, dpi=130)
-        os.replace(tmp, path)
+        fig.savefig(image, format="png", dpi=130)
     finally:
         plt.close(fig)
-        Path(tmp).unlink(missing_ok=True)
+    write_atomically(Path(path), image.getvalue())

@@ -69,7 +69,15 @@ def write_atomically(path: Path, payload: bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as out:
             out.write(payload)
+        os.chmod(tmp, _new_file_mode())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _new_file_mode() -> int:
+    """The mode an ordinary new file gets under the current umask (mkstemp's is 0600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask

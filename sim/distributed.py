@@ -133,6 +133,7 @@ def simulate_cluster(worker: TaskGraph, gradients: Gradients, iterations: pd.Dat
     barrier = sync.barrier(graph) if any(per_iteration.values()) else None
     base = len(graph.tasks)
     measured_end = worker.tasks["measured_end_us"].to_numpy()
+    last_iteration = max((it for it, messages in per_iteration.items() if messages), default=-1)
     for it, messages in per_iteration.items():
         first_id = base + len(rows)
         for j, m in enumerate(messages):
@@ -150,7 +151,11 @@ def simulate_cluster(worker: TaskGraph, gradients: Gradients, iterations: pd.Dat
             if m.phase == "push":
                 continue
             consumer = sync.consumer(it, m, layerwise, config.framework, len(gradients.of_iteration(it)))
-            targets = [consumer + k * n for k in range(copies)] if consumer is not None else [barrier]
+            targets = [consumer + k * n for k in range(copies)] if consumer is not None else []
+            if consumer is None or it == last_iteration:
+                # the step's end waits for its communication: with a GPU-side wait (DDP) nothing
+                # on the CPU would, and the last iteration's span would miss it
+                targets.append(barrier)
             edges += [(tid, c, 0.0) for c in targets]
     _add_comm_tasks(graph, rows, edges)
     comm = np.arange(base, base + len(rows))

@@ -9,8 +9,10 @@ long it takes depend on exactly this. The sources, most precise first:
    gradient per parameter, ready when its accumulation ends;
 3. the collective messages of a DDP trace (NCCL's ``In msg nelems`` on ``record_param_comms``):
    one per bucket, ready when DDP launched it;
-4. a total (a scenario's ``gradients.total``) spread evenly over the ``AccumulateGrad``
-   operators, or over the GPU kernels of the iteration's second half when there are none.
+4. a total (a scenario's ``gradients.total``): divided as sources 2 or 3 divide the step where
+   the trace has them, else spread evenly over the ``AccumulateGrad`` operators, or over the GPU
+   kernels of the iteration's second half when there are none. A total the user gives always
+   sets the bytes sent.
 
 The chosen source is reported with the prediction, so a user knows what it rests on.
 """
@@ -80,10 +82,12 @@ def find_gradients(
     tasks = graph.tasks
     event = tasks["event"].to_numpy()
     names = trace.events["name"]
-    accumulate = _last_task_of_events(event, np.flatnonzero(names.to_numpy() == ACCUMULATE_GRAD))
+    accumulate = _last_task_of_events(trace, graph, np.flatnonzero(names.to_numpy() == ACCUMULATE_GRAD))
     span = _iteration_of(tasks, iterations)
 
     found = _find(trace, graph, iterations, sizes, total_bytes, event, names, accumulate, span)
+    if total_bytes is not None and sizes is None and not found.source.startswith("scenario"):
+        found = _scaled_to(found, total_bytes, len(iterations))
     kernel = _last_kernel_launched_before(graph, np.asarray([g.ready_task for g in found.gradients], dtype=np.int64))
     found.gradients = [replace(g, computed_by=int(k)) for g, k in zip(found.gradients, kernel)]
     return found
@@ -94,14 +98,18 @@ def _find(trace, graph, iterations, sizes, total_bytes, event, names, accumulate
     if sizes is not None:
         return _spread(tasks, span, accumulate, list(sizes), f"scenario: {len(sizes)} sizes")
     if len(accumulate):
-        shapes = [_gradient_bytes(trace, int(event[t])) for t in accumulate]
-        if all(b is not None and b > 0 for b in shapes):
+        rows = _accumulate_rows(trace, graph, accumulate)
+        shapes = [_gradient_bytes(trace, r) for r in rows]
+        known = [b is not None and b > 0 for b in shapes]
+        if any(known):
             grads = [
                 Gradient(f"grad {i}", float(b), int(t), int(span[t]))
-                for i, (t, b) in enumerate(zip(accumulate, shapes))
-                if span[t] >= 0
+                for i, (t, b, k) in enumerate(zip(accumulate, shapes, known))
+                if k and span[t] >= 0
             ]
-            return Gradients(grads, "AccumulateGrad input shapes in the trace")
+            missing = len(known) - sum(known)
+            note = f" ({missing} without a recorded shape, e.g. sparse embedding gradients, left out)" if missing else ""
+            return Gradients(grads, "AccumulateGrad input shapes in the trace" + note)
     messages = _ddp_messages(trace, tasks, event)
     if messages:
         grads = [
@@ -115,6 +123,17 @@ def _find(trace, graph, iterations, sizes, total_bytes, event, names, accumulate
     raise GraphError(
         f"{trace.path}: cannot tell the gradient sizes (no AccumulateGrad shapes, no DDP messages); "
         "give gradients.total or gradients.sizes in the scenario"
+    )
+
+
+def _scaled_to(found: Gradients, total_bytes: float, iterations: int) -> Gradients:
+    """The trace's gradients, resized so that an iteration sends ``total_bytes``: the user's
+    total wins, the trace still says how it divides and when each part is ready."""
+    per_iteration = found.bytes_per_iteration()
+    factor = total_bytes / per_iteration if per_iteration > 0 else 1.0
+    return Gradients(
+        [replace(g, nbytes=g.nbytes * factor) for g in found.gradients],
+        f"scenario: total {total_bytes / 1e6:.1f} MB, divided as the {found.source}",
     )
 
 
@@ -142,13 +161,43 @@ def _last_kernel_launched_before(graph: TaskGraph, cpu_tasks: np.ndarray) -> np.
     return out
 
 
-def _last_task_of_events(event: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """For each event row, the id of its last task (segments of an event ascend in id)."""
+def _last_task_of_events(trace: KinetoTrace, graph: TaskGraph, rows: np.ndarray) -> np.ndarray:
+    """For each event row, the last task on its thread within its span: the event's own last
+    segment, or its last child's where the children cover all of it."""
     if not len(rows):
         return np.zeros(0, dtype=np.int64)
-    ids = np.flatnonzero(np.isin(event, rows))
-    last = pd.Series(ids).groupby(event[ids]).max()
-    return np.sort(last.to_numpy())
+    tasks = graph.tasks
+    ev = trace.events
+    start = ev["ts_us"].to_numpy()[rows]
+    end = start + ev["dur_us"].to_numpy()[rows]
+    thread = ("cpu " + ev["thread"].astype(str)).to_numpy()[rows]
+    resource = tasks["resource"].astype(str).to_numpy()
+    t_start = tasks["measured_start_us"].to_numpy()
+    t_end = tasks["measured_end_us"].to_numpy()
+    found = []
+    for label in np.unique(thread).tolist():
+        ids = np.flatnonzero(resource == label)
+        ids = ids[np.argsort(t_end[ids], kind="stable")]
+        asking = np.flatnonzero(thread == label)
+        pos = np.searchsorted(t_end[ids], end[asking] + 1e-6, side="right") - 1
+        for p, s_ in zip(pos.tolist(), start[asking].tolist()):
+            if p >= 0 and t_start[ids[p]] >= s_ - 1e-6:
+                found.append(int(ids[p]))
+    return np.unique(np.asarray(found, dtype=np.int64))
+
+
+def _accumulate_rows(trace: KinetoTrace, graph: TaskGraph, anchors: np.ndarray) -> list[int]:
+    """The AccumulateGrad event row each anchor task stands for (the innermost one enclosing it)."""
+    ev = trace.events
+    rows = np.flatnonzero(ev["name"].to_numpy() == ACCUMULATE_GRAD)
+    start = ev["ts_us"].to_numpy()[rows]
+    end = start + ev["dur_us"].to_numpy()[rows]
+    t_end = graph.tasks["measured_end_us"].to_numpy()
+    out = []
+    for t in anchors.tolist():
+        inside = np.flatnonzero((start <= t_end[t] + 1e-6) & (end >= t_end[t] - 1e-6))
+        out.append(int(rows[inside[np.argmin(end[inside] - start[inside])]]) if len(inside) else -1)
+    return out
 
 
 def _iteration_of(tasks: pd.DataFrame, iterations: pd.DataFrame) -> np.ndarray:

@@ -98,24 +98,10 @@ def test_json_speed_up_is_against_one_worker(grid_json):
             assert 0 <= row["exposed_comm_ms"] <= row["iteration_ms"]
 
 
-@pytest.mark.parametrize(
-    "which",
-    [
-        "bundled",
-        pytest.param(
-            "resnet50",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="whatif/predict.py summarises iterations with steady_median (first and last "
-                "left out) while whatif replay's summary (whatif/cli.py run) is the median of all: "
-                "on ResNet-50 1x1 says 150.39 ms, replay 152.47 ms (1.4 %)",
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("which", ["bundled", "resnet50"])
 def test_one_worker_predicts_what_replay_says(capsys, tmp_path, traces, which):
     path = BUNDLED_TRACE if which == "bundled" else traces.path(RESNET50)
-    replay = json.loads(predict_replay(capsys, path))["summary"]["median_predicted_ms"]
+    replay = json.loads(predict_replay(capsys, path))["summary"]["steady_predicted_ms"]
     doc = predict_json(capsys, scenario_file(tmp_path, path, machines=1, gbps="10Gbps"))
     (row,) = doc["results"]
     assert row["iteration_ms"] == pytest.approx(replay, rel=5e-3)
@@ -218,12 +204,6 @@ def test_outputs_over_an_input_by_another_spelling_are_refused(capsys, tmp_path,
     assert scenario.read_bytes() == before
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="report/timeline.py write_atomically and report/plots.py plot_scenario write through "
-    "tempfile.mkstemp, whose file is mode 0600, and rename it into place: outputs are readable by "
-    "their owner only, whatever the umask",
-)
 def test_outputs_get_the_permissions_of_any_new_file(capsys, tmp_path, trace):
     old = os.umask(0o022)
     try:

@@ -214,12 +214,6 @@ def test_yaml_is_loaded_safely(tmp_path, capsys, tag):
     assert not marker.exists()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="whatif/scenario.py load_scenario builds the grid with itertools.product and never "
-    "checks a list is non-empty: an empty grid predicts nothing, and whatif/cli.py run_predict "
-    "then raises KeyError selecting the columns of an empty frame (a traceback, exit 1)",
-)
 @pytest.mark.parametrize(
     "cluster",
     [
@@ -234,11 +228,6 @@ def test_an_empty_list_in_the_grid_is_a_mistake(tmp_path, capsys, cluster):
     assert_one_line_error(status, err, str(path), "cluster.")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="whatif/scenario.py _gradients checks `scenario.gradient_total or 1`, so a total of 0 "
-    "passes the 'sizes must be positive' check",
-)
 def test_no_gradients_at_all_is_a_mistake(tmp_path):
     path = write_scenario(tmp_path, f"{GOOD_TRACE}{CLUSTER}gradients: {{total: 0MB}}\n")
     with pytest.raises(ScenarioError) as info:
@@ -291,12 +280,6 @@ def test_every_kineto_trace_is_usable_with_a_gradient_total(traces, tmp_path, ca
     assert row.speedup <= 2 * (1 + 1e-9), "two workers are at most twice as fast as one"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="sim/gradients.py find_gradients uses a total only when the trace has no sizes "
-    "(AccumulateGrad shapes or DDP messages win), so the scenario's gradients.total is silently "
-    "ignored on such traces",
-)
 @pytest.mark.parametrize("name", [RESNET50, A100_DDP2])
 def test_a_gradient_total_in_the_scenario_is_what_is_communicated(traces, tmp_path, cached_loading, name):
     """The scenario format documents ``gradients: {total: 100MB}`` as the alternative to the

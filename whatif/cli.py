@@ -13,6 +13,7 @@ import pandas as pd
 
 from whatif.collectors.kineto import TraceError
 from whatif.predict import predict_scenario
+from whatif.report.iterations import steady_median
 from whatif.report.plots import plot_scenario
 from whatif.report.timeline import write_atomically, write_timeline
 from whatif.scenario import ScenarioError, load_scenario
@@ -180,6 +181,9 @@ def run(args: argparse.Namespace) -> int:
     summary = {
         "median_measured_ms": float(report["measured_ms"].median()),
         "median_predicted_ms": float(report["predicted_ms"].median()),
+        # what whatif predict reports for 1x1: the median without the first and last iterations
+        "steady_measured_ms": steady_median(report["measured_ms"]),
+        "steady_predicted_ms": steady_median(report["predicted_ms"]),
         "tasks": len(schedule.graph.tasks),
         "edges": len(schedule.graph.edges),
     }

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pandas as pd
 
 from whatif.report.cluster import cluster_breakdown
-from whatif.report.iterations import iteration_report
+from whatif.report.iterations import iteration_report, steady_median
 from whatif.sim.distributed import ClusterConfig, simulate_cluster
 from whatif.sim.engine import simulate
 from whatif.sim.gradients import find_gradients
@@ -76,16 +76,6 @@ def predict_scenario(scenario: Scenario) -> ScenarioResult:
         rows.append(row)
         runs[_label(row)] = run
     return ScenarioResult(pd.DataFrame(rows), runs, gradients.source, gradients.bytes_per_iteration(), baseline_ms)
-
-
-def steady_median(values: pd.Series) -> float:
-    """The median over iterations, leaving out the first and the last where there are three or
-    more: the first starts with an idle network and the last pays for draining it (with
-    layer-by-layer synchronisation its own communication and the previous one's); neither is
-    the steady state a training run lives in."""
-    values = values.to_numpy()
-    steady = values[1:-1] if len(values) >= 3 else values
-    return float(pd.Series(steady).median())
 
 
 def _label(row: dict) -> str:

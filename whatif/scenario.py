@@ -139,6 +139,15 @@ def load_scenario(path: Path) -> Scenario:
     _check_keys(path, cluster, _CLUSTER_KEYS, "cluster")
     frameworks = [_choice(path, "framework", f, FRAMEWORKS) for f in _as_list(doc.get("framework", "horovod"))]
     policies = [_choice(path, "policy", p, POLICIES) for p in _as_list(doc.get("policy", "fifo"))]
+    for key, values in (
+        ("cluster.machines", _as_list(cluster.get("machines", 1))),
+        ("cluster.gpus_per_machine", _as_list(cluster.get("gpus_per_machine", 1))),
+        ("cluster.inter_node" + (".bandwidth" if isinstance(cluster.get("inter_node"), dict) else ""), _inter_nodes(cluster)),
+        ("framework", frameworks),
+        ("policy", policies),
+    ):
+        if not values:
+            raise ScenarioError(path, key, "an empty list leaves nothing to predict")
     points = []
     for machines, gpus, inter in itertools.product(
         _as_list(cluster.get("machines", 1)), _as_list(cluster.get("gpus_per_machine", 1)), _inter_nodes(cluster)
@@ -199,9 +208,13 @@ def _gradients(path: Path, spec, scenario: Scenario) -> None:
             scenario.gradient_total = parse_size(spec["total"], "gradients.total")
     except TopologyError as err:
         raise ScenarioError(path, err.key, err.message) from None
-    for size in (scenario.gradient_sizes or []) + [scenario.gradient_total or 1]:
+    if scenario.gradient_sizes is not None and not scenario.gradient_sizes:
+        raise ScenarioError(path, "gradients.sizes", "an empty list: give at least one size")
+    for size in scenario.gradient_sizes or []:
         if size <= 0:
-            raise ScenarioError(path, "gradients", "sizes must be positive")
+            raise ScenarioError(path, "gradients.sizes", "sizes must be positive")
+    if scenario.gradient_total is not None and scenario.gradient_total <= 0:
+        raise ScenarioError(path, "gradients.total", "must be positive")
 
 
 def _straggler(path: Path, index: int, spec, points: list) -> Straggler:
