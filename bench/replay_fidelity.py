@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +29,7 @@ from whatif.collectors.kineto import TraceError
 from whatif.sim.graph import GraphError
 from whatif.study import TraceStudy
 
-REPO = Path(__file__).resolve().parent.parent
+from measured_code import REPO, code_version  # noqa: E402  (bench/ is the script's folder)
 DEFAULT_TRACES = REPO.parent / "shared" / "traces"
 BUNDLED_TRACE = REPO / "data" / "convnet_cpu.pt.trace.json.gz"
 TRACE_SUFFIXES = (".json", ".json.gz")
@@ -54,20 +53,6 @@ class Fidelity:
     measured_median_ms: float = np.nan
     predicted_median_ms: float = np.nan
     problem: Optional[str] = None
-
-
-def code_version() -> str:
-    """The commit measured, and the tracked files outside bench/ and README.md that differ from it."""
-    try:
-        commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-        changed = subprocess.run(
-            ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench", ":!README.md"],
-            capture_output=True, text=True, check=True,
-        ).stdout.split("\n")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown (not a git checkout)"
-    changed = [line[3:] for line in changed if line.strip()]
-    return f"{commit} + uncommitted changes to {', '.join(changed)}" if changed else commit
 
 
 def shown_path(path: Path) -> str:

@@ -42,7 +42,7 @@ from whatif.report.iterations import iteration_report
 from whatif.sim.build import build_graph
 from whatif.sim.engine import Schedule, simulate, simulate_event_per_task
 
-REPO = Path(__file__).resolve().parent.parent
+from measured_code import REPO, code_version  # noqa: E402  (bench/ is the script's folder)
 DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "hta-misc" / "v100_ddp2_compiled_rank1.json.gz"
 DEFAULT_WHATIF = Path(sys.executable).parent / "whatif"
 TARGET_S = 2.0
@@ -64,20 +64,6 @@ class EngineRun:
 
 class _RawTrace(msgspec.Struct):
     traceEvents: list[msgspec.Raw] = []
-
-
-def code_version() -> str:
-    """The commit measured, and the tracked files outside bench/ and README.md that differ from it."""
-    try:
-        commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-        changed = subprocess.run(
-            ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench", ":!README.md"],
-            capture_output=True, text=True, check=True,
-        ).stdout.split("\n")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown (not a git checkout)"
-    changed = [line[3:] for line in changed if line.strip()]
-    return f"{commit} + uncommitted changes to {', '.join(changed)}" if changed else commit
 
 
 def count_raw_events(path: Path) -> int:

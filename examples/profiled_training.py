@@ -1,0 +1,88 @@
+"""The training loop and profiler set-up the example models share.
+
+A plain PyTorch loop (DataLoader -> forward -> loss -> backward -> optimizer step) so that a
+Kineto trace of it has the structure of a real job: ``ProfilerStep#N`` around each iteration,
+``enumerate(DataLoader)`` for data loading, ``aten::`` operators with their input shapes
+(``record_shapes=True``, which also gives each ``AccumulateGrad`` its gradient's shape), the
+autograd backward operators and the optimizer step. One intra-op thread, for repeatable times.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.profiler import ProfilerActivity, profile, schedule
+from torch.utils.data import DataLoader, TensorDataset
+
+WARMUP_STEPS = 3
+PROFILED_STEPS = 5
+
+
+def synthetic_loader(inputs: torch.Tensor, num_classes: int, batch_size: int, seed: int = 0) -> DataLoader:
+    """A shuffling DataLoader over ``inputs`` with random labels."""
+    generator = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, num_classes, (len(inputs),), generator=generator)
+    return DataLoader(
+        TensorDataset(inputs, labels), batch_size=batch_size, shuffle=True, drop_last=True, generator=generator
+    )
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: nn.Module, inputs, labels) -> float:
+    """One forward, backward and optimizer step; the loss."""
+    optimizer.zero_grad(set_to_none=True)
+    loss = loss_fn(model(inputs), labels)
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
+def endless(loader: DataLoader):
+    """Batches forever, a new epoch whenever the loader is exhausted."""
+    while True:
+        yield from loader
+
+
+def capture_trace(model: nn.Module, loader: DataLoader, output: Path, profiled_steps: int = PROFILED_STEPS) -> None:
+    """Warm ``model`` up, then profile ``profiled_steps`` training steps (SGD) into ``output``."""
+    torch.set_num_threads(1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    loss_fn = nn.CrossEntropyLoss()
+    batches = endless(loader)
+    model.train()
+    for _ in range(WARMUP_STEPS):
+        train_step(model, optimizer, loss_fn, *next(batches))
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with profile(
+        activities=[ProfilerActivity.CPU],
+        record_shapes=True,
+        with_stack=False,
+        schedule=schedule(wait=0, warmup=1, active=profiled_steps, repeat=1),
+        on_trace_ready=lambda prof: prof.export_chrome_trace(str(output)),
+    ) as prof:
+        for _ in range(1 + profiled_steps):
+            train_step(model, optimizer, loss_fn, *next(batches))
+            prof.step()
+
+
+def gradient_bytes(model: nn.Module) -> int:
+    """Bytes of gradient one training step produces (one per parameter)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+def main(description: str, default_output: Path, build: Callable[[], tuple[nn.Module, DataLoader]], argv=None) -> None:
+    """The command line of an example: ``python examples/NAME.py [OUTPUT] [--steps N]``."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("output", nargs="?", type=Path, default=default_output,
+                        help=f"where to write the gzipped Chrome trace (default: {default_output})")
+    parser.add_argument("--steps", type=int, default=PROFILED_STEPS,
+                        help=f"number of profiled training steps (default: {PROFILED_STEPS})")
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    model, loader = build()
+    capture_trace(model, loader, args.output, args.steps)
+    print(f"wrote {args.output} ({args.output.stat().st_size} bytes); "
+          f"{gradient_bytes(model) / 1e6:.1f} MB of gradients per step")
