@@ -12,6 +12,7 @@ import numpy as np
 import pandas as pd
 
 from whatif.collectors.kineto import TraceError
+from whatif.collectors.lab import LabError, LabSpec, run_job
 from whatif.predict import predict_scenario
 from whatif.report.iterations import steady_median
 from whatif.report.plots import plot_scenario
@@ -19,7 +20,7 @@ from whatif.report.timeline import write_atomically, write_timeline
 from whatif.scenario import ScenarioError, load_scenario
 from whatif.sim.graph import GraphError
 from whatif.sim.optimizations import OPTIMIZATIONS
-from whatif.topology import TopologyError
+from whatif.topology import TopologyError, as_gbps, parse_bandwidth, parse_latency
 from whatif.study import TraceStudy, WhatIf
 
 
@@ -74,6 +75,18 @@ def _parser() -> argparse.ArgumentParser:
     predict.add_argument("--plot", type=Path, metavar="OUT.png", help="scaling curve and time breakdown")
     predict.add_argument("--csv", type=Path, metavar="OUT.csv", help="the results table as CSV")
     predict.add_argument("--timeline", type=Path, metavar="OUT.json", help="simulated timeline of each configuration")
+    lab = sub.add_parser("lab", help="real multi-machine runs on an emulated cluster (root, network namespaces)")
+    lab_sub = lab.add_subparsers(dest="lab_command", required=True)
+    lab_run = lab_sub.add_parser("run", help="run a training script as every worker of an emulated cluster")
+    lab_run.add_argument("--machines", type=int, default=1)
+    lab_run.add_argument("--gpus-per-machine", type=int, default=1, help="workers per machine")
+    lab_run.add_argument("--bandwidth", default="200Mbps", help="each machine's NIC, both directions (e.g. 200Mbps)")
+    lab_run.add_argument("--latency", default="0", help="added one-way latency (needs sch_netem)")
+    lab_run.add_argument("--framework", choices=("horovod", "ddp"), default="horovod")
+    lab_run.add_argument("--threads", type=int, default=1, help="torch threads (and cores) per worker")
+    lab_run.add_argument("--out", type=Path, default=Path("lab-out"), help="folder for logs and per-rank reports")
+    lab_run.add_argument("--timeout", type=float, default=900.0, help="seconds before the workers are stopped")
+    lab_run.add_argument("script", nargs=argparse.REMAINDER, help="-- python SCRIPT.py ARGS...")
     return parser
 
 
@@ -161,9 +174,31 @@ def _refuse_inputs(path: Path, inputs: tuple) -> None:
         raise UsageError(f"{path}: refusing to overwrite an input file")
 
 
+def run_lab(args: argparse.Namespace) -> int:
+    argv = args.script[1:] if args.script[:1] == ["--"] else args.script
+    if not argv:
+        raise UsageError("lab run: give the command after --, e.g. -- python examples/run_distributed.py ...")
+    spec = LabSpec(
+        machines=args.machines,
+        gpus_per_machine=args.gpus_per_machine,
+        bandwidth_mbit=as_gbps(parse_bandwidth(args.bandwidth, "--bandwidth")) * 1e3,
+        latency_ms=parse_latency(args.latency, "--latency") / 1e3,
+        threads_per_worker=args.threads,
+    )
+    result = run_job(spec, args.framework, argv, args.out, args.timeout)
+    for rank, (code, log) in enumerate(zip(result.exit_codes, result.logs)):
+        print(f"rank {rank}: exit {code}, log {log}")
+    failed = [r for r, code in enumerate(result.exit_codes) if code != 0]
+    if failed:
+        raise LabError(f"workers {failed} failed; see their logs in {args.out}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     if args.command == "predict":
         return run_predict(args)
+    if args.command == "lab":
+        return run_lab(args)
     study = TraceStudy.from_trace(args.trace, args.iteration)
     if args.command == "replay":
         schedule, report = study.replay, study.replay_report()
@@ -202,7 +237,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return run(args)
-    except (TraceError, GraphError, UsageError, ScenarioError, TopologyError) as err:
+    except (TraceError, GraphError, UsageError, ScenarioError, TopologyError, LabError) as err:
         print(f"whatif: error: {err}", file=sys.stderr)
     except BrokenPipeError:
         return 0  # the reader of our output went away (| head): nothing left to say

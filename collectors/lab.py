@@ -1,0 +1,363 @@
+"""An emulated cluster on one box: machines as network namespaces, NICs shaped with ``tc``.
+
+Each machine is a network namespace with one veth "NIC" plugged into a bridge that lives in a
+switch namespace of its own, so nothing touches the host's network. Both directions of every NIC
+are shaped with a token bucket (``tc tbf``) to the chosen bandwidth: the machine side shapes
+what it sends, the switch side what it receives, as a full-duplex link. The G workers of a
+machine share its namespace and talk over its loopback, so intra-machine traffic stays fast.
+Each worker runs in a UTS namespace of its own whose hostname is its machine's name, with
+``/etc/netns/<namespace>/hosts`` mapping every machine name to its address: Gloo resolves the
+local hostname to find the interface to use.
+
+Latency: the kernels this was built on have no ``sch_netem``, so a latency can be asked for only
+where ``tc qdisc ... netem`` works; otherwise the lab refuses a non-zero ``--latency`` instead of
+quietly ignoring it (the veth path itself has a few tens of microseconds, which calibration
+measures).
+
+Everything created is removed on leaving the context, on success, error, Ctrl-C or timeout; the
+names carry the creating process's id so that concurrent labs never collide and a crashed lab's
+leftovers can be recognised.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+
+class LabError(Exception):
+    """The lab cannot run here or as asked; the message is one line."""
+
+
+@dataclass(frozen=True)
+class LabSpec:
+    machines: int
+    gpus_per_machine: int
+    bandwidth_mbit: float
+    latency_ms: float = 0.0
+    threads_per_worker: int = 1
+
+    @property
+    def workers(self) -> int:
+        return self.machines * self.gpus_per_machine
+
+
+@dataclass
+class Worker:
+    rank: int
+    machine: int
+    local_rank: int
+    cores: Optional[list] = None
+
+
+@dataclass
+class EmulatedCluster:
+    """Namespaces, veths, bridge and shaping for ``spec``; use as a context manager."""
+
+    spec: LabSpec
+    tag: str = field(default_factory=lambda: f"wf{os.getpid() % 100000}")
+    created: list = field(default_factory=list)
+    processes: list = field(default_factory=list)
+
+    # -- names -----------------------------------------------------------------------------------
+
+    @property
+    def switch(self) -> str:
+        return f"{self.tag}-sw"
+
+    def namespace(self, machine: int) -> str:
+        return f"{self.tag}-m{machine}"
+
+    def hostname(self, machine: int) -> str:
+        return f"{self.tag}-m{machine}"
+
+    def nic(self, machine: int) -> str:
+        return f"{self.tag}n{machine}"
+
+    def address(self, machine: int) -> str:
+        return f"10.{200 + (os.getpid() % 50)}.0.{machine + 1}"
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def __enter__(self) -> "EmulatedCluster":
+        _check_can_run(self.spec)
+        self._previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+        for s in self._previous:
+            signal.signal(s, _raise_interrupt)
+        try:
+            self._build()
+        except BaseException:
+            self.__exit__(*sys.exc_info())
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for proc in self.processes:
+            _kill_group(proc)
+        for kind, name in reversed(self.created):
+            if kind == "netns":
+                subprocess.run(["ip", "netns", "del", name], capture_output=True)
+            elif kind == "hosts":
+                shutil.rmtree(name, ignore_errors=True)
+        self.created.clear()
+        for s, handler in getattr(self, "_previous", {}).items():
+            signal.signal(s, handler)
+
+    def _build(self) -> None:
+        spec = self.spec
+        self._netns(self.switch)
+        _ip(self.switch, "link", "add", "br0", "type", "bridge")
+        _ip(self.switch, "link", "set", "br0", "up")
+        names = [(self.hostname(m), self.address(m)) for m in range(spec.machines)]
+        for m in range(spec.machines):
+            ns, nic, port = self.namespace(m), self.nic(m), f"{self.tag}p{m}"
+            self._netns(ns)
+            _run(["ip", "link", "add", nic, "type", "veth", "peer", "name", port])
+            _run(["ip", "link", "set", nic, "netns", ns])
+            _run(["ip", "link", "set", port, "netns", self.switch])
+            _ip(self.switch, "link", "set", port, "master", "br0")
+            _ip(self.switch, "link", "set", port, "up")
+            _ip(ns, "link", "set", "lo", "up")
+            _ip(ns, "addr", "add", f"{self.address(m)}/24", "dev", nic)
+            _ip(ns, "link", "set", nic, "up")
+            _shape(ns, nic, spec)  # what the machine sends
+            _shape(self.switch, port, spec)  # what it receives
+            hosts = Path("/etc/netns") / ns
+            hosts.mkdir(parents=True, exist_ok=True)
+            self.created.append(("hosts", str(hosts)))
+            (hosts / "hosts").write_text(
+                "127.0.0.1 localhost\n" + "".join(f"{addr} {name}\n" for name, addr in names)
+            )
+
+    def _netns(self, name: str) -> None:
+        _run(["ip", "netns", "add", name])
+        self.created.append(("netns", name))
+
+    # -- workers ---------------------------------------------------------------------------------
+
+    def workers(self) -> list[Worker]:
+        """Ranks machine by machine, each pinned to its own cores where the box has enough."""
+        spec = self.spec
+        cores = os.cpu_count() or 1
+        needed = spec.workers * spec.threads_per_worker
+        out = []
+        for rank in range(spec.workers):
+            pinned = None
+            if needed <= cores:
+                first = rank * spec.threads_per_worker
+                pinned = list(range(first, first + spec.threads_per_worker))
+            out.append(Worker(rank, rank // spec.gpus_per_machine, rank % spec.gpus_per_machine, pinned))
+        return out
+
+    def command(self, worker: Worker, argv: Sequence[str]) -> list[str]:
+        """``argv`` run as ``worker``: in its machine's namespace, under its hostname, pinned."""
+        pin = ["taskset", "-c", ",".join(map(str, worker.cores))] if worker.cores else []
+        inner = " ".join(_quote(a) for a in pin + list(argv))
+        return [
+            "ip", "netns", "exec", self.namespace(worker.machine),
+            "unshare", "--uts", "sh", "-c", f"hostname {self.hostname(worker.machine)} && exec {inner}",
+        ]
+
+    def start(self, worker: Worker, argv: Sequence[str], env: dict, log: Path) -> subprocess.Popen:
+        out = open(log, "wb")
+        proc = subprocess.Popen(
+            self.command(worker, argv), env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        proc.log_file = out
+        self.processes.append(proc)
+        return proc
+
+
+def _check_can_run(spec: LabSpec) -> None:
+    if os.geteuid() != 0:
+        raise LabError("the lab needs root to create network namespaces (run as root, or use a machine where you are)")
+    for tool in ("ip", "tc", "unshare"):
+        if shutil.which(tool) is None:
+            raise LabError(f"the lab needs the '{tool}' command (Debian: iproute2 / util-linux)")
+    probe = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        raise LabError(f"network namespaces are not available here: {probe.stderr.strip()}")
+    if spec.machines < 1 or spec.gpus_per_machine < 1:
+        raise LabError("machines and GPUs per machine must be at least 1")
+    if spec.bandwidth_mbit <= 0:
+        raise LabError("bandwidth must be positive")
+    if spec.latency_ms > 0 and not _netem_available():
+        raise LabError("--latency needs the kernel's sch_netem qdisc, which this kernel lacks; run with --latency 0")
+
+
+def _netem_available() -> bool:
+    name = f"wfprobe{os.getpid() % 100000}"
+    subprocess.run(["ip", "netns", "add", name], capture_output=True)
+    try:
+        done = subprocess.run(
+            ["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"],
+            capture_output=True,
+        )
+        return done.returncode == 0
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def _shape(ns: str, dev: str, spec: LabSpec) -> None:
+    """A token bucket at the link rate; the bucket holds a few ms of traffic at that rate (at
+    least 64 KB) so TCP's bursts pass as they would through a switch port's buffer."""
+    rate = f"{spec.bandwidth_mbit:g}mbit"
+    burst = max(64 * 1024, int(spec.bandwidth_mbit * 1e6 / 8 * 0.002))
+    if spec.latency_ms > 0:
+        _ip_tc(ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem", "delay", f"{spec.latency_ms:g}ms")
+        _ip_tc(ns, "qdisc", "add", "dev", dev, "parent", "1:", "handle", "2:", "tbf", "rate", rate,
+               "burst", str(burst), "latency", "200ms")
+    else:
+        _ip_tc(ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst", str(burst), "latency", "200ms")
+
+
+def _ip(ns: str, *args: str) -> None:
+    _run(["ip", "netns", "exec", ns, "ip", *args])
+
+
+def _ip_tc(ns: str, *args: str) -> None:
+    _run(["ip", "netns", "exec", ns, "tc", *args])
+
+
+def _run(argv: list) -> None:
+    done = subprocess.run(argv, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise LabError(f"'{' '.join(argv)}' failed: {done.stderr.strip() or done.returncode}")
+
+
+def _quote(arg: str) -> str:
+    import shlex
+
+    return shlex.quote(str(arg))
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=5)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+FRAMEWORKS = ("horovod", "ddp")
+
+
+@dataclass
+class JobResult:
+    exit_codes: list
+    logs: list  # one path per worker
+    out_dir: Path
+
+
+def run_job(
+    spec: LabSpec, framework: str, argv: Sequence[str], out_dir: Path, timeout_s: float = 900.0
+) -> JobResult:
+    """Run ``argv`` as every worker of ``framework`` on an emulated cluster of ``spec``.
+
+    Each worker gets the environment its framework reads (Horovod's Gloo variables, or PyTorch's
+    ``MASTER_ADDR`` / ``RANK`` / ``WORLD_SIZE``), ``OMP_NUM_THREADS`` = threads per worker, and
+    ``WHATIF_LAB_OUT`` = ``out_dir`` for per-rank reports; logs go to ``out_dir/rank<r>.log``.
+    """
+    if framework not in FRAMEWORKS:
+        raise LabError(f"unknown framework {framework!r}; choose from {', '.join(FRAMEWORKS)}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with EmulatedCluster(spec) as cluster:
+        workers = cluster.workers()
+        base = dict(os.environ, OMP_NUM_THREADS=str(spec.threads_per_worker), WHATIF_LAB_OUT=str(out_dir))
+        if framework == "horovod":
+            per_rank = _horovod_environment(cluster, workers, out_dir)
+        else:
+            per_rank = _ddp_environment(cluster, workers)
+        logs = []
+        for worker in workers:
+            log = out_dir / f"rank{worker.rank}.log"
+            logs.append(log)
+            cluster.start(worker, argv, dict(base, **per_rank[worker.rank]), log)
+        workers_only = [p for p in cluster.processes if getattr(p, "role", "worker") == "worker"]
+        codes = _wait(workers_only, timeout_s)
+    return JobResult(codes, logs, out_dir)
+
+
+def _wait(processes: list, timeout_s: float) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    codes = []
+    for proc in processes:
+        try:
+            codes.append(proc.wait(timeout=max(deadline - time.monotonic(), 0.01)))
+        except subprocess.TimeoutExpired:
+            raise LabError(f"workers still running after {timeout_s:.0f} s; stopped them") from None
+        finally:
+            proc.log_file.close()
+    return codes
+
+
+def _ddp_environment(cluster: EmulatedCluster, workers: list) -> dict:
+    spec = cluster.spec
+    master = cluster.address(0)
+    return {
+        w.rank: {
+            "MASTER_ADDR": master,
+            "MASTER_PORT": "29571",
+            "RANK": str(w.rank),
+            "WORLD_SIZE": str(spec.workers),
+            "LOCAL_RANK": str(w.local_rank),
+            "LOCAL_WORLD_SIZE": str(spec.gpus_per_machine),
+            "GLOO_SOCKET_IFNAME": cluster.nic(w.machine),
+        }
+        for w in workers
+    }
+
+
+def _horovod_environment(cluster: EmulatedCluster, workers: list, out_dir: Path) -> dict:
+    """Start the rendezvous server in machine 0's namespace and give each worker Horovod's Gloo
+    variables (those ``horovodrun --gloo`` would set)."""
+    spec = cluster.spec
+    hosts = ",".join(f"{cluster.hostname(m)}:{spec.gpus_per_machine}" for m in range(spec.machines))
+    port_file = out_dir / "rendezvous.port"
+    port_file.unlink(missing_ok=True)
+    server = cluster.start(
+        Worker(-1, 0, -1),
+        [sys.executable, "-m", "whatif.collectors.horovod_rendezvous", hosts, str(spec.workers), str(port_file)],
+        dict(os.environ),
+        out_dir / "rendezvous.log",
+    )
+    server.role = "server"
+    deadline = time.monotonic() + 60
+    while not port_file.exists() or not port_file.read_text().strip():
+        if server.poll() is not None or time.monotonic() > deadline:
+            raise LabError(f"Horovod's rendezvous server did not start; see {out_dir / 'rendezvous.log'}")
+        time.sleep(0.1)
+    port = port_file.read_text().strip()
+    return {
+        w.rank: {
+            "HOROVOD_CONTROLLER": "gloo",
+            "HOROVOD_CPU_OPERATIONS": "gloo",
+            "HOROVOD_GLOO_TIMEOUT_SECONDS": "120",
+            "HOROVOD_GLOO_RENDEZVOUS_ADDR": cluster.address(0),
+            "HOROVOD_GLOO_RENDEZVOUS_PORT": port,
+            "HOROVOD_GLOO_IFACE": cluster.nic(w.machine),
+            "HOROVOD_HOSTNAME": cluster.hostname(w.machine),
+            "HOROVOD_RANK": str(w.rank),
+            "HOROVOD_SIZE": str(spec.workers),
+            "HOROVOD_LOCAL_RANK": str(w.local_rank),
+            "HOROVOD_LOCAL_SIZE": str(spec.gpus_per_machine),
+            "HOROVOD_CROSS_RANK": str(w.machine),
+            "HOROVOD_CROSS_SIZE": str(spec.machines),
+        }
+        for w in workers
+    }

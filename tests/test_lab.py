@@ -1,0 +1,106 @@
+"""The emulated cluster: machines as network namespaces, NICs shaped with tc, always cleaned up."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from whatif.collectors import lab
+from whatif.collectors.lab import EmulatedCluster, LabError, LabSpec, run_job
+
+can_run = pytest.mark.skipif(
+    os.geteuid() != 0 or subprocess.run(["ip", "netns", "list"], capture_output=True).returncode != 0,
+    reason="the lab needs root and network namespaces",
+)
+torch = pytest.importorskip("torch", reason="real runs need torch (pip install torch==2.13.0)")
+
+ALLREDUCE = """
+import json, os, socket, time, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.ones({elements})
+dist.all_reduce(t)
+dist.barrier()
+start = time.perf_counter()
+for _ in range(3):
+    dist.all_reduce(t)
+seconds = (time.perf_counter() - start) / 3
+out = os.environ["WHATIF_LAB_OUT"]
+with open(f"{{out}}/rank{{dist.get_rank()}}.json", "w") as f:
+    json.dump({{"host": socket.gethostname(), "seconds": seconds, "sum": float(t[0])}}, f)
+dist.destroy_process_group()
+"""
+
+
+def namespaces() -> set:
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in listed.splitlines() if line.strip()}
+
+
+@can_run
+def test_a_shaped_link_gives_the_all_reduce_time_of_its_bandwidth(tmp_path):
+    """Two machines at 100 Mbps: a 25 MB ring all-reduce sends 25 MB each way through each NIC,
+    2 s at line rate; TCP over the token bucket delivers about 94 % of it."""
+    script = tmp_path / "allreduce.py"
+    script.write_text(ALLREDUCE.format(elements=25_000_000 // 4))
+    before = namespaces()
+    result = run_job(LabSpec(2, 1, 100.0), "ddp", [sys.executable, str(script)], tmp_path / "out", timeout_s=240)
+    assert result.exit_codes == [0, 0]
+    reports = [json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert {r["host"] for r in reports} == {f"wf{os.getpid() % 100000}-m0", f"wf{os.getpid() % 100000}-m1"}
+    assert all(r["sum"] == 2 ** 4 for r in reports), "four all-reduces of ones over two workers"
+    line_rate_s = 25e6 / (100e6 / 8)
+    assert line_rate_s <= reports[0]["seconds"] <= line_rate_s / 0.85
+    assert namespaces() == before, "every namespace the lab made is gone"
+    assert not any(p.name.startswith(f"wf{os.getpid() % 100000}") for p in _etc_netns())
+
+
+@can_run
+def test_workers_of_one_machine_share_its_namespace_and_talk_over_loopback(tmp_path):
+    """1 machine x 2 workers at a very low NIC rate: their all-reduce does not cross the NIC."""
+    script = tmp_path / "allreduce.py"
+    script.write_text(ALLREDUCE.format(elements=25_000_000 // 4))
+    run_job(LabSpec(1, 2, 1.0), "ddp", [sys.executable, str(script)], tmp_path / "out", timeout_s=240)
+    report = json.loads((tmp_path / "out" / "rank0.json").read_text())
+    assert report["seconds"] < 2.0, "25 MB at 1 Mbps would take 200 s"
+
+
+@can_run
+def test_the_lab_cleans_up_after_a_failing_worker(tmp_path):
+    before = namespaces()
+    result = run_job(LabSpec(2, 1, 100.0), "ddp", [sys.executable, "-c", "raise SystemExit(3)"], tmp_path, 60)
+    assert result.exit_codes == [3, 3]
+    assert namespaces() == before
+
+
+@can_run
+def test_the_lab_cleans_up_after_a_timeout(tmp_path):
+    before = namespaces()
+    with pytest.raises(LabError, match="still running"):
+        run_job(LabSpec(2, 1, 100.0), "ddp", [sys.executable, "-c", "import time; time.sleep(60)"], tmp_path, 2)
+    assert namespaces() == before
+
+
+def test_without_root_the_lab_refuses_with_a_clear_message(monkeypatch):
+    monkeypatch.setattr(lab.os, "geteuid", lambda: 1000)
+    with pytest.raises(LabError, match="needs root"):
+        with EmulatedCluster(LabSpec(2, 1, 100.0)):
+            pass
+
+
+@can_run
+def test_a_latency_without_netem_is_refused_not_ignored(monkeypatch):
+    monkeypatch.setattr(lab, "_netem_available", lambda: False)
+    with pytest.raises(LabError, match="sch_netem"):
+        with EmulatedCluster(LabSpec(2, 1, 100.0, latency_ms=1.0)):
+            pass
+
+
+def _etc_netns():
+    from pathlib import Path
+
+    folder = Path("/etc/netns")
+    return list(folder.iterdir()) if folder.is_dir() else []
