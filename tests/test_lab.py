@@ -16,7 +16,9 @@ can_run = pytest.mark.skipif(
     os.geteuid() != 0 or subprocess.run(["ip", "netns", "list"], capture_output=True).returncode != 0,
     reason="the lab needs root and network namespaces",
 )
-torch = pytest.importorskip("torch", reason="real runs need torch (pip install torch==2.13.0)")
+needs_torch = pytest.mark.skipif(
+    __import__("importlib").util.find_spec("torch") is None, reason="real runs need torch (pip install torch==2.13.0)"
+)
 
 ALLREDUCE = """
 import json, os, socket, time, torch, torch.distributed as dist
@@ -35,12 +37,16 @@ dist.destroy_process_group()
 """
 
 
+BUNDLED = __import__("pathlib").Path(__file__).resolve().parents[1] / "data" / "convnet_cpu.pt.trace.json.gz"
+
+
 def namespaces() -> set:
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     return {line.split()[0] for line in listed.splitlines() if line.strip()}
 
 
 @can_run
+@needs_torch
 def test_a_shaped_link_gives_the_all_reduce_time_of_its_bandwidth(tmp_path):
     """Two machines at 100 Mbps: a 25 MB ring all-reduce sends 25 MB each way through each NIC,
     2 s at line rate; TCP over the token bucket delivers about 94 % of it."""
@@ -59,6 +65,7 @@ def test_a_shaped_link_gives_the_all_reduce_time_of_its_bandwidth(tmp_path):
 
 
 @can_run
+@needs_torch
 def test_workers_of_one_machine_share_its_namespace_and_talk_over_loopback(tmp_path):
     """1 machine x 2 workers at a very low NIC rate: their all-reduce does not cross the NIC."""
     script = tmp_path / "allreduce.py"
@@ -104,3 +111,35 @@ def _etc_netns():
 
     folder = Path("/etc/netns")
     return list(folder.iterdir()) if folder.is_dir() else []
+
+
+def test_calibration_recovers_the_latency_and_efficiency_of_a_ring():
+    """Times made from the ring's cost with L = 150 us and e = 0.9 at 200 Mbps fit back to them."""
+    from whatif.collectors.calibrate import fit_ring
+
+    bandwidth = 200e6 / 8
+    sizes = [64e3, 1e6, 4e6, 16e6, 32e6]
+    n = 4
+    seconds = [2 * (n - 1) * 150e-6 + 2 * (n - 1) / n * s / (0.9 * bandwidth) for s in sizes]
+    fit = fit_ring(sizes, seconds, n, bandwidth)
+    assert fit["latency_us"] == pytest.approx(150, rel=1e-6)
+    assert fit["efficiency"] == pytest.approx(0.9, rel=1e-6)
+
+
+@can_run
+@needs_torch
+def test_calibrate_writes_links_a_scenario_can_use(tmp_path):
+    from whatif.collectors.calibrate import calibrate
+    from whatif.scenario import load_scenario
+
+    links = tmp_path / "lab.yaml"
+    doc = calibrate(200.0, links, tmp_path / "work")
+    assert 0.85 <= doc["inter_node"]["efficiency"] <= 1.0, "TCP through tbf delivers most of the rate"
+    scenario = tmp_path / "s.yaml"
+    scenario.write_text(
+        "trace: " + str(BUNDLED) + "\n"
+        "cluster: {machines: 2, gpus_per_machine: 1, links: lab.yaml, inter_node: {bandwidth: [100Mbps, 400Mbps]}}\n"
+    )
+    points = load_scenario(scenario).points
+    assert [round(p.inter_node_gbps, 3) for p in points] == [0.1, 0.4]
+    assert all(p.cluster.inter_node.efficiency == doc["inter_node"]["efficiency"] for p in points)

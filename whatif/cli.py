@@ -11,7 +11,9 @@ import msgspec
 import numpy as np
 import pandas as pd
 
+from whatif.collectors.capture import CaptureError, collect
 from whatif.collectors.kineto import TraceError
+from whatif.collectors.calibrate import calibrate
 from whatif.collectors.lab import LabError, LabSpec, run_job
 from whatif.predict import predict_scenario
 from whatif.report.iterations import steady_median
@@ -50,7 +52,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     def common(p):
-        p.add_argument("trace", type=Path, help="Kineto / PyTorch profiler trace (.json or .json.gz)")
+        p.add_argument("trace", type=Path, help="PyTorch profiler (Kineto) trace (.json or .json.gz), or a bundle folder")
         p.add_argument("--iteration", metavar="NAME", help="annotation that marks an iteration (default: ProfilerStep#N)")
         p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
         p.add_argument("--timeline", type=Path, metavar="OUT.json", help="write the simulated timeline (Chrome trace)")
@@ -75,6 +77,16 @@ def _parser() -> argparse.ArgumentParser:
     predict.add_argument("--plot", type=Path, metavar="OUT.png", help="scaling curve and time breakdown")
     predict.add_argument("--csv", type=Path, metavar="OUT.csv", help="the results table as CSV")
     predict.add_argument("--timeline", type=Path, metavar="OUT.json", help="simulated timeline of each configuration")
+
+    capture = sub.add_parser(
+        "collect",
+        help="run a training script that uses the capture API and write its trace bundle",
+        usage="whatif collect [-h] [--out BUNDLE] [--steps N] [--warmup N] -- python SCRIPT.py [ARGS ...]",
+    )
+    capture.add_argument("--out", type=Path, metavar="BUNDLE", help="bundle folder to write (default: SCRIPT.bundle)")
+    capture.add_argument("--steps", type=int, metavar="N", help="profiled steps (default: the script's, else 5)")
+    capture.add_argument("--warmup", type=int, metavar="N", help="steps before them (default: the script's, else 3)")
+    capture.add_argument("argv", nargs=argparse.REMAINDER, metavar="COMMAND", help="the training command, after --")
     lab = sub.add_parser("lab", help="real multi-machine runs on an emulated cluster (root, network namespaces)")
     lab_sub = lab.add_subparsers(dest="lab_command", required=True)
     lab_run = lab_sub.add_parser("run", help="run a training script as every worker of an emulated cluster")
@@ -87,6 +99,9 @@ def _parser() -> argparse.ArgumentParser:
     lab_run.add_argument("--out", type=Path, default=Path("lab-out"), help="folder for logs and per-rank reports")
     lab_run.add_argument("--timeout", type=float, default=900.0, help="seconds before the workers are stopped")
     lab_run.add_argument("script", nargs=argparse.REMAINDER, help="-- python SCRIPT.py ARGS...")
+    lab_cal = lab_sub.add_parser("calibrate", help="fit latency and bandwidth efficiency of the lab's network")
+    lab_cal.add_argument("--bandwidth", default="200Mbps", help="the NIC rate to calibrate at")
+    lab_cal.add_argument("--out", type=Path, default=Path("lab-topology.yaml"), help="topology YAML to write")
     return parser
 
 
@@ -175,6 +190,14 @@ def _refuse_inputs(path: Path, inputs: tuple) -> None:
 
 
 def run_lab(args: argparse.Namespace) -> int:
+    if args.lab_command == "calibrate":
+        bandwidth_mbit = as_gbps(parse_bandwidth(args.bandwidth, "--bandwidth")) * 1e3
+        doc = calibrate(bandwidth_mbit, args.out)
+        nic, intra = doc["inter_node"], doc["intra_node"]
+        print(f"NIC at {nic['bandwidth']}: latency {nic['latency']}, efficiency {nic['efficiency']}")
+        print(f"inside a machine: {intra['bandwidth']}, latency {intra['latency']}")
+        print(f"written to {args.out}")
+        return 0
     argv = args.script[1:] if args.script[:1] == ["--"] else args.script
     if not argv:
         raise UsageError("lab run: give the command after --, e.g. -- python examples/run_distributed.py ...")
@@ -194,9 +217,25 @@ def run_lab(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_collect(args: argparse.Namespace) -> int:
+    bundle = collect(args.argv, args.out, args.steps, args.warmup)
+    grads = bundle.parameters[bundle.parameters["requires_grad"]]
+    clock = bundle.manifest.get("clock", {})
+    error = clock.get("alignment_error_us")
+    print(
+        f"wrote {bundle.path}: {len(bundle.steps)} profiled steps ({bundle.steps[0]} to {bundle.steps[-1]}), "
+        f"{len(grads)} parameters ({(grads['numel'] * grads['element_size']).sum() / 1e6:.1f} MB of gradients per step), "
+        f"{len(bundle.layers)} layers, device {bundle.environment.get('device')}"
+        + (f", hook clock within {error:.1f} us of the trace's" if error is not None else "")
+    )
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     if args.command == "predict":
         return run_predict(args)
+    if args.command == "collect":
+        return run_collect(args)
     if args.command == "lab":
         return run_lab(args)
     study = TraceStudy.from_trace(args.trace, args.iteration)
@@ -237,7 +276,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return run(args)
-    except (TraceError, GraphError, UsageError, ScenarioError, TopologyError, LabError) as err:
+    except (TraceError, GraphError, UsageError, ScenarioError, TopologyError, CaptureError, LabError) as err:
         print(f"whatif: error: {err}", file=sys.stderr)
     except BrokenPipeError:
         return 0  # the reader of our output went away (| head): nothing left to say

@@ -2,13 +2,14 @@
 
 A scenario file looks like::
 
-    trace: ../data/convnet_cpu.pt.trace.json.gz      # relative to this file
+    trace: ../data/convnet_cpu.pt.trace.json.gz      # relative to this file; or a bundle folder
     iteration: ProfilerStep#.*                        # optional, default ProfilerStep#N
     cluster:
       machines: [1, 2, 3, 4]
       gpus_per_machine: [1, 2]
       intra_node: nvlink2                             # preset or {bandwidth, latency, efficiency}
       inter_node: {bandwidth: [10Gbps, 20Gbps, 40Gbps], latency: 5us}
+      links: lab-topology.yaml                        # optional: links from whatif lab calibrate
     framework: horovod                                # horovod | ddp | ps, or a list
     policy: fifo                                      # fifo | p3, or a list
     collective: ring                                  # ring | hierarchical (all-reduce algorithm)
@@ -34,6 +35,7 @@ from typing import Any, Optional
 
 import yaml
 
+from whatif.collectors.bundle import is_bundle
 from whatif.sim.distributed import POLICIES, Straggler
 from whatif.sim.frameworks import FRAMEWORKS, FrameworkOptions
 from whatif.sim.optimizations import OPTIMIZATIONS
@@ -43,7 +45,7 @@ _TOP_KEYS = (
     "trace", "iteration", "cluster", "framework", "policy", "collective", "optimizations",
     "gradients", "stragglers", "framework_options", "replicate", "network", "name", "description",
 )
-_CLUSTER_KEYS = ("machines", "gpus_per_machine", "intra_node", "inter_node", "server_machines", "name")
+_CLUSTER_KEYS = ("machines", "gpus_per_machine", "intra_node", "inter_node", "server_machines", "name", "links")
 _OPTION_KEYS = {
     "bucket_cap": "bucket_cap_bytes",
     "first_bucket": "first_bucket_bytes",
@@ -132,11 +134,14 @@ def load_scenario(path: Path) -> Scenario:
     trace = Path(str(doc["trace"]))
     if not trace.is_absolute():
         trace = path.parent / trace
-    if not trace.is_file():
+    if trace.is_dir() and not is_bundle(trace):
+        raise ScenarioError(path, "trace", f"{trace} is a folder but not a trace bundle (no bundle.json)")
+    if not (trace.is_file() or is_bundle(trace)):
         raise ScenarioError(path, "trace", f"no such file: {trace}")
 
     cluster = doc["cluster"]
     _check_keys(path, cluster, _CLUSTER_KEYS, "cluster")
+    cluster = _with_links_file(path, cluster)
     frameworks = [_choice(path, "framework", f, FRAMEWORKS) for f in _as_list(doc.get("framework", "horovod"))]
     policies = [_choice(path, "policy", p, POLICIES) for p in _as_list(doc.get("policy", "fifo"))]
     for key, values in (
@@ -178,6 +183,33 @@ def load_scenario(path: Path) -> Scenario:
     network = _choice(path, "network", doc.get("network", "auto"), ("auto", "closed_form", "shared_links"))
     scenario.shared_links = {"auto": None, "closed_form": False, "shared_links": True}[network]
     return scenario
+
+
+def _with_links_file(path: Path, cluster: dict) -> dict:
+    """``links: FILE`` (e.g. written by ``whatif lab calibrate``) supplies intra_node and
+    inter_node; keys the scenario gives itself win, so a bandwidth list can vary a calibrated
+    link's rate while keeping its latency and efficiency."""
+    if "links" not in cluster:
+        return cluster
+    links_path = Path(str(cluster["links"]))
+    if not links_path.is_absolute():
+        links_path = path.parent / links_path
+    try:
+        links = yaml.safe_load(links_path.read_text())
+    except FileNotFoundError:
+        raise ScenarioError(path, "cluster.links", f"no such file: {links_path}") from None
+    except yaml.YAMLError:
+        raise ScenarioError(path, "cluster.links", f"{links_path} is not valid YAML") from None
+    if not isinstance(links, dict) or not {"intra_node", "inter_node"} <= set(links):
+        raise ScenarioError(path, "cluster.links", f"{links_path} has no intra_node and inter_node links")
+    merged = {k: v for k, v in cluster.items() if k != "links"}
+    for key in ("intra_node", "inter_node"):
+        mine = merged.get(key)
+        if mine is None:
+            merged[key] = links[key]
+        elif isinstance(mine, dict) and isinstance(links[key], dict):
+            merged[key] = {**links[key], **mine}
+    return merged
 
 
 def _inter_nodes(cluster: dict) -> list:

@@ -1,0 +1,67 @@
+"""Fitting the lab's network to the topology model: latency and bandwidth efficiency.
+
+A ring all-reduce of ``S`` bytes over ``n`` workers costs ``2(n-1) L + 2(n-1)/n * S / (e B)``
+(``topology.collectives``). Timing Gloo's all-reduce at several sizes on the emulated cluster
+and fitting a line to time against size gives the latency ``L`` (from the intercept) and the
+efficiency ``e`` the shaped link really delivers (from the slope), once across machines (the
+NICs) and once inside one machine (loopback between its workers). They are written as a
+topology YAML that scenarios can use, so predictions for the lab use the lab's own network.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from .lab import LabError, LabSpec, run_job
+
+SIZES_BYTES = (64e3, 256e3, 1e6, 4e6, 16e6, 32e6)
+
+
+def fit_ring(sizes_bytes, seconds, workers: int, bandwidth_bytes_per_s: float) -> dict:
+    """Latency (us) and efficiency from all-reduce times of a ring of ``workers``."""
+    slope, intercept = np.polyfit(np.asarray(sizes_bytes, float), np.asarray(seconds, float), 1)
+    steps = 2 * (workers - 1)
+    efficiency = (steps / workers) / (bandwidth_bytes_per_s * slope)
+    latency_us = max(intercept, 0.0) / steps * 1e6
+    return {"latency_us": float(latency_us), "efficiency": float(min(efficiency, 1.0)), "raw_efficiency": float(efficiency)}
+
+
+def measure(spec: LabSpec, out_dir: Path, sizes=SIZES_BYTES) -> dict:
+    argv = [sys.executable, "-m", "whatif.collectors.allreduce_probe", *[str(int(s)) for s in sizes]]
+    result = run_job(spec, "ddp", argv, out_dir, timeout_s=600)
+    if any(result.exit_codes):
+        raise LabError(f"calibration workers failed; see the logs in {out_dir}")
+    return json.loads((out_dir / "allreduce.json").read_text())
+
+
+def calibrate(bandwidth_mbit: float, out_yaml: Path, work_dir: Path = None) -> dict:
+    """Measure across two machines and inside one; write the fitted topology to ``out_yaml``."""
+    work_dir = Path(work_dir or tempfile.mkdtemp(prefix="whatif-calibrate-"))
+    across = measure(LabSpec(2, 1, bandwidth_mbit), work_dir / "across")
+    inside = measure(LabSpec(1, 2, bandwidth_mbit), work_dir / "inside")
+    nic = fit_ring(across["sizes_bytes"], across["seconds"], 2, bandwidth_mbit * 1e6 / 8)
+    # inside a machine the "link" is loopback, unshaped: fit its bandwidth with efficiency 1
+    slope, intercept = np.polyfit(inside["sizes_bytes"], inside["seconds"], 1)
+    loopback_bytes_per_s = 1.0 / slope  # 2(n-1)/n = 1 for two workers
+    doc = {
+        "name": f"whatif lab at {bandwidth_mbit:g} Mbps (calibrated)",
+        "intra_node": {
+            "bandwidth": f"{loopback_bytes_per_s / 1e6:.1f}MB/s",
+            "latency": f"{max(intercept, 0) / 2 * 1e6:.1f}us",
+            "efficiency": 1.0,
+        },
+        "inter_node": {
+            "bandwidth": f"{bandwidth_mbit:g}Mbps",
+            "latency": f"{nic['latency_us']:.1f}us",
+            "efficiency": round(nic["efficiency"], 4),
+        },
+        "measured": {"across_machines": across, "inside_a_machine": inside},
+    }
+    out_yaml.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return doc
