@@ -1,19 +1,27 @@
 # `make demo` and `make test` each set up .venv on their own. The install steps leave a stamp in
 # .venv and are re-run only when pyproject.toml changes; the install is editable, so code edits
 # need no reinstall.
+#
+# `make horovod` installs what the real multi-worker runs need (the `lab` extra: torch) and builds
+# Horovod 0.28.1 with PyTorch and Gloo into .venv (collectors/horovod_build.sh): about 15 minutes
+# on two cores the first time, then seconds, from the wheel it caches in ~/.cache/whatif-wheels.
+# Only the lab and its tests need it; the simulator never does.
 
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 TRACE := data/convnet_cpu.pt.trace.json.gz
 
-.PHONY: demo test clean
+.PHONY: demo test horovod clean
 
 demo: $(VENV)/.installed-demo
 	$(BIN)/whatif replay $(TRACE)
 
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q tests
+
+horovod: $(VENV)/.installed-lab
+	collectors/horovod_build.sh $(BIN)/python
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +32,10 @@ $(VENV)/.installed-demo: $(BIN)/python pyproject.toml
 
 $(VENV)/.installed-test: $(BIN)/python pyproject.toml
 	$(BIN)/pip install -e '.[test]'
+	touch $@
+
+$(VENV)/.installed-lab: $(BIN)/python pyproject.toml
+	$(BIN)/pip install -e '.[lab]'
 	touch $@
 
 clean:
