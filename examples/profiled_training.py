@@ -32,8 +32,11 @@ def synthetic_loader(inputs: torch.Tensor, num_classes: int, batch_size: int, se
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: nn.Module, inputs, labels) -> float:
-    """One forward, backward and optimizer step; the loss."""
-    optimizer.zero_grad(set_to_none=True)
+    """One forward, backward and optimizer step; the loss.
+
+    ``zero_grad()`` frees the gradients (torch 2's default, ``set_to_none=True``); it takes no
+    argument because Horovod's ``DistributedOptimizer.zero_grad`` accepts none."""
+    optimizer.zero_grad()
     loss = loss_fn(model(inputs), labels)
     loss.backward()
     optimizer.step()

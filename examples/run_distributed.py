@@ -1,0 +1,237 @@
+"""Time an example model's training steps on one worker, under Horovod or under PyTorch DDP (Gloo).
+
+These runs are the ground truth that predictions are checked against: the same model, batch and
+training step as the single-worker trace (``examples/profiled_training.py``), data-parallel over
+``world_size`` CPU workers, each worker with its own batch of the same size (a shard of the
+data set) and ``--threads`` intra-op threads.
+
+- ``single``: one process, no communication.
+- ``horovod``: ``hvd.init()``, the initial parameters and optimizer state broadcast from rank 0,
+  and ``hvd.DistributedOptimizer`` with Horovod's own defaults for tensor fusion and the cycle
+  time (or what HOROVOD_FUSION_THRESHOLD / HOROVOD_CYCLE_TIME say). Launch with
+  ``horovodrun --gloo -np N -H localhost:N python examples/run_distributed.py ...``.
+- ``ddp``: ``DistributedDataParallel`` over the Gloo backend with its default 25 MB buckets,
+  rendezvous by env:// (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE), as ``torchrun`` sets them.
+
+An iteration is the time from one step's end to the next one's: loading the batch, forward,
+backward and the optimizer step, whose end is synchronous with the communication (DDP's
+backward waits for its last bucket, Horovod's ``step()`` for its last all-reduce) and with the
+compute (``loss.item()``). Every worker records its iteration times after ``--warmup`` steps;
+rank 0 gathers them and writes the JSON report: the run's settings, ``median_ms`` (rank 0's
+median iteration) and per worker its rank, host, median, every iteration time and a hash of its
+parameters after the last step (the same on every worker when the gradients were averaged).
+
+Usage::
+
+    python examples/run_distributed.py --model transformer --framework single --steps 30 --json out.json
+    MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 WORLD_SIZE=2 RANK=0 python examples/run_distributed.py --framework ddp ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler
+
+from profiled_training import endless, gradient_bytes, train_step
+
+MODELS = ("convnet", "wide_mlp", "transformer")
+FRAMEWORKS = ("single", "horovod", "ddp")
+# Horovod 0.28.1's defaults when the environment sets nothing (horovod/common/operations.cc).
+HOROVOD_DEFAULT_FUSION_THRESHOLD_BYTES = 128 * 1024 * 1024
+HOROVOD_DEFAULT_CYCLE_TIME_MS = 1.0
+
+
+class SingleWorker:
+    """One process: nothing to wrap, nothing to send."""
+
+    rank, size = 0, 1
+
+    def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        return model, optimizer
+
+    def gather(self, value) -> list:
+        return [value]
+
+    def settings(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+class HorovodWorker:
+    """A Horovod worker: all-reduces gradients in ``optimizer.step()`` through its background thread."""
+
+    def __init__(self) -> None:
+        try:
+            import horovod.torch as hvd
+        except ImportError as error:
+            raise SystemExit(f"horovod is not installed ({error}); install it with `make horovod`") from error
+        self.hvd = hvd
+        hvd.init()
+        self.rank, self.size = hvd.rank(), hvd.size()
+
+    def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        self.hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        self.hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+        return model, self.hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+
+    def gather(self, value) -> list:
+        return self.hvd.allgather_object(value)
+
+    def settings(self) -> dict:
+        fusion = os.environ.get("HOROVOD_FUSION_THRESHOLD")
+        cycle = os.environ.get("HOROVOD_CYCLE_TIME")
+        return {"horovod": {
+            "version": importlib.import_module("horovod").__version__,
+            "controller": "gloo" if self.hvd.gloo_enabled() else "mpi",
+            "fusion_threshold_bytes": int(fusion) if fusion else HOROVOD_DEFAULT_FUSION_THRESHOLD_BYTES,
+            "cycle_time_ms": float(cycle) if cycle else HOROVOD_DEFAULT_CYCLE_TIME_MS,
+        }}
+
+    def close(self) -> None:
+        self.hvd.shutdown()
+
+
+class DDPWorker:
+    """A PyTorch DDP worker on the Gloo backend: all-reduces gradient buckets during backward."""
+
+    def __init__(self) -> None:
+        missing = [name for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE") if name not in os.environ]
+        if missing:
+            raise SystemExit(f"--framework ddp needs {', '.join(missing)} in the environment (or launch it with torchrun)")
+        self.dist = torch.distributed
+        self.dist.init_process_group("gloo", init_method="env://")
+        self.rank, self.size = self.dist.get_rank(), self.dist.get_world_size()
+
+    def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        # The constructor broadcasts rank 0's parameters and buffers to every worker.
+        return nn.parallel.DistributedDataParallel(model), optimizer
+
+    def gather(self, value) -> list:
+        values = [None] * self.size
+        self.dist.all_gather_object(values, value)
+        return values
+
+    def settings(self) -> dict:
+        return {"ddp": {"backend": "gloo", "bucket_cap_mb": 25}}
+
+    def close(self) -> None:
+        self.dist.destroy_process_group()
+
+
+WORKERS = {"single": SingleWorker, "horovod": HorovodWorker, "ddp": DDPWorker}
+
+
+def build_model(name: str) -> tuple[nn.Module, DataLoader]:
+    """The model and data loader of ``examples/NAME.py``."""
+    if name not in MODELS:
+        raise SystemExit(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
+    torch.manual_seed(0)
+    return importlib.import_module(name).build()
+
+
+def shard(loader: DataLoader, rank: int, size: int) -> DataLoader:
+    """The same loader over this worker's ``1/size`` of the data set, batches of the same size."""
+    if size == 1:
+        return loader
+    sampler = DistributedSampler(loader.dataset, num_replicas=size, rank=rank, shuffle=True, seed=0, drop_last=True)
+    return DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=sampler, drop_last=True)
+
+
+def time_iterations(model, optimizer, loader: DataLoader, warmup: int, steps: int) -> list[float]:
+    """Run ``warmup`` then ``steps`` training steps; each timed step's wall time in milliseconds."""
+    loss_fn = nn.CrossEntropyLoss()
+    batches = endless(loader)
+    model.train()
+    for _ in range(warmup):
+        train_step(model, optimizer, loss_fn, *next(batches))
+    times_ms = []
+    end = time.perf_counter()
+    for _ in range(steps):
+        start = end
+        train_step(model, optimizer, loss_fn, *next(batches))
+        end = time.perf_counter()
+        times_ms.append((end - start) * 1e3)
+    return times_ms
+
+
+def fingerprint(model: nn.Module) -> str:
+    """SHA-1 of the parameters' bytes: equal on every worker iff they trained in lockstep."""
+    digest = hashlib.sha1()
+    for parameter in model.parameters():
+        digest.update(parameter.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def run(model_name: str, framework: str, steps: int, warmup: int, threads: int) -> tuple[int, dict]:
+    """Train ``model_name`` under ``framework``; this worker's rank and the run's report."""
+    torch.set_num_threads(threads)
+    worker = WORKERS[framework]()
+    try:
+        model, loader = build_model(model_name)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        model_for_training, optimizer = worker.prepare(model, optimizer)
+        times_ms = time_iterations(model_for_training, optimizer, shard(loader, worker.rank, worker.size), warmup, steps)
+        mine = {"rank": worker.rank, "hostname": socket.gethostname(), "pid": os.getpid(),
+                "median_ms": statistics.median(times_ms), "iteration_ms": times_ms,
+                "parameters_sha1": fingerprint(model)}
+        workers = worker.gather(mine)
+        report = {
+            "model": model_name,
+            "framework": framework,
+            "world_size": worker.size,
+            "threads": threads,
+            "batch_size": loader.batch_size,
+            "gradient_bytes": gradient_bytes(model),
+            "warmup_steps": warmup,
+            "steps": steps,
+            "torch_version": torch.__version__,
+            **worker.settings(),
+            "median_ms": mine["median_ms"],
+            "workers": sorted(workers, key=lambda w: w["rank"]),
+        }
+        return worker.rank, report
+    finally:
+        worker.close()
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=MODELS, required=True)
+    parser.add_argument("--framework", choices=FRAMEWORKS, default="single")
+    parser.add_argument("--steps", type=int, default=30, help="timed steps after warm-up (default: 30)")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (default: 5)")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per worker (default: 1)")
+    parser.add_argument("--json", type=Path, help="where rank 0 writes the report (default: standard output)")
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0 or args.threads < 1:
+        parser.error("--steps and --threads must be at least 1, --warmup at least 0")
+    rank, report = run(args.model, args.framework, args.steps, args.warmup, args.threads)
+    if rank != 0:
+        return
+    text = json.dumps(report, indent=1)
+    if args.json is None:
+        print(text)
+        return
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(text + "\n")
+    print(f"{args.model} {args.framework} x{report['world_size']}: median {report['median_ms']:.1f} ms "
+          f"over {args.steps} steps per worker, {report['gradient_bytes'] / 1e6:.1f} MB of gradients; "
+          f"wrote {args.json}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
