@@ -86,7 +86,8 @@ def test_the_models_span_compute_bound_to_communication_bound_gradients():
 @pytest.mark.parametrize("model", MODELS)
 def test_two_ddp_workers_over_gloo_average_their_gradients(model, tmp_path):
     report_path = tmp_path / "report.json"
-    rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+    rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
+                  "GLOO_SOCKET_IFNAME": "lo"}
     workers = [
         subprocess.Popen(runner_command(model, "ddp", report_path if rank == 0 else None),
                          env={**os.environ, **rendezvous, "RANK": str(rank)}, cwd=tmp_path,
