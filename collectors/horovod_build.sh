@@ -13,7 +13,7 @@
 #     CMAKE_POLICY_VERSION_MINIMUM=3.5 for a CMake 4 that a user forces through HOROVOD_CMAKE.
 # The wheel is built once per Python, torch and Horovod version into a cache folder
 # (WHATIF_WHEEL_CACHE, default ~/.cache/whatif-wheels) and reused from there: a build takes about
-# 15 minutes on two cores.
+# 5 minutes on two cores (284 s from scratch here).
 set -euo pipefail
 
 HOROVOD_VERSION=0.28.1

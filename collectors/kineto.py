@@ -19,11 +19,14 @@ import gzip
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 import msgspec
 import numpy as np
 import pandas as pd
+
+if TYPE_CHECKING:
+    from .bundle import Bundle
 
 
 class TraceError(Exception):
@@ -102,6 +105,7 @@ class _TraceFile(msgspec.Struct):
     deviceProperties: msgspec.Raw = msgspec.Raw()
     distributedInfo: msgspec.Raw = msgspec.Raw()
     schemaVersion: msgspec.Raw = msgspec.Raw()
+    baseTimeNanoseconds: msgspec.Raw = msgspec.Raw()
     nodes: msgspec.Raw = msgspec.Raw()  # present in execution traces, never in Kineto ones
 
 
@@ -123,6 +127,8 @@ class KinetoTrace:
     distributed_info: dict = field(default_factory=dict)
     input_dims: dict = field(default_factory=dict)  # event row -> raw JSON of "Input Dims"
     input_types: dict = field(default_factory=dict)  # event row -> raw JSON of "Input type"
+    base_time_ns: Optional[int] = None  # an event's ts (us) + this / 1000 is Unix time; newer torch only
+    bundle: Optional["Bundle"] = None  # the capture bundle the trace came in, if it did
 
     @property
     def has_gpu(self) -> bool:
@@ -135,7 +141,7 @@ def _read_bytes(path: Path) -> bytes:
     except FileNotFoundError:
         raise TraceError(path, "no such file") from None
     except IsADirectoryError:
-        raise TraceError(path, "is a directory, not a trace file") from None
+        raise TraceError(path, "is a folder, neither a trace file nor a trace bundle (no bundle.json)") from None
     except OSError as err:
         raise TraceError(path, f"cannot be read ({err.strerror})") from None
     if raw[:2] == b"\x1f\x8b":
@@ -218,11 +224,20 @@ class _ThreadLabels:
 
 
 def load_trace(path: Union[str, Path]) -> KinetoTrace:
-    """Read a Kineto trace (plain or gzipped JSON) into a :class:`KinetoTrace`.
+    """Read a Kineto trace (plain or gzipped JSON) into a :class:`KinetoTrace`; or, given a
+    capture bundle folder (:mod:`whatif.collectors.bundle`), its trace, with the bundle as ``bundle``.
 
     Raises :class:`TraceError` with a one-line reason for anything that is not a usable trace.
     """
     path = Path(path)
+    if path.is_dir():
+        from .bundle import is_bundle, read_bundle
+
+        if is_bundle(path):
+            bundle = read_bundle(path)
+            trace = load_trace(bundle.trace_path)
+            trace.bundle = bundle
+            return trace
     raw = _read_bytes(path)
     doc, decoded = _decode(path, raw)
 
@@ -238,6 +253,7 @@ def load_trace(path: Union[str, Path]) -> KinetoTrace:
     input_dims = {i: a.input_dims for i, a in enumerate(args) if len(a.input_dims) and kinds[i] == EventKind.CPU_OP}
     input_types = {i: a.input_types for i, a in enumerate(args) if len(a.input_types) and kinds[i] == EventKind.CPU_OP}
     ts_arr = np.asarray(ts, dtype=np.float64)
+    base_time = _json_or(doc.baseTimeNanoseconds, None)
     origin = float(ts_arr.min())
     events = pd.DataFrame(
         {
@@ -266,6 +282,7 @@ def load_trace(path: Union[str, Path]) -> KinetoTrace:
         distributed_info=_json_or(doc.distributedInfo, {}),
         input_dims=input_dims,
         input_types=input_types,
+        base_time_ns=base_time if isinstance(base_time, int) else None,
     )
 
 

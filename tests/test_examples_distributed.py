@@ -121,7 +121,7 @@ def horovod_missing_reason() -> str | None:
     try:
         import horovod.torch as hvd
     except ImportError as error:
-        return f"horovod is not installed ({error}); `make horovod` builds it (about 15 minutes the first time)"
+        return f"horovod is not installed ({error}); `make horovod` builds it (about 5 minutes the first time)"
     if not hvd.gloo_built():
         return "horovod was built without Gloo; rebuild it with `make horovod`"
     return None
