@@ -15,6 +15,8 @@ from whatif.collectors.capture import CaptureError, collect
 from whatif.collectors.kineto import TraceError
 from whatif.collectors.calibrate import calibrate
 from whatif.collectors.lab import LabError, LabSpec, run_job
+from whatif.collectors.validate import as_record
+from whatif.collectors.validate import validate as validate_point
 from whatif.predict import predict_scenario
 from whatif.report.iterations import steady_median
 from whatif.report.plots import plot_scenario
@@ -99,6 +101,16 @@ def _parser() -> argparse.ArgumentParser:
     lab_run.add_argument("--out", type=Path, default=Path("lab-out"), help="folder for logs and per-rank reports")
     lab_run.add_argument("--timeout", type=float, default=900.0, help="seconds before the workers are stopped")
     lab_run.add_argument("script", nargs=argparse.REMAINDER, help="-- python SCRIPT.py ARGS...")
+    validate = sub.add_parser("validate", help="capture 1x1, predict, run for real on the lab, compare (root)")
+    validate.add_argument("--model", required=True, help="an example model: convnet, wide_mlp, transformer")
+    validate.add_argument("--machines", type=int, default=2)
+    validate.add_argument("--gpus-per-machine", type=int, default=1, help="workers per machine")
+    validate.add_argument("--bandwidth", default="200Mbps")
+    validate.add_argument("--latency", default="0")
+    validate.add_argument("--framework", choices=("horovod", "ddp"), default="horovod")
+    validate.add_argument("--steps", type=int, default=20, help="timed iterations of the real run")
+    validate.add_argument("--work", type=Path, default=Path("lab-validate"), help="captures, calibrations and logs")
+    validate.add_argument("--json", action="store_true")
     lab_cal = lab_sub.add_parser("calibrate", help="fit latency and bandwidth efficiency of the lab's network")
     lab_cal.add_argument("--bandwidth", default="200Mbps", help="the NIC rate to calibrate at")
     lab_cal.add_argument("--out", type=Path, default=Path("lab-topology.yaml"), help="topology YAML to write")
@@ -231,9 +243,34 @@ def run_collect(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_validate(args: argparse.Namespace) -> int:
+    point = validate_point(
+        args.model,
+        args.machines,
+        args.gpus_per_machine,
+        as_gbps(parse_bandwidth(args.bandwidth, "--bandwidth")) * 1e3,
+        args.framework,
+        args.work,
+        latency_ms=parse_latency(args.latency, "--latency") / 1e3,
+        steps=args.steps,
+    )
+    record = as_record(point)
+    if args.json:
+        sys.stdout.write(msgspec.json.encode({"results": [record]}).decode() + "\n")
+    else:
+        print(
+            f"{point.model} {point.framework} {point.machines}x{point.gpus_per_machine} at {point.bandwidth_mbps:g} Mbps: "
+            f"measured {point.measured_ms:.1f} ms, predicted {point.predicted_ms:.1f} ms, error {point.error_pct:+.1f} % "
+            f"(1x1 capture {point.capture_ms:.1f} ms)"
+        )
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     if args.command == "predict":
         return run_predict(args)
+    if args.command == "validate":
+        return run_validate(args)
     if args.command == "collect":
         return run_collect(args)
     if args.command == "lab":

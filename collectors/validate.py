@@ -1,0 +1,147 @@
+"""Holding a prediction against a real run: capture 1x1, predict M x G, run M x G, compare.
+
+For one example model (``examples/``) and one configuration:
+
+1. capture a single-worker trace of the model on one core (the profiler on, as a user would);
+2. predict the configuration from it with ``whatif predict``'s machinery, on links calibrated on
+   the lab's own network (``whatif lab calibrate``), with the framework settings the real run
+   uses (Horovod's fusion buffer and cycle time are set explicitly for both);
+3. run the model for real as every worker of an emulated cluster (``collectors/lab.py``), each
+   worker with the same CPU share as the capture (one thread, its own core where the box has
+   enough), and take the median iteration after warm-up;
+4. report measured, predicted and the error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+import yaml
+
+from .calibrate import calibrate
+from .lab import LabError, LabSpec, run_job
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples"
+MODELS = ("convnet", "wide_mlp", "transformer")
+FUSION_BUFFER_BYTES = 64 * 1024 * 1024
+CYCLE_TIME_MS = 5.0
+
+
+@dataclass
+class ValidationPoint:
+    model: str
+    machines: int
+    gpus_per_machine: int
+    bandwidth_mbps: float
+    latency_ms: float
+    framework: str
+    measured_ms: float
+    predicted_ms: float
+    error_pct: float
+    capture_ms: float  # the 1x1 capture's median iteration, profiler on
+    workers_measured_ms: list
+
+
+def _examples() -> Path:
+    if not (EXAMPLES / "run_distributed.py").is_file():
+        raise LabError(f"validation runs the example models in {EXAMPLES}, which this installation does not have")
+    return EXAMPLES
+
+
+def capture(model: str, out: Path, steps: int = 8) -> Path:
+    """A single-worker trace of ``model`` on one core, cached in ``out``."""
+    trace = out / f"{model}_1x1.pt.trace.json.gz"
+    if trace.exists():
+        return trace
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(
+        ["taskset", "-c", "0", sys.executable, str(_examples() / f"{model}.py"), str(trace), "--steps", str(steps)],
+        env=env, capture_output=True, text=True,
+    )
+    if done.returncode != 0:
+        raise LabError(f"capturing {model} failed: {done.stderr.strip().splitlines()[-1] if done.stderr else done.returncode}")
+    return trace
+
+
+def links(bandwidth_mbps: float, out: Path) -> Path:
+    """The lab network calibrated at ``bandwidth_mbps`` (cached in ``out``)."""
+    path = out / f"links_{bandwidth_mbps:g}mbps.yaml"
+    if not path.exists():
+        out.mkdir(parents=True, exist_ok=True)
+        calibrate(bandwidth_mbps, path, out / f"calibration_{bandwidth_mbps:g}")
+    return path
+
+
+def predict(trace: Path, links_file: Path, machines: int, gpus: int, bandwidth_mbps: float, framework: str) -> float:
+    from whatif.predict import predict_scenario
+    from whatif.scenario import load_scenario
+
+    doc = {
+        "trace": str(trace),
+        "cluster": {
+            "machines": machines,
+            "gpus_per_machine": gpus,
+            "links": str(links_file),
+            "inter_node": {"bandwidth": f"{bandwidth_mbps:g}Mbps"},
+        },
+        "framework": framework,
+        "policy": "fifo",
+        "framework_options": {"fusion_buffer": f"{FUSION_BUFFER_BYTES}B", "cycle_time": f"{CYCLE_TIME_MS:g}ms"},
+    }
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        yaml.safe_dump(doc, f)
+    try:
+        outcome = predict_scenario(load_scenario(Path(f.name)))
+    finally:
+        os.unlink(f.name)
+    return float(outcome.results["iteration_ms"].iloc[0]), float(outcome.baseline_ms)
+
+
+def measure(model: str, spec: LabSpec, framework: str, out: Path, steps: int = 20, warmup: int = 5) -> dict:
+    """The real run: every worker's iteration times, median after warm-up."""
+    report = out / "report.json"
+    argv = [
+        sys.executable, str(_examples() / "run_distributed.py"), "--model", model,
+        "--framework", framework if spec.workers > 1 else "single",
+        "--steps", str(steps), "--warmup", str(warmup), "--threads", str(spec.threads_per_worker),
+        "--json", str(report),
+    ]
+    os.environ["HOROVOD_FUSION_THRESHOLD"] = str(FUSION_BUFFER_BYTES)
+    os.environ["HOROVOD_CYCLE_TIME"] = f"{CYCLE_TIME_MS:g}"
+    result = run_job(spec, framework, argv, out, timeout_s=1800)
+    if any(result.exit_codes):
+        raise LabError(f"the real run failed (exit codes {result.exit_codes}); logs in {out}")
+    return json.loads(report.read_text())
+
+
+def validate(
+    model: str, machines: int, gpus: int, bandwidth_mbps: float, framework: str, work: Path,
+    latency_ms: float = 0.0, steps: int = 20,
+) -> ValidationPoint:
+    if model not in MODELS:
+        raise LabError(f"unknown model {model!r}; choose from {', '.join(MODELS)}")
+    trace = capture(model, work / "captures")
+    links_file = links(bandwidth_mbps, work / "links")
+    predicted_ms, capture_ms = predict(trace, links_file, machines, gpus, bandwidth_mbps, framework)
+    spec = LabSpec(machines, gpus, bandwidth_mbps, latency_ms)
+    run_dir = work / "runs" / f"{model}_{framework}_{machines}x{gpus}_{bandwidth_mbps:g}mbps"
+    report = measure(model, spec, framework, run_dir, steps=steps)
+    measured_ms = float(report["median_ms"])
+    return ValidationPoint(
+        model, machines, gpus, bandwidth_mbps, latency_ms, framework, measured_ms, predicted_ms,
+        100.0 * (predicted_ms - measured_ms) / measured_ms, capture_ms,
+        [float(w["median_ms"]) for w in report.get("workers", [])],
+    )
+
+
+def as_record(point: ValidationPoint) -> dict:
+    return asdict(point)
