@@ -3,6 +3,10 @@
 Data-parallel training sends every gradient once per iteration; when each can be sent and how
 long it takes depend on exactly this. The sources, most precise first:
 
+0. a capture bundle's per-parameter record (``whatif collect``, ``collectors/capture.py``): every
+   parameter's exact size and dtype, each gradient ready at the CPU task that was running on the
+   hook's thread when its post-accumulate-grad hook fired (the task containing that moment, or
+   the last one before it);
 1. sizes given by the user (a scenario's ``gradients.sizes``), placed on the trace's
    ``AccumulateGrad`` operators in order;
 2. ``AccumulateGrad`` operators with their recorded input shapes (``record_shapes=True``): one
@@ -14,7 +18,8 @@ long it takes depend on exactly this. The sources, most precise first:
    kernels of the iteration's second half when there are none. A total the user gives always
    sets the bytes sent.
 
-The chosen source is reported with the prediction, so a user knows what it rests on.
+A scenario's sizes or total win over the bundle, as over the other sources. The chosen source is
+reported with the prediction, so a user knows what it rests on.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from whatif.collectors.kineto import KinetoTrace
 from .graph import EdgeKind, GraphError, TaskGraph, TaskKind
 
 ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
+BUNDLE_SOURCE = "capture bundle: per-parameter gradient hooks"
 _BYTES_PER_ELEMENT = {
     "float": 4, "float32": 4, "c10::half": 2, "half": 2, "c10::bfloat16": 2, "bfloat16": 2,
     "double": 8, "float64": 8, "int": 4, "long int": 8, "int64": 8, "bool": 1,
@@ -97,6 +103,9 @@ def _find(trace, graph, iterations, sizes, total_bytes, event, names, accumulate
     tasks = graph.tasks
     if sizes is not None:
         return _spread(tasks, span, accumulate, list(sizes), f"scenario: {len(sizes)} sizes")
+    bundled = _bundle_gradients(trace, graph, span)
+    if bundled is not None:
+        return bundled
     if len(accumulate):
         rows = _accumulate_rows(trace, graph, accumulate)
         shapes = [_gradient_bytes(trace, r) for r in rows]
@@ -124,6 +133,49 @@ def _find(trace, graph, iterations, sizes, total_bytes, event, names, accumulate
         f"{trace.path}: cannot tell the gradient sizes (no AccumulateGrad shapes, no DDP messages); "
         "give gradients.total or gradients.sizes in the scenario"
     )
+
+
+def _bundle_gradients(trace: KinetoTrace, graph: TaskGraph, span: np.ndarray) -> Optional[Gradients]:
+    """Source 0: each parameter's gradient, with its exact size, ready at the task its hook fired in."""
+    bundle = trace.bundle
+    if bundle is None or bundle.ready.empty:
+        return None
+    params = bundle.parameters.set_index("name")
+    ready = bundle.ready.groupby(["step", "parameter"], sort=False).tail(1)  # the last accumulation
+    ready = ready[ready["parameter"].isin(params.index)]
+    tasks = graph.tasks
+    resource = tasks["resource"].astype(str).to_numpy()
+    start = tasks["measured_start_us"].to_numpy()
+    cpu = np.flatnonzero(tasks["resource"].astype(str).str.startswith("cpu ").to_numpy())
+    at = ready["ts_us"].to_numpy(dtype=np.float64) - trace.origin_us
+    task = np.full(len(ready), -1, dtype=np.int64)
+    threads = ready["tid"].to_numpy()
+    for tid in np.unique(threads).tolist():
+        ids = _hook_thread_tasks(cpu, resource, f"cpu {bundle.pid}/{tid}", tasks)
+        ids = ids[np.argsort(start[ids], kind="stable")]
+        asking = np.flatnonzero(threads == tid)
+        pos = np.searchsorted(start[ids], at[asking] + 1e-6, side="right") - 1
+        task[asking] = np.where(pos >= 0, ids[np.maximum(pos, 0)], -1)
+    nbytes = (params["numel"] * params["element_size"]).reindex(ready["parameter"]).to_numpy(dtype=np.float64)
+    order = np.lexsort((at, np.where(task >= 0, span[np.maximum(task, 0)], -1)))
+    grads = [
+        Gradient(str(name), float(b), int(t), int(span[t]))
+        for name, b, t in zip(ready["parameter"].to_numpy()[order], nbytes[order], task[order])
+        if t >= 0 and span[t] >= 0
+    ]
+    return Gradients(grads, BUNDLE_SOURCE) if grads else None
+
+
+def _hook_thread_tasks(cpu: np.ndarray, resource: np.ndarray, label: str, tasks: pd.DataFrame) -> np.ndarray:
+    """The CPU tasks of the thread a hook ran on; where the trace names its threads otherwise,
+    those of the thread that ran the gradient accumulations (else every CPU thread's)."""
+    mine = cpu[resource[cpu] == label]
+    if len(mine):
+        return mine
+    accumulating = np.unique(resource[cpu[tasks["name"].astype(str).to_numpy()[cpu] == ACCUMULATE_GRAD]])
+    if len(accumulating):
+        return cpu[np.isin(resource[cpu], accumulating)]
+    return cpu
 
 
 def _scaled_to(found: Gradients, total_bytes: float, iterations: int) -> Gradients:
