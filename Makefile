@@ -5,7 +5,7 @@
 # `make horovod` installs what the real multi-worker runs need (the `lab` extra: torch) and builds
 # Horovod 0.28.1 with PyTorch and Gloo into .venv (collectors/horovod_build.sh): about 5 minutes
 # on two cores the first time, then seconds, from the wheel it caches in ~/.cache/whatif-wheels.
-# Only the lab and its tests need it; the simulator never does.
+# Only the lab and its tests need it (`make test` runs it); the simulator never does.
 
 PYTHON ?= python3
 VENV := .venv
@@ -17,7 +17,8 @@ TRACE := data/convnet_cpu.pt.trace.json.gz
 demo: $(VENV)/.installed-demo
 	$(BIN)/whatif replay $(TRACE)
 
-test: $(VENV)/.installed-test
+# the tests hold predictions against real Horovod and DDP runs, so they install the lab first
+test: $(VENV)/.installed-test horovod
 	$(BIN)/python -m pytest -q tests
 
 horovod: $(VENV)/.installed-lab
