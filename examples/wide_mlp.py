@@ -8,20 +8,23 @@ communication, which is what the cluster scenarios in ``scenarios/`` need to sho
 bandwidth, priorities (P3) and the all-reduce algorithm. Every layer's gradient is large, so a
 priority scheduler has something to reorder.
 
-The training loop and profiler settings are those of ``examples/profiled_training.py``.
+The training loop and profiler settings are those of ``examples/profiled_training.py``. Run under
+``whatif collect`` it trains the same way under the capture API instead and writes a trace bundle.
 
 Usage::
 
     pip install torch==2.13.0
     python examples/wide_mlp.py [OUTPUT.pt.trace.json.gz]
+    whatif collect --out OUTPUT.bundle -- python examples/wide_mlp.py
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
-from profiled_training import main, synthetic_loader
+from profiled_training import PROFILED_STEPS, WARMUP_STEPS, endless, main, synthetic_loader, train_step
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -55,5 +58,25 @@ def build() -> tuple[nn.Module, DataLoader]:
     return WideMLP(), synthetic_loader(features, NUM_CLASSES, BATCH_SIZE)
 
 
+def train_captured() -> None:
+    """The same training under the capture API, as ``whatif collect`` runs it: steps, warm-up
+    and the bundle folder come from ``whatif collect`` (the defaults match the trace's)."""
+    from whatif.collectors.capture import Capture
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model, loader = build()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    loss_fn = nn.CrossEntropyLoss()
+    with Capture(model=model, warmup=WARMUP_STEPS + 1, steps=PROFILED_STEPS, batch_size=BATCH_SIZE) as capture:
+        for inputs, labels in endless(loader):
+            train_step(model, optimizer, loss_fn, inputs, labels)
+            if not capture.step():
+                break
+
+
 if __name__ == "__main__":
-    main(__doc__.splitlines()[0], DEFAULT_OUTPUT, build)
+    if os.environ.get("WHATIF_CAPTURE_OUT"):  # set by whatif collect
+        train_captured()
+    else:
+        main(__doc__.splitlines()[0], DEFAULT_OUTPUT, build)
