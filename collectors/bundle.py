@@ -29,12 +29,15 @@ rows ``[step, parameter, ts_us, tid]``: the moment its post-accumulate-grad hook
 each time; the last is when that step's gradient was final. ``layers.json`` lists each leaf
 module (``name``, ``type``, ``parameters``) and a table ``intervals`` of rows
 ``[step, layer, pass, start_us, end_us, tid]``, ``pass`` being ``forward`` or ``backward``, one
-row per call of the module.
+row per call of the module: forward from its forward pre-hook to its forward hook, backward from
+the first of the autograd nodes that call created to start to the last of them, or of the
+module's gradient accumulations, to finish (the nodes' ranges in the trace).
 
 Every ``*_us`` time is in microseconds on the trace's own clock: directly comparable with the
 ``ts`` of the trace's events (not with the offsets from the first event that
 :class:`~whatif.collectors.kineto.KinetoTrace` keeps; subtract its ``origin_us``). The manifest's
-``clock`` says how the hooks' clock was mapped onto it and how well the two agree.
+``clock`` says how the hooks' clock was mapped onto it and how well the two agree (it bounds
+the forward intervals and gradient-ready times; backward intervals are read from the trace).
 """
 
 from __future__ import annotations

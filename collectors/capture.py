@@ -15,19 +15,26 @@ trace of ``steps`` steps after ``warmup`` steps (CPU activities, CUDA ones too w
 there, input shapes recorded, ``ProfilerStep#N`` around each step; the last warm-up step is the
 profiler's own), and, for those steps, from hooks:
 
-- each leaf module's forward interval (forward pre- and post-hooks) and backward interval: from
-  the first of its autograd nodes to start (a node pre-hook) to the last to finish (node
-  post-hooks). Its nodes are those its forward created: found by walking back from its outputs'
-  ``grad_fn`` to its inputs'. Hooks on nodes, unlike ``register_full_backward_hook``, add no
-  autograd nodes of their own to the trace and allow in-place operations such as
-  ``ReLU(inplace=True)`` after a hooked module. This is how Daydream maps kernels to layers.
+- each leaf module's forward interval, from a forward pre-hook to a forward hook, and its
+  backward interval: from the first of the autograd nodes its forward created to start to the
+  last of them, or of its parameters' gradient accumulations, to finish. The forward hook finds
+  those nodes by walking back from the outputs' ``grad_fn`` to the inputs' and keeps their
+  sequence numbers; the trace stamps every node's ``autograd::engine::evaluate_function`` range
+  with the same number, so the backward times are read from the trace itself, on its clock.
+  Nothing is hooked on the nodes: a Python hook there costs about 10 us a call, and
+  ``register_full_backward_hook`` adds autograd nodes of its own to the trace and fails on
+  in-place operations such as ``ReLU(inplace=True)`` after a hooked module. This is how
+  Daydream maps kernels to layers.
 - each parameter's name, shape, dtype, and when its gradient became ready
   (``Tensor.register_post_accumulate_grad_hook``): exactly what data-parallel training sends.
+
+The hooks cost about 10 to 20 us of CPU time per leaf module and step (forward pre- and
+post-hook, the walk, and the gradient hooks), which the trace shows as time between operators.
 
 Clocks. The profiler stamps events with a TSC clock that it converts to ``CLOCK_REALTIME``
 nanoseconds (the same clock as ``time.time_ns()``) and writes as microseconds after the trace's
 ``baseTimeNanoseconds``. Hooks therefore stamp with ``time.time_ns()`` and are mapped with that
-base. To check the mapping, every profiled step opens with a ``whatif.capture.clock`` range,
+base (the backward intervals need none: they come from the trace). To check the mapping, every profiled step opens with a ``whatif.capture.clock`` range,
 stamped by ``time.time_ns()`` just before and just after it is entered: its trace timestamp
 must lie between the two. Over all steps this bounds how far the two clocks disagree; the
 manifest's ``clock`` records the bound (a few microseconds, the cost of entering a range), and
@@ -58,6 +65,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
+import numpy as np
+
 from .bundle import TRACE_FILE, Bundle, BundleError, check_writable, is_bundle, read_bundle, write_bundle
 from .kineto import TraceError, load_trace
 
@@ -65,6 +74,8 @@ OUT_ENV = "WHATIF_CAPTURE_OUT"
 STEPS_ENV = "WHATIF_CAPTURE_STEPS"
 WARMUP_ENV = "WHATIF_CAPTURE_WARMUP"
 CLOCK_MARKER = "whatif.capture.clock"
+_EVALUATE = "autograd::engine::evaluate_function: "
+_Tensor = type(None)  # torch.Tensor, once a capture has imported torch
 _MAX_NODES_PER_CALL = 256  # a leaf module's forward creates a handful of autograd nodes
 
 
@@ -81,8 +92,8 @@ class Capture:
     bundle there is replaced, anything else is refused. Under ``whatif collect`` the
     environment's ``WHATIF_CAPTURE_OUT``, ``WHATIF_CAPTURE_STEPS`` and ``WHATIF_CAPTURE_WARMUP``
     override ``out``, ``steps`` and ``warmup``. ``batch_size`` is recorded in the environment.
-    ``layers=False`` leaves out the module hooks, whose Python calls add a few microseconds per
-    module to every profiled step, for a trace as close to an unhooked run as the profiler allows.
+    ``layers=False`` leaves out the module hooks, whose Python calls add 10 to 20 microseconds
+    per module to every profiled step, for a trace as close to an unhooked run as possible.
     """
 
     def __init__(
@@ -97,7 +108,7 @@ class Capture:
     ):
         out = os.environ.get(OUT_ENV) or out
         if out is None:
-            raise CaptureError(f"no bundle folder: give Capture(out=...) or run the script under `whatif collect`")
+            raise CaptureError("no bundle folder: give Capture(out=...) or run the script under `whatif collect`")
         self.out = Path(out)
         self.steps = _count(STEPS_ENV, "steps", steps, minimum=1)
         self.warmup = _count(WARMUP_ENV, "warmup", warmup, minimum=0)
@@ -113,7 +124,7 @@ class Capture:
         self._claimed: set = set()  # autograd nodes already attributed to a module this step
         self._open: dict = {}  # module -> stack of its unfinished forward calls
         self._forward: list[list] = []  # [step, layer, start_ns, end_ns, tid]
-        self._backward: list[list] = []  # [step, layer, start_ns, end_ns, tid], filled by node hooks
+        self._calls: list[list] = []  # [step, layer, sequence numbers of the autograd nodes it created]
         self._ready: list[list] = []  # [step, parameter, ns, tid]
         self._markers: list[tuple[int, int]] = []  # time_ns() before and after each clock marker
 
@@ -124,14 +135,14 @@ class Capture:
             check_writable(self.out)
         except BundleError as err:
             raise CaptureError(str(err)) from None
-        self._torch = torch
+        global _Tensor
+        self._torch, _Tensor = torch, torch.Tensor
         self._cuda = torch.cuda.is_available()
         self._describe_model()
-        self._add_hooks()
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self._cuda:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        self._profiler = torch.profiler.profile(
+        profiler = torch.profiler.profile(
             activities=activities,
             record_shapes=True,
             with_stack=False,
@@ -139,7 +150,13 @@ class Capture:
                 wait=max(self.warmup - 1, 0), warmup=min(self.warmup, 1), active=self.steps, repeat=1
             ),
         )
-        self._profiler.__enter__()
+        self._add_hooks()
+        try:
+            profiler.__enter__()
+        except BaseException:
+            self._remove_hooks()
+            raise
+        self._profiler = profiler
         self._begin_step()
         return self
 
@@ -201,13 +218,11 @@ class Capture:
             except TraceError as err:
                 raise CaptureError(f"the profiler wrote an unusable trace: {err.problem}") from None
             to_trace_us, clock = _align_clocks(trace, self._markers)
-            intervals = [
-                [step, layer, which, to_trace_us(start), to_trace_us(end), tid]
-                for which, rows in (("forward", self._forward), ("backward", self._backward))
-                for step, layer, start, end, tid in rows
-                if start is not None and end is not None
-            ]
             ready = [[step, param, to_trace_us(ns), tid] for step, param, ns, tid in self._ready]
+            intervals = [
+                [step, layer, "forward", to_trace_us(start), to_trace_us(end), tid]
+                for step, layer, start, end, tid in self._forward
+            ] + _backward_intervals(trace, self._calls, self._layers, ready)
             try:
                 self.bundle = write_bundle(
                     self.out,
@@ -263,7 +278,7 @@ class Capture:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._gradient_hook(name)))
         for name, module in self._leaves if self.layers else ():
             self._handles.append(module.register_forward_pre_hook(self._forward_pre_hook(name)))
-            self._handles.append(module.register_forward_hook(self._forward_hook(name, module)))
+            self._handles.append(module.register_forward_hook(self._forward_hook(name)))
 
     def _remove_hooks(self) -> None:
         for handle in self._handles:
@@ -289,9 +304,7 @@ class Capture:
 
         return pre
 
-    def _forward_hook(self, name: str, module):
-        own = {id(p) for p in module.parameters(recurse=False)}
-
+    def _forward_hook(self, name: str):
         def post(module, args, output) -> None:
             end = time.time_ns()
             stack = self._open.get(module)
@@ -301,14 +314,14 @@ class Capture:
             self._forward.append([self._step, name, start, end, threading.get_native_id()])
             roots = [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
             if roots:
-                self._hook_backward(name, roots, inputs, own)
+                self._calls.append([self._step, name, self._autograd_nodes(roots, inputs)])
 
         return post
 
-    def _hook_backward(self, name: str, roots: list, inputs: set, own: set) -> None:
-        """Time the backward of one forward call: from the first of its autograd nodes to start
-        to the last to finish. Its nodes are those reachable from its outputs before any node
-        of its inputs, of an earlier module, or another tensor's gradient accumulation."""
+    def _autograd_nodes(self, roots: list, inputs: set) -> list[int]:
+        """The sequence numbers of the autograd nodes one forward call created: those reachable
+        from its outputs before any node of its inputs, of an earlier call, or of another
+        tensor's gradient accumulation. The trace stamps each node's backward with its number."""
         nodes, todo, stop = [], list(roots), inputs | self._claimed
         seen = set()
         while todo and len(nodes) < _MAX_NODES_PER_CALL:
@@ -316,41 +329,53 @@ class Capture:
             if node is None or node in stop or node in seen:
                 continue
             seen.add(node)
-            variable = getattr(node, "variable", None)
-            if variable is not None and id(variable) not in own:
-                continue
+            if getattr(node, "variable", None) is not None:
+                continue  # a gradient accumulation, found by its parameter's hook
             nodes.append(node)
             todo.extend(n for n, _ in node.next_functions)
         self._claimed.update(nodes)
-        row = [self._step, name, None, None, None]
-        self._backward.append(row)
+        return [node._sequence_nr() for node in nodes]
 
-        def started(_grad_outputs) -> None:
-            now = time.time_ns()
-            if row[2] is None or now < row[2]:
-                row[2] = now
-                row[4] = threading.get_native_id()
 
-        def finished(_grad_inputs, _grad_outputs) -> None:
-            now = time.time_ns()
-            if row[3] is None or now > row[3]:
-                row[3] = now
-
-        inside = set(nodes)
-        for node in roots:
-            node.register_prehook(started)
-        for node in nodes:
-            # the last node to finish is one whose successors are not all the module's own
-            successors = [n for n, _ in node.next_functions if n is not None]
-            if not successors or not all(n in inside for n in successors):
-                node.register_hook(finished)
+def _backward_intervals(trace, calls: list, layers: list[dict], ready: list[list]) -> list[list]:
+    """Each forward call's backward interval, read from the trace: from the first of its
+    autograd nodes to start to the last of them, or of its parameters' gradient accumulations,
+    to finish (the ``autograd::engine::evaluate_function`` ranges, which include hooks)."""
+    ev = trace.events
+    names = ev["name"].astype(str)
+    start = (ev["ts_us"] + trace.origin_us).to_numpy()
+    end = start + ev["dur_us"].to_numpy()
+    thread = ev["thread"].astype(str).to_numpy()
+    evaluate = np.flatnonzero(names.str.startswith(_EVALUATE).to_numpy())
+    by_sequence: dict[int, list[int]] = {}
+    for row, seq in zip(evaluate.tolist(), ev["sequence_nr"].to_numpy()[evaluate].tolist()):
+        by_sequence.setdefault(seq, []).append(row)
+    accumulations = evaluate[(names.to_numpy()[evaluate] == _EVALUATE + "torch::autograd::AccumulateGrad")]
+    profiler_steps = np.flatnonzero(names.str.startswith("ProfilerStep#").to_numpy())
+    steps = {names.iat[r]: (start[r], end[r]) for r in profiler_steps.tolist()}
+    ready_at = {(step, param): ts for step, param, ts, _ in ready}  # the last accumulation wins
+    params_of = {layer["name"]: layer["parameters"] for layer in layers}
+    intervals = []
+    for step, layer, sequence in calls:
+        low, high = steps.get(step, (-np.inf, np.inf))
+        rows = [r for seq in sequence for r in by_sequence.get(seq, ()) if low <= start[r] <= high]
+        for param in params_of.get(layer, ()):
+            t = ready_at.get((step, param))
+            if t is not None:
+                rows += accumulations[(start[accumulations] <= t) & (end[accumulations] >= t)].tolist()
+        if rows:
+            first = min(rows, key=lambda r: start[r])
+            tid = thread[first].rpartition("/")[2]
+            intervals.append(
+                [step, layer, "backward", round(float(start[first]), 3), round(float(max(end[rows])), 3),
+                 int(tid) if tid.isdigit() else tid]
+            )
+    return intervals
 
 
 def _tensors(value) -> list:
     """The tensors in a module's arguments or output (tensors, and tuples, lists and dicts of them)."""
-    import torch
-
-    if isinstance(value, torch.Tensor):
+    if isinstance(value, _Tensor):
         return [value]
     if isinstance(value, (tuple, list)):
         return [t for v in value for t in _tensors(v)]

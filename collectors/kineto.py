@@ -87,6 +87,7 @@ class _Args(msgspec.Struct, gc=False):
     input_types: msgspec.Raw = msgspec.field(name="Input type", default=msgspec.Raw())
     message_elements: int = msgspec.field(name="In msg nelems", default=-1)
     message_dtype: str = msgspec.field(name="dtype", default="")
+    sequence_nr: int = msgspec.field(name="Sequence number", default=-1)
 
 
 class _Event(msgspec.Struct, gc=False):
@@ -117,7 +118,9 @@ class KinetoTrace:
     CPU events, "device/stream" for GPU events), ts_us and dur_us (relative to the first event,
     so float64 keeps sub-microsecond precision), correlation, external_id, stream, device, bytes,
     the cuda_sync fields (sync_kind, wait_on_stream, wait_on_record_correlation), and the message
-    of a collective kernel (message_elements, message_dtype: NCCL's "In msg nelems", "dtype").
+    of a collective kernel (message_elements, message_dtype: NCCL's "In msg nelems", "dtype"),
+    and the autograd sequence number (sequence_nr: the same on a forward operator and on the
+    backward node it created; -1 where there is none).
     """
 
     path: str
@@ -272,6 +275,7 @@ def load_trace(path: Union[str, Path]) -> KinetoTrace:
             "wait_on_record_correlation": np.asarray([a.wait_on_record_correlation for a in args], dtype=np.int64),
             "message_elements": np.asarray([a.message_elements for a in args], dtype=np.int64),
             "message_dtype": pd.Categorical([a.message_dtype for a in args]),
+            "sequence_nr": np.asarray([a.sequence_nr for a in args], dtype=np.int64),
         }
     )
     return KinetoTrace(

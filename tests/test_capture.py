@@ -224,6 +224,28 @@ def test_a_linear_layers_forward_and_backward_intervals_hold_its_operators(captu
 
 
 @needs_torch
+def test_a_layers_backward_interval_holds_its_parameters_gradient_accumulations(captured):
+    _, out, _ = captured
+    bundle = read_bundle(out)
+    backward = bundle.intervals[bundle.intervals["pass"] == "backward"].set_index(["step", "layer"])
+    ready = bundle.ready.merge(bundle.parameters[["name", "layer"]], left_on="parameter", right_on="name")
+    assert len(ready) == len(bundle.ready)
+    for r in ready.itertuples():
+        interval = backward.loc[(r.step, r.layer)]
+        assert interval["start_us"] < r.ts_us < interval["end_us"]
+
+
+@needs_torch
+def test_an_in_place_relus_backward_interval_holds_its_relu_backward(captured, tiny):
+    _, out, _ = captured
+    _, events = tiny
+    intervals = read_bundle(out).intervals
+    relu = intervals[(intervals["pass"] == "backward") & intervals["layer"].isin(["body.1", "body.3"])]
+    for e in named(events, "ReluBackward0").itertuples():
+        assert ((relu["start_us"] <= e.start) & (relu["end_us"] >= e.end)).sum() == 1
+
+
+@needs_torch
 def test_layers_are_leaf_modules_and_backward_runs_in_reverse_forward_order(captured):
     _, out, _ = captured
     bundle = read_bundle(out)
