@@ -37,6 +37,7 @@ import msgspec
 import numpy as np
 
 from whatif.collectors.iterations import find_iterations
+from whatif.collectors.capture import cpu_model
 from whatif.collectors.kineto import load_trace
 from whatif.report.iterations import iteration_report
 from whatif.sim.build import build_graph
@@ -90,16 +91,6 @@ def time_call(fn: Callable, *args):
 
 def best_and_median(samples: list[float]) -> str:
     return f"best {min(samples):7.3f} s   median {statistics.median(samples):7.3f} s"
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def main(argv: Optional[list[str]] = None) -> int:

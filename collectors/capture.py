@@ -424,12 +424,12 @@ def _environment(torch, model, batch_size: Optional[int]) -> dict:
     device = first.device if first is not None else torch.device("cpu")
     env = {
         "device": str(device),
-        "device_name": _cpu_model(),
+        "device_name": cpu_model(),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
         "hostname": socket.gethostname(),
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
         "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
@@ -456,7 +456,7 @@ def _environment(torch, model, batch_size: Optional[int]) -> dict:
     return env
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):

@@ -14,11 +14,10 @@ Usage::
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
-from profiled_training import PROFILED_STEPS, WARMUP_STEPS, endless, main, synthetic_loader, train_step
+from profiled_training import run_example, synthetic_loader
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -64,25 +63,5 @@ def build() -> tuple[nn.Module, DataLoader]:
     return ConvNet(), synthetic_loader(images, NUM_CLASSES, BATCH_SIZE)
 
 
-def train_captured() -> None:
-    """The same training under the capture API, as ``whatif collect`` runs it: steps, warm-up
-    and the bundle folder come from ``whatif collect`` (the defaults match the trace's)."""
-    from whatif.collectors.capture import Capture
-
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model, loader = build()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    loss_fn = nn.CrossEntropyLoss()
-    with Capture(model=model, warmup=WARMUP_STEPS + 1, steps=PROFILED_STEPS, batch_size=BATCH_SIZE) as capture:
-        for inputs, labels in endless(loader):
-            train_step(model, optimizer, loss_fn, inputs, labels)
-            if not capture.step():
-                break
-
-
 if __name__ == "__main__":
-    if os.environ.get("WHATIF_CAPTURE_OUT"):  # set by whatif collect
-        train_captured()
-    else:
-        main(__doc__.splitlines()[0], DEFAULT_OUTPUT, build)
+    run_example(__doc__.splitlines()[0], DEFAULT_OUTPUT, build, BATCH_SIZE)

@@ -10,6 +10,7 @@ autograd backward operators and the optimizer step. One intra-op thread, for rep
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import Callable
 
@@ -89,3 +90,29 @@ def main(description: str, default_output: Path, build: Callable[[], tuple[nn.Mo
     capture_trace(model, loader, args.output, args.steps)
     print(f"wrote {args.output} ({args.output.stat().st_size} bytes); "
           f"{gradient_bytes(model) / 1e6:.1f} MB of gradients per step")
+
+
+def train_captured(build: Callable[[], tuple[nn.Module, DataLoader]], batch_size: int) -> None:
+    """The same training under the capture API, as ``whatif collect`` runs it: steps, warm-up
+    and the bundle folder come from ``whatif collect`` (the defaults match the trace's)."""
+    from whatif.collectors.capture import Capture
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model, loader = build()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    loss_fn = nn.CrossEntropyLoss()
+    with Capture(model=model, warmup=WARMUP_STEPS + 1, steps=PROFILED_STEPS, batch_size=batch_size) as capture:
+        for inputs, labels in endless(loader):
+            train_step(model, optimizer, loss_fn, inputs, labels)
+            if not capture.step():
+                break
+
+
+def run_example(description: str, default_output: Path, build, batch_size: int) -> None:
+    """An example's entry point: under ``whatif collect`` (which sets WHATIF_CAPTURE_OUT) it
+    trains under the capture API, otherwise it is :func:`main`."""
+    if os.environ.get("WHATIF_CAPTURE_OUT"):
+        train_captured(build, batch_size)
+    else:
+        main(description, default_output, build)
