@@ -36,6 +36,7 @@ def main(argv: list[str]) -> None:
         out = os.environ["WHATIF_LAB_OUT"]
         with open(os.path.join(out, "allreduce.json"), "w") as f:
             json.dump({"sizes_bytes": sizes, "seconds": seconds, "world_size": dist.get_world_size()}, f)
+    dist.barrier()  # leave together: tearing Gloo down under a peer can abort it
     dist.destroy_process_group()
 
 

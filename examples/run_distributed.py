@@ -129,6 +129,9 @@ class DDPWorker:
         return {"ddp": {"backend": "gloo", "bucket_cap_mb": 25}}
 
     def close(self) -> None:
+        # every rank leaves together: a rank that tears Gloo down while its peer still holds the
+        # connection can abort the peer ("terminate called without an active exception")
+        self.dist.barrier()
         self.dist.destroy_process_group()
 
 

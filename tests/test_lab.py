@@ -33,6 +33,7 @@ seconds = (time.perf_counter() - start) / 3
 out = os.environ["WHATIF_LAB_OUT"]
 with open(f"{{out}}/rank{{dist.get_rank()}}.json", "w") as f:
     json.dump({{"host": socket.gethostname(), "seconds": seconds, "sum": float(t[0])}}, f)
+dist.barrier()
 dist.destroy_process_group()
 """
 
