@@ -21,7 +21,6 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional
 
 import yaml
 

@@ -304,7 +304,6 @@ class _SyncPoints:
     def __init__(self, worker: TaskGraph, iterations: pd.DataFrame, thread: str):
         self.worker = worker
         self.iterations = iterations
-        self.thread = thread
         tasks = worker.tasks
         self.start = tasks["measured_start_us"].to_numpy()
         self.on_thread = (tasks["resource"].astype(str) == thread).to_numpy()

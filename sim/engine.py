@@ -153,7 +153,7 @@ class _Run:
             ev.succeed()
 
     def _run_in_order(self, ids: list):
-        end, release, duration, preds = self.end, self.release_list, self.c.duration, self.c.preds
+        end, release, duration, preds = self.end, self.c.release, self.c.duration, self.c.preds
         free = 0.0  # simulated time starts at the trace's first event
         for t in ids:
             ready = release[t]
@@ -170,7 +170,7 @@ class _Run:
             self._finish(t, s, free)
 
     def _run_event_per_task(self, ids: list):
-        env, end, release, duration, preds = self.env, self.end, self.release_list, self.c.duration, self.c.preds
+        env, end, release, duration, preds = self.env, self.end, self.c.release, self.c.duration, self.c.preds
         free = 0.0  # simulated time starts at the trace's first event
         for t in ids:
             ready = release[t]
@@ -191,7 +191,7 @@ class _Run:
             self._finish(t, s, free)
 
     def _run_with_policy(self, ids: list, policy: Policy):
-        env, end, release, duration, preds = self.env, self.end, self.release_list, self.c.duration, self.c.preds
+        env, end, release, duration, preds = self.env, self.end, self.c.release, self.c.duration, self.c.preds
         pending = list(ids)
         free = 0.0  # simulated time starts at the trace's first event
         while pending:
@@ -251,10 +251,6 @@ class _Run:
             for t in batch:
                 pending.remove(t)
                 self._finish(t, now, free)
-
-    @property
-    def release_list(self) -> list:
-        return self.c.release
 
     def run(self) -> Schedule:
         t0 = time.perf_counter()

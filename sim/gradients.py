@@ -87,19 +87,19 @@ def find_gradients(
     """The gradients of each iteration of ``iterations`` (a frame from ``find_iterations``)."""
     tasks = graph.tasks
     event = tasks["event"].to_numpy()
-    names = trace.events["name"]
-    accumulate = _last_task_of_events(trace, graph, np.flatnonzero(names.to_numpy() == ACCUMULATE_GRAD))
+    names = trace.events["name"].to_numpy()
+    accumulate, rows = _last_task_of_events(trace, graph, np.flatnonzero(names == ACCUMULATE_GRAD))
     span = _iteration_of(tasks, iterations)
 
-    found = _find(trace, graph, iterations, sizes, total_bytes, event, names, accumulate, span)
+    found = _find(trace, graph, iterations, sizes, total_bytes, event, accumulate, rows, span)
     if total_bytes is not None and sizes is None and not found.source.startswith("scenario"):
-        found = _scaled_to(found, total_bytes, len(iterations))
+        found = _scaled_to(found, total_bytes)
     kernel = _last_kernel_launched_before(graph, np.asarray([g.ready_task for g in found.gradients], dtype=np.int64))
     found.gradients = [replace(g, computed_by=int(k)) for g, k in zip(found.gradients, kernel)]
     return found
 
 
-def _find(trace, graph, iterations, sizes, total_bytes, event, names, accumulate, span) -> Gradients:
+def _find(trace, graph, iterations, sizes, total_bytes, event, accumulate, rows, span) -> Gradients:
     tasks = graph.tasks
     if sizes is not None:
         return _spread(tasks, span, accumulate, list(sizes), f"scenario: {len(sizes)} sizes")
@@ -107,8 +107,7 @@ def _find(trace, graph, iterations, sizes, total_bytes, event, names, accumulate
     if bundled is not None:
         return bundled
     if len(accumulate):
-        rows = _accumulate_rows(trace, graph, accumulate)
-        shapes = [_gradient_bytes(trace, r) for r in rows]
+        shapes = [_gradient_bytes(trace, r) for r in rows.tolist()]
         known = [b is not None and b > 0 for b in shapes]
         if any(known):
             grads = [
@@ -178,7 +177,7 @@ def _hook_thread_tasks(cpu: np.ndarray, resource: np.ndarray, label: str, tasks:
     return cpu
 
 
-def _scaled_to(found: Gradients, total_bytes: float, iterations: int) -> Gradients:
+def _scaled_to(found: Gradients, total_bytes: float) -> Gradients:
     """The trace's gradients, resized so that an iteration sends ``total_bytes``: the user's
     total wins, the trace still says how it divides and when each part is ready."""
     per_iteration = found.bytes_per_iteration()
@@ -213,11 +212,12 @@ def _last_kernel_launched_before(graph: TaskGraph, cpu_tasks: np.ndarray) -> np.
     return out
 
 
-def _last_task_of_events(trace: KinetoTrace, graph: TaskGraph, rows: np.ndarray) -> np.ndarray:
+def _last_task_of_events(trace: KinetoTrace, graph: TaskGraph, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """For each event row, the last task on its thread within its span: the event's own last
-    segment, or its last child's where the children cover all of it."""
+    segment, or its last child's where the children cover all of it. Returns the tasks in
+    ascending order and, beside each, the event row it stands for."""
     if not len(rows):
-        return np.zeros(0, dtype=np.int64)
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
     tasks = graph.tasks
     ev = trace.events
     start = ev["ts_us"].to_numpy()[rows]
@@ -226,30 +226,18 @@ def _last_task_of_events(trace: KinetoTrace, graph: TaskGraph, rows: np.ndarray)
     resource = tasks["resource"].astype(str).to_numpy()
     t_start = tasks["measured_start_us"].to_numpy()
     t_end = tasks["measured_end_us"].to_numpy()
-    found = []
+    found, of_row = [], []
     for label in np.unique(thread).tolist():
         ids = np.flatnonzero(resource == label)
         ids = ids[np.argsort(t_end[ids], kind="stable")]
         asking = np.flatnonzero(thread == label)
         pos = np.searchsorted(t_end[ids], end[asking] + 1e-6, side="right") - 1
-        for p, s_ in zip(pos.tolist(), start[asking].tolist()):
+        for i, p, s_ in zip(asking.tolist(), pos.tolist(), start[asking].tolist()):
             if p >= 0 and t_start[ids[p]] >= s_ - 1e-6:
                 found.append(int(ids[p]))
-    return np.unique(np.asarray(found, dtype=np.int64))
-
-
-def _accumulate_rows(trace: KinetoTrace, graph: TaskGraph, anchors: np.ndarray) -> list[int]:
-    """The AccumulateGrad event row each anchor task stands for (the innermost one enclosing it)."""
-    ev = trace.events
-    rows = np.flatnonzero(ev["name"].to_numpy() == ACCUMULATE_GRAD)
-    start = ev["ts_us"].to_numpy()[rows]
-    end = start + ev["dur_us"].to_numpy()[rows]
-    t_end = graph.tasks["measured_end_us"].to_numpy()
-    out = []
-    for t in anchors.tolist():
-        inside = np.flatnonzero((start <= t_end[t] + 1e-6) & (end >= t_end[t] - 1e-6))
-        out.append(int(rows[inside[np.argmin(end[inside] - start[inside])]]) if len(inside) else -1)
-    return out
+                of_row.append(int(rows[i]))
+    anchors, first = np.unique(np.asarray(found, dtype=np.int64), return_index=True)
+    return anchors, np.asarray(of_row, dtype=np.int64)[first]
 
 
 def _iteration_of(tasks: pd.DataFrame, iterations: pd.DataFrame) -> np.ndarray:
