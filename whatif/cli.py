@@ -11,6 +11,7 @@ import msgspec
 import numpy as np
 import pandas as pd
 
+from whatif.analyses import run_critical_path, run_overheads
 from whatif.collectors.capture import CaptureError, collect
 from whatif.collectors.kineto import TraceError
 from whatif.collectors.calibrate import calibrate
@@ -72,6 +73,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     simulate.add_argument("--scale", action="append", default=[], metavar="PATTERN=FACTOR", help="scale matching tasks")
     simulate.add_argument("--remove", action="append", default=[], metavar="PATTERN", help="remove matching tasks")
+
+    critical = sub.add_parser("critical-path", help="what each simulated iteration's critical path is made of")
+    common(critical)
+    overheads = sub.add_parser("overheads", help="the five CPU overheads around operators, per operator type")
+    overheads.add_argument("trace", type=Path, help="PyTorch profiler (Kineto) trace (.json or .json.gz), or a bundle folder")
+    overheads.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    overheads.add_argument("--csv", type=Path, metavar="OUT.csv", help="every operator type's distributions as CSV")
 
     predict = sub.add_parser("predict", help="data-parallel training on a cluster, from a scenario YAML")
     predict.add_argument("scenario", type=Path, help="scenario file (see scenarios/)")
@@ -275,6 +283,10 @@ def run(args: argparse.Namespace) -> int:
         return run_collect(args)
     if args.command == "lab":
         return run_lab(args)
+    if args.command == "overheads":
+        return run_overheads(args)
+    if args.command == "critical-path":
+        return run_critical_path(args)
     study = TraceStudy.from_trace(args.trace, args.iteration)
     if args.command == "replay":
         schedule, report = study.replay, study.replay_report()
