@@ -18,6 +18,8 @@ writes one folder, a *bundle* (format ``whatif-trace-bundle``, version 1)::
                "layers": "layers.json"},
      "steps": ["ProfilerStep#4", ...],           # the profiled steps, named as in the trace
      "warmup_steps": 4,                          # steps run before them
+     "step_wall_ms": {"unprofiled": [...],       # wall time of warm-up steps 2 .. warmup-1,
+                      "profiled": [...]},        #   run without profiler or hooks; and of the profiled ones
      "clock": {...},                             # how hook times were put on the trace's clock
      "environment": {"device": "cpu", "torch": "2.13.0+cpu", "torch_threads": 1,
                      "hostname": ..., "cpu_model": ..., "batch_size": 32, "pid": ..., ...}}
@@ -91,6 +93,13 @@ class Bundle:
     @property
     def pid(self):
         return self.environment.get("pid")
+
+    @property
+    def unprofiled_step_ms(self) -> list[float]:
+        """Wall-clock times of warm-up steps run without profiler or hooks (empty for bundles
+        written before they were recorded, or with too few warm-up steps)."""
+        times = (self.manifest.get("step_wall_ms") or {}).get("unprofiled") or []
+        return [float(t) for t in times if isinstance(t, (int, float)) and t > 0]
 
 
 def is_bundle(path: Union[str, Path]) -> bool:

@@ -6,6 +6,12 @@ and fitting a line to time against size gives the latency ``L`` (from the interc
 efficiency ``e`` the shaped link really delivers (from the slope), once across machines (the
 NICs) and once inside one machine (loopback between its workers). They are written as a
 topology YAML that scenarios can use, so predictions for the lab use the lab's own network.
+
+The probe also times the all-reduces while the worker's core computes, and the compute while
+the all-reduces run (``collectors/allreduce_probe.py``): on CPU workers the TCP stack and
+Gloo's reductions share the core with the training step, so communication that overlaps
+backward is slower than on an idle worker, and backward is slower too. Their ratios are the
+links' ``cpu_contention`` factors (``topology.Link``).
 """
 
 from __future__ import annotations
@@ -32,6 +38,21 @@ def fit_ring(sizes_bytes, seconds, workers: int, bandwidth_bytes_per_s: float) -
     return {"latency_us": float(latency_us), "efficiency": float(min(efficiency, 1.0)), "raw_efficiency": float(efficiency)}
 
 
+def fit_contention(measured: dict, min_bytes: float = 1e6) -> dict:
+    """``{comm, compute}`` slowdowns from one probe: the median ratio of busy to idle all-reduce
+    time over sizes of at least ``min_bytes`` (smaller ones are latency), and the compute
+    thread's rate alone over its rate during the all-reduces. Never below 1: a ratio under 1 is
+    noise."""
+    ratios = [
+        busy / idle
+        for size, idle, busy in zip(measured["sizes_bytes"], measured["seconds"], measured["seconds_busy"])
+        if size >= min_bytes and idle > 0
+    ]
+    comm = float(np.median(ratios)) if ratios else 1.0
+    compute = measured["compute_rate_alone"] / measured["compute_rate_during_comm"]
+    return {"comm": round(max(comm, 1.0), 4), "compute": round(max(float(compute), 1.0), 4)}
+
+
 def measure(spec: LabSpec, out_dir: Path, sizes=SIZES_BYTES) -> dict:
     argv = [sys.executable, "-m", "whatif.collectors.allreduce_probe", *[str(int(s)) for s in sizes]]
     result = run_job(spec, "ddp", argv, out_dir, timeout_s=600)
@@ -55,11 +76,13 @@ def calibrate(bandwidth_mbit: float, out_yaml: Path, work_dir: Path = None) -> d
             "bandwidth": f"{loopback_bytes_per_s / 1e6:.1f}MB/s",
             "latency": f"{max(intercept, 0) / 2 * 1e6:.1f}us",
             "efficiency": 1.0,
+            "cpu_contention": fit_contention(inside),
         },
         "inter_node": {
             "bandwidth": f"{bandwidth_mbit:g}Mbps",
             "latency": f"{nic['latency_us']:.1f}us",
             "efficiency": round(nic["efficiency"], 4),
+            "cpu_contention": fit_contention(across),
         },
         "measured": {"across_machines": across, "inside_a_machine": inside},
     }

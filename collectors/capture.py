@@ -44,9 +44,9 @@ the mapping is shifted to its middle if the base alone would fall outside it.
 folder, steps and warm-up in environment variables, which override the script's own arguments.
 torch is imported only when a capture starts, so ``whatif collect`` itself runs without it.
 
-On a GPU the final step waits for the GPU (``torch.cuda.synchronize``) before the profiler
-stops, so that none of its kernels are lost; the last step's time then includes that wait,
-which the steady-state summaries (first and last iterations left out) do not count.
+On a GPU every step ends by waiting for the GPU (``torch.cuda.synchronize``): its wall-clock
+time then covers its kernels, and the profiler loses none of the last step's. A training loop
+that reads its loss (``loss.item()``) every step already waits as long.
 """
 
 from __future__ import annotations
@@ -94,6 +94,12 @@ class Capture:
     override ``out``, ``steps`` and ``warmup``. ``batch_size`` is recorded in the environment.
     ``layers=False`` leaves out the module hooks, whose Python calls add 10 to 20 microseconds
     per module to every profiled step, for a trace as close to an unhooked run as possible.
+
+    The warm-up steps before the profiler's own warm-up step run with neither the profiler nor
+    the hooks, and their wall-clock times are kept in the manifest (``step_wall_ms``) beside
+    those of the profiled steps: the least intrusive measurement of the same iteration (XSP's
+    model level), from which the profiler's overhead in the trace can be removed
+    (``sim/profiler_overhead.py``).
     """
 
     def __init__(
@@ -127,6 +133,7 @@ class Capture:
         self._calls: list[list] = []  # [step, layer, sequence numbers of the autograd nodes it created]
         self._ready: list[list] = []  # [step, parameter, ns, tid]
         self._markers: list[tuple[int, int]] = []  # time_ns() before and after each clock marker
+        self._step_ends_ns: list[int] = []  # perf_counter_ns() at __enter__ and at every step()
 
     def __enter__(self) -> "Capture":
         import torch
@@ -150,14 +157,10 @@ class Capture:
                 wait=max(self.warmup - 1, 0), warmup=min(self.warmup, 1), active=self.steps, repeat=1
             ),
         )
-        self._add_hooks()
-        try:
-            profiler.__enter__()
-        except BaseException:
-            self._remove_hooks()
-            raise
+        profiler.__enter__()
         self._profiler = profiler
         self._begin_step()
+        self._step_ends_ns.append(time.perf_counter_ns())
         return self
 
     def step(self) -> bool:
@@ -167,10 +170,11 @@ class Capture:
             return False
         if self._profiler is None:
             raise CaptureError("Capture.step() called outside its `with` block")
+        if self._cuda:
+            self._torch.cuda.synchronize()
+        self._step_ends_ns.append(time.perf_counter_ns())
         self._index += 1
         last = self._index == self.warmup + self.steps
-        if last and self._cuda:
-            self._torch.cuda.synchronize()
         self._step = None
         self._profiler.step()
         if last:
@@ -195,6 +199,8 @@ class Capture:
     # -- steps and the clock markers ----------------------------------------------------------
 
     def _begin_step(self) -> None:
+        if self._index == max(self.warmup - 1, 0):  # the profiler's warm-up step, or the first profiled
+            self._add_hooks()
         if not self.warmup <= self._index < self.warmup + self.steps:
             return
         self._claimed.clear()
@@ -241,9 +247,17 @@ class Capture:
             "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "steps": [f"ProfilerStep#{i}" for i in range(self.warmup, self.warmup + self.steps)],
             "warmup_steps": self.warmup,
+            "step_wall_ms": self._step_wall_ms(),
             "clock": clock,
             "environment": _environment(self._torch, self.model, self.batch_size),
         }
+
+    def _step_wall_ms(self) -> dict:
+        """Every step's wall-clock time: ``unprofiled`` for the steps without profiler or hooks
+        (the first step left out: it pays for allocations and lazy initialisation), ``profiled``
+        for the profiled ones. A step ends when ``step()`` is called (after a CUDA synchronize)."""
+        ms = [(b - a) / 1e6 for a, b in zip(self._step_ends_ns, self._step_ends_ns[1:])]
+        return {"unprofiled": ms[1 : max(self.warmup - 1, 0)], "profiled": ms[self.warmup :]}
 
     # -- hooks ---------------------------------------------------------------------------------
 

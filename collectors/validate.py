@@ -2,7 +2,8 @@
 
 For one example model (``examples/``) and one configuration:
 
-1. capture a single-worker trace of the model on one core (the profiler on, as a user would);
+1. capture a single-worker bundle of the model on one core (``whatif collect``), which also
+   times steps without the profiler, so that its overhead can be taken out of the prediction;
 2. predict the configuration from it with ``whatif predict``'s machinery, on links calibrated on
    the lab's own network (``whatif lab calibrate``), with the framework settings the real run
    uses (Horovod's fusion buffer and cycle time are set explicitly for both);
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from dataclasses import asdict, dataclass
@@ -24,14 +24,18 @@ from pathlib import Path
 
 import yaml
 
+from .bundle import is_bundle
 from .calibrate import calibrate
+from .capture import CaptureError, collect
 from .lab import LabError, LabSpec, run_job
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
-MODELS = ("convnet", "wide_mlp", "transformer")
+MODELS = ("convnet", "vgg", "wide_mlp", "transformer")
 FUSION_BUFFER_BYTES = 64 * 1024 * 1024
 CYCLE_TIME_MS = 5.0
+CAPTURE_STEPS = 8
+CAPTURE_WARMUP = 10
 
 
 @dataclass
@@ -45,7 +49,8 @@ class ValidationPoint:
     measured_ms: float
     predicted_ms: float
     error_pct: float
-    capture_ms: float  # the 1x1 capture's median iteration, profiler on
+    capture_profiled_ms: float  # the 1x1 capture's median profiled iteration
+    capture_unprofiled_ms: float  # its median warm-up step without profiler or hooks (NaN: not timed)
     workers_measured_ms: list
 
 
@@ -55,20 +60,22 @@ def _examples() -> Path:
     return EXAMPLES
 
 
-def capture(model: str, out: Path, steps: int = 8) -> Path:
-    """A single-worker trace of ``model`` on one core, cached in ``out``."""
-    trace = out / f"{model}_1x1.pt.trace.json.gz"
-    if trace.exists():
-        return trace
+def capture(model: str, out: Path, steps: int = CAPTURE_STEPS, warmup: int = CAPTURE_WARMUP) -> Path:
+    """A single-worker bundle of ``model`` on one core (``whatif collect``), cached in ``out``.
+
+    The warm-up is long enough that the capture also times ``warmup - 2`` steps without the
+    profiler, which the prediction uses to remove the profiler's overhead."""
+    bundle = out / f"{model}_1x1.bundle"
+    if is_bundle(bundle):
+        return bundle
     out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    done = subprocess.run(
-        ["taskset", "-c", "0", sys.executable, str(_examples() / f"{model}.py"), str(trace), "--steps", str(steps)],
-        env=env, capture_output=True, text=True,
-    )
-    if done.returncode != 0:
-        raise LabError(f"capturing {model} failed: {done.stderr.strip().splitlines()[-1] if done.stderr else done.returncode}")
-    return trace
+    command = ["taskset", "-c", "0", sys.executable, str(_examples() / f"{model}.py")]
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        collect(command, out=bundle, steps=steps, warmup=warmup)
+    except CaptureError as err:
+        raise LabError(f"capturing {model} failed: {err}") from None
+    return bundle
 
 
 def links(bandwidth_mbps: float, out: Path) -> Path:
@@ -80,7 +87,8 @@ def links(bandwidth_mbps: float, out: Path) -> Path:
     return path
 
 
-def predict(trace: Path, links_file: Path, machines: int, gpus: int, bandwidth_mbps: float, framework: str) -> float:
+def predict(trace: Path, links_file: Path, machines: int, gpus: int, bandwidth_mbps: float, framework: str):
+    """The predicted iteration (ms) and what the prediction removed as profiler overhead."""
     from whatif.predict import predict_scenario
     from whatif.scenario import load_scenario
 
@@ -102,7 +110,7 @@ def predict(trace: Path, links_file: Path, machines: int, gpus: int, bandwidth_m
         outcome = predict_scenario(load_scenario(Path(f.name)))
     finally:
         os.unlink(f.name)
-    return float(outcome.results["iteration_ms"].iloc[0]), float(outcome.baseline_ms)
+    return float(outcome.results["iteration_ms"].iloc[0]), outcome.profiler_overhead
 
 
 def measure(model: str, spec: LabSpec, framework: str, out: Path, steps: int = 20, warmup: int = 5) -> dict:
@@ -130,14 +138,15 @@ def validate(
         raise LabError(f"unknown model {model!r}; choose from {', '.join(MODELS)}")
     trace = capture(model, work / "captures")
     links_file = links(bandwidth_mbps, work / "links")
-    predicted_ms, capture_ms = predict(trace, links_file, machines, gpus, bandwidth_mbps, framework)
+    predicted_ms, overhead = predict(trace, links_file, machines, gpus, bandwidth_mbps, framework)
     spec = LabSpec(machines, gpus, bandwidth_mbps, latency_ms)
     run_dir = work / "runs" / f"{model}_{framework}_{machines}x{gpus}_{bandwidth_mbps:g}mbps"
     report = measure(model, spec, framework, run_dir, steps=steps)
     measured_ms = float(report["median_ms"])
     return ValidationPoint(
         model, machines, gpus, bandwidth_mbps, latency_ms, framework, measured_ms, predicted_ms,
-        100.0 * (predicted_ms - measured_ms) / measured_ms, capture_ms,
+        100.0 * (predicted_ms - measured_ms) / measured_ms,
+        overhead.profiled_ms if overhead else float("nan"), overhead.unprofiled_ms if overhead else float("nan"),
         [float(w["median_ms"]) for w in report.get("workers", [])],
     )
 

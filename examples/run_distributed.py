@@ -46,7 +46,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from profiled_training import endless, gradient_bytes, train_step
 
-MODELS = ("convnet", "wide_mlp", "transformer")
+MODELS = ("convnet", "vgg", "wide_mlp", "transformer")
 FRAMEWORKS = ("single", "horovod", "ddp")
 # Horovod 0.28.1's defaults when the environment sets nothing (horovod/common/operations.cc).
 HOROVOD_DEFAULT_FUSION_THRESHOLD_BYTES = 128 * 1024 * 1024

@@ -21,7 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from profiled_training import main, synthetic_loader
+from profiled_training import run_example, synthetic_loader
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
@@ -92,4 +92,4 @@ def build() -> tuple[nn.Module, DataLoader]:
 
 
 if __name__ == "__main__":
-    main(__doc__.splitlines()[0], DEFAULT_OUTPUT, build)
+    run_example(__doc__.splitlines()[0], DEFAULT_OUTPUT, build, BATCH_SIZE)

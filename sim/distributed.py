@@ -162,16 +162,23 @@ def simulate_cluster(worker: TaskGraph, gradients: Gradients, iterations: pd.Dat
     rank = {int(comm[i]): r for r, i in enumerate(sorted(range(len(order)), key=order.__getitem__))}
     prio = {int(comm[i]): p for i, p in enumerate(priority)}
     size = {int(comm[i]): b for i, b in enumerate(nbytes)}
-    policies = {}
-    networks: dict = {}  # one Network per simulation, shared by the push and pull queues
-    for resource in sorted({r["resource"] for r in rows}):
-        inner = Priority(prio, rank) if sliced else Fifo(rank)
-        if config.framework == "horovod" and not sliced:
-            inner = HorovodCycle(inner, size, config.options.fusion_buffer_bytes, config.options.cycle_time_us, cost)
-        if config.on_shared_links:
-            inner = _OnSharedLinks(inner, size, _plan_maker(config, resource), networks)
-        policies[resource] = inner
-    schedule = simulate(graph, policies)
+
+    def policies_for(size: dict) -> dict:
+        policies = {}
+        networks: dict = {}  # one Network per simulation, shared by the push and pull queues
+        for resource in sorted({r["resource"] for r in rows}):
+            inner = Priority(prio, rank) if sliced else Fifo(rank)
+            if config.framework == "horovod" and not sliced:
+                inner = HorovodCycle(inner, size, config.options.fusion_buffer_bytes, config.options.cycle_time_us, cost)
+            if config.on_shared_links:
+                inner = _OnSharedLinks(inner, size, _plan_maker(config, resource), networks)
+            policies[resource] = inner
+        return policies
+
+    schedule = simulate(graph, policies_for(size))
+    link = _driving_link(config)
+    if link.has_cpu_contention and len(comm):
+        schedule = _with_cpu_contention(graph, schedule, comm, size, link, policies_for, n)
     worker0 = np.zeros(len(graph.tasks), dtype=bool)
     worker0[:n] = True
     if barrier is not None:
@@ -184,6 +191,81 @@ def simulate_cluster(worker: TaskGraph, gradients: Gradients, iterations: pd.Dat
         len(rows) / iterations_with,
         sum(nbytes) / iterations_with / (2 if config.framework == "ps" else 1),
     )
+
+
+def _driving_link(config: ClusterConfig):
+    """The link whose CPU contention applies: the NIC across machines, loopback inside one."""
+    cluster = config.cluster
+    return cluster.inter_node if cluster.machines > 1 else cluster.intra_node
+
+
+_CPU_WORK = (int(TaskKind.CPU), int(TaskKind.GAP), int(TaskKind.RUNTIME))
+_CONTENTION_PASSES = 4
+
+
+def _with_cpu_contention(graph: TaskGraph, schedule: Schedule, comm: np.ndarray, size: dict, link, policies_for, n: int) -> Schedule:
+    """Re-simulate with communication and CPU work slowing each other where they overlapped.
+
+    A transfer that overlaps worker 0's CPU work for a fraction ``f`` of its time lasts
+    ``1 + (comm_slowdown - 1) f`` times as long (its bytes priced as that many more for a fused
+    batch); a CPU task overlapping communication for a fraction ``g`` lasts
+    ``1 + (compute_slowdown - 1) g`` times as long. The overlaps come from the previous
+    schedule and the factors always apply to the uncontended durations, so the passes settle
+    on a schedule consistent with its own overlaps (a few passes; the loop stops when the
+    makespan moves less than 0.1 %).
+    """
+    tasks = graph.tasks
+    base = tasks["duration_us"].to_numpy(dtype=float).copy()
+    base_size = dict(size)
+    resource = tasks["resource"].astype(str).to_numpy().astype(str)
+    on_cpu = np.char.startswith(resource, "cpu ") | (np.char.find(resource, ": cpu ") >= 0)
+    cpu = np.flatnonzero(np.isin(tasks["kind"].to_numpy(), _CPU_WORK) & on_cpu)
+    cpu = cpu[base[cpu] > 0]
+    worker0_cpu = cpu[cpu < n]
+    for _ in range(_CONTENTION_PASSES):
+        busy = _Union(schedule.start_us[worker0_cpu], schedule.end_us[worker0_cpu])
+        in_flight = _Union(schedule.start_us[comm], schedule.end_us[comm])
+        comm_factor = 1 + (link.comm_slowdown - 1) * busy.fraction_of(schedule.start_us[comm], schedule.end_us[comm])
+        cpu_factor = 1 + (link.compute_slowdown - 1) * in_flight.fraction_of(schedule.start_us[cpu], schedule.end_us[cpu])
+        duration = base.copy()
+        duration[comm] *= comm_factor
+        duration[cpu] *= cpu_factor
+        tasks["duration_us"] = duration
+        for t, factor in zip(comm.tolist(), comm_factor.tolist()):
+            size[t] = base_size[t] * factor
+        previous = schedule.makespan_us
+        schedule = simulate(graph, policies_for(size))
+        if abs(schedule.makespan_us - previous) <= 1e-3 * previous:
+            break
+    return schedule
+
+
+class _Union:
+    """A set of time intervals, merged, for measuring how much of another interval it covers."""
+
+    def __init__(self, starts: np.ndarray, ends: np.ndarray):
+        order = np.argsort(starts, kind="stable")
+        merged_start, merged_end = [], []
+        for a, b in zip(starts[order].tolist(), ends[order].tolist()):
+            if merged_end and a <= merged_end[-1]:
+                merged_end[-1] = max(merged_end[-1], b)
+            else:
+                merged_start.append(a)
+                merged_end.append(b)
+        self.start = np.asarray(merged_start)
+        self.end = np.asarray(merged_end)
+        self.before = np.concatenate([[0.0], np.cumsum(self.end - self.start)])  # covered before each interval
+
+    def covered_until(self, t: np.ndarray) -> np.ndarray:
+        i = np.searchsorted(self.start, t, side="right")  # intervals starting at or before t
+        last = np.maximum(i - 1, 0)
+        partial = np.where(i > 0, np.clip(t - self.start[last], 0, self.end[last] - self.start[last]), 0.0)
+        return self.before[last] * (i > 0) + partial
+
+    def fraction_of(self, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+        length = ends - starts
+        covered = self.covered_until(ends) - self.covered_until(starts)
+        return np.where(length > 0, covered / np.where(length > 0, length, 1), 0.0)
 
 
 class _OnSharedLinks(Policy):

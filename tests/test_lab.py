@@ -128,6 +128,18 @@ def test_calibration_recovers_the_latency_and_efficiency_of_a_ring():
     assert fit["efficiency"] == pytest.approx(0.9, rel=1e-6)
 
 
+def test_contention_is_the_busy_to_idle_ratio_of_large_all_reduces_and_the_lost_compute_rate():
+    """Sizes under 1 MB are latency and left out; a busy run measured faster than an idle one
+    is noise, not a speed-up, and gives 1."""
+    from whatif.collectors.calibrate import fit_contention
+
+    measured = {"sizes_bytes": [64e3, 4e6, 16e6, 32e6], "seconds": [0.01, 0.1, 0.4, 0.8],
+                "seconds_busy": [0.05, 0.11, 0.46, 0.88], "compute_rate_alone": 1000.0, "compute_rate_during_comm": 800.0}
+    assert fit_contention(measured) == {"comm": pytest.approx(1.1), "compute": pytest.approx(1.25)}
+    quiet = {**measured, "seconds_busy": [0.01, 0.09, 0.39, 0.79], "compute_rate_during_comm": 1100.0}
+    assert fit_contention(quiet) == {"comm": 1.0, "compute": 1.0}
+
+
 @can_run
 @needs_torch
 def test_calibrate_writes_links_a_scenario_can_use(tmp_path):
@@ -145,3 +157,6 @@ def test_calibrate_writes_links_a_scenario_can_use(tmp_path):
     points = load_scenario(scenario).points
     assert [round(p.inter_node_gbps, 3) for p in points] == [0.1, 0.4]
     assert all(p.cluster.inter_node.efficiency == doc["inter_node"]["efficiency"] for p in points)
+    contention = doc["inter_node"]["cpu_contention"]
+    assert all(p.cluster.inter_node.comm_slowdown == contention["comm"] >= 1 for p in points)
+    assert doc["intra_node"]["cpu_contention"]["comm"] > 1.2, "loopback transfers are CPU work: a busy core slows them"

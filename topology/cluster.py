@@ -42,7 +42,7 @@ from .units import (
 )
 
 LINK_KINDS = ("inter_node", "intra_node")
-_LINK_KEYS = ("preset", "bandwidth", "latency", "efficiency", "note")
+_LINK_KEYS = ("preset", "bandwidth", "latency", "efficiency", "cpu_contention", "note")
 _CLUSTER_KEYS = ("machines", "gpus_per_machine", "intra_node", "inter_node", "server_machines", "name", "note")
 
 
@@ -70,12 +70,21 @@ class Link:
     has the link to itself; ``efficiency`` is the fraction of the nominal bandwidth that
     collective traffic achieves (protocol headers, flow control). ``name`` is the preset the
     link came from, if any.
+
+    Where the workers' own CPU cores drive the link (Gloo on CPU workers: the TCP stack and the
+    reductions run on the core that also computes), communication and compute slow each other
+    down while they overlap: ``comm_slowdown`` is how much longer a transfer takes while the
+    worker's CPU computes, ``compute_slowdown`` how much longer CPU work takes while a transfer
+    is in flight (YAML: ``cpu_contention: {comm: 1.1, compute: 1.2}``; ``whatif lab calibrate``
+    measures both). GPU workers whose NICs and NCCL need no host CPU keep the default 1.
     """
 
     bandwidth_bytes_per_us: float
     latency_us: float = 0.0
     efficiency: float = 1.0
     name: str = ""
+    comm_slowdown: float = 1.0
+    compute_slowdown: float = 1.0
 
     def __post_init__(self):
         if not (np.isfinite(self.bandwidth_bytes_per_us) and self.bandwidth_bytes_per_us > 0):
@@ -84,6 +93,14 @@ class Link:
             raise TopologyError("latency_us", f"must not be negative, got {self.latency_us}")
         if not (0 < self.efficiency <= 1):
             raise TopologyError("efficiency", f"must be in (0, 1], got {self.efficiency}")
+        for name in ("comm_slowdown", "compute_slowdown"):
+            value = getattr(self, name)
+            if not (np.isfinite(value) and value >= 1):
+                raise TopologyError(f"cpu_contention.{name.removesuffix('_slowdown')}", f"must be a factor >= 1, got {value}")
+
+    @property
+    def has_cpu_contention(self) -> bool:
+        return self.comm_slowdown > 1 or self.compute_slowdown > 1
 
     @property
     def effective_bandwidth_bytes_per_us(self) -> float:
@@ -132,7 +149,28 @@ class Link:
                 else (base.efficiency if base is not None else 1.0)
             ),
             name=(f"{base.name}*" if overridden else base.name) if base is not None else "",
+            **_cpu_contention(value.get("cpu_contention"), _join(key, "cpu_contention")),
         )
+
+
+def _cpu_contention(value: Any, key: str) -> dict:
+    """``{comm: F, compute: F}`` as Link's slowdown fields (absent: none)."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise TopologyError(key, f"expected {{comm: FACTOR, compute: FACTOR}}, got {value!r}")
+    _check_keys(value, ("comm", "compute"), key)
+    factors = {}
+    for name in ("comm", "compute"):
+        raw = value.get(name, 1.0)
+        try:
+            factor = float(raw)
+        except (TypeError, ValueError):
+            raise TopologyError(_join(key, name), f"expected a number >= 1, got {raw!r}") from None
+        if not (np.isfinite(factor) and factor >= 1):
+            raise TopologyError(_join(key, name), f"must be a factor >= 1, got {raw!r}")
+        factors[f"{name}_slowdown"] = factor
+    return factors
 
 
 @functools.lru_cache(maxsize=None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -110,7 +111,7 @@ def _parser() -> argparse.ArgumentParser:
     lab_run.add_argument("--timeout", type=float, default=900.0, help="seconds before the workers are stopped")
     lab_run.add_argument("script", nargs=argparse.REMAINDER, help="-- python SCRIPT.py ARGS...")
     validate = sub.add_parser("validate", help="capture 1x1, predict, run for real on the lab, compare (root)")
-    validate.add_argument("--model", required=True, help="an example model: convnet, wide_mlp, transformer")
+    validate.add_argument("--model", required=True, help="an example model: convnet, vgg, wide_mlp, transformer")
     validate.add_argument("--machines", type=int, default=2)
     validate.add_argument("--gpus-per-machine", type=int, default=1, help="workers per machine")
     validate.add_argument("--bandwidth", default="200Mbps")
@@ -171,12 +172,15 @@ def run_predict(args: argparse.Namespace) -> int:
             "trace": str(scenario.trace),
             "gradients": {"source": outcome.gradient_source, "mb_per_iteration": outcome.bytes_per_iteration / 1e6},
             "baseline_1x1_ms": outcome.baseline_ms,
+            "profiler_overhead": None if outcome.profiler_overhead is None else asdict(outcome.profiler_overhead),
             "results": _json_records(results),
         }
         sys.stdout.write(msgspec.json.encode(out).decode() + "\n")
         return 0
     print(f"{scenario.trace}: 1x1 iteration {outcome.baseline_ms:.2f} ms; gradients: "
           f"{outcome.bytes_per_iteration / 1e6:.1f} MB per iteration ({outcome.gradient_source})")
+    if outcome.profiler_overhead is not None:
+        print(outcome.profiler_overhead.describe())
     shown = results.rename(columns=_PREDICT_COLUMNS)[list(_PREDICT_COLUMNS.values())]
     print(shown.to_string(index=False, float_format=lambda v: f"{v:.2f}"))
     for what, path in (("plot", args.plot), ("CSV", args.csv)):
@@ -269,7 +273,7 @@ def run_validate(args: argparse.Namespace) -> int:
         print(
             f"{point.model} {point.framework} {point.machines}x{point.gpus_per_machine} at {point.bandwidth_mbps:g} Mbps: "
             f"measured {point.measured_ms:.1f} ms, predicted {point.predicted_ms:.1f} ms, error {point.error_pct:+.1f} % "
-            f"(1x1 capture {point.capture_ms:.1f} ms)"
+            f"(1x1 capture {point.capture_profiled_ms:.1f} ms profiled, {point.capture_unprofiled_ms:.1f} ms without the profiler)"
         )
     return 0
 

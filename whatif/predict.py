@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import pandas as pd
 
@@ -12,6 +13,7 @@ from whatif.sim.distributed import ClusterConfig, simulate_cluster
 from whatif.sim.engine import simulate
 from whatif.sim.gradients import find_gradients
 from whatif.sim.graph import TaskKind
+from whatif.sim.profiler_overhead import ProfilerOverhead, remove_profiler_overhead
 from whatif.study import TraceStudy, WhatIf
 
 from .scenario import Scenario
@@ -24,13 +26,19 @@ class ScenarioResult:
     gradient_source: str
     bytes_per_iteration: float
     baseline_ms: float
+    profiler_overhead: Optional[ProfilerOverhead] = None  # what was taken out of the trace, if anything
 
 
 def predict_scenario(scenario: Scenario) -> ScenarioResult:
     """Simulate every configuration of ``scenario``; speed-ups are against one worker (1x1),
-    which is the replay of the (optimized) trace."""
+    which is the replay of the (optimized) trace, less the profiler's overhead where the trace
+    is a bundle that measured it (``sim/profiler_overhead.py``)."""
     study = TraceStudy.from_trace(scenario.trace, scenario.iteration)
     worker = WhatIf(optimizations=scenario.optimizations).apply(study.graph)
+    overhead = None
+    bundle = study.trace.bundle
+    if scenario.remove_profiler_overhead and bundle is not None and bundle.unprofiled_step_ms:
+        overhead = remove_profiler_overhead(worker, study.iterations, bundle.unprofiled_step_ms)
     baseline = iteration_report(simulate(worker), study.iterations)
     baseline_ms = steady_median(baseline["predicted_ms"])
     without_comm = worker.copy()
@@ -75,7 +83,9 @@ def predict_scenario(scenario: Scenario) -> ScenarioResult:
         }
         rows.append(row)
         runs[_label(row)] = run
-    return ScenarioResult(pd.DataFrame(rows), runs, gradients.source, gradients.bytes_per_iteration(), baseline_ms)
+    return ScenarioResult(
+        pd.DataFrame(rows), runs, gradients.source, gradients.bytes_per_iteration(), baseline_ms, overhead
+    )
 
 
 def _label(row: dict) -> str:

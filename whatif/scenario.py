@@ -17,6 +17,7 @@ A scenario file looks like::
     gradients: {total: 100MB}                         # or {sizes: [..]}; default: from the trace
     stragglers: [{machine: 1, slowdown: 1.5}]         # or gpu_slowdown
     network: auto                                     # closed_form | shared_links (see sim.distributed)
+    profiler_overhead: remove                         # keep: predict from the profiled times as they are
     framework_options: {fusion_buffer: 64MB, cycle_time: 5ms, bucket_cap: 25MB,
                         first_bucket: 1MB, partition: 4MB, slice: 1MB}
 
@@ -43,7 +44,8 @@ from whatif.topology import Cluster, TopologyError, as_gbps, parse_latency, pars
 
 _TOP_KEYS = (
     "trace", "iteration", "cluster", "framework", "policy", "collective", "optimizations",
-    "gradients", "stragglers", "framework_options", "replicate", "network", "name", "description",
+    "gradients", "stragglers", "framework_options", "replicate", "network", "profiler_overhead", "name",
+    "description",
 )
 _CLUSTER_KEYS = ("machines", "gpus_per_machine", "intra_node", "inter_node", "server_machines", "name", "links")
 _OPTION_KEYS = {
@@ -89,6 +91,7 @@ class Scenario:
     options: FrameworkOptions = field(default_factory=FrameworkOptions)
     replicate: Optional[bool] = None
     shared_links: Optional[bool] = None
+    remove_profiler_overhead: bool = True  # where the trace is a bundle that timed unprofiled steps
 
 
 def _as_list(value) -> list:
@@ -182,6 +185,8 @@ def load_scenario(path: Path) -> Scenario:
     scenario.replicate = None if replicate == "auto" else bool(replicate)
     network = _choice(path, "network", doc.get("network", "auto"), ("auto", "closed_form", "shared_links"))
     scenario.shared_links = {"auto": None, "closed_form": False, "shared_links": True}[network]
+    overhead = _choice(path, "profiler_overhead", doc.get("profiler_overhead", "remove"), ("remove", "keep"))
+    scenario.remove_profiler_overhead = overhead == "remove"
     return scenario
 
 

@@ -1,0 +1,180 @@
+"""Validation grid: predictions against real Horovod and DDP runs on the emulated cluster.
+
+For every example model, every configuration and every bandwidth, ``whatif validate``'s loop
+(``collectors/validate.py``): capture a 1x1 bundle, predict the configuration on the lab's
+calibrated links, run it for real, compare. One-machine configurations talk over loopback, so
+they are run once per framework, not once per bandwidth; 1x1 is run once per model.
+Configurations with more workers than the machine has cores are listed as not run.
+
+Writes, under ``--out`` (default ``bench/out/validation``): ``validation.csv`` (one row per
+point, appended as each finishes, so an interrupted grid keeps what it measured and ``--resume``
+goes on from there), ``predicted_vs_measured.png`` and ``table.md`` (the README's table); prints
+the mean absolute error and the worst point against the targets (MAE <= 5 %, none above 10 %).
+
+Needs root and the lab's Horovod build (``make horovod``). Run it alone: it measures CPU time,
+and anything else on the machine's cores shows up as error.
+
+    sudo .venv/bin/python bench/validation_grid.py [--models vgg,transformer,wide_mlp]
+        [--configs 1x1,2x1,1x2,2x2] [--bandwidths 100,200,400] [--frameworks horovod,ddp] [--resume]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import os
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from whatif.collectors.lab import LabError  # noqa: E402
+from whatif.collectors.validate import as_record, validate  # noqa: E402
+
+COLUMNS = [
+    "model", "machines", "gpus_per_machine", "bandwidth_mbps", "framework", "status",
+    "measured_ms", "predicted_ms", "error_pct", "capture_profiled_ms", "capture_unprofiled_ms",
+]
+MAE_TARGET_PCT = 5.0
+WORST_TARGET_PCT = 10.0
+
+
+def grid(models, configs, bandwidths, frameworks):
+    """The points to run, as (model, machines, gpus, bandwidth or None, framework)."""
+    for model in models:
+        for machines, gpus in configs:
+            if machines * gpus == 1:
+                yield model, 1, 1, None, "single"
+                continue
+            for framework in frameworks:
+                for bandwidth in bandwidths if machines > 1 else [None]:
+                    yield model, machines, gpus, bandwidth, framework
+
+
+def key(row) -> tuple:
+    bandwidth = row["bandwidth_mbps"]
+    return (row["model"], int(row["machines"]), int(row["gpus_per_machine"]),
+            None if bandwidth in (None, "") else float(bandwidth), row["framework"])
+
+
+def run_point(model, machines, gpus, bandwidth, framework, work: Path, steps: int, default_mbps: float) -> dict:
+    cores = os.cpu_count() or 1
+    row = {"model": model, "machines": machines, "gpus_per_machine": gpus, "bandwidth_mbps": bandwidth,
+           "framework": framework}
+    if machines * gpus > cores:
+        return {**row, "status": f"not run: {machines * gpus} workers need {machines * gpus} cores, this machine has {cores}"}
+    try:
+        point = validate(model, machines, gpus, bandwidth or default_mbps,
+                         "horovod" if framework == "single" else framework, work, steps=steps)
+    except LabError as err:
+        return {**row, "status": f"failed: {err}"}
+    record = as_record(point)
+    return {**row, "status": "ok", **{c: record[c] for c in COLUMNS[6:]}}
+
+
+def read_rows(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    with path.open() as f:
+        return list(csv.DictReader(f))
+
+
+def append_row(path: Path, row: dict) -> None:
+    new = not path.exists()
+    with path.open("a", newline="") as f:
+        writer = csv.DictWriter(f, COLUMNS)
+        if new:
+            writer.writeheader()
+        writer.writerow({c: ("" if row.get(c) is None else row.get(c)) for c in COLUMNS})
+
+
+def measured_points(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if r["status"] == "ok"]
+
+
+def config_label(row: dict) -> str:
+    bandwidth = row["bandwidth_mbps"]
+    where = f" @ {float(bandwidth):g} Mbps" if bandwidth not in (None, "") else (" (loopback)" if int(row["gpus_per_machine"]) > 1 else "")
+    return f"{row['machines']}x{row['gpus_per_machine']}{where}"
+
+
+def markdown_table(rows: list[dict]) -> str:
+    lines = ["| model | config | framework | measured ms | predicted ms | error % |", "|---|---|---|---:|---:|---:|"]
+    for r in rows:
+        if r["status"] == "ok":
+            cells = [f"{float(r['measured_ms']):.1f}", f"{float(r['predicted_ms']):.1f}", f"{float(r['error_pct']):+.1f}"]
+        else:
+            cells = ["", "", r["status"]]
+        lines.append(f"| {r['model']} | {config_label(r)} | {r['framework']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(5.5, 5))
+    for framework, marker in (("single", "o"), ("horovod", "s"), ("ddp", "^")):
+        mine = [r for r in rows if r["framework"] == framework]
+        if mine:
+            ax.scatter([float(r["measured_ms"]) for r in mine], [float(r["predicted_ms"]) for r in mine],
+                       marker=marker, label=framework, alpha=0.8)
+    values = [float(r[c]) for r in rows for c in ("measured_ms", "predicted_ms")]
+    low, high = min(values) * 0.8, max(values) * 1.25
+    line = [low, high]
+    ax.plot(line, line, "k-", lw=0.8, label="exact")
+    ax.fill_between(line, [v * 0.9 for v in line], [v * 1.1 for v in line], color="grey", alpha=0.15, label="±10 %")
+    ax.set(xscale="log", yscale="log", xlim=line, ylim=line, xlabel="measured iteration (ms)",
+           ylabel="predicted iteration (ms)", title="whatif predictions against real runs (lab)")
+    ax.legend(loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="vgg,transformer,wide_mlp")
+    parser.add_argument("--configs", default="1x1,2x1,1x2,2x2")
+    parser.add_argument("--bandwidths", default="100,200,400", help="Mbps")
+    parser.add_argument("--frameworks", default="horovod,ddp")
+    parser.add_argument("--steps", type=int, default=20, help="timed iterations per real run")
+    parser.add_argument("--out", type=Path, default=Path("bench/out/validation"))
+    parser.add_argument("--resume", action="store_true", help="keep the points already in the CSV")
+    args = parser.parse_args(argv)
+    configs = [tuple(int(n) for n in c.split("x")) for c in args.configs.split(",")]
+    bandwidths = [float(b) for b in args.bandwidths.split(",")]
+    args.out.mkdir(parents=True, exist_ok=True)
+    csv_path = args.out / "validation.csv"
+    if csv_path.exists() and not args.resume:
+        csv_path.unlink()
+    done = {key(r) for r in read_rows(csv_path) if r["status"] == "ok" or r["status"].startswith("not run")}
+    for model, machines, gpus, bandwidth, framework in grid(args.models.split(","), configs, bandwidths, args.frameworks.split(",")):
+        if (model, machines, gpus, bandwidth, framework) in done:
+            continue
+        row = run_point(model, machines, gpus, bandwidth, framework, args.out / "work", args.steps, bandwidths[len(bandwidths) // 2])
+        append_row(csv_path, row)
+        shown = f"{float(row['error_pct']):+.1f} %" if row["status"] == "ok" else row["status"]
+        print(f"{model} {config_label(row)} {framework}: {shown}", flush=True)
+    rows = read_rows(csv_path)
+    (args.out / "table.md").write_text(markdown_table(rows))
+    measured = measured_points(rows)
+    if not measured:
+        print("no point measured", file=sys.stderr)
+        return 1
+    plot(measured, args.out / "predicted_vs_measured.png")
+    errors = [abs(float(r["error_pct"])) for r in measured]
+    mae = sum(errors) / len(errors)
+    worst = max(measured, key=lambda r: abs(float(r["error_pct"])))
+    skipped = len(rows) - len(measured)
+    print(f"{len(measured)} points measured, {skipped} not run or failed; "
+          f"mean absolute error {mae:.1f} % (target <= {MAE_TARGET_PCT:g} %), worst {float(worst['error_pct']):+.1f} % "
+          f"({worst['model']} {config_label(worst)} {worst['framework']}; target <= {WORST_TARGET_PCT:g} %)")
+    met = mae <= MAE_TARGET_PCT and all(e <= WORST_TARGET_PCT for e in errors)
+    print(("PASS" if met else "FAIL") + f": table in {args.out / 'table.md'}, plot in {args.out / 'predicted_vs_measured.png'}")
+    return 0 if met and not math.isnan(mae) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""Taking the profiler's own cost out of a profiled trace.
+
+A profiled step is slower than the same step run plainly: the profiler records every operator
+(its enter and exit callbacks, the input shapes) and the capture's module hooks run Python for
+every layer. The jobs we predict run without either, so a prediction made from the trace as it
+is inherits their cost: on our CPU examples a tenth of the step for the small convnet, whose
+operators are short, and a few percent for the larger models.
+
+A capture bundle also times warm-up steps run with neither profiler nor hooks (XSP's least
+intrusive level; ``collectors/capture.py``). The profiled iterations' median minus theirs is the
+overhead to remove. The profiler pays it per recorded event, at the boundaries of operators, and
+the CPU tasks of the graph are exactly the stretches between consecutive boundaries on a thread.
+So every CPU task of an iteration gives up the same amount of time (all of it, if it is
+shorter), the amount chosen so that the iteration's tasks give up the measured overhead in
+total: a long convolution loses a few microseconds, not a share of its length. Where the GPU,
+not the CPU, bounds the step, the measured overhead is small and so is what is removed; the
+overhead the GPU hid stays in the trace (a conservative correction).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import pandas as pd
+
+from .graph import TaskGraph, TaskKind
+
+_CPU_WORK = (int(TaskKind.CPU), int(TaskKind.GAP), int(TaskKind.RUNTIME))
+_TOLERANCE_US = 1e-6
+
+
+@dataclass(frozen=True)
+class ProfilerOverhead:
+    """What the correction found and took out, per iteration."""
+
+    profiled_ms: float  # median profiled iteration, as the trace measured it
+    unprofiled_ms: float  # median unprofiled warm-up step
+    removed_ms: float  # taken out of every iteration (0 when the profiled steps were not slower)
+    per_task_us: float  # the largest amount one CPU task gave up (median over iterations)
+
+    def describe(self) -> str:
+        return (
+            f"profiler overhead removed: {self.removed_ms:.2f} ms per iteration (profiled median "
+            f"{self.profiled_ms:.2f} ms, unprofiled {self.unprofiled_ms:.2f} ms; up to {self.per_task_us:.1f} us per CPU task)"
+        )
+
+
+def remove_profiler_overhead(graph: TaskGraph, iterations: pd.DataFrame, unprofiled_ms: Sequence[float]) -> ProfilerOverhead:
+    """Shorten the CPU tasks of every iteration of ``graph`` (in place) by the measured overhead."""
+    profiled_ms = float(np.median((iterations["end_us"] - iterations["start_us"]).to_numpy())) / 1e3
+    plain_ms = float(np.median(np.asarray(unprofiled_ms, dtype=float)))
+    overhead_us = max(profiled_ms - plain_ms, 0.0) * 1e3
+    if overhead_us == 0.0:
+        return ProfilerOverhead(profiled_ms, plain_ms, 0.0, 0.0)
+    tasks = graph.tasks
+    m_start = tasks["measured_start_us"].to_numpy()
+    m_end = tasks["measured_end_us"].to_numpy()
+    cpu_work = np.isin(tasks["kind"].to_numpy(), _CPU_WORK)
+    duration = tasks["duration_us"].to_numpy(dtype=float).copy()
+    levels = []
+    for it in iterations.itertuples(index=False):
+        ids = np.flatnonzero(cpu_work & (m_start >= it.start_us - _TOLERANCE_US) & (m_end <= it.end_us + _TOLERANCE_US))
+        if not len(ids):
+            continue
+        level = water_level(duration[ids], overhead_us)
+        duration[ids] -= np.minimum(duration[ids], level)
+        levels.append(level)
+    tasks["duration_us"] = duration
+    removed = ProfilerOverhead(profiled_ms, plain_ms, overhead_us / 1e3, float(np.median(levels)) if levels else 0.0)
+    graph.notes.append(removed.describe())
+    return removed
+
+
+def water_level(durations_us: np.ndarray, total_us: float) -> float:
+    """The level ``d`` at which ``sum(min(duration, d)) == total_us``: every task gives up ``d``,
+    or all it has. When the tasks hold less than ``total_us`` in all, every task gives up all."""
+    x = np.sort(np.asarray(durations_us, dtype=float))
+    n = len(x)
+    below = np.concatenate([[0.0], np.cumsum(x)[:-1]])  # time held by the tasks shorter than x[k]
+    at_level = below + x * (n - np.arange(n))  # what a level of x[k] would take
+    k = int(np.searchsorted(at_level, total_us))
+    if k == n:
+        return float(x[-1]) if n else 0.0
+    return float((total_us - below[k]) / (n - k))

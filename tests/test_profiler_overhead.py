@@ -1,0 +1,101 @@
+"""Removing the profiler's own cost from a prediction (``sim/profiler_overhead.py``).
+
+A capture times warm-up steps that run without profiler or hooks; ``whatif predict`` takes the
+difference between the profiled iterations and those out of the trace's CPU tasks, so that a
+1x1 prediction is the plain step's time, not the profiled one's. A small MLP of many short
+operators, captured here, is where the profiler costs most.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import yaml
+
+from whatif.collectors.bundle import read_bundle
+from whatif.predict import predict_scenario
+from whatif.report.iterations import iteration_report, steady_median
+from whatif.scenario import load_scenario
+from whatif.sim.profiler_overhead import water_level
+from whatif.study import TraceStudy
+
+torch = pytest.importorskip("torch", reason="torch is not importable: pip install -e '.[test]' to capture")
+from whatif.collectors.capture import Capture  # noqa: E402
+
+WARMUP, STEPS = 8, 5
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU()) for _ in range(8)))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        out = tmp_path_factory.mktemp("overhead") / "mlp.bundle"
+        x, y = torch.randn(8, 32), torch.randn(8, 32)
+        with Capture(out, model=model, warmup=WARMUP, steps=STEPS) as capture:
+            while True:
+                optimizer.zero_grad()
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                optimizer.step()
+                if not capture.step():
+                    break
+        return out
+    finally:
+        torch.set_num_threads(threads)
+
+
+def scenario(tmp_path, bundle, **extra):
+    doc = {"trace": str(bundle), "cluster": {"machines": 1, "gpus_per_machine": 1, "intra_node": "pcie3", "inter_node": "10gbe"}, **extra}
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return load_scenario(path)
+
+
+def test_a_capture_times_its_warmup_steps_without_profiler_and_its_profiled_steps(bundle):
+    times = read_bundle(bundle).manifest["step_wall_ms"]
+    assert len(times["unprofiled"]) == WARMUP - 2  # the first step and the profiler's warm-up step left out
+    assert len(times["profiled"]) == STEPS
+    assert all(t > 0 for t in times["unprofiled"] + times["profiled"])
+
+
+def test_the_profiled_steps_of_short_operators_are_slower_than_the_plain_ones(bundle):
+    times = read_bundle(bundle).manifest["step_wall_ms"]
+    assert np.median(times["profiled"]) > 1.1 * np.median(times["unprofiled"])
+
+
+def test_predicting_one_worker_from_a_bundle_gives_the_plain_steps_time(bundle, tmp_path):
+    outcome = predict_scenario(scenario(tmp_path, bundle))
+    plain_ms = float(np.median(read_bundle(bundle).unprofiled_step_ms))
+    assert outcome.profiler_overhead is not None and outcome.profiler_overhead.removed_ms > 0
+    assert outcome.baseline_ms == pytest.approx(plain_ms, rel=0.05)
+
+
+def test_keeping_the_overhead_predicts_the_trace_as_replayed(bundle, tmp_path):
+    outcome = predict_scenario(scenario(tmp_path, bundle, profiler_overhead="keep"))
+    study = TraceStudy.from_trace(bundle)
+    assert outcome.profiler_overhead is None
+    assert outcome.baseline_ms == pytest.approx(steady_median(iteration_report(study.replay, study.iterations)["predicted_ms"]), rel=1e-9)
+
+
+def test_an_unknown_profiler_overhead_choice_names_the_key(bundle, tmp_path):
+    from whatif.scenario import ScenarioError
+
+    with pytest.raises(ScenarioError, match="profiler_overhead"):
+        scenario(tmp_path, bundle, profiler_overhead="drop")
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_every_task_gives_up_the_same_time_or_all_it_has_and_together_the_total(seed):
+    durations = np.random.default_rng(seed).exponential(50.0, size=200)
+    total = 0.3 * durations.sum()
+    level = water_level(durations, total)
+    given = np.minimum(durations, level)
+    assert given.sum() == pytest.approx(total, rel=1e-9)
+    assert np.all((given == durations) | np.isclose(given, level))
+
+
+def test_more_than_the_tasks_hold_takes_everything():
+    assert water_level(np.array([1.0, 2.0, 3.0]), 10.0) == 3.0
