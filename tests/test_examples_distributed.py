@@ -22,7 +22,7 @@ torch = pytest.importorskip("torch", reason="the example models need torch (pip 
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNNER = ROOT / "examples" / "run_distributed.py"
-MODELS = ["convnet", "wide_mlp", "transformer"]
+MODELS = ["convnet", "vgg", "wide_mlp", "transformer"]
 STEPS, WARMUP = 3, 1
 TIMEOUT_S = 300
 
@@ -78,6 +78,7 @@ def test_the_models_span_compute_bound_to_communication_bound_gradients():
     finally:
         sys.path.remove(str(ROOT / "examples"))
     assert megabytes["convnet"] < 1
+    assert 10 <= megabytes["vgg"] <= 100, "the convolutional network the validation runs"
     assert 10 <= megabytes["transformer"] <= 100
     assert 10 <= megabytes["wide_mlp"] <= 100
     assert megabytes["transformer"] < megabytes["wide_mlp"]
@@ -143,3 +144,17 @@ def test_two_horovod_workers_over_gloo_average_their_gradients(model, tmp_path):
     assert_data_parallel_report(report, model, "horovod", 2)
     assert report["horovod"]["controller"] == "gloo"
     assert report["horovod"]["version"] == "0.28.1"
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_every_example_writes_a_bundle_under_whatif_collect(model, tmp_path):
+    bundle = tmp_path / f"{model}.bundle"
+    completed = subprocess.run(
+        [sys.executable, "-m", "whatif.cli", "collect", "--out", str(bundle), "--steps", "2", "--warmup", "3", "--",
+         sys.executable, str(ROOT / "examples" / f"{model}.py")],
+        capture_output=True, text=True, timeout=TIMEOUT_S,
+    )
+    check_completed(completed, completed.stdout + completed.stderr)
+    manifest = json.loads((bundle / "bundle.json").read_text())
+    assert manifest["steps"] == ["ProfilerStep#3", "ProfilerStep#4"]
+    assert len(manifest["step_wall_ms"]["unprofiled"]) == 1
