@@ -20,6 +20,8 @@ from whatif.collectors.lab import LabError, LabSpec, run_job
 from whatif.collectors.validate import as_record
 from whatif.collectors.validate import validate as validate_point
 from whatif.predict import predict_scenario
+from whatif.profiling import add_parser as add_profile_parser
+from whatif.profiling import run_profile
 from whatif.report.iterations import steady_median
 from whatif.report.plots import plot_scenario
 from whatif.report.timeline import write_atomically, write_timeline
@@ -98,6 +100,7 @@ def _parser() -> argparse.ArgumentParser:
     capture.add_argument("--steps", type=int, metavar="N", help="profiled steps (default: the script's, else 5)")
     capture.add_argument("--warmup", type=int, metavar="N", help="steps before them (default: the script's, else 3)")
     capture.add_argument("argv", nargs=argparse.REMAINDER, metavar="COMMAND", help="the training command, after --")
+    add_profile_parser(sub)
     lab = sub.add_parser("lab", help="real multi-machine runs on an emulated cluster (root, network namespaces)")
     lab_sub = lab.add_subparsers(dest="lab_command", required=True)
     lab_run = lab_sub.add_parser("run", help="run a training script as every worker of an emulated cluster")
@@ -285,6 +288,8 @@ def run(args: argparse.Namespace) -> int:
         return run_validate(args)
     if args.command == "collect":
         return run_collect(args)
+    if args.command == "profile":
+        return run_profile(args)
     if args.command == "lab":
         return run_lab(args)
     if args.command == "overheads":

@@ -1,0 +1,71 @@
+"""``whatif profile``: a training script run once per level of intrusion, and the view built from the runs.
+
+The measuring and the hierarchy live in :mod:`whatif.collectors.leveled`; this module is the
+command line over them: its arguments, and the summary it prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+from whatif.collectors.leveled import LEVELS, TABLE_FILE, VIEW_FILE, flat_table, profile_command
+
+TOP_OPERATORS = 10
+
+
+def add_parser(sub) -> None:
+    """The ``profile`` subcommand, on the subparsers of ``whatif``."""
+    profile = sub.add_parser(
+        "profile",
+        help="run a training script once per profiling level (XSP) and build the hierarchical view",
+        usage="whatif profile [-h] [--levels LEVELS] [--steps N] [--warmup N] [--out DIR] [--json] -- python SCRIPT.py [ARGS ...]",
+    )
+    profile.add_argument("--levels", default=",".join(LEVELS), help=f"comma-separated, of {', '.join(LEVELS)} (default: all)")
+    profile.add_argument("--steps", type=int, metavar="N", help="measured steps per level (default: the script's, else 10)")
+    profile.add_argument("--warmup", type=int, metavar="N", help="steps before them (default: the script's, else 3)")
+    profile.add_argument("--out", type=Path, metavar="DIR", help="folder for the runs and the view (default: SCRIPT.xsp)")
+    profile.add_argument("--json", action="store_true", help="print the view as one JSON object instead of a summary")
+    profile.add_argument("argv", nargs=argparse.REMAINDER, metavar="COMMAND", help="the training command, after --")
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    result = profile_command(args.argv, args.levels, args.out, args.steps, args.warmup)
+    if args.json:
+        sys.stdout.write(json.dumps(result) + "\n")
+        return 0
+    print(f"{result['model']}: {VIEW_FILE} and {TABLE_FILE} written to {result['folder']}")
+    print(_levels_table(result))
+    table = flat_table(result)
+    layers = table[table["level"].isin(["model", "layer"])]
+    print()
+    print(_shown(layers[["level", "name", "latency_ms", "calls_per_step", "measured_at_level"]]))
+    operators = table[table["level"] == "operator"].nlargest(TOP_OPERATORS, "latency_ms")
+    if len(operators):
+        print(f"\nthe {len(operators)} slowest operators per step:")
+        print(_shown(operators[["name", "parent", "latency_ms", "calls_per_step", "measured_at_level"]]))
+    return 0
+
+
+def _levels_table(result: dict) -> str:
+    rows, not_run = [], []
+    for level, info in result["overhead"].items():
+        if not info["run"]:
+            not_run.append(f"{level}: not run, {info['reason']}")
+            continue
+        rows.append({
+            "level": level,
+            "step ms": f"{info['step_ms']:.2f}",
+            "overhead %": "-" if info["overhead_pct"] is None else f"{info['overhead_pct']:+.1f}",
+            "events/step": "-" if info["events_per_step"] is None else f"{info['events_per_step']:.0f}",
+            "us/event": "-" if info["overhead_us_per_event"] is None else f"{info['overhead_us_per_event']:.2f}",
+        })
+    return "\n".join([pd.DataFrame(rows).to_string(index=False)] + not_run)
+
+
+def _shown(frame: pd.DataFrame) -> str:
+    return frame.to_string(index=False, float_format=lambda v: f"{v:.3f}", na_rep="-")
