@@ -36,3 +36,15 @@ def shared_traces() -> Path:
     if not SHARED_TRACES.is_dir():
         pytest.skip(NO_SHARED)
     return SHARED_TRACES
+
+
+@pytest.fixture(scope="session")
+def quick_models_file(tmp_path_factory) -> Path:
+    """Operator performance models fitted on this machine's quick sweep, once per session."""
+    from whatif.collectors.microbench import run_sweep
+    from whatif.sim.perfmodels import fit_models
+
+    samples, device = run_sweep(quick=True)
+    path = tmp_path_factory.mktemp("perfmodels") / "quick.json"
+    fit_models(samples, device, ["sweep quick"]).save(path)
+    return path

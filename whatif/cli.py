@@ -19,6 +19,8 @@ from whatif.collectors.calibrate import calibrate
 from whatif.collectors.lab import LabError, LabSpec, run_job
 from whatif.collectors.validate import as_record
 from whatif.collectors.validate import validate as validate_point
+from whatif.perfmodel_cli import add_batch_size_options, rebatch, run_perfmodel
+from whatif.perfmodel_cli import add_parser as add_perfmodel_parser
 from whatif.predict import predict_scenario
 from whatif.profiling import add_parser as add_profile_parser
 from whatif.profiling import run_profile
@@ -28,6 +30,7 @@ from whatif.report.timeline import write_atomically, write_timeline
 from whatif.scenario import ScenarioError, load_scenario
 from whatif.sim.graph import GraphError
 from whatif.sim.optimizations import OPTIMIZATIONS
+from whatif.sim.perfmodels import PerfModelError
 from whatif.topology import TopologyError, as_gbps, parse_bandwidth, parse_latency
 from whatif.study import TraceStudy, WhatIf
 
@@ -76,6 +79,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     simulate.add_argument("--scale", action="append", default=[], metavar="PATTERN=FACTOR", help="scale matching tasks")
     simulate.add_argument("--remove", action="append", default=[], metavar="PATTERN", help="remove matching tasks")
+    add_batch_size_options(simulate)
+    add_perfmodel_parser(sub)
 
     critical = sub.add_parser("critical-path", help="what each simulated iteration's critical path is made of")
     common(critical)
@@ -296,6 +301,8 @@ def run(args: argparse.Namespace) -> int:
         return run_overheads(args)
     if args.command == "critical-path":
         return run_critical_path(args)
+    if args.command == "perfmodel":
+        return run_perfmodel(args)
     study = TraceStudy.from_trace(args.trace, args.iteration)
     if args.command == "replay":
         schedule, report = study.replay, study.replay_report()
@@ -306,8 +313,11 @@ def run(args: argparse.Namespace) -> int:
             scale=[_parse_scale(s) for s in args.scale],
             remove=args.remove,
         )
+        batch = rebatch(study, args) if args.batch_size is not None else None
         schedule, report = study.predict(what_if)
         what = {"optimizations": list(args.optimization), "scale": list(args.scale), "remove": list(args.remove)}
+        if batch is not None:
+            what["batch_size"] = batch
     if args.timeline is not None:
         write_timeline(schedule, args.timeline, protect=(args.trace,))
     summary = {
@@ -334,7 +344,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return run(args)
-    except (TraceError, GraphError, UsageError, ScenarioError, TopologyError, CaptureError, LabError) as err:
+    except (TraceError, GraphError, UsageError, ScenarioError, TopologyError, CaptureError, LabError, PerfModelError) as err:
         print(f"whatif: error: {err}", file=sys.stderr)
     except BrokenPipeError:
         return 0  # the reader of our output went away (| head): nothing left to say

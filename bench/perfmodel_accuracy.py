@@ -1,0 +1,71 @@
+"""Operator performance models: per-family error on held-out shapes, and what the sweep costs.
+
+Runs the microbenchmark sweep on this machine (``collectors/microbench.py``; ``--quick`` for the
+short one), adds the operator calls of the bundled CPU traces (``--no-traces`` leaves them out),
+fits the models (``sim/perfmodels.py``) with a fifth of every family's samples held out, and
+prints per family the geometric-mean absolute error (GMAE) on those held-out samples, with the
+roofline alone and with the family's full model. Target: under 10 % in every family (the seed
+paper's figure); the script exits 1 naming the families that miss it.
+
+    .venv/bin/python bench/perfmodel_accuracy.py [--quick] [--no-traces] [--out MODELS.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+
+from measured_code import REPO, code_version  # noqa: E402  (bench/ is the script's folder)
+from whatif.collectors.microbench import run_sweep
+from whatif.sim.perfmodels import fit_models, held_out_report, trace_samples
+
+TRACES = (REPO / "data" / "convnet_cpu.bundle", REPO / "data" / "wide_mlp_cpu.pt.trace.json.gz")
+TARGET_PCT = 10.0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--no-traces", action="store_true", help="fit from the sweep alone")
+    parser.add_argument("--out", type=Path, help="also write the fitted models here")
+    args = parser.parse_args(argv)
+    print(f"code:    {code_version()}")
+    print(f"load:    {' '.join(f'{v:.2f}' for v in os.getloadavg())} (1, 5, 15 min averages at the start)")
+    started = time.perf_counter()
+    samples, device = run_sweep(quick=args.quick, progress=lambda line: print(f"  {line}"))
+    swept_s = time.perf_counter() - started
+    parts, sources = [samples], ["sweep quick" if args.quick else "sweep"]
+    if not args.no_traces:
+        for trace in TRACES:
+            parts.append(trace_samples(trace))
+            sources.append(f"trace {trace.relative_to(REPO)}")
+    started = time.perf_counter()
+    models = fit_models(pd.concat(parts, ignore_index=True), device, sources)
+    fit_s = time.perf_counter() - started
+    if args.out:
+        models.save(args.out)
+    print(f"device:  {device['name']}, {device['threads']} torch thread(s); peak {device['peak_gflops']:g} GFLOP/s, "
+          f"memory {device['bandwidth_gbps']:g} GB/s")
+    print(f"sweep:   {len(samples)} shapes in {swept_s:.0f} s; fit {fit_s:.1f} s; samples from {', '.join(sources)}\n")
+    table = held_out_report(models)
+    print("| family | model | held-out samples | of them from traces | roofline GMAE % | model GMAE % | median abs error % |")
+    print("|---|---|--:|--:|--:|--:|--:|")
+    for r in table.itertuples():
+        print(f"| {r.family} | {r.kind} | {r.held_out} | {r.from_traces} | {r.roofline_gmae_pct:.1f} | "
+              f"{r.gmae_pct:.1f} | {r.median_abs_error_pct:.1f} |")
+    missed = table[table["gmae_pct"] >= TARGET_PCT]
+    if len(missed):
+        print(f"\nMISS: {', '.join(f'{r.family} {r.gmae_pct:.1f} %' for r in missed.itertuples())} "
+              f"(target: GMAE under {TARGET_PCT:g} % in every family)")
+        return 1
+    print(f"\nPASS: every family's held-out GMAE under {TARGET_PCT:g} %")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

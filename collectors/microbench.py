@@ -1,0 +1,534 @@
+"""The microbenchmark sweep that operator performance models are fitted from.
+
+Each operator family of ``sim/perfmodels.py`` is timed at many shapes on the device at hand,
+the way our traces run it: one torch intra-op thread (``examples/profiled_training.py``), fresh
+outputs allocated by every call, the fastest of a few repeats after one untimed warm-up call.
+
+On a CPU a call is timed by the calling thread's CPU time, not the wall clock: with one
+intra-op thread the operator runs on that thread, so its CPU time is what the call costs when
+nothing else competes for the core. This machine's two cores are shared, and timing the same
+shapes twice back to back differed by 43 % (GEMM, geometric mean) with the wall-clock median of
+five repeats and by 6 % with the fastest of nine thread-CPU-time repeats. The sweep runs on
+the CPU only: no GPU was at hand to check a GPU sweep against.
+
+A training step runs each operator on memory that is cold: its inputs were written layers ago
+and its output lands in pages the allocator has just taken back from the kernel (freed tensors
+are returned at the end of every step, so a large output page-faults every time). A call
+repeated in a tight loop is warm on both counts and far faster: ``threshold_backward`` on a
+[32, 32, 32, 32] activation takes 0.29 ms warm but 2.4 ms in the convnet's trace. So before
+every timed call the sweep writes a buffer of 1.5 times the last-level cache and asks
+glibc to return its free memory (``malloc_trim``), which brings the same call to 2.0 ms.
+Each sample is named and shaped exactly as the profiler records the same call (the outermost
+``aten::`` operator and its ``Input Dims`` / ``Input type``), so the models read traces and
+sweeps alike; :func:`recorded_as` checks that against the profiler itself.
+
+Shapes are drawn log-uniformly from ranges that cover the example models from batch 4 to 256,
+and any draw whose estimated time exceeds the budget of a call is dropped, so the default sweep
+takes a couple of minutes on two cores and ``quick`` a few seconds. The device's peak compute
+(a large single-precision GEMM) and memory bandwidth (a large copy into a preallocated buffer,
+read plus write) are measured alongside: the rooflines are drawn against them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import json
+import math
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+import pandas as pd
+
+
+@dataclass(frozen=True)
+class SweepSize:
+    shapes_per_op: int
+    repeats: int
+    budget_ms: float  # the longest a single call may be estimated to take
+    more_for: tuple = ("gemm", "conv")  # the families that dominate a training step get ...
+    more_factor: int = 3  # ... this many times the shapes: their efficiency varies most
+
+
+DEFAULT = SweepSize(shapes_per_op=40, repeats=5, budget_ms=25.0)
+QUICK = SweepSize(shapes_per_op=10, repeats=3, budget_ms=4.0)
+_EST_FLOPS_PER_S = 60e9  # rough single-core rates, only to keep draws within the budget
+_EST_BYTES_PER_S = 6e9
+
+
+@dataclass
+class Case:
+    """One operator at one shape: how to call it, and how the profiler records the call."""
+
+    op: str
+    dims: list
+    types: list
+    call: Callable[[], object]
+
+
+def _pow2(rng, lo: int, hi: int) -> int:
+    return int(2 ** rng.integers(int(math.log2(lo)), int(math.log2(hi)) + 1))
+
+
+def _log_int(rng, lo: int, hi: int) -> int:
+    """Log-uniform in [lo, hi]; mostly a multiple of 16 above 64, as layer widths are."""
+    value = int(round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))
+    if value > 64 and rng.random() < 0.7:
+        value = max(16, value // 16 * 16)
+    return value
+
+
+def _cases(torch, op: str, rng) -> Optional[Case]:
+    """A random shape for ``op`` and its call; None for ops this sweep does not draw."""
+    F = torch.nn.functional
+    aten = torch.ops.aten
+    rand = torch.rand
+    f = "float"
+
+    if op in ("aten::linear", "aten::addmm", "aten::mm", "aten::bmm", "aten::matmul"):
+        m, k, n = _log_int(rng, 8, 4096), _log_int(rng, 8, 2048), _log_int(rng, 8, 2048)
+        if op == "aten::linear":
+            lead = [m] if rng.random() < 0.5 else [max(1, m // 64), 64]
+            x, w, b = rand(*lead, k), rand(n, k), rand(n)
+            return Case(op, [lead + [k], [n, k], [n]], [f, f, f], lambda: F.linear(x, w, b))
+        if op == "aten::addmm":
+            bias, a, b = rand(n), rand(m, k), rand(k, n)
+            return Case(op, [[n], [m, k], [k, n], [], []], [f, f, f, "Scalar", "Scalar"], lambda: torch.addmm(bias, a, b))
+        if op == "aten::mm":
+            a, b = rand(m, k), rand(k, n)
+            return Case(op, [[m, k], [k, n]], [f, f], lambda: torch.mm(a, b))
+        batch = _log_int(rng, 2, 64)
+        m, k, n = max(1, m // batch), max(1, k // 4), max(1, n // 4)
+        if op == "aten::bmm":
+            a, b = rand(batch, m, k), rand(batch, k, n)
+            return Case(op, [[batch, m, k], [batch, k, n]], [f, f], lambda: torch.bmm(a, b))
+        a, b = rand(batch, m, k), rand(k, n)
+        return Case(op, [[batch, m, k], [k, n]], [f, f], lambda: torch.matmul(a, b))
+
+    if op in ("aten::conv2d", "aten::convolution_backward"):
+        n, c, o = _pow2(rng, 1, 128), _pow2(rng, 3, 256) if rng.random() > 0.15 else 3, _pow2(rng, 8, 256)
+        hw, k = _pow2(rng, 4, 64), int(rng.choice([1, 3, 3, 5]))
+        x, w = rand(n, c, hw, hw), rand(o, c, k, k)
+        if op == "aten::conv2d":
+            dims = [[n, c, hw, hw], [o, c, k, k], [], [], [], [], []]
+            types = [f, f, "", "ScalarList", "ScalarList", "ScalarList", "Scalar"]
+            return Case(op, dims, types, lambda: F.conv2d(x, w, None, 1, k // 2))
+        grad = rand(n, o, hw, hw)
+        dims = [[n, o, hw, hw], [n, c, hw, hw], [o, c, k, k], [], [], [], [], [], [], [], []]
+        types = [f, f, f, "ScalarList", "ScalarList", "ScalarList", "ScalarList", "Scalar", "ScalarList", "Scalar", "ScalarList"]
+        return Case(op, dims, types, lambda: aten.convolution_backward(
+            grad, x, w, [0], [1, 1], [k // 2, k // 2], [1, 1], False, [0, 0], 1, [True, True, False]))
+
+    if op in _ELEMENTWISE_CALLS or op in _NORM_CALLS or op in _REDUCTION_CALLS or op in _POOLING_CALLS:
+        shape = _activation_shape(rng)
+        table = {**_ELEMENTWISE_CALLS, **_NORM_CALLS, **_REDUCTION_CALLS, **_POOLING_CALLS}
+        return table[op](torch, shape, rand)
+
+    if op in ("aten::embedding", "aten::embedding_backward", "aten::embedding_bag"):
+        rows, width = _log_int(rng, 64, 65536), _pow2(rng, 16, 512)
+        batch, length = _pow2(rng, 1, 128), _pow2(rng, 1, 128)
+        idx = torch.randint(0, rows, (batch, length))
+        if op == "aten::embedding":
+            w = rand(rows, width)
+            return Case(op, [[rows, width], [batch, length], [], [], []], [f, "long int", "Scalar", "Scalar", "Scalar"],
+                        lambda: F.embedding(idx, w))
+        if op == "aten::embedding_bag":
+            w = rand(rows, width)
+            flat = idx.reshape(-1)
+            offsets = torch.arange(0, batch * length, length)
+            dims = [[rows, width], [batch * length], [batch], [], [], [], [], [], []]
+            types = [f, "long int", "long int", "Scalar", "Scalar", "Scalar", "", "Scalar", ""]
+            return Case(op, dims, types, lambda: F.embedding_bag(flat, w, offsets, mode="sum"))
+        rows = 1024  # the table's size is not recorded: the sweep keeps it fixed
+        idx = torch.randint(0, rows, (batch, length))
+        grad = rand(batch, length, width)
+        dims = [[batch, length, width], [batch, length], [], [], [], []]
+        types = [f, "long int", "Scalar", "Scalar", "Scalar", "Scalar"]
+        return Case(op, dims, types, lambda: aten.embedding_backward(grad, idx, rows, -1, False, False))
+
+    if op in ("aten::scaled_dot_product_attention", "aten::_scaled_dot_product_flash_attention_for_cpu_backward"):
+        batch, heads, length, depth = _pow2(rng, 1, 64), _pow2(rng, 1, 16), _pow2(rng, 16, 512), _pow2(rng, 16, 128)
+        q, k, v = rand(batch, heads, length, depth), rand(batch, heads, length, depth), rand(batch, heads, length, depth)
+        shape = [batch, heads, length, depth]
+        if op == "aten::scaled_dot_product_attention":
+            dims = [shape, shape, shape, [], [], [], [], []]
+            types = [f, f, f, "", "Scalar", "Scalar", "", "Scalar"]
+            return Case(op, dims, types, lambda: F.scaled_dot_product_attention(q, k, v))
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v)
+        grad = rand(*shape)
+        dims = [shape, shape, shape, shape, shape, [batch, heads, length], [], [], [], []]
+        types = [f, f, f, f, f, f, "Scalar", "Scalar", "", ""]
+        return Case(op, dims, types, lambda: aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad, q, k, v, out, lse, 0.0, False))
+    return None
+
+
+def _activation_shape(rng) -> list:
+    """An activation as the example models have them: images NCHW, tokens NLD, or rows NF."""
+    kind = rng.random()
+    if kind < 0.45:
+        return [_pow2(rng, 1, 128), _pow2(rng, 3, 256), *([_pow2(rng, 2, 64)] * 2)]
+    if kind < 0.75:
+        return [_pow2(rng, 1, 64), _pow2(rng, 8, 256), _pow2(rng, 16, 2048)]
+    return [_pow2(rng, 1, 512), _log_int(rng, 2, 8192)]
+
+
+def _unary(op, fn, inplace=False):
+    def case(torch, shape, rand):
+        x = rand(*shape)
+        return Case(op, [shape], ["float"], lambda: fn(torch, x))
+    return case
+
+
+def _binary(op, fn, scalar=False):
+    def case(torch, shape, rand):
+        x, y = rand(*shape), rand(*shape)
+        if scalar:
+            return Case(op, [shape, []], ["float", "Scalar"], lambda: fn(torch, x, 2.0))
+        return Case(op, [shape, shape, []], ["float", "float", "Scalar"], lambda: fn(torch, x, y))
+    return case
+
+
+def _mul_case(op, fn):
+    def case(torch, shape, rand):
+        x, y = rand(*shape), rand(*shape)
+        return Case(op, [shape, shape], ["float", "float"], lambda: fn(torch, x, y))
+    return case
+
+
+def _threshold_backward(torch, shape, rand):
+    g, x = rand(*shape), rand(*shape) - 0.5
+    return Case("aten::threshold_backward", [shape, shape, []], ["float", "float", "Scalar"],
+                lambda: torch.ops.aten.threshold_backward(g, x, 0.0))
+
+
+def _gelu_backward(torch, shape, rand):
+    g, x = rand(*shape), rand(*shape)
+    return Case("aten::gelu_backward", [shape, shape, []], ["float", "float", "c10::string_view"],
+                lambda: torch.ops.aten.gelu_backward(g, x))
+
+
+def _copy(torch, shape, rand):
+    dst, src = rand(*shape), rand(*shape)
+    return Case("aten::copy_", [shape, shape, []], ["float", "float", "Scalar"], lambda: dst.copy_(src))
+
+
+def _cat(torch, shape, rand):
+    parts = [rand(*shape) for _ in range(2)]
+    return Case("aten::cat", [[shape, shape], []], ["TensorList", "Scalar"], lambda: torch.cat(parts))
+
+
+def _as_images(shape) -> list:
+    """An activation as the NCHW tensor batch norm sees, with more than one value per channel."""
+    if len(shape) != 4:
+        shape = [shape[0], shape[1], 1, 1] if len(shape) == 2 else [shape[0], shape[1], shape[2], 1]
+    return [max(shape[0], 2), *shape[1:]]
+
+
+def _batch_norm(torch, shape, rand):
+    shape = _as_images(shape)
+    x, c = rand(*shape), shape[1]
+    mean, var, w, b = torch.zeros(c), torch.ones(c), rand(c), rand(c)
+    dims = [shape, [c], [c], [c], [c], [], [], [], []]
+    types = ["float"] * 5 + ["Scalar"] * 4
+    return Case("aten::batch_norm", dims, types,
+                lambda: torch.nn.functional.batch_norm(x, mean, var, w, b, training=True))
+
+
+def _batch_norm_backward(torch, shape, rand):
+    shape = _as_images(shape)
+    x, g, c = rand(*shape), rand(*shape), shape[1]
+    w, rm, rv, sm, si = rand(c), torch.zeros(c), torch.ones(c), rand(c), rand(c)
+    dims = [shape, shape, [c], [c], [c], [c], [c], [], [], []]
+    types = ["float"] * 7 + ["Scalar", "Scalar", "ScalarList"]
+    return Case("aten::native_batch_norm_backward", dims, types,
+                lambda: torch.ops.aten.native_batch_norm_backward(g, x, w, rm, rv, sm, si, True, 1e-5, [True, True, True]))
+
+
+def _tokens(shape) -> list:
+    """An activation as the (batch, tokens, features) tensor a layer norm sees."""
+    if len(shape) == 4:
+        return [shape[0], shape[2] * shape[3], max(shape[1], 32)]
+    return [shape[0], max(shape[-1], 32)] if len(shape) == 2 else [shape[0], shape[1], max(shape[2], 32)]
+
+
+def _layer_norm(torch, shape, rand):
+    shape = _tokens(shape)
+    d = shape[-1]
+    x, w, b = rand(*shape), rand(d), rand(d)
+    return Case("aten::layer_norm", [shape, [], [d], [d], [], []], ["float", "ScalarList", "float", "float", "Scalar", "Scalar"],
+                lambda: torch.nn.functional.layer_norm(x, (d,), w, b))
+
+
+def _layer_norm_backward(torch, shape, rand):
+    shape = _tokens(shape)
+    d = shape[-1]
+    x, g, w, b = rand(*shape), rand(*shape), rand(d), rand(d)
+    stats = shape[:-1] + [1]
+    mean, rstd = rand(*stats), rand(*stats)
+    dims = [shape, shape, [], stats, stats, [d], [d], []]
+    types = ["float", "float", "ScalarList", "float", "float", "float", "float", "ScalarList"]
+    return Case("aten::native_layer_norm_backward", dims, types,
+                lambda: torch.ops.aten.native_layer_norm_backward(g, x, [d], mean, rstd, w, b, [True, True, True]))
+
+
+def _rows(shape) -> list:
+    """An activation as the (rows, classes) matrix a loss or softmax sees."""
+    return [int(np.prod(shape[:-1])), shape[-1]] if len(shape) > 2 else list(shape)
+
+
+def _reduce(op, fn):
+    def case(torch, shape, rand):
+        x = rand(*shape)
+        return Case(op, [shape, [], [], []], ["float", "ScalarList", "Scalar", ""], lambda: fn(torch, x))
+    return case
+
+
+def _log_softmax(torch, shape, rand):
+    shape = _rows(shape)
+    x = rand(*shape)
+    return Case("aten::log_softmax", [shape, [], []], ["float", "Scalar", ""],
+                lambda: torch.nn.functional.log_softmax(x, dim=1))
+
+
+def _log_softmax_backward(torch, shape, rand):
+    shape = _rows(shape)
+    g, out = rand(*shape), rand(*shape)
+    return Case("aten::_log_softmax_backward_data", [shape, shape, [], []], ["float", "float", "Scalar", "Scalar"],
+                lambda: torch.ops.aten._log_softmax_backward_data(g, out, 1, torch.float32))
+
+
+def _cross_entropy(torch, shape, rand):
+    shape = _rows(shape)
+    x = rand(*shape)
+    y = torch.randint(0, shape[1], (shape[0],))
+    return Case("aten::cross_entropy_loss", [shape, [shape[0]], [], [], [], []],
+                ["float", "long int", "", "Scalar", "Scalar", "Scalar"],
+                lambda: torch.nn.functional.cross_entropy(x, y))
+
+
+def _nll_loss_backward(torch, shape, rand):
+    shape = _rows(shape)
+    x, g, total = rand(*shape), torch.tensor(1.0), torch.tensor(float(shape[0]))
+    y = torch.randint(0, shape[1], (shape[0],))
+    return Case("aten::nll_loss_backward", [[], shape, [shape[0]], [], [], [], []],
+                ["float", "float", "long int", "", "Scalar", "Scalar", "float"],
+                lambda: torch.ops.aten.nll_loss_backward(g, x, y, None, 1, -100, total))
+
+
+def _images(shape) -> list:
+    if len(shape) == 4:
+        return shape
+    return [shape[0], shape[1], 2, 2] if len(shape) == 2 else [shape[0], shape[1], 2, shape[2] // 2 * 2 or 2]
+
+
+def _max_pool(torch, shape, rand):
+    shape = _images(shape)
+    x = rand(*shape)
+    return Case("aten::max_pool2d", [shape, [], [], [], [], []], ["float", "ScalarList", "ScalarList", "ScalarList", "ScalarList", "Scalar"],
+                lambda: torch.nn.functional.max_pool2d(x, 2))
+
+
+def _max_pool_backward(torch, shape, rand):
+    shape = _images(shape)
+    x = rand(*shape)
+    out, idx = torch.ops.aten.max_pool2d_with_indices(x, [2, 2])
+    g = rand(*out.shape)
+    half = list(out.shape)
+    dims = [half, shape, [], [], [], [], [], half]
+    types = ["float", "float", "ScalarList", "ScalarList", "ScalarList", "ScalarList", "Scalar", "long int"]
+    return Case("aten::max_pool2d_with_indices_backward", dims, types,
+                lambda: torch.ops.aten.max_pool2d_with_indices_backward(g, x, [2, 2], [2, 2], [0, 0], [1, 1], False, idx))
+
+
+def _adaptive_avg_pool(torch, shape, rand):
+    shape = _images(shape)
+    x = rand(*shape)
+    return Case("aten::adaptive_avg_pool2d", [shape, []], ["float", "ScalarList"],
+                lambda: torch.nn.functional.adaptive_avg_pool2d(x, 1))
+
+
+_ELEMENTWISE_CALLS = {
+    "aten::relu_": _unary("aten::relu_", lambda torch, x: torch.relu_(x)),
+    "aten::relu": _unary("aten::relu", lambda torch, x: torch.relu(x)),
+    "aten::gelu": _binary("aten::gelu", lambda torch, x, s: torch.nn.functional.gelu(x), scalar=True),
+    "aten::sigmoid": _unary("aten::sigmoid", lambda torch, x: torch.sigmoid(x)),
+    "aten::tanh": _unary("aten::tanh", lambda torch, x: torch.tanh(x)),
+    "aten::clone": _binary("aten::clone", lambda torch, x, s: torch.clone(x), scalar=True),
+    "aten::fill_": _binary("aten::fill_", lambda torch, x, s: x.fill_(s), scalar=True),
+    "aten::zero_": _unary("aten::zero_", lambda torch, x: x.zero_()),
+    "aten::div": _binary("aten::div", lambda torch, x, s: torch.div(x, s), scalar=True),
+    "aten::add": _binary("aten::add", lambda torch, x, y: torch.add(x, y)),
+    "aten::add_": _binary("aten::add_", lambda torch, x, y: x.add_(y)),
+    "aten::mul": _mul_case("aten::mul", lambda torch, x, y: torch.mul(x, y)),
+    "aten::mul_": _mul_case("aten::mul_", lambda torch, x, y: x.mul_(y)),
+    "aten::threshold_backward": _threshold_backward,
+    "aten::gelu_backward": _gelu_backward,
+    "aten::copy_": _copy,
+    "aten::cat": _cat,
+}
+_NORM_CALLS = {
+    "aten::batch_norm": _batch_norm,
+    "aten::native_batch_norm_backward": _batch_norm_backward,
+    "aten::layer_norm": _layer_norm,
+    "aten::native_layer_norm_backward": _layer_norm_backward,
+}
+_REDUCTION_CALLS = {
+    "aten::sum": _reduce("aten::sum", lambda torch, x: torch.sum(x, dim=0)),
+    "aten::mean": _reduce("aten::mean", lambda torch, x: torch.mean(x, dim=1)),
+    "aten::log_softmax": _log_softmax,
+    "aten::_log_softmax_backward_data": _log_softmax_backward,
+    "aten::cross_entropy_loss": _cross_entropy,
+    "aten::nll_loss_backward": _nll_loss_backward,
+}
+_POOLING_CALLS = {
+    "aten::max_pool2d": _max_pool,
+    "aten::max_pool2d_with_indices_backward": _max_pool_backward,
+    "aten::adaptive_avg_pool2d": _adaptive_avg_pool,
+}
+
+#: Every operator the sweep times, by family.
+SWEEP_OPS: dict[str, tuple[str, ...]] = {
+    "gemm": ("aten::linear", "aten::addmm", "aten::mm", "aten::bmm", "aten::matmul"),
+    "conv": ("aten::conv2d", "aten::convolution_backward"),
+    "elementwise": tuple(_ELEMENTWISE_CALLS),
+    "norm": tuple(_NORM_CALLS),
+    "reduction": tuple(_REDUCTION_CALLS),
+    "pooling": tuple(_POOLING_CALLS),
+    "embedding": ("aten::embedding", "aten::embedding_backward", "aten::embedding_bag"),
+    "attention": ("aten::scaled_dot_product_attention", "aten::_scaled_dot_product_flash_attention_for_cpu_backward"),
+}
+
+
+def _estimated_ms(op: str, dims, types) -> float:
+    from whatif.sim.perfmodels import work
+
+    flops, bytes_ = work(op, dims, types)
+    return 1e3 * (flops / _EST_FLOPS_PER_S + bytes_ / _EST_BYTES_PER_S)
+
+
+class _ColdMemory:
+    """Makes the next call meet memory as a training step does: caches flushed, freed pages
+    returned to the kernel."""
+
+    def __init__(self, torch):
+        self.scratch = torch.empty(int(1.5 * _last_level_cache_bytes()) // 4)
+        try:
+            self.trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        except (OSError, AttributeError):  # not glibc
+            self.trim = lambda _pad: 0
+
+    def __call__(self) -> None:
+        self.scratch.fill_(1.0)
+        self.trim(0)
+
+
+def _last_level_cache_bytes() -> int:
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = index.read_text().strip().upper()
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        sizes.append(int(text.rstrip("KMG")) * scale)
+    return max(sizes, default=32 * 2**20)
+
+
+def _time_us(call, repeats: int, cold=None) -> float:
+    """The fastest of ``repeats`` calls after an untimed one, in thread CPU time, each after
+    ``cold()`` where given."""
+    call()
+    times = []
+    for _ in range(repeats):
+        if cold is not None:
+            cold()
+        start = time.thread_time_ns()
+        call()
+        times.append((time.thread_time_ns() - start) / 1e3)
+    return min(times)
+
+
+def measure_device(torch, quick: bool = False) -> dict:
+    """Peak single-precision compute (GFLOP/s, a square GEMM) and memory bandwidth (GB/s, a copy
+    between preallocated buffers counted as read plus write), best of a few runs: the roof."""
+    n = 512 if quick else 1024
+    a, b, out = torch.rand(n, n), torch.rand(n, n), torch.empty(n, n)
+    gemm_us = min(_time_us(lambda: torch.mm(a, b, out=out), 3) for _ in range(2))
+    elements = (8 if quick else 32) * 2**20
+    src, dst = torch.rand(elements), torch.empty(elements)
+    copy_us = min(_time_us(lambda: dst.copy_(src), 3) for _ in range(2))
+    return {
+        "peak_gflops": round(2.0 * n**3 / gemm_us / 1e3, 2),
+        "bandwidth_gbps": round(2.0 * 4 * elements / copy_us / 1e3, 2),
+    }
+
+
+def run_sweep(quick: bool = False, threads: int = 1, seed: int = 0,
+              progress: Optional[Callable[[str], None]] = None) -> tuple[pd.DataFrame, dict]:
+    """Time every operator of :data:`SWEEP_OPS` at many shapes; the samples (op, dims, types,
+    duration_us, source) and the device (type, name, torch, threads, peak_gflops, bandwidth_gbps)."""
+    import torch
+
+    from whatif.sim.perfmodels import current_device
+
+    size = QUICK if quick else DEFAULT
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.no_grad():
+            described = {**current_device(), "torch": torch.__version__, "threads": threads,
+                         **measure_device(torch, quick)}
+            rng = np.random.default_rng(seed)
+            cold = _ColdMemory(torch)
+            rows = []
+            for family, ops in SWEEP_OPS.items():
+                started = time.perf_counter()
+                wanted = size.shapes_per_op * (size.more_factor if family in size.more_for else 1)
+                for op in ops:
+                    rows += _sweep_op(torch, op, rng, size, wanted, cold)
+                if progress:
+                    progress(f"{family}: {sum(r['op'] in ops for r in rows)} shapes in {time.perf_counter() - started:.1f} s")
+    finally:
+        torch.set_num_threads(previous_threads)
+    source = "sweep quick" if quick else "sweep"
+    frame = pd.DataFrame(rows, columns=["op", "dims", "types", "duration_us"]).assign(source=source)
+    return frame, described
+
+
+def _sweep_op(torch, op: str, rng, size: SweepSize, wanted: int, cold) -> list[dict]:
+    rows, tries = [], 0
+    while len(rows) < wanted and tries < 20 * wanted:
+        tries += 1
+        case = _cases(torch, op, rng)
+        if case is None:
+            break
+        if _estimated_ms(case.op, case.dims, case.types) > size.budget_ms:
+            continue
+        rows.append({"op": case.op, "dims": case.dims, "types": case.types,
+                     "duration_us": _time_us(case.call, size.repeats, cold)})
+    return rows
+
+
+def recorded_as(op: str, seed: int = 0) -> tuple[Case, str, list]:
+    """One case of ``op`` and what a trace of its call records: the outermost operator's name and
+    input dims, read back through ``collectors/kineto.py`` from an exported Chrome trace. The
+    sweep is right when they equal the case's own ``op`` and ``dims``."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from .kineto import EventKind, load_trace
+
+    with torch.no_grad():
+        case = _cases(torch, op, np.random.default_rng(seed))
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            case.call()
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "case.json"
+        prof.export_chrome_trace(str(path))
+        trace = load_trace(path)
+    ops = trace.events[trace.events["kind"] == int(EventKind.CPU_OP)]
+    ops = ops[ops["name"].astype(str).str.startswith("aten::")]
+    outer = ops.assign(neg=-ops["dur_us"]).sort_values(["ts_us", "neg"]).index[0]
+    return case, str(trace.events.at[outer, "name"]), json.loads(bytes(trace.input_dims.get(outer, b"[]")))

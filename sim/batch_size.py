@@ -1,0 +1,268 @@
+"""What if the batch were B instead of B0: the traced iteration rebuilt at another batch size.
+
+Following the DLRM performance model (``shared/seeds/002``), an iteration is operator compute
+plus CPU overheads around it, and only the compute depends on shapes. So every operator whose
+recorded input shapes carry the batch dimension keeps its measured time, scaled by
+``model(new shapes) / model(old shapes)`` from the operator performance models
+(``sim/perfmodels.py``): the ratio carries the measured calibration of that very call (its
+cache state, its allocator, the profiler's share) to the new shapes, which a model's absolute
+prediction would not. Everything else, the Python and dispatch time between operators, the
+autograd engine's bookkeeping, the optimizer's per-parameter work, is kept as measured.
+
+Which dimensions are the batch: the outermost operator of a modelled family on the stack (the
+unit a model times, see ``operator_units``) is rescaled input by input. A tensor input whose
+shape is a parameter's (from the bundle, else from the trace's ``AccumulateGrad`` shapes, either
+orientation) is a weight and keeps its shape; any other tensor whose leading dimension is a
+multiple of the old batch size has it scaled (activations ``[B, ...]``, flattened tokens
+``[B * L, D]``, attention heads ``[B * H, L, d]``). A GEMM whose output is parameter-shaped is
+a weight gradient, and there the batch is the inner dimension ``K``; a vector added by
+``addmm`` is a bias. Inside a unit, helper
+operators that carry the batch (a copy of the output) scale with it; views and helpers without
+the batch (transposing a weight, zeroing an embedding's gradient table) keep their time.
+
+Data loading scales linearly with the batch: a map-style ``DataLoader`` fetches and collates
+samples one by one in Python.
+
+On a CPU-only trace an operator's CPU time is its compute. GPU traces are refused for now: there
+the kernels would have to be rescaled with models measured on that GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Union
+
+import numpy as np
+import pandas as pd
+
+from .graph import GraphError, TaskGraph, TaskKind
+from .optimizations import DATA_LOADING
+from .perfmodels import FAMILY_OF, VIEW_OPS, PerfModels, operator_units
+
+_ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
+_OUTSIDE_MODEL = re.compile(DATA_LOADING + r"|Optimizer\.|whatif\.capture")
+
+
+@dataclass
+class BatchSizeChange:
+    """What :func:`change_batch_size` did, for the user to check."""
+
+    from_batch: int
+    to_batch: int
+    batch_source: str  # where the old batch size came from
+    scaled_units: int = 0  # operator calls rescaled by their family's model
+    unmodelled: Counter = field(default_factory=Counter)  # batch-carrying operators kept as measured
+    data_loading_tasks: int = 0
+
+    def describe(self) -> str:
+        text = (
+            f"batch size {self.from_batch} ({self.batch_source}) -> {self.to_batch}: "
+            f"{self.scaled_units} operator calls rescaled by their performance models, "
+            f"{self.data_loading_tasks} data-loading tasks scaled by {self.to_batch / self.from_batch:g}"
+        )
+        if self.unmodelled:
+            names = ", ".join(f"{op} x{n}" for op, n in self.unmodelled.most_common(4))
+            text += f"; kept as measured (no model): {names}" + (" ..." if len(self.unmodelled) > 4 else "")
+        return text
+
+
+def parameter_shapes(trace) -> set[tuple]:
+    """Every parameter's shape, and each matrix's transpose (a GEMM sees ``weight.t()``)."""
+    shapes: set[tuple] = set()
+    if trace.bundle is not None and len(trace.bundle.parameters):
+        shapes |= {tuple(int(v) for v in s) for s in trace.bundle.parameters["shape"]}
+    ev = trace.events
+    for row in ev.index[ev["name"] == _ACCUMULATE_GRAD]:
+        dims = _dims(trace, row)
+        if dims and isinstance(dims[0], list) and dims[0]:
+            shapes.add(tuple(int(v) for v in dims[0]))
+    return shapes | {s[::-1] for s in shapes if len(s) == 2}
+
+
+def _dims(trace, row) -> list:
+    raw = trace.input_dims.get(row)
+    if raw is None or not len(raw):
+        return []
+    value = json.loads(bytes(raw))
+    return value if isinstance(value, list) else []
+
+
+def _is_shape(d) -> bool:
+    return isinstance(d, list) and bool(d) and all(isinstance(v, int) for v in d)
+
+
+def rescale_dims(op: str, dims: list, old: int, new: int, parameters: set) -> list:
+    """``dims`` with the batch dimension changed from ``old`` to ``new`` (see the module doc)."""
+    def scaled(d, axis=0):
+        if not _is_shape(d) or tuple(d) in parameters or d[axis] % old:
+            return d
+        return d[:axis] + [d[axis] // old * new] + d[axis + 1:]
+
+    if op in ("aten::mm", "aten::addmm"):
+        first = 1 if op == "aten::addmm" else 0
+        a, b = (dims + [None, None, None])[first:first + 2]
+        if _is_shape(a) and _is_shape(b) and len(a) == 2 and len(b) == 2 and (a[0], b[1]) in parameters:
+            if a[1] % old == 0 and a[1] == b[0]:
+                out = list(dims)
+                out[first], out[first + 1] = [a[0], a[1] // old * new], [b[0] // old * new, b[1]]
+                return out
+            return dims
+        if op == "aten::addmm" and _is_shape(dims[0]) and len(dims[0]) == 1:  # a bias broadcast over rows
+            return dims[:1] + rescale_dims("aten::mm", dims[1:], old, new, parameters)
+    out = []
+    for d in dims:
+        if isinstance(d, list) and d and all(_is_shape(x) for x in d):
+            out.append([scaled(x) for x in d])
+        else:
+            out.append(scaled(d))
+    return out
+
+
+def infer_batch_size(trace, parameters: set) -> tuple[int, str]:
+    """The old batch size: the bundle's record of it, else the leading dimension of the first
+    non-parameter tensor that the model's first operator takes (outside data loading)."""
+    if trace.bundle is not None and trace.bundle.environment.get("batch_size"):
+        return int(trace.bundle.environment["batch_size"]), "the bundle's environment"
+    units = operator_units(trace).sort_values("row")
+    ev = trace.events
+    names = ev["name"].astype(str)
+    outside = ev.index[names.str.contains(_OUTSIDE_MODEL)]
+    spans = [(ev.at[r, "thread"], ev.at[r, "ts_us"], ev.at[r, "ts_us"] + ev.at[r, "dur_us"]) for r in outside]
+    for row, op, dims in zip(units["row"], units["op"], units["dims"]):
+        if not op.startswith("aten::") or op in VIEW_OPS:
+            continue
+        ts, thread = ev.at[row, "ts_us"], ev.at[row, "thread"]
+        if any(t == thread and lo <= ts < hi for t, lo, hi in spans):
+            continue
+        for d in dims:
+            if _is_shape(d) and tuple(d) not in parameters:
+                return int(d[0]), f"the first input of the first layer, {op} {d}"
+    raise GraphError(f"{trace.path}: cannot tell the batch size it was traced at; give it (--from-batch-size)")
+
+
+def change_batch_size(
+    graph: TaskGraph,
+    trace,
+    models: PerfModels,
+    to_batch: int,
+    from_batch: Optional[int] = None,
+) -> BatchSizeChange:
+    """Rescale ``graph`` (built from ``trace``, in place) from its batch size to ``to_batch``."""
+    if trace.has_gpu:
+        raise GraphError(
+            f"{trace.path}: has GPU kernels; --batch-size rebuilds CPU-only traces for now "
+            "(a GPU trace needs its kernels rescaled by models measured on that GPU)"
+        )
+    if to_batch < 1:
+        raise GraphError(f"batch size must be a positive integer, got {to_batch}")
+    parameters = parameter_shapes(trace)
+    if from_batch is None:
+        from_batch, source = infer_batch_size(trace, parameters)
+    else:
+        source = "given"
+    if from_batch < 1:
+        raise GraphError(f"the traced batch size must be a positive integer, got {from_batch}")
+    change = BatchSizeChange(from_batch, to_batch, source)
+    if from_batch == to_batch:
+        return change
+
+    loading = np.zeros(len(graph.tasks), dtype=bool)
+    loading[graph.select(pattern=DATA_LOADING)] = True
+    loading_events = set(graph.tasks["event"].to_numpy()[loading].tolist())
+
+    units = operator_units(trace)
+    ops, dims = units["op"].to_numpy(), units["dims"].tolist()
+    new_dims = [rescale_dims(op, d, from_batch, to_batch, parameters) if d else d for op, d in zip(ops, dims)]
+    carries = np.array([n != d for n, d in zip(new_dims, dims)])
+    is_unit = (units["unit"] == units["row"]).to_numpy() & carries
+    is_unit &= ~units["row"].isin(loading_events).to_numpy()
+    ratio = np.full(len(units), np.nan)
+    picked = np.flatnonzero(is_unit)
+    types = units["types"].tolist()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        before = models.predict_us([ops[i] for i in picked], [dims[i] for i in picked], [types[i] for i in picked])
+        after = models.predict_us([ops[i] for i in picked], [new_dims[i] for i in picked], [types[i] for i in picked])
+    ratio[picked] = after / before
+    modelled = np.isfinite(ratio) & (ratio > 0)
+    change.scaled_units = int(modelled.sum())
+    for i in picked[~modelled[picked]]:
+        change.unmodelled[str(ops[i])] += 1
+    outside = (units["unit"] < 0).to_numpy() & carries & np.array([o.startswith("aten::") and o not in VIEW_OPS for o in ops])
+    outside &= ~units["row"].isin(loading_events).to_numpy()
+    for i in np.flatnonzero(outside):
+        if ops[i] not in FAMILY_OF:
+            change.unmodelled[str(ops[i])] += 1
+
+    factor_of_event = _event_factors(units, ratio, modelled, carries, ops)
+    kinds = graph.tasks["kind"].to_numpy()
+    events = graph.tasks["event"].to_numpy()
+    cpu = np.isin(kinds, [int(TaskKind.CPU), int(TaskKind.GAP)])
+    factors = np.ones(len(graph.tasks))
+    known = cpu & (events >= 0) & ~loading
+    factors[known] = factor_of_event.reindex(events[known]).fillna(1.0).to_numpy()
+    factors[loading] = to_batch / from_batch
+    change.data_loading_tasks = int(loading.sum())
+    for value in np.unique(factors[factors != 1.0]):
+        graph.scale(np.flatnonzero(factors == value), float(value))
+    graph.notes.append(change.describe())
+    return change
+
+
+def _event_factors(units: pd.DataFrame, ratio: np.ndarray, modelled: np.ndarray, carries: np.ndarray, ops) -> pd.Series:
+    """Each event's duration factor: its unit's ratio where it is the unit or a batch-carrying,
+    non-view helper inside it whose callers all scale; 1 elsewhere. Parents precede children."""
+    rows = units["row"].to_numpy()
+    unit = units["unit"].to_numpy()
+    parent = units["parent"].to_numpy()
+    position = {int(r): i for i, r in enumerate(rows)}
+    scaled = np.zeros(len(rows), dtype=bool)
+    factor = np.ones(len(rows))
+    for i in range(len(rows)):
+        if unit[i] < 0:
+            continue
+        u = position[int(unit[i])]
+        if not modelled[u]:
+            continue
+        if u == i:
+            scaled[i] = True
+        else:
+            p = position.get(int(parent[i]))
+            scaled[i] = p is not None and scaled[p] and carries[i] and ops[i] not in VIEW_OPS
+        if scaled[i]:
+            factor[i] = ratio[u]
+    return pd.Series(factor, index=rows)
+
+
+def predict_at_batch_size(
+    trace_path: Union[str, Path],
+    from_batch: Optional[int],
+    to_batch: int,
+    models: Union[PerfModels, str, Path, None] = None,
+) -> float:
+    """The steady-state median iteration (ms) the trace's job would take at ``to_batch``.
+
+    ``from_batch`` is the batch size the trace was captured at (None: inferred); ``models`` a
+    :class:`PerfModels`, a models file, or None for this machine's cached quick fit."""
+    from whatif.collectors.iterations import find_iterations
+    from whatif.collectors.kineto import load_trace
+    from whatif.report.iterations import iteration_report, steady_median
+
+    from .build import build_graph
+    from .engine import simulate
+    from .perfmodels import default_models, load_models
+
+    if models is None:
+        models = default_models()
+    elif not isinstance(models, PerfModels):
+        models = load_models(models)
+    trace = load_trace(trace_path)
+    graph = build_graph(trace)
+    change_batch_size(graph, trace, models, to_batch, from_batch)
+    report = iteration_report(simulate(graph), find_iterations(trace))
+    return steady_median(report["predicted_ms"])

@@ -1,0 +1,792 @@
+"""Operator performance models: how long an operator takes at shapes never traced.
+
+Following the DLRM performance model (Lin et al., 2022; ``shared/seeds/002``), operators are
+grouped into families and each family gets a model from input shapes to duration on one device:
+
+- a heuristic roofline for the regular ones (GEMM-like, convolution, element-wise, normalisation,
+  attention): ``t = overhead + max(FLOPs / (peak * e_compute), bytes / (bandwidth * e_memory))``,
+  with the device's peak compute and memory bandwidth measured by the microbenchmark sweep
+  (``collectors/microbench.py``) and the overhead and the two efficiencies fitted per operator
+  (per family where an operator has too few samples) by least squares in log space, so a 5 us
+  operator weighs as much as a 5 ms one;
+- for the irregular ones (embedding lookups, reductions, pooling) and for any family the
+  roofline misses by more than :data:`ROOFLINE_TARGET` on its training samples, gradient-boosted
+  trees (LightGBM) learn the roofline's residual ``log(measured / roofline)`` from the shapes.
+  Learning the residual rather than the duration keeps the roofline's scaling outside the
+  shapes the trees saw, where trees alone would predict a constant.
+
+Shapes are what the PyTorch profiler records with ``record_shapes=True`` (Kineto's ``Input
+Dims`` and ``Input type``): per positional input a tensor's shape, ``[]`` for a scalar or a
+missing tensor, a list of shapes for a tensor list. Stride, padding and kernel sizes are not
+recorded, so convolutions are taken as stride 1 with "same" padding and pooling as 2x2; the
+sweep measures exactly that, and a prediction across batch sizes, which keeps those constant,
+scales correctly whatever they were.
+
+Samples come from the microbenchmark sweep and from the durations already in CPU traces (the
+outermost operator of each family on the stack, its inclusive CPU time). A fifth of each
+family's samples is held out of the fit and kept in the models file, so ``whatif perfmodel
+report`` measures every family's geometric-mean absolute error on shapes the fit never saw.
+
+A models file is JSON (the trees as LightGBM's text format, no pickle) and names the device it
+was measured on; loading one measured elsewhere warns (:class:`DeviceMismatchWarning`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import warnings
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Iterable, Optional, Sequence, Union
+
+import numpy as np
+import pandas as pd
+
+FORMAT = "whatif-perfmodels"
+VERSION = 1
+#: The seed paper's bar for every kernel family: geometric-mean absolute error under 10 %.
+ROOFLINE_TARGET = 0.10
+HELD_OUT_FRACTION = 0.2
+_MIN_OP_SAMPLES = 4  # fewer than this and an operator shares its family's roofline
+
+#: Families whose models learn the roofline's residual whatever its error (the seed's ML-based
+#: kernels: their cost depends on more than FLOPs and bytes, e.g. index patterns, reduction axes).
+LEARNED_FAMILIES = ("embedding", "reduction", "pooling")
+
+FAMILY_OPS: dict[str, tuple[str, ...]] = {
+    "gemm": ("aten::linear", "aten::matmul", "aten::addmm", "aten::mm", "aten::bmm", "aten::baddbmm"),
+    "conv": (
+        "aten::conv1d", "aten::conv2d", "aten::conv3d", "aten::convolution", "aten::_convolution",
+        "aten::mkldnn_convolution", "aten::convolution_backward",
+    ),
+    "elementwise": (
+        "aten::relu", "aten::relu_", "aten::clamp_min", "aten::clamp_min_", "aten::threshold_backward",
+        "aten::gelu", "aten::gelu_backward", "aten::silu", "aten::silu_backward", "aten::sigmoid",
+        "aten::sigmoid_backward", "aten::tanh", "aten::tanh_backward", "aten::add", "aten::add_",
+        "aten::sub", "aten::sub_", "aten::mul", "aten::mul_", "aten::div", "aten::div_", "aten::neg",
+        "aten::exp", "aten::sqrt", "aten::rsqrt", "aten::pow", "aten::clone", "aten::copy_",
+        "aten::contiguous", "aten::fill_", "aten::zero_", "aten::zeros_like", "aten::ones_like",
+        "aten::masked_fill", "aten::masked_fill_", "aten::where", "aten::cat", "aten::stack",
+        "aten::dropout", "aten::native_dropout", "aten::native_dropout_backward", "aten::to",
+        "aten::_to_copy",
+    ),
+    "norm": (
+        "aten::batch_norm", "aten::_batch_norm_impl_index", "aten::native_batch_norm",
+        "aten::_native_batch_norm_legit", "aten::native_batch_norm_backward", "aten::layer_norm",
+        "aten::native_layer_norm", "aten::native_layer_norm_backward", "aten::group_norm",
+        "aten::native_group_norm", "aten::native_group_norm_backward",
+    ),
+    "reduction": (
+        "aten::sum", "aten::mean", "aten::amax", "aten::max", "aten::softmax", "aten::_softmax",
+        "aten::log_softmax", "aten::_log_softmax", "aten::_softmax_backward_data",
+        "aten::_log_softmax_backward_data", "aten::cross_entropy_loss", "aten::nll_loss_nd",
+        "aten::nll_loss", "aten::nll_loss_forward", "aten::nll_loss_backward", "aten::mse_loss",
+        "aten::mse_loss_backward",
+    ),
+    "pooling": (
+        "aten::max_pool2d", "aten::max_pool2d_with_indices", "aten::max_pool2d_with_indices_backward",
+        "aten::avg_pool2d", "aten::avg_pool2d_backward", "aten::adaptive_avg_pool2d",
+        "aten::_adaptive_avg_pool2d", "aten::_adaptive_avg_pool2d_backward",
+    ),
+    "embedding": (
+        "aten::embedding", "aten::index_select", "aten::embedding_backward",
+        "aten::embedding_dense_backward", "aten::embedding_bag", "aten::_embedding_bag",
+        "aten::_embedding_bag_backward", "aten::_embedding_bag_dense_backward",
+    ),
+    "attention": (
+        "aten::scaled_dot_product_attention", "aten::_scaled_dot_product_flash_attention_for_cpu",
+        "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
+    ),
+}
+FAMILY_OF: dict[str, str] = {op: family for family, ops in FAMILY_OPS.items() for op in ops}
+
+#: Operators that only make a new view of their input: their time does not depend on its size.
+VIEW_OPS = frozenset(
+    "aten::" + name
+    for name in (
+        "view", "reshape", "_unsafe_view", "t", "transpose", "permute", "expand", "as_strided",
+        "select", "slice", "narrow", "unsqueeze", "squeeze", "flatten", "detach", "unbind",
+        "split", "split_with_sizes", "chunk", "alias", "_reshape_alias", "numpy_T", "unflatten",
+        "view_as", "expand_as", "resolve_conj", "resolve_neg", "lift_fresh", "empty", "empty_like",
+        "empty_strided", "resize_", "as_strided_", "set_",
+    )
+)
+
+_ELEMENT_BYTES = {
+    "float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "long int": 8, "int": 4,
+    "short int": 2, "signed char": 1, "unsigned char": 1, "bool": 1, "c10::complex<float>": 8,
+}
+
+
+class PerfModelError(Exception):
+    """A models file, or a sample, that cannot be used; the message names the file and field."""
+
+
+class DeviceMismatchWarning(UserWarning):
+    """The models were measured on another device than the one they are used for."""
+
+
+# -- shapes -> work --------------------------------------------------------------------------
+
+def parse_shapes(dims, types) -> list:
+    """Per positional input: a tensor's shape (tuple of ints), a list of shapes (tensor list), or
+    None (a scalar, a missing optional tensor, a list of ints), with the element size in bytes."""
+    inputs = []
+    types = list(types) if types is not None else []
+    for i, d in enumerate(dims):
+        kind = types[i] if i < len(types) else ""
+        size = _ELEMENT_BYTES.get(kind, 4)
+        if isinstance(d, list) and d and all(isinstance(x, list) for x in d):
+            inputs.append(([tuple(int(v) for v in x) for x in d], size))
+        elif isinstance(d, list) and d and all(isinstance(x, (int, float)) for x in d) and kind not in ("ScalarList", ""):
+            inputs.append((tuple(int(v) for v in d), size))
+        elif isinstance(d, list) and not d and kind in _ELEMENT_BYTES:
+            inputs.append(((), size))  # a 0-d tensor
+        else:
+            inputs.append(None)
+    return inputs
+
+
+def _numel(shape) -> int:
+    if shape and isinstance(shape[0], tuple):
+        return sum(_numel(s) for s in shape)
+    return int(np.prod(shape, dtype=np.float64)) if shape else 1
+
+
+def _tensor(inputs, i):
+    return inputs[i][0] if i < len(inputs) and inputs[i] is not None else None
+
+
+def _bytes_in(inputs) -> float:
+    return float(sum(_numel(x[0]) * x[1] for x in inputs if x is not None))
+
+
+def _element_size(inputs) -> int:
+    return next((x[1] for x in inputs if x is not None), 4)
+
+
+def _last_dim(tensors) -> int:
+    shapes = [x[0] for x in tensors if x[0] and not isinstance(x[0][0], tuple)]
+    return shapes[0][-1] if shapes else 1
+
+
+def _gemm(op: str, inputs) -> tuple[float, float, list]:
+    e = _element_size(inputs)
+    if op == "aten::linear":
+        x, w = _tensor(inputs, 0), _tensor(inputs, 1)
+        batch, m, k, n = 1, _numel(x[:-1]), x[-1], w[0]
+    elif op in ("aten::mm", "aten::addmm"):
+        a, b = (_tensor(inputs, 1), _tensor(inputs, 2)) if op == "aten::addmm" else (_tensor(inputs, 0), _tensor(inputs, 1))
+        batch, m, k, n = 1, a[0], a[1], b[1]
+    elif op in ("aten::bmm", "aten::baddbmm"):
+        a, b = (_tensor(inputs, 1), _tensor(inputs, 2)) if op == "aten::baddbmm" else (_tensor(inputs, 0), _tensor(inputs, 1))
+        batch, m, k, n = a[0], a[1], a[2], b[2]
+    else:  # matmul: broadcast batch dimensions, vectors as 1-row or 1-column matrices
+        a, b = _tensor(inputs, 0), _tensor(inputs, 1)
+        m, k = (a[-2], a[-1]) if len(a) >= 2 else (1, a[0])
+        n = b[-1] if len(b) >= 2 else 1
+        batch = max(_numel(a[:-2]), _numel(b[:-2]))
+    flops = 2.0 * batch * m * n * k
+    return flops, float(e * (batch * m * k + batch * k * n + batch * m * n)), [batch, m, k, n]
+
+
+def _conv(op: str, inputs) -> tuple[float, float, list]:
+    e = _element_size(inputs)
+    if op == "aten::convolution_backward":
+        grad, x, w = _tensor(inputs, 0), _tensor(inputs, 1), _tensor(inputs, 2)
+        out_pixels = _numel(grad[2:])
+        flops = 2 * 2.0 * grad[0] * w[0] * out_pixels * _numel(w[1:])  # input and weight gradients
+        params = [grad[0], x[1], w[0], out_pixels, _numel(w[2:])]
+        return flops, float(2 * e * (_numel(grad) + _numel(x) + _numel(w))), params
+    x, w = _tensor(inputs, 0), _tensor(inputs, 1)
+    out_pixels = _numel(x[2:])  # stride 1, "same" padding (strides are not recorded)
+    flops = 2.0 * x[0] * w[0] * out_pixels * _numel(w[1:])
+    params = [x[0], x[1], w[0], out_pixels, _numel(w[2:])]
+    return flops, float(e * (_numel(x) + _numel(w) + x[0] * w[0] * out_pixels)), params
+
+
+def _elementwise(op: str, inputs) -> tuple[float, float, list]:
+    tensors = [x for x in inputs if x is not None]
+    if op in ("aten::cat", "aten::stack"):
+        out = sum(_numel(x[0]) for x in tensors)
+    else:
+        out = max((_numel(x[0]) for x in tensors), default=1)
+    last = _last_dim(tensors)
+    return float(out), _bytes_in(inputs) + out * _element_size(inputs), [out, len(tensors), last]
+
+
+def _norm(op: str, inputs) -> tuple[float, float, list]:
+    x = _tensor(inputs, 0) or ()
+    n = _numel(x)
+    e = _element_size(inputs)
+    passes = 3 if op.endswith("_backward") else 2
+    params = [x[0] if x else 1, x[1] if len(x) > 1 else 1, n, x[-1] if x else 1]
+    return 8.0 * n, float(passes * n * e + _bytes_in(inputs[1:])), params
+
+
+def _reduction(op: str, inputs) -> tuple[float, float, list]:
+    largest = max((x[0] for x in inputs if x is not None and x[0] and not isinstance(x[0][0], tuple)), key=_numel, default=())
+    n = _numel(largest)
+    return float(n), _bytes_in(inputs), [n, largest[0] if largest else 1, largest[-1] if largest else 1]
+
+
+def _pooling(op: str, inputs) -> tuple[float, float, list]:
+    x = _tensor(inputs, 0) or ()
+    n = _numel(x)
+    params = (list(x) + [1, 1, 1, 1])[:4]
+    return float(n), _bytes_in(inputs) + n * _element_size(inputs) / 4.0, params
+
+
+def _embedding(op: str, inputs) -> tuple[float, float, list]:
+    e = 4
+    if op in ("aten::embedding", "aten::embedding_bag", "aten::_embedding_bag"):
+        w, idx = _tensor(inputs, 0), _tensor(inputs, 1)
+        rows, width, table = _numel(idx), w[-1], w[0]
+    elif op == "aten::index_select":
+        w, idx = _tensor(inputs, 0), _tensor(inputs, 2)
+        rows, width, table = _numel(idx), w[-1], w[0]
+    else:  # backward: gradient rows scattered into the weight's gradient (its size is not recorded)
+        grad, idx = _tensor(inputs, 0), _tensor(inputs, 1)
+        rows, width, table = _numel(idx), grad[-1], 0
+    return float(rows * width), float(2 * rows * width * e + 8 * rows), [rows, width, table]
+
+
+def _attention(op: str, inputs) -> tuple[float, float, list]:
+    q, k = _tensor(inputs, 0), _tensor(inputs, 1)
+    if op.endswith("_backward"):
+        q, k = _tensor(inputs, 1), _tensor(inputs, 2)
+    batch_heads, length, depth, keys = _numel(q[:-2]), q[-2], q[-1], k[-2]
+    flops = 4.0 * batch_heads * length * keys * depth
+    bytes_ = _bytes_in(inputs) + batch_heads * length * depth * 4
+    params = [batch_heads, length, keys, depth]
+    return (2.5 * flops, 2 * bytes_, params) if op.endswith("_backward") else (flops, bytes_, params)
+
+
+_WORK = {
+    "gemm": _gemm, "conv": _conv, "elementwise": _elementwise, "norm": _norm, "reduction": _reduction,
+    "pooling": _pooling, "embedding": _embedding, "attention": _attention,
+}
+
+
+def work(op: str, dims, types) -> tuple[float, float]:
+    """FLOPs and bytes moved by ``op`` on inputs of these recorded shapes; (nan, nan) when the
+    shapes are not those the family expects (a missing tensor, a vector where a matrix goes)."""
+    return _work(op, dims, types)[:2]
+
+
+def _work(op: str, dims, types) -> tuple[float, float, list]:
+    """FLOPs, bytes, and the family's shape parameters (GEMM: batch, M, K, N; convolution: N,
+    C, O, output pixels, kernel area; ...), the sizes its efficiency depends on."""
+    family = FAMILY_OF.get(op)
+    if family is None:
+        raise KeyError(op)
+    try:
+        flops, bytes_, params = _WORK[family](op, parse_shapes(dims, types))
+    except (TypeError, IndexError, ValueError):
+        return math.nan, math.nan, []
+    return max(flops, 1.0), max(bytes_, 1.0), params
+
+
+_PARAMS = 5  # shape parameters the trees see (padded)
+
+
+def _features(op_code: int, dims, types, op: str) -> list[float]:
+    """What the trees see: the operator, its work, and its family's shape parameters."""
+    flops, bytes_, params = _work(op, dims, types)
+    padded = (list(params) + [0] * _PARAMS)[:_PARAMS]
+    return [float(op_code), math.log2(flops + 1), math.log2(bytes_ + 1)] + [math.log2(float(v) + 1) for v in padded]
+
+
+# -- the models ------------------------------------------------------------------------------
+
+@dataclass
+class Roofline:
+    overhead_us: float
+    compute_efficiency: float
+    memory_efficiency: float
+    samples: int = 0
+
+    def predict_us(self, flops: np.ndarray, bytes_: np.ndarray, peak_flops_per_us: float, bytes_per_us: float) -> np.ndarray:
+        compute = flops / (peak_flops_per_us * self.compute_efficiency)
+        memory = bytes_ / (bytes_per_us * self.memory_efficiency)
+        return self.overhead_us + np.maximum(compute, memory)
+
+
+@dataclass
+class FamilyModel:
+    name: str
+    pooled: Roofline
+    ops: dict[str, Roofline] = field(default_factory=dict)
+    op_codes: list[str] = field(default_factory=list)  # the trees' op feature: index in this list
+    trees: Optional[str] = None  # LightGBM model_to_string() of the residual, None: roofline only
+    _booster: object = field(default=None, repr=False, compare=False)
+
+    @property
+    def kind(self) -> str:
+        return "roofline+gbt" if self.trees else "roofline"
+
+    def booster(self):
+        if self._booster is None and self.trees:
+            import lightgbm
+
+            self._booster = lightgbm.Booster(model_str=self.trees)
+        return self._booster
+
+
+@dataclass
+class PerfModels:
+    """Per-family models on one device, with the samples held out of their fit."""
+
+    device: dict
+    families: dict[str, FamilyModel]
+    held_out: pd.DataFrame  # op, dims, types, duration_us, source
+    sources: list = field(default_factory=list)
+    created: str = ""
+
+    @property
+    def peak_flops_per_us(self) -> float:
+        return float(self.device["peak_gflops"]) * 1e3
+
+    @property
+    def bytes_per_us(self) -> float:
+        return float(self.device["bandwidth_gbps"]) * 1e3
+
+    def covers(self, op: str) -> bool:
+        return FAMILY_OF.get(op) in self.families
+
+    def predict_us(self, ops: Sequence[str], dims: Sequence, types: Sequence, learned: bool = True) -> np.ndarray:
+        """Predicted durations; NaN where the operator's family has no model or its shapes do not fit it."""
+        out = np.full(len(ops), np.nan)
+        frame = pd.DataFrame({"op": list(ops), "family": [FAMILY_OF.get(o) for o in ops]})
+        for family, rows in frame.groupby("family", sort=False):
+            model = self.families.get(family)
+            if model is None:
+                continue
+            idx = rows.index.to_numpy()
+            work_ = np.array([work(ops[i], dims[i], types[i]) for i in idx], dtype=float).reshape(-1, 2)
+            flops, bytes_ = work_[:, 0], work_[:, 1]
+            roof = np.empty(len(idx))
+            for op, positions in pd.Series(range(len(idx)), index=[ops[i] for i in idx]).groupby(level=0):
+                line = model.ops.get(op, model.pooled)
+                p = positions.to_numpy()
+                roof[p] = line.predict_us(flops[p], bytes_[p], self.peak_flops_per_us, self.bytes_per_us)
+            if learned and model.trees:
+                codes = [model.op_codes.index(ops[i]) if ops[i] in model.op_codes else -1 for i in idx]
+                features = np.array([_features(c, dims[i], types[i], ops[i]) for c, i in zip(codes, idx)])
+                finite = np.isfinite(roof)
+                if finite.any():
+                    roof[finite] = roof[finite] * np.exp(model.booster().predict(features[finite]))
+            out[idx] = roof
+        return out
+
+    # -- files ---------------------------------------------------------------------------------
+
+    def to_json(self) -> dict:
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "created": self.created,
+            "device": self.device,
+            "sources": list(self.sources),
+            "families": {
+                name: {
+                    "kind": m.kind,
+                    "pooled": _roofline_doc(m.pooled),
+                    "ops": {op: _roofline_doc(r) for op, r in m.ops.items()},
+                    "op_codes": list(m.op_codes),
+                    "trees": m.trees,
+                }
+                for name, m in self.families.items()
+            },
+            "held_out": {
+                "op": self.held_out["op"].tolist(),
+                "dims": self.held_out["dims"].tolist(),
+                "types": self.held_out["types"].tolist(),
+                "duration_us": [round(float(v), 3) for v in self.held_out["duration_us"]],
+                "source": self.held_out["source"].tolist(),
+            },
+        }
+
+    def save(self, path: Union[str, Path]) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        tmp.replace(path)
+
+
+def _roofline_doc(r: Roofline) -> dict:
+    return {
+        "overhead_us": r.overhead_us,
+        "compute_efficiency": r.compute_efficiency,
+        "memory_efficiency": r.memory_efficiency,
+        "samples": r.samples,
+    }
+
+
+def load_models(path: Union[str, Path], check_device: bool = True) -> PerfModels:
+    """Read a models file; raises :class:`PerfModelError` naming the file and the bad field, and
+    warns with :class:`DeviceMismatchWarning` when it was measured on another device."""
+    path = Path(path)
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise PerfModelError(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise PerfModelError(f"{path}: cannot be read ({getattr(err, 'strerror', None) or err})") from None
+    except json.JSONDecodeError as err:
+        raise PerfModelError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
+    reader = _Reader(path)
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise PerfModelError(f"{path}: field 'format' is not {FORMAT!r}: not a whatif performance models file")
+    if doc.get("version") != VERSION:
+        raise PerfModelError(f"{path}: field 'version' is {doc.get('version')!r}; this whatif reads version {VERSION}")
+    device = reader.mapping(doc, "device")
+    for key in ("type", "name"):
+        reader.text(device, key, f"device.{key}")
+    for key in ("peak_gflops", "bandwidth_gbps"):
+        reader.positive(device, key, f"device.{key}")
+    families = {}
+    for name, fdoc in reader.mapping(doc, "families").items():
+        where = f"families.{name}"
+        if name not in FAMILY_OPS:
+            raise PerfModelError(f"{path}: field '{where}' is not a known family ({', '.join(FAMILY_OPS)})")
+        fdoc = reader.mapping({name: fdoc}, name, where)
+        ops = {op: reader.roofline(r, f"{where}.ops.{op}") for op, r in reader.mapping(fdoc, "ops", f"{where}.ops").items()}
+        trees = fdoc.get("trees")
+        if trees is not None and not isinstance(trees, str):
+            raise PerfModelError(f"{path}: field '{where}.trees' must be LightGBM's model text or null")
+        codes = fdoc.get("op_codes", [])
+        if not isinstance(codes, list) or not all(isinstance(c, str) for c in codes):
+            raise PerfModelError(f"{path}: field '{where}.op_codes' must be a list of operator names")
+        families[name] = FamilyModel(name, reader.roofline(fdoc.get("pooled"), f"{where}.pooled"), ops, codes, trees)
+    held = reader.mapping(doc, "held_out")
+    columns = {}
+    for key in ("op", "dims", "types", "duration_us", "source"):
+        value = held.get(key)
+        if not isinstance(value, list):
+            raise PerfModelError(f"{path}: field 'held_out.{key}' must be a list")
+        columns[key] = value
+    if len({len(v) for v in columns.values()}) > 1:
+        raise PerfModelError(f"{path}: the lists in field 'held_out' differ in length")
+    models = PerfModels(device, families, pd.DataFrame(columns), list(doc.get("sources", [])), str(doc.get("created", "")))
+    if check_device:
+        mismatch = device_mismatch(models.device)
+        if mismatch:
+            warnings.warn(f"{path}: {mismatch}", DeviceMismatchWarning, stacklevel=2)
+    return models
+
+
+class _Reader:
+    """Field checks that name the file and the field, for one-line errors."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def fail(self, where: str, problem: str):
+        raise PerfModelError(f"{self.path}: field '{where}' {problem}")
+
+    def mapping(self, doc: dict, key: str, where: Optional[str] = None) -> dict:
+        value = doc.get(key) if isinstance(doc, dict) else None
+        if not isinstance(value, dict):
+            self.fail(where or key, "is missing or not an object")
+        return value
+
+    def text(self, doc: dict, key: str, where: str) -> str:
+        if not isinstance(doc.get(key), str):
+            self.fail(where, "is missing or not a string")
+        return doc[key]
+
+    def positive(self, doc: dict, key: str, where: str) -> float:
+        value = doc.get(key) if isinstance(doc, dict) else None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            self.fail(where, f"must be a positive number, not {value!r}")
+        return float(value)
+
+    def roofline(self, doc, where: str) -> Roofline:
+        if not isinstance(doc, dict):
+            self.fail(where, "is missing or not an object")
+        overhead = doc.get("overhead_us")
+        if isinstance(overhead, bool) or not isinstance(overhead, (int, float)) or not math.isfinite(overhead) or overhead < 0:
+            self.fail(f"{where}.overhead_us", f"must be a non-negative number, not {overhead!r}")
+        return Roofline(
+            float(overhead),
+            self.positive(doc, "compute_efficiency", f"{where}.compute_efficiency"),
+            self.positive(doc, "memory_efficiency", f"{where}.memory_efficiency"),
+            int(doc.get("samples", 0) or 0),
+        )
+
+
+def current_device() -> dict:
+    """The device at hand, as a models file names it (the sweep runs on the CPU)."""
+    from whatif.collectors.capture import cpu_model
+
+    return {"type": "cpu", "name": cpu_model()}
+
+
+def device_mismatch(device: dict) -> Optional[str]:
+    """Why models measured on ``device`` do not describe this machine, or None when they do."""
+    here = current_device()
+    if (here["type"], here["name"]) != (device.get("type"), device.get("name")):
+        return (
+            f"the models were measured on {device.get('type')} {device.get('name')!r}, not on this "
+            f"machine's {here['name']!r}; refit them here with `whatif perfmodel fit`"
+        )
+    return None
+
+
+def cache_dir() -> Path:
+    """Where fitted models are cached: $WHATIF_CACHE_DIR, else $XDG_CACHE_HOME/whatif or ~/.cache/whatif."""
+    if os.environ.get("WHATIF_CACHE_DIR"):
+        return Path(os.environ["WHATIF_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "whatif"
+
+
+def default_models(progress=None) -> PerfModels:
+    """This machine's models from the quick sweep, fitted once (a few seconds) and then cached."""
+    device = current_device()
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", device["name"]).strip("-").lower() or "cpu"
+    path = cache_dir() / f"perfmodels-quick-{slug}.json"
+    if path.is_file():
+        return load_models(path)
+    try:
+        from whatif.collectors.microbench import run_sweep
+
+        samples, measured = run_sweep(quick=True)
+    except ImportError as err:
+        raise PerfModelError(
+            f"no operator models given (--perfmodel) and none cached in {path.parent}; fitting them needs torch ({err})"
+        ) from None
+    models = fit_models(samples, measured, sources=["sweep quick"])
+    models.save(path)
+    if progress:
+        progress(f"fitted operator models on the quick sweep; cached in {path}")
+    return models
+
+
+# -- samples from traces --------------------------------------------------------------------
+
+def operator_units(trace) -> pd.DataFrame:
+    """The outermost operator of a modelled family on every CPU stack: the unit a model times.
+
+    Columns: row (the event's row in ``trace.events``), unit (the row of the outermost modelled
+    operator around or at it, -1 for none), op, dims, types (decoded ``Input Dims`` / ``Input
+    type``). One row per CPU event; a unit's inclusive time holds its dispatch and the helper
+    operators it calls, as a microbenchmark of the same call does.
+    """
+    from whatif.collectors.kineto import EventKind
+
+    ev = trace.events
+    cpu = ev[ev["kind"].isin([int(EventKind.CPU_OP), int(EventKind.ANNOTATION), int(EventKind.PYTHON)])]
+    order = cpu.assign(neg_dur=-cpu["dur_us"]).sort_values(["thread", "ts_us", "neg_dur"], kind="stable")
+    rows = order.index.to_numpy()
+    names = order["name"].astype(str).to_numpy()
+    threads = order["thread"].astype(str).to_numpy()
+    starts = order["ts_us"].to_numpy()
+    ends = (order["ts_us"] + order["dur_us"]).to_numpy()
+    unit = np.full(len(rows), -1, dtype=np.int64)
+    parent = np.full(len(rows), -1, dtype=np.int64)
+    stack: list[int] = []
+    thread = None
+    for i in range(len(rows)):
+        if threads[i] != thread:
+            stack, thread = [], threads[i]
+        while stack and ends[stack[-1]] <= starts[i] + 1e-6:
+            stack.pop()
+        if stack:
+            parent[i] = stack[-1]
+            unit[i] = unit[stack[-1]]
+        if unit[i] < 0 and names[i] in FAMILY_OF:
+            unit[i] = i
+        stack.append(i)
+    dims = [_decode(trace.input_dims.get(r)) for r in rows]
+    types = [_decode(trace.input_types.get(r)) for r in rows]
+    return pd.DataFrame(
+        {
+            "row": rows,
+            "unit": np.where(unit >= 0, rows[np.maximum(unit, 0)], -1),
+            "parent": np.where(parent >= 0, rows[np.maximum(parent, 0)], -1),
+            "op": names,
+            "dims": dims,
+            "types": types,
+            "dur_us": order["dur_us"].to_numpy(),
+        }
+    )
+
+
+def _decode(raw) -> list:
+    if raw is None or not len(raw):
+        return []
+    value = json.loads(bytes(raw))
+    return value if isinstance(value, list) else []
+
+
+def trace_samples(path: Union[str, Path]) -> pd.DataFrame:
+    """Every modelled unit of a CPU-only trace with its shapes and inclusive CPU time."""
+    from whatif.collectors.kineto import TraceError, load_trace
+
+    trace = load_trace(path)
+    if trace.has_gpu:
+        raise TraceError(path, "has GPU kernels: fitting from a GPU trace's operator times is not supported (its CPU times are launch overhead)")
+    units = operator_units(trace)
+    own = units[(units["unit"] == units["row"]) & units["dims"].map(bool)]
+    return pd.DataFrame(
+        {
+            "op": own["op"].to_numpy(),
+            "dims": own["dims"].tolist(),
+            "types": own["types"].tolist(),
+            "duration_us": own["dur_us"].to_numpy(),
+            "source": f"trace {Path(path).name}",
+        }
+    )
+
+
+# -- fitting ---------------------------------------------------------------------------------
+
+def fit_models(samples: pd.DataFrame, device: dict, sources: Iterable[str] = (), seed: int = 0) -> PerfModels:
+    """Fit every family present in ``samples`` (op, dims, types, duration_us, source), holding a
+    fifth of each family's samples out. ``device`` carries the measured ``peak_gflops`` and
+    ``bandwidth_gbps`` the rooflines are drawn against."""
+    samples = samples.reset_index(drop=True)
+    samples = samples[samples["op"].isin(FAMILY_OF) & (samples["duration_us"] > 0)].reset_index(drop=True)
+    work_ = np.array([work(o, d, t) for o, d, t in zip(samples["op"], samples["dims"], samples["types"])], dtype=float)
+    samples = samples.assign(flops=work_[:, 0], bytes=work_[:, 1], family=samples["op"].map(FAMILY_OF))
+    samples = samples[np.isfinite(samples["flops"])].reset_index(drop=True)
+    rng = np.random.default_rng(seed)
+    held = np.zeros(len(samples), dtype=bool)
+    for _, rows in samples.groupby("family", sort=True):
+        idx = rows.index.to_numpy()
+        if len(idx) >= 5:
+            held[rng.choice(idx, size=max(1, int(round(HELD_OUT_FRACTION * len(idx)))), replace=False)] = True
+    peak = float(device["peak_gflops"]) * 1e3
+    bandwidth = float(device["bandwidth_gbps"]) * 1e3
+    families = {}
+    train = samples[~held]
+    for name, rows in train.groupby("family", sort=True):
+        families[name] = _fit_family(name, rows, peak, bandwidth, seed)
+    kept = samples[held][["op", "dims", "types", "duration_us", "source"]].reset_index(drop=True)
+    return PerfModels(
+        device=dict(device),
+        families=families,
+        held_out=kept,
+        sources=list(sources),
+        created=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    )
+
+
+def _fit_family(name: str, rows: pd.DataFrame, peak: float, bandwidth: float, seed: int) -> FamilyModel:
+    pooled = _fit_roofline(rows, peak, bandwidth)
+    ops = {
+        op: _fit_roofline(group, peak, bandwidth)
+        for op, group in rows.groupby("op", sort=True)
+        if len(group) >= _MIN_OP_SAMPLES
+    }
+    model = FamilyModel(name, pooled, ops)
+    roof = np.array([
+        ops.get(op, pooled).predict_us(np.array([f]), np.array([b]), peak, bandwidth)[0]
+        for op, f, b in zip(rows["op"], rows["flops"], rows["bytes"])
+    ])
+    measured = rows["duration_us"].to_numpy()
+    residual = np.log(measured) - np.log(roof)
+    wanted = name in LEARNED_FAMILIES or geomean_abs_error(roof, measured) > ROOFLINE_TARGET
+    if wanted and len(rows) >= 8:
+        codes = sorted(rows["op"].unique())
+        if name in LEARNED_FAMILIES or _trees_help(rows, codes, roof, residual, seed):
+            model.op_codes = codes
+            model.trees = _fit_trees(rows, codes, residual, seed)
+    return model
+
+
+def _trees_help(rows: pd.DataFrame, codes: list[str], roof: np.ndarray, residual: np.ndarray, seed: int) -> bool:
+    """Whether trees fitted on three quarters of the training samples beat the roofline alone on
+    the last quarter: on a noisy sweep they can learn the noise instead of the shapes."""
+    import lightgbm
+
+    rng = np.random.default_rng(seed + 1)
+    check = np.zeros(len(rows), dtype=bool)
+    check[rng.choice(len(rows), size=max(2, len(rows) // 4), replace=False)] = True
+    trees = lightgbm.Booster(model_str=_fit_trees(rows[~check], codes, residual[~check], seed))
+    features = np.array([
+        _features(codes.index(op), d, t, op) for op, d, t in zip(rows["op"][check], rows["dims"][check], rows["types"][check])
+    ])
+    measured = rows["duration_us"].to_numpy()[check]
+    learned = roof[check] * np.exp(trees.predict(features))
+    return geomean_abs_error(learned, measured) < geomean_abs_error(roof[check], measured)
+
+
+def _fit_roofline(rows: pd.DataFrame, peak: float, bandwidth: float) -> Roofline:
+    """Overhead and efficiencies minimising the squared log error (robust to a few noisy samples)."""
+    from scipy.optimize import least_squares
+
+    t = rows["duration_us"].to_numpy(dtype=float)
+    flops = rows["flops"].to_numpy(dtype=float)
+    bytes_ = rows["bytes"].to_numpy(dtype=float)
+
+    def residual(theta):
+        c, ec, em = np.exp(theta)
+        return np.log(c + np.maximum(flops / (peak * ec), bytes_ / (bandwidth * em))) - np.log(t)
+
+    start = np.log([max(float(np.min(t)) / 2, 0.1), 0.3, 0.3])
+    bounds = (np.log([1e-3, 1e-4, 1e-4]), np.log([1e6, 10.0, 10.0]))
+    fit = least_squares(residual, start, bounds=bounds, loss="soft_l1", f_scale=0.1)
+    c, ec, em = (float(v) for v in np.exp(fit.x))
+    return Roofline(c, ec, em, len(rows))
+
+
+def _fit_trees(rows: pd.DataFrame, op_codes: list[str], residual: np.ndarray, seed: int) -> str:
+    import lightgbm
+
+    features = np.array([
+        _features(op_codes.index(op), d, t, op) for op, d, t in zip(rows["op"], rows["dims"], rows["types"])
+    ])
+    params = {
+        "objective": "huber", "alpha": 0.2, "learning_rate": 0.05, "num_leaves": 8,
+        "min_data_in_leaf": 3, "min_data_in_bin": 1, "lambda_l2": 1.0, "num_threads": 1,
+        "deterministic": True, "force_row_wise": True, "seed": seed, "verbose": -1,
+    }
+    data = lightgbm.Dataset(features, residual, categorical_feature=[0], params={"verbose": -1})
+    booster = lightgbm.train(params, data, num_boost_round=200)
+    return booster.model_to_string()
+
+
+def geomean_abs_error(predicted, measured) -> float:
+    """Geometric-mean absolute error: the geometric mean of max(p/m, m/p), minus one.
+
+    The seed paper's GMAE: errors compound multiplicatively, so a 2x over- and a 2x
+    under-prediction count alike, and one wild sample does not dominate the mean."""
+    p = np.asarray(predicted, dtype=float)
+    m = np.asarray(measured, dtype=float)
+    ok = np.isfinite(p) & (p > 0) & (m > 0)
+    if not ok.any():
+        return math.nan
+    return float(np.exp(np.mean(np.abs(np.log(p[ok] / m[ok])))) - 1.0)
+
+
+def held_out_report(models: PerfModels) -> pd.DataFrame:
+    """Per family: model kind, held-out samples, and their geometric-mean absolute error with the
+    roofline alone and with the family's full model."""
+    held = models.held_out
+    rows = []
+    if len(held):
+        family = held["op"].map(FAMILY_OF)
+        for name in sorted(set(family.dropna())):
+            part = held[family == name]
+            ops, dims, types = part["op"].tolist(), part["dims"].tolist(), part["types"].tolist()
+            measured = part["duration_us"].to_numpy(dtype=float)
+            roof = models.predict_us(ops, dims, types, learned=False)
+            full = models.predict_us(ops, dims, types)
+            model = models.families.get(name)
+            rows.append({
+                "family": name,
+                "kind": model.kind if model else "none",
+                "held_out": len(part),
+                "from_traces": int(part["source"].str.startswith("trace").sum()),
+                "roofline_gmae_pct": 100 * geomean_abs_error(roof, measured),
+                "gmae_pct": 100 * geomean_abs_error(full, measured),
+                "median_abs_error_pct": 100 * float(np.nanmedian(np.abs(full / measured - 1))) if len(part) else math.nan,
+            })
+    return pd.DataFrame(rows, columns=["family", "kind", "held_out", "from_traces", "roofline_gmae_pct", "gmae_pct", "median_abs_error_pct"])

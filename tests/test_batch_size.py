@@ -1,0 +1,98 @@
+"""``whatif simulate --batch-size``: the traced iteration rebuilt at another batch size, operator
+compute rescaled by the performance models and everything between operators kept."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from trace_corpus import BUNDLED_TRACE
+from whatif.cli import main
+from whatif.collectors.kineto import load_trace
+from whatif.sim.batch_size import change_batch_size, infer_batch_size, parameter_shapes, predict_at_batch_size, rescale_dims
+from whatif.sim.build import build_graph
+from whatif.sim.graph import TaskKind
+from whatif.sim.perfmodels import load_models
+from whatif.study import TraceStudy
+
+BUNDLE = BUNDLED_TRACE.parent / "convnet_cpu.bundle"
+WIDE_MLP = BUNDLED_TRACE.parent / "wide_mlp_cpu.pt.trace.json.gz"
+
+
+def test_the_batch_dimension_is_rescaled_in_activations_not_weights():
+    weights = {(32, 3, 3, 3), (10, 128), (128, 10), (768, 256), (256, 768)}
+    conv = [[32, 3, 32, 32], [32, 3, 3, 3], [], [], [], [], []]
+    assert rescale_dims("aten::conv2d", conv, 32, 64, weights)[:2] == [[64, 3, 32, 32], [32, 3, 3, 3]]
+    # the weight gradient of a linear layer: the batch is the inner dimension
+    assert rescale_dims("aten::mm", [[10, 32], [32, 128]], 32, 64, weights) == [[10, 64], [64, 128]]
+    # its input gradient: the batch is the rows
+    assert rescale_dims("aten::mm", [[32, 10], [10, 128]], 32, 64, weights) == [[64, 10], [10, 128]]
+    # flattened tokens of a transformer (batch 8 x 64 tokens), the weight transposed
+    addmm = [[768], [512, 256], [256, 768], [], []]
+    assert rescale_dims("aten::addmm", addmm, 8, 16, weights)[:3] == [[768], [1024, 256], [256, 768]]
+
+
+def test_the_traced_batch_size_comes_from_the_bundle_or_the_first_layer():
+    bundle = load_trace(BUNDLE)
+    assert infer_batch_size(bundle, parameter_shapes(bundle)) == (32, "the bundle's environment")
+    for path, batch, first_op in ((BUNDLED_TRACE, 32, "aten::conv2d"), (WIDE_MLP, 64, "aten::linear")):
+        trace = load_trace(path)
+        found, source = infer_batch_size(trace, parameter_shapes(trace))
+        assert found == batch and first_op in source
+
+
+@pytest.fixture(scope="module")
+def models(quick_models_file):
+    return load_models(quick_models_file)
+
+
+def test_doubling_the_batch_of_the_convnet_takes_longer_but_less_than_2_2_times(models):
+    traced = TraceStudy.from_trace(BUNDLE).replay_report()["measured_ms"].to_numpy()
+    steady = float(np.median(traced[1:-1]))
+    doubled = predict_at_batch_size(BUNDLE, None, 64, models)
+    halved = predict_at_batch_size(BUNDLE, None, 16, models)
+    assert steady < doubled < 2.2 * steady
+    assert steady / 2.2 < halved < steady
+
+
+def test_only_batch_carrying_operators_and_data_loading_change(models):
+    trace = load_trace(BUNDLE)
+    graph = build_graph(trace)
+    before = graph.tasks["duration_us"].to_numpy().copy()
+    change = change_batch_size(graph, trace, models, 64)
+    after = graph.tasks["duration_us"].to_numpy()
+    assert change.from_batch == 32 and change.scaled_units > 0 and not change.unmodelled
+    changed = after != before
+    names = graph.tasks["name"].astype(str)
+    context = graph.tasks["context"].astype(str)
+    optimizer = context.str.contains("Optimizer.step").to_numpy()
+    assert not changed[optimizer].any(), "the optimizer's per-parameter work does not see the batch"
+    between = (graph.tasks["kind"] == int(TaskKind.GAP)).to_numpy() & ~context.str.contains("DataLoader|aten::").to_numpy()
+    assert not changed[between].any(), "time between operators is kept as measured"
+    assert changed[(names == "aten::mkldnn_convolution").to_numpy()].all()
+    loading = context.str.contains("DataLoader").to_numpy()
+    np.testing.assert_allclose(after[loading], 2 * before[loading])
+
+
+def test_the_same_batch_size_changes_nothing(models):
+    trace = load_trace(BUNDLE)
+    graph = build_graph(trace)
+    before = graph.tasks["duration_us"].to_numpy().copy()
+    change_batch_size(graph, trace, models, 32)
+    np.testing.assert_array_equal(graph.tasks["duration_us"].to_numpy(), before)
+
+
+def test_simulate_batch_size_on_the_command_line(quick_models_file, capsys):
+    argv = ["simulate", str(BUNDLED_TRACE), "--batch-size", "16", "--perfmodel", str(quick_models_file), "--json"]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    doc = json.loads(out)
+    assert doc["batch_size"]["from"] == 32 and doc["batch_size"]["to"] == 16
+    assert doc["batch_size"]["from_source"].startswith("the first input of the first layer")
+    assert doc["summary"]["steady_predicted_ms"] < doc["summary"]["steady_measured_ms"]
+    argv = ["simulate", str(BUNDLED_TRACE), "--batch-size", "64", "--from-batch-size", "0", "--perfmodel", str(quick_models_file)]
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert err.count("\n") == 1 and "traced batch size must be a positive integer" in err

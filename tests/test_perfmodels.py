@@ -1,0 +1,131 @@
+"""Operator performance models: the sweep measures what traces record, the models predict shapes
+they were not fitted on, and a models file is a portable, checked JSON document."""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+
+import numpy as np
+import pytest
+
+from trace_corpus import BUNDLED_TRACE
+from whatif.cli import main
+from whatif.collectors.microbench import SWEEP_OPS, recorded_as
+from whatif.sim.perfmodels import (
+    FAMILY_OF,
+    DeviceMismatchWarning,
+    geomean_abs_error,
+    held_out_report,
+    load_models,
+    trace_samples,
+    work,
+)
+
+#: Held-out geometric-mean error a model fitted on the quick sweep (a few shapes per operator,
+#: three repeats) must stay under in every family; the default sweep's figures are in the README.
+QUICK_FAMILY_BOUND_PCT = 75.0
+
+
+def test_the_sweep_names_and_shapes_each_call_as_a_trace_records_it():
+    for op in [op for ops in SWEEP_OPS.values() for op in ops]:
+        case, recorded_name, recorded_dims = recorded_as(op)
+        assert (recorded_name, recorded_dims) == (case.op, case.dims), op
+        assert op in FAMILY_OF, f"{op} is swept but belongs to no family"
+
+
+def test_work_is_the_textbook_count_for_gemm_and_convolution():
+    assert work("aten::mm", [[64, 128], [128, 32]], ["float", "float"]) == (2 * 64 * 128 * 32, 4 * (64 * 128 + 128 * 32 + 64 * 32))
+    flops, _ = work("aten::conv2d", [[8, 16, 32, 32], [64, 16, 3, 3], [], [], [], [], []], ["float", "float"])
+    assert flops == 2 * 8 * 64 * 32 * 32 * 16 * 3 * 3  # stride 1, "same" padding
+    assert all(math.isnan(v) for v in work("aten::mm", [[64, 128], []], ["float", ""]))
+
+
+def test_a_quick_fit_predicts_held_out_shapes_of_every_family(quick_models_file):
+    models = load_models(quick_models_file)
+    report = held_out_report(models).set_index("family")
+    assert set(report.index) == set(SWEEP_OPS)
+    assert (report["held_out"] > 0).all()
+    for family, row in report.iterrows():
+        assert row["gmae_pct"] < QUICK_FAMILY_BOUND_PCT, f"{family}: {row['gmae_pct']:.1f} %"
+
+
+def test_the_models_file_round_trips_and_holds_no_pickle(quick_models_file, tmp_path):
+    models = load_models(quick_models_file)
+    copy = tmp_path / "copy.json"
+    models.save(copy)
+    again = load_models(copy)
+    held = models.held_out
+    args = (held["op"].tolist(), held["dims"].tolist(), held["types"].tolist())
+    np.testing.assert_array_equal(models.predict_us(*args), again.predict_us(*args))
+    doc = json.loads(copy.read_text())
+    assert doc["device"]["peak_gflops"] > 0 and doc["device"]["bandwidth_gbps"] > 0
+    learned = [f for f in doc["families"].values() if f["trees"]]
+    assert learned and all(f["trees"].startswith("tree\n") for f in learned), "LightGBM's text format"
+
+
+def test_models_measured_on_another_device_warn(quick_models_file, tmp_path, capsys):
+    doc = json.loads(quick_models_file.read_text())
+    doc["device"]["name"] = "Some Other CPU 9000"
+    elsewhere = tmp_path / "elsewhere.json"
+    elsewhere.write_text(json.dumps(doc))
+    with pytest.warns(DeviceMismatchWarning, match="Some Other CPU 9000"):
+        load_models(elsewhere)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_models(quick_models_file)  # this machine's own: silent
+    assert main(["perfmodel", "report", str(elsewhere)]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("whatif: warning: ") and "Some Other CPU 9000" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    "corrupt, field",
+    [
+        (lambda doc: "{not json", "not valid JSON"),
+        (lambda doc: {**doc, "format": "something-else"}, "'format'"),
+        (lambda doc: {**doc, "device": {**doc["device"], "bandwidth_gbps": -3}}, "'device.bandwidth_gbps'"),
+        (lambda doc: {**doc, "families": {**doc["families"], "gemm": {**doc["families"]["gemm"], "pooled": None}}},
+         "'families.gemm.pooled'"),
+        (lambda doc: {**doc, "families": {"matmuls": {}}}, "'families.matmuls'"),
+        (lambda doc: {k: v for k, v in doc.items() if k != "held_out"}, "'held_out'"),
+    ],
+)
+def test_a_malformed_models_file_is_a_one_line_error(quick_models_file, tmp_path, capsys, corrupt, field):
+    bad = tmp_path / "bad.json"
+    value = corrupt(json.loads(quick_models_file.read_text()))
+    bad.write_text(value if isinstance(value, str) else json.dumps(value))
+    assert main(["perfmodel", "report", str(bad)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert err.startswith(f"whatif: error: {bad}: ") and field in err and "Traceback" not in err
+
+
+def test_a_trace_gives_one_sample_per_outermost_modelled_call():
+    samples = trace_samples(BUNDLED_TRACE)
+    counts = samples["op"].value_counts()
+    assert counts["aten::conv2d"] == 3 * 5  # three layers, five profiled steps
+    assert counts["aten::convolution_backward"] == 3 * 5
+    assert "aten::mkldnn_convolution" not in counts, "nested inside aten::conv2d: timed as part of it"
+    assert (samples["duration_us"] > 0).all()
+
+
+def test_fit_from_a_trace_alone_and_report(tmp_path, capsys):
+    out = tmp_path / "from_trace.json"
+    argv = ["perfmodel", "fit", "--no-sweep", "--from-trace", str(BUNDLED_TRACE),
+            "--peak-gflops", "90", "--bandwidth-gbps", "20", "--out", str(out)]
+    assert main(argv) == 0
+    capsys.readouterr()
+    models = load_models(out)
+    assert "conv" in models.families and models.sources[0].startswith(f"trace {BUNDLED_TRACE}")
+    assert main(["perfmodel", "report", str(out), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert {row["family"] for row in doc["families"]} <= set(models.families)
+    assert all(row["from_traces"] == row["held_out"] for row in doc["families"])
+
+
+def test_geomean_error_counts_over_and_under_prediction_alike():
+    assert geomean_abs_error([2.0], [1.0]) == pytest.approx(1.0)
+    assert geomean_abs_error([0.5], [1.0]) == pytest.approx(1.0)
+    assert geomean_abs_error([1.1, 1.0], [1.0, 1.0]) == pytest.approx(math.sqrt(1.1) - 1)

@@ -1,0 +1,137 @@
+"""``whatif perfmodel fit|report`` and ``whatif simulate --batch-size``: the command-line side of
+the operator performance models (``sim/perfmodels.py``) and of the batch-size what-if
+(``sim/batch_size.py``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import msgspec
+import pandas as pd
+
+from whatif.sim.perfmodels import (
+    DeviceMismatchWarning,
+    PerfModelError,
+    PerfModels,
+    default_models,
+    fit_models,
+    held_out_report,
+    load_models,
+    trace_samples,
+)
+
+
+def add_parser(sub) -> None:
+    """The ``perfmodel`` command and its ``fit`` and ``report`` subcommands."""
+    perfmodel = sub.add_parser("perfmodel", help="operator performance models: fit them on this device, report their accuracy")
+    commands = perfmodel.add_subparsers(dest="perfmodel_command", required=True)
+    fit = commands.add_parser("fit", help="run the microbenchmark sweep (and read traces) and fit the models")
+    fit.add_argument("--out", type=Path, required=True, metavar="MODELS.json", help="the models file to write")
+    fit.add_argument("--quick", action="store_true", help="a sweep of seconds instead of minutes (coarser models)")
+    fit.add_argument("--from-trace", action="append", default=[], type=Path, metavar="TRACE",
+                     help="also fit from the operator times of this CPU trace or bundle (repeatable)")
+    fit.add_argument("--no-sweep", action="store_true", help="fit from the traces alone (no microbenchmarks, no torch)")
+    fit.add_argument("--peak-gflops", type=float, help="with --no-sweep: the device's peak GFLOP/s (default: a 1-thread sweep's)")
+    fit.add_argument("--bandwidth-gbps", type=float, help="with --no-sweep: the device's memory bandwidth in GB/s")
+    fit.add_argument("--threads", type=int, default=1, help="torch intra-op threads, as the traces ran (default: 1)")
+    report = commands.add_parser("report", help="per-family geometric-mean error on the held-out shapes")
+    report.add_argument("models", type=Path, metavar="MODELS.json")
+    report.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+def add_batch_size_options(simulate: argparse.ArgumentParser) -> None:
+    simulate.add_argument("--batch-size", type=int, metavar="B", help="rebuild the iteration at batch size B (operator performance models)")
+    simulate.add_argument("--from-batch-size", "--predict-from", dest="from_batch_size", type=int, metavar="B0",
+                          help="the batch size the trace was captured at (default: the bundle's, else inferred)")
+    simulate.add_argument("--perfmodel", type=Path, metavar="MODELS.json",
+                          help="operator models for --batch-size (default: this machine's quick fit, cached)")
+
+
+def _warn(message: str) -> None:
+    print(f"whatif: warning: {message}", file=sys.stderr)
+
+
+def load_for_cli(path: Path) -> PerfModels:
+    """Load a models file, telling the user on stderr when it was measured on another device."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", DeviceMismatchWarning)
+        models = load_models(path) if path is not None else default_models(progress=_warn)
+    for warning in caught:
+        if issubclass(warning.category, DeviceMismatchWarning):
+            _warn(str(warning.message))
+    return models
+
+
+def rebatch(study, args: argparse.Namespace) -> dict:
+    """Replace ``study.graph`` by its rebuild at ``--batch-size`` (the replay stays the measured
+    one, so the report's speed-up compares the two batch sizes); what was done, for the output."""
+    from whatif.sim.batch_size import change_batch_size
+
+    models = load_for_cli(args.perfmodel)
+    graph = study.graph.copy()
+    change = change_batch_size(graph, study.trace, models, args.batch_size, args.from_batch_size)
+    study.graph = graph
+    if not args.json:
+        print(change.describe(), file=sys.stderr)
+    return {"from": change.from_batch, "to": change.to_batch, "from_source": change.batch_source,
+            "scaled_operator_calls": change.scaled_units, "unmodelled": dict(change.unmodelled)}
+
+
+def run_perfmodel(args: argparse.Namespace) -> int:
+    if args.perfmodel_command == "fit":
+        return _fit(args)
+    models = load_for_cli(args.models)
+    table = held_out_report(models)
+    if args.json:
+        out = {"models": str(args.models), "device": models.device, "sources": models.sources,
+               "families": table.to_dict(orient="records")}
+        sys.stdout.write(msgspec.json.encode(out).decode() + "\n")
+        return 0
+    device = models.device
+    print(f"{args.models}: {device['type']} {device['name']!r}, peak {device['peak_gflops']:g} GFLOP/s, "
+          f"memory {device['bandwidth_gbps']:g} GB/s; fitted from {', '.join(models.sources) or 'unknown'}")
+    shown = table.rename(columns={
+        "held_out": "held-out shapes", "from_traces": "from traces", "roofline_gmae_pct": "roofline GMAE %",
+        "gmae_pct": "GMAE %", "median_abs_error_pct": "median |error| %",
+    })
+    print(shown.to_string(index=False, float_format=lambda v: f"{v:.1f}"))
+    return 0
+
+
+def _fit(args: argparse.Namespace) -> int:
+    if args.no_sweep and not args.from_trace:
+        raise PerfModelError("perfmodel fit --no-sweep: give at least one --from-trace TRACE")
+    started = time.perf_counter()
+    parts, sources = [], []
+    if args.no_sweep:
+        if args.peak_gflops is None or args.bandwidth_gbps is None:
+            raise PerfModelError("perfmodel fit --no-sweep: give the device's --peak-gflops and --bandwidth-gbps")
+        from whatif.sim.perfmodels import current_device
+
+        device = {**current_device(), "threads": args.threads,
+                  "peak_gflops": args.peak_gflops, "bandwidth_gbps": args.bandwidth_gbps}
+    else:
+        try:
+            from whatif.collectors.microbench import run_sweep
+        except ImportError as err:
+            raise PerfModelError(f"perfmodel fit: the microbenchmark sweep needs torch ({err}); or use --no-sweep") from None
+        samples, device = run_sweep(quick=args.quick, threads=args.threads,
+                                    progress=lambda line: print(f"  {line}", file=sys.stderr))
+        parts.append(samples)
+        sources.append("sweep quick" if args.quick else "sweep")
+    for trace in args.from_trace:
+        samples = trace_samples(trace)
+        parts.append(samples)
+        sources.append(f"trace {trace} ({len(samples)} operator calls)")
+    models = fit_models(pd.concat(parts, ignore_index=True), device, sources)
+    models.save(args.out)
+    print(f"wrote {args.out}: {len(models.families)} families from {sum(len(p) for p in parts)} samples "
+          f"({', '.join(sources)}) in {time.perf_counter() - started:.0f} s; peak {device['peak_gflops']:g} GFLOP/s, "
+          f"memory {device['bandwidth_gbps']:g} GB/s")
+    print(held_out_report(models)[["family", "kind", "held_out", "gmae_pct"]].to_string(
+        index=False, float_format=lambda v: f"{v:.1f}"))
+    return 0
