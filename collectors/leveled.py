@@ -42,6 +42,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import shlex
 import socket
 import statistics
@@ -65,6 +66,7 @@ LEVELS_ENV = "WHATIF_PROFILE_LEVELS"  # every level of the session: which ones a
 OUT_ENV = "WHATIF_PROFILE_OUT"
 STEPS_ENV = "WHATIF_PROFILE_STEPS"
 WARMUP_ENV = "WHATIF_PROFILE_WARMUP"
+ROUND_ENV = "WHATIF_PROFILE_ROUND"
 RUN_FORMAT = "whatif-leveled-run"
 VIEW_FORMAT = "whatif-leveled-view"
 VERSION = 1
@@ -102,9 +104,11 @@ class LeveledProfile:
     record is written (the loop may stop then). ``out`` is the folder the record goes to, shared
     by the runs of all levels; the model and layer levels may leave it out and read
     :attr:`record` instead. Under ``whatif profile`` the environment's ``WHATIF_PROFILE_LEVEL``,
-    ``WHATIF_PROFILE_OUT``, ``WHATIF_PROFILE_STEPS`` and ``WHATIF_PROFILE_WARMUP`` override
-    ``level``, ``out``, ``steps`` and ``warmup``; ``levels`` (or ``WHATIF_PROFILE_LEVELS``) are
-    all the levels profiled, so that an operator run knows whether to attribute to layers.
+    ``WHATIF_PROFILE_OUT``, ``WHATIF_PROFILE_STEPS``, ``WHATIF_PROFILE_WARMUP`` and
+    ``WHATIF_PROFILE_ROUND`` override ``level``, ``out``, ``steps``, ``warmup`` and ``round_index``;
+    ``levels`` (or ``WHATIF_PROFILE_LEVELS``) are all the levels profiled, so that an operator
+    run knows whether to attribute to layers. A level measured again in a later round
+    writes ``LEVEL.ROUND.json``; the view pools the rounds' steps.
     """
 
     def __init__(
@@ -117,6 +121,7 @@ class LeveledProfile:
         steps: int = 10,
         warmup: int = 3,
         name: Optional[str] = None,
+        round_index: int = 0,
     ):
         (self.level,) = parse_levels([os.environ.get(LEVEL_ENV) or level])
         self.levels = parse_levels(os.environ.get(LEVELS_ENV) or levels or [self.level])
@@ -126,6 +131,8 @@ class LeveledProfile:
             raise ProfileError(f"the {self.level} level writes a trace: give LeveledProfile(out=...) or run under `whatif profile`")
         self.steps = _count(STEPS_ENV, "steps", steps, minimum=1)
         self.warmup = _count(WARMUP_ENV, "warmup", warmup, minimum=1)
+        self.round = _count(ROUND_ENV, "round", round_index, minimum=0)
+        self._stem = self.level if self.round == 0 else f"{self.level}.{self.round}"
         self.model = model
         self.name = name or type(model).__name__
         self.record: Optional[dict] = None  # once the level is measured (or found impossible)
@@ -204,7 +211,7 @@ class LeveledProfile:
         if isinstance(self._hooks, _LayerTimer):
             record["layers"] = [row for row in self._hooks.rows if row[0] >= self.warmup]
         if self._profiler is not None:
-            trace = self.out / f"{self.level}.pt.trace.json.gz"
+            trace = self.out / f"{self._stem}.pt.trace.json.gz"
             self._profiler.export_chrome_trace(str(trace))
             record["trace"] = trace.name
             if self._hooks is not None:
@@ -219,6 +226,7 @@ class LeveledProfile:
             "level": self.level,
             "levels": list(self.levels),
             "model": self.name,
+            "round": self.round,
             "run": run,
             "warmup_steps": self.warmup,
             "steps": self.steps,
@@ -236,7 +244,7 @@ class LeveledProfile:
         self.record = record
         if self.out is not None:
             self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / f"{self.level}.json").write_text(json.dumps(record, indent=1) + "\n")
+            (self.out / f"{self._stem}.json").write_text(json.dumps(record, indent=1) + "\n")
 
 
 def _tensors(value) -> list:
@@ -368,24 +376,36 @@ class _LayerAnnotator(_LeafHooks):
 # -- from the runs to one hierarchy ---------------------------------------------------------------
 
 
-def read_runs(folder: Union[str, Path]) -> dict[str, dict]:
-    """The level records in ``folder``, by level, least intrusive first."""
+def read_runs(folder: Union[str, Path]) -> dict[str, list[dict]]:
+    """The level records in ``folder``: per level, least intrusive first, its rounds in order."""
     folder = Path(folder)
     runs = {}
     for level in LEVELS:
-        path = folder / f"{level}.json"
-        if not path.is_file():
-            continue
-        try:
-            record = json.loads(path.read_text())
-        except ValueError:
-            raise ProfileError(f"{path}: not JSON") from None
-        if not isinstance(record, dict) or (record.get("format"), record.get("version"), record.get("level")) != (RUN_FORMAT, VERSION, level):
-            raise ProfileError(f"{path}: not a {RUN_FORMAT} record of the {level} level, version {VERSION}")
-        runs[level] = record
+        paths = sorted(folder.glob(f"{level}*.json"), key=lambda p: _round_of(p.name) or 0)
+        records = []
+        for path in (p for p in paths if _round_of(p.name) is not None):
+            try:
+                record = json.loads(path.read_text())
+            except ValueError:
+                raise ProfileError(f"{path}: not JSON") from None
+            if not isinstance(record, dict) or (record.get("format"), record.get("version"), record.get("level")) != (RUN_FORMAT, VERSION, level):
+                raise ProfileError(f"{path}: not a {RUN_FORMAT} record of the {level} level, version {VERSION}")
+            records.append(record)
+        if records:
+            runs[level] = records
     if not runs:
         raise ProfileError(f"{folder}: no leveled profile in it (none of {', '.join(level + '.json' for level in LEVELS)})")
     return runs
+
+
+_OUR_FILE = re.compile(rf"^({'|'.join(LEVELS)})(\.(\d+))?(\.json|\.pt\.trace\.json\.gz)$")
+
+
+def _round_of(name: str) -> Optional[int]:
+    """The round a level's record or trace file holds (``LEVEL.json``: 0, ``LEVEL.R.json``: R),
+    or None for a file that is neither."""
+    match = _OUR_FILE.match(name)
+    return None if match is None else int(match.group(3) or 0)
 
 
 def build_view(folder: Union[str, Path]) -> dict:
@@ -398,16 +418,18 @@ def build_view(folder: Union[str, Path]) -> dict:
     the inflation a deeper level's profiling causes can be read node by node. A node that only
     a deeper level's path names (an operator's layer when no run measured layers) has no latency.
 
-    Within a run, latencies are means per step over the run's faster half of its measured steps
-    (those at most its median step time): a busy machine preempts a step now and then, and such
-    steps are left out, the same steps for every node of the run, so that within a run the
-    children's means add up as their per-step totals do."""
+    A level's latencies are means per step over the faster half of its measured steps, those
+    of all its rounds pooled (the steps at most their median step time): a busy machine
+    preempts a step now and then, and such steps are left out, the same steps for every node
+    of the level, so that within a level the children's means add up as their per-step totals
+    do. Rounds that alternate the levels (``whatif profile --rounds``) give every level steps
+    from the same stretches of a machine's load."""
     folder = Path(folder)
     runs = read_runs(folder)
-    measured = {level: _measure(record, folder) for level, record in runs.items() if record["run"]}
+    measured = {level: _measure(records, folder) for level, records in runs.items() if records[0]["run"]}
     if not measured:
-        raise ProfileError(f"{folder}: no level was run ({'; '.join(r.get('reason') or '' for r in runs.values())})")
-    model = runs[next(iter(runs))]["model"]
+        raise ProfileError(f"{folder}: no level was run ({'; '.join(r[0].get('reason') or '' for r in runs.values())})")
+    model = runs[next(iter(runs))][0]["model"]
     root = _node(model, "model")
     for run, m in measured.items():
         _measured_by(root, run, m["step_ms"], 1.0)
@@ -419,11 +441,12 @@ def build_view(folder: Union[str, Path]) -> dict:
         "format": VIEW_FORMAT,
         "version": VERSION,
         "model": model,
-        "environment": runs[next(iter(measured))]["environment"],
+        "environment": runs[next(iter(measured))][0]["environment"],
         "levels": {
-            level: {key: m[key] for key in ("step_ms", "step_ms_median", "steps", "steps_kept", "events_per_step")} | {"run": True}
+            level: {key: m[key] for key in ("step_ms", "step_ms_median", "rounds", "steps", "steps_kept", "events_per_step")}
+            | {"run": True}
             if (m := measured.get(level))
-            else {"run": False, "reason": runs[level].get("reason")}
+            else {"run": False, "reason": runs[level][0].get("reason")}
             for level in runs
         },
         "sources": {
@@ -518,30 +541,43 @@ def _measured_by(node: dict, run: str, latency_ms: float, calls: float) -> None:
     node["by_level"][run] = latency_ms
 
 
-def _measure(record: dict, folder: Path) -> dict:
-    """One run's step time and what it measured: per level, rows (path below the model, mean
-    latency in ms per step, mean calls per step), over the steps it keeps."""
-    warmup = record["warmup_steps"]
-    steps_ms = record["step_ms"][warmup:]
-    median_ms = statistics.median(steps_ms)
-    kept = [i for i, ms in enumerate(steps_ms) if ms <= median_ms]
+def _measure(records: list[dict], folder: Path) -> dict:
+    """One level's step time and what it measured, over its rounds: per level, rows (path
+    below the model, mean latency in ms per kept step, mean calls per kept step)."""
+    steps_ms = {(r, i): ms for r, record in enumerate(records) for i, ms in enumerate(record["step_ms"][record["warmup_steps"]:])}
+    median_ms = statistics.median(steps_ms.values())
+    kept = [key for key, ms in steps_ms.items() if ms <= median_ms]
     out = {
-        "step_ms": statistics.fmean(steps_ms[i] for i in kept),
+        "step_ms": statistics.fmean(steps_ms[key] for key in kept),
         "step_ms_median": median_ms,
+        "rounds": len(records),
         "steps": len(steps_ms),
         "steps_kept": len(kept),
         "events_per_step": None,
         "rows": {},
     }
-    if record["level"] == "layer":
-        layers = pd.DataFrame(record["layers"], columns=["step", "layer", "pass", "total_us", "calls"])
-        layers["step"] -= warmup
-        layers["path"] = [(_layer_label(layer, phase),) for layer, phase in zip(layers["layer"], layers["pass"])]
-        out["rows"]["layer"] = _step_means(layers, kept)
-    elif record["level"] in _PROFILED:
-        out["rows"], out["events_per_step"] = _trace_rows(folder / record["trace"], record.get("layer_sequence_nr"), kept, len(steps_ms))
-        if record["level"] != "kernel":
-            out["rows"].pop("kernel")
+    totals: dict[str, dict] = defaultdict(dict)  # level -> path -> [total_us, calls] over the kept steps
+    events = 0.0
+    for r, record in enumerate(records):
+        mine = [i for round_, i in kept if round_ == r]
+        if record["level"] == "layer":
+            layers = pd.DataFrame(record["layers"], columns=["step", "layer", "pass", "total_us", "calls"])
+            layers["step"] -= record["warmup_steps"]
+            layers["path"] = [(_layer_label(layer, phase),) for layer, phase in zip(layers["layer"], layers["pass"])]
+            _add_step_sums(totals["layer"], layers, mine)
+        elif record["level"] in _PROFILED:
+            measured = len(record["step_ms"]) - record["warmup_steps"]
+            frames, count = _trace_frames(folder / record["trace"], record.get("layer_sequence_nr"), measured)
+            for level, frame in frames.items():
+                if level != "kernel" or record["level"] == "kernel":
+                    _add_step_sums(totals[level], frame, mine)
+            events += float(np.isin(count["step"], mine).sum())
+    if records[0]["level"] in _PROFILED:
+        out["events_per_step"] = events / len(kept)
+    out["rows"] = {
+        level: [(path, total_us / 1e3 / len(kept), calls / len(kept)) for path, (total_us, calls) in paths.items()]
+        for level, paths in totals.items()
+    }
     return out
 
 
@@ -549,17 +585,20 @@ def _layer_label(layer: str, phase: str) -> str:
     return f"{layer} ({phase})"
 
 
-def _step_means(frame: pd.DataFrame, kept: list[int]) -> list[tuple]:
-    """Rows (path, total_us per kept step in ms, calls per kept step) of a frame with columns
-    path, step, total_us, calls; paths in order of first appearance."""
-    chosen = frame[frame["step"].isin(kept)]
-    sums = chosen.groupby("path", sort=False)[["total_us", "calls"]].sum()
-    return [(path, total_us / 1e3 / len(kept), calls / len(kept)) for path, total_us, calls in sums.itertuples()]
+def _add_step_sums(totals: dict, frame: pd.DataFrame, steps: list[int]) -> None:
+    """Add to ``totals`` (path -> [total_us, calls], in order of first appearance) the sums over
+    ``steps`` of a frame with columns path, step, total_us, calls."""
+    chosen = frame[frame["step"].isin(steps)]
+    for path, total_us, calls in chosen.groupby("path", sort=False)[["total_us", "calls"]].sum().itertuples():
+        entry = totals.setdefault(path, [0.0, 0.0])
+        entry[0] += total_us
+        entry[1] += calls
 
 
-def _trace_rows(path: Path, sequence_nr: Optional[dict], kept: list[int], steps: int) -> tuple[dict, float]:
-    """From a profiler run's trace: rows per level (operators, kernels and, where the run
-    annotated layers, layers) and the CPU-side events per kept step. Steps are the trace's
+def _trace_frames(path: Path, sequence_nr: Optional[dict], steps: int) -> tuple[dict, pd.DataFrame]:
+    """From a profiler run's trace: per level (operators, kernels and, where the run annotated
+    layers, layers) a frame of path, step, total_us and calls, one row per event; and the step
+    of every CPU-side event the profiler recorded (column ``step``). Steps are the trace's
     ``ProfilerStep#N`` ranges, the run's measured steps in order; an operator belongs to the
     step it starts in, a kernel to the step its launch call does. A layer's forward latency is
     its ``whatif.layer`` range, its backward latency the sum of its nodes' backward ranges."""
@@ -580,8 +619,7 @@ def _trace_rows(path: Path, sequence_nr: Optional[dict], kept: list[int], steps:
     step[(step < 0) | (start >= iterations["end_us"].to_numpy()[np.maximum(step, 0)])] = -1
 
     cpu = np.isin(kind, [int(EventKind.CPU_OP), int(EventKind.ANNOTATION), int(EventKind.RUNTIME)])
-    counted = cpu & np.isin(step, kept) & ~pd.Series(names).str.startswith("ProfilerStep#").to_numpy()
-    events = float(counted.sum()) / len(kept)
+    counted = cpu & (step >= 0) & ~pd.Series(names).str.startswith("ProfilerStep#").to_numpy()
 
     ops = np.flatnonzero(kind == int(EventKind.CPU_OP))
     ops = ops[_outermost(ops, start, end, thread)]
@@ -605,22 +643,21 @@ def _trace_rows(path: Path, sequence_nr: Optional[dict], kept: list[int], steps:
     launcher = _enclosing(launches, ops, start, end, thread).tolist()
     kernel_paths = [op_path[op] + (names[k],) if op >= 0 else (names[k],) for k, op in zip(gpu.tolist(), launcher)]
 
-    rows = {
-        "operator": _rows(list(op_path.values()), step[ops], end[ops] - start[ops], kept),
-        "kernel": _rows(kernel_paths, step[launches], end[gpu] - start[gpu], kept),
+    frames = {
+        "operator": _frame(list(op_path.values()), step[ops], end[ops] - start[ops]),
+        "kernel": _frame(kernel_paths, step[launches], end[gpu] - start[gpu]),
     }
     if sequence_nr is not None:
         in_backward = [op for op, p in op_path.items() if len(p) == 2 and p[0].endswith("(backward)")]
         layer_rows = annotations.tolist() + in_backward
         layer_paths = [(_layer_label(names[a][len(LAYER_RANGE):], "forward"),) for a in annotations.tolist()]
         layer_paths += [op_path[op][:1] for op in in_backward]
-        rows["layer"] = _rows(layer_paths, step[layer_rows], end[layer_rows] - start[layer_rows], kept)
-    return rows, events
+        frames["layer"] = _frame(layer_paths, step[layer_rows], end[layer_rows] - start[layer_rows])
+    return frames, pd.DataFrame({"step": step[counted]})
 
 
-def _rows(paths: list, steps: np.ndarray, durations_us: np.ndarray, kept: list[int]) -> list[tuple]:
-    frame = pd.DataFrame({"path": paths, "step": steps, "total_us": durations_us, "calls": 1})
-    return _step_means(frame, kept)
+def _frame(paths: list, steps: np.ndarray, durations_us: np.ndarray) -> pd.DataFrame:
+    return pd.DataFrame({"path": paths, "step": steps, "total_us": durations_us, "calls": 1})
 
 
 def _outermost(rows: np.ndarray, start: np.ndarray, end: np.ndarray, thread: np.ndarray) -> np.ndarray:
@@ -666,13 +703,16 @@ def profile_command(
     out: Optional[Path] = None,
     steps: Optional[int] = None,
     warmup: Optional[int] = None,
+    rounds: int = 1,
 ) -> dict:
     """Run ``command`` (a training script using :class:`LeveledProfile`) once per level, least
-    intrusive first, into the folder ``out`` (default: ``SCRIPT.xsp``), then build the view
-    (:func:`build_view`) and write it there as ``view.json`` and ``view.csv``. An earlier
-    leveled profile in ``out`` is replaced; a folder holding anything else is refused. Raises
-    :class:`ProfileError` for an unknown level, a missing script, a script that fails or
-    writes no record."""
+    intrusive first, ``rounds`` times over, into the folder ``out`` (default: ``SCRIPT.xsp``),
+    then build the view (:func:`build_view`) and write it there as ``view.json`` and
+    ``view.csv``. Alternating the levels round by round spreads each level's steps over the
+    same stretch of time, so that a machine busy with other work for a while slows every level
+    alike rather than one. An earlier leveled profile in ``out`` is replaced; a folder holding
+    anything else is refused. Raises :class:`ProfileError` for an unknown level, a missing
+    script, a script that fails or writes no record."""
     levels = parse_levels(levels)
     command = list(command)
     if command[:1] == ["--"]:
@@ -684,7 +724,7 @@ def profile_command(
         raise ProfileError(f"{script}: no such script")
     if command[0].endswith(".py"):
         command = [sys.executable] + command
-    for what, value in (("--steps", steps), ("--warmup", warmup)):
+    for what, value in (("--steps", steps), ("--warmup", warmup), ("--rounds", rounds)):
         if value is not None and value < 1:
             raise ProfileError(f"{what} must be at least 1, not {value}")
     out = Path(out) if out is not None else Path(f"{Path(script).stem if script else 'profile'}.xsp")
@@ -693,8 +733,13 @@ def profile_command(
     counts = {STEPS_ENV: steps, WARMUP_ENV: warmup}
     inherited = {name: value for name, value in os.environ.items() if name not in counts}
     chosen = {name: str(value) for name, value in counts.items() if value is not None}
-    for level in levels:
-        env = inherited | chosen | {LEVEL_ENV: level, LEVELS_ENV: ",".join(levels), OUT_ENV: str(out.resolve())}
+    for level, round_ in ((level, r) for r in range(rounds) for level in levels):
+        if round_ and not read_runs(out)[level][0]["run"]:
+            continue  # a level that cannot run here (the kernel level without a GPU) says so once
+        env = inherited | chosen | {
+            LEVEL_ENV: level, LEVELS_ENV: ",".join(levels), OUT_ENV: str(out.resolve()), ROUND_ENV: str(round_)
+        }
+        record = out / (f"{level}.json" if round_ == 0 else f"{level}.{round_}.json")
         try:
             done = subprocess.run(command, env=env, capture_output=True, text=True)
         except FileNotFoundError:
@@ -706,9 +751,9 @@ def profile_command(
             why = f": {lines[-1].strip()[:300]}" if lines else ""
             status = f"was killed by signal {-done.returncode}" if done.returncode < 0 else f"exited with status {done.returncode}"
             raise ProfileError(f"`{shown}` {status} at the {level} level{why}")
-        if not (out / f"{level}.json").is_file():
+        if not record.is_file():
             raise ProfileError(
-                f"`{shown}` wrote no {level}.json to {out}: does it use whatif.collectors.leveled.LeveledProfile "
+                f"`{shown}` wrote no {record.name} to {out}: does it use whatif.collectors.leveled.LeveledProfile "
                 "and call profile.step() every step?"
             )
     result = build_view(out) | {"folder": str(out)}
@@ -719,12 +764,11 @@ def profile_command(
 
 def _clear(out: Path) -> None:
     """Make ``out`` an empty folder, removing an earlier leveled profile's files, refusing others."""
-    ours = {VIEW_FILE, TABLE_FILE} | {f"{level}.json" for level in LEVELS} | {f"{level}.pt.trace.json.gz" for level in LEVELS}
     if out.exists() and not out.is_dir():
         raise ProfileError(f"{out}: exists and is not a folder")
     if out.is_dir():
-        present = [p for p in out.iterdir()]
-        others = [p.name for p in present if p.name not in ours]
+        present = list(out.iterdir())
+        others = [p.name for p in present if p.name not in (VIEW_FILE, TABLE_FILE) and _round_of(p.name) is None]
         if others:
             raise ProfileError(f"{out}: refusing to write into a folder that holds other files ({others[0]}) than a leveled profile")
         for p in present:

@@ -169,6 +169,19 @@ def test_profiler_overhead_compares_each_level_with_the_model_level(profiled):
     assert overhead["model"]["events_per_step"] is None
 
 
+def test_rounds_of_a_level_pool_their_steps(tmp_path):
+    model = deep_narrow_mlp()
+    for round_index in range(2):
+        for level in ("model", "operator"):
+            with LeveledProfile(tmp_path, model=model, level=level, steps=3, warmup=1, round_index=round_index) as profile:
+                train(model, profile)
+    assert (tmp_path / "operator.1.pt.trace.json.gz").is_file()
+    view = build_view(tmp_path)
+    for level in ("model", "operator"):
+        assert view["levels"][level]["rounds"] == 2 and view["levels"][level]["steps"] == 6
+        assert view["levels"][level]["steps_kept"] >= 3, "the faster half of the pooled steps"
+
+
 def test_without_the_layer_level_the_operator_run_carries_no_layer_hooks(tmp_path):
     model = deep_narrow_mlp()
     with LeveledProfile(tmp_path, model=model, level="operator", levels=("model", "operator"), steps=2, warmup=1) as profile:
@@ -220,18 +233,19 @@ def test_kernels_hang_under_the_operator_that_launched_them(tmp_path):
 # -- whatif profile --------------------------------------------------------------------------------
 
 
-def test_whatif_profile_runs_a_zoo_model_through_every_cpu_level(capsys, tmp_path):
+def test_whatif_profile_runs_a_zoo_model_through_every_cpu_level_in_rounds(capsys, tmp_path):
     out = tmp_path / "zoo.xsp"
     status, stdout, err = run_cli(
-        capsys, "profile", "--levels", ",".join(LEVELS), "--steps", 4, "--warmup", 1, "--out", out, "--json",
+        capsys, "profile", "--levels", ",".join(LEVELS), "--steps", 3, "--warmup", 1, "--rounds", 2, "--out", out, "--json",
         "--", sys.executable, REPO / "examples" / "zoo.py", "cnn-small",
     )
     assert status == 0, err
     view = json.loads(stdout)
     assert view == json.loads((out / "view.json").read_text())
     assert view["model"] == "cnn-small"
-    assert all(view["levels"][level]["run"] and view["levels"][level]["steps"] == 4 for level in CPU_LEVELS)
+    assert all(view["levels"][level]["run"] and view["levels"][level]["steps"] == 2 * 3 for level in CPU_LEVELS)
     assert view["levels"]["kernel"]["run"] is torch.cuda.is_available()
+    assert (out / "operator.1.json").is_file() and (out / "kernel.1.json").is_file() is torch.cuda.is_available()
     assert {n["name"] for n in nodes(view["view"], "layer")} >= {"features.0.0 (forward)", "features.0.0 (backward)"}
     assert (out / "view.csv").read_text().startswith("level,name,parent,latency_ms")
 

@@ -23,18 +23,20 @@ def add_parser(sub) -> None:
     profile = sub.add_parser(
         "profile",
         help="run a training script once per profiling level (XSP) and build the hierarchical view",
-        usage="whatif profile [-h] [--levels LEVELS] [--steps N] [--warmup N] [--out DIR] [--json] -- python SCRIPT.py [ARGS ...]",
+        usage="whatif profile [-h] [--levels LEVELS] [--steps N] [--warmup N] [--rounds R] [--out DIR] [--json] -- python SCRIPT.py [ARGS ...]",
     )
     profile.add_argument("--levels", default=",".join(LEVELS), help=f"comma-separated, of {', '.join(LEVELS)} (default: all)")
     profile.add_argument("--steps", type=int, metavar="N", help="measured steps per level (default: the script's, else 10)")
     profile.add_argument("--warmup", type=int, metavar="N", help="steps before them (default: the script's, else 3)")
+    profile.add_argument("--rounds", type=int, default=1, metavar="R",
+                         help="run the levels R times, alternating, and pool their steps (default: 1)")
     profile.add_argument("--out", type=Path, metavar="DIR", help="folder for the runs and the view (default: SCRIPT.xsp)")
     profile.add_argument("--json", action="store_true", help="print the view as one JSON object instead of a summary")
     profile.add_argument("argv", nargs=argparse.REMAINDER, metavar="COMMAND", help="the training command, after --")
 
 
 def run_profile(args: argparse.Namespace) -> int:
-    result = profile_command(args.argv, args.levels, args.out, args.steps, args.warmup)
+    result = profile_command(args.argv, args.levels, args.out, args.steps, args.warmup, args.rounds)
     if args.json:
         sys.stdout.write(json.dumps(result) + "\n")
         return 0
