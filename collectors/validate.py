@@ -136,6 +136,7 @@ def validate(
 ) -> ValidationPoint:
     if model not in MODELS:
         raise LabError(f"unknown model {model!r}; choose from {', '.join(MODELS)}")
+    work = work.resolve()  # the prediction's scenario file lives elsewhere and names the capture by path
     trace = capture(model, work / "captures")
     links_file = links(bandwidth_mbps, work / "links")
     predicted_ms, overhead = predict(trace, links_file, machines, gpus, bandwidth_mbps, framework)
