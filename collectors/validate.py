@@ -21,6 +21,7 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Optional
 
 import yaml
 
@@ -35,6 +36,7 @@ MODELS = ("convnet", "vgg", "wide_mlp", "transformer")
 FUSION_BUFFER_BYTES = 64 * 1024 * 1024
 CYCLE_TIME_MS = 5.0
 CAPTURE_STEPS = 8
+BATCH_SIZE_ENV = "WHATIF_EXAMPLE_BATCH_SIZE"  # examples/profiled_training.py reads it under the capture API
 CAPTURE_WARMUP = 10
 
 
@@ -51,6 +53,8 @@ class ValidationPoint:
     error_pct: float
     capture_profiled_ms: float  # the 1x1 capture's median profiled iteration
     capture_unprofiled_ms: float  # its median warm-up step without profiler or hooks (NaN: not timed)
+    batch_size: Optional[int]  # the batch size predicted and run (None: the example's own)
+    predict_from: Optional[int]  # the batch size captured, when it differs from batch_size
     workers_measured_ms: list
 
 
@@ -60,17 +64,21 @@ def _examples() -> Path:
     return EXAMPLES
 
 
-def capture(model: str, out: Path, steps: int = CAPTURE_STEPS, warmup: int = CAPTURE_WARMUP) -> Path:
+def capture(model: str, out: Path, steps: int = CAPTURE_STEPS, warmup: int = CAPTURE_WARMUP, batch_size: Optional[int] = None) -> Path:
     """A single-worker bundle of ``model`` on one core (``whatif collect``), cached in ``out``.
 
     The warm-up is long enough that the capture also times ``warmup - 2`` steps without the
     profiler, which the prediction uses to remove the profiler's overhead."""
-    bundle = out / f"{model}_1x1.bundle"
+    bundle = out / (f"{model}_1x1.bundle" if batch_size is None else f"{model}_1x1_batch{batch_size}.bundle")
     if is_bundle(bundle):
         return bundle
     out.mkdir(parents=True, exist_ok=True)
     command = ["taskset", "-c", "0", sys.executable, str(_examples() / f"{model}.py")]
     os.environ["OMP_NUM_THREADS"] = "1"
+    if batch_size is None:
+        os.environ.pop(BATCH_SIZE_ENV, None)
+    else:
+        os.environ[BATCH_SIZE_ENV] = str(batch_size)
     try:
         collect(command, out=bundle, steps=steps, warmup=warmup)
     except CaptureError as err:
@@ -87,7 +95,8 @@ def links(bandwidth_mbps: float, out: Path) -> Path:
     return path
 
 
-def predict(trace: Path, links_file: Path, machines: int, gpus: int, bandwidth_mbps: float, framework: str):
+def predict(trace: Path, links_file: Path, machines: int, gpus: int, bandwidth_mbps: float, framework: str,
+            batch_sizes: Optional[tuple[int, int]] = None):
     """The predicted iteration (ms) and what the prediction removed as profiler overhead."""
     from whatif.predict import predict_scenario
     from whatif.scenario import load_scenario
@@ -104,6 +113,8 @@ def predict(trace: Path, links_file: Path, machines: int, gpus: int, bandwidth_m
         "policy": "fifo",
         "framework_options": {"fusion_buffer": f"{FUSION_BUFFER_BYTES}B", "cycle_time": f"{CYCLE_TIME_MS:g}ms"},
     }
+    if batch_sizes is not None:
+        doc["batch_size"] = {"from": batch_sizes[0], "to": batch_sizes[1]}
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         yaml.safe_dump(doc, f)
     try:
@@ -113,7 +124,8 @@ def predict(trace: Path, links_file: Path, machines: int, gpus: int, bandwidth_m
     return float(outcome.results["iteration_ms"].iloc[0]), outcome.profiler_overhead
 
 
-def measure(model: str, spec: LabSpec, framework: str, out: Path, steps: int = 20, warmup: int = 5) -> dict:
+def measure(model: str, spec: LabSpec, framework: str, out: Path, steps: int = 20, warmup: int = 5,
+            batch_size: Optional[int] = None) -> dict:
     """The real run: every worker's iteration times, median after warm-up."""
     report = out / "report.json"
     argv = [
@@ -121,7 +133,7 @@ def measure(model: str, spec: LabSpec, framework: str, out: Path, steps: int = 2
         "--framework", framework if spec.workers > 1 else "single",
         "--steps", str(steps), "--warmup", str(warmup), "--threads", str(spec.threads_per_worker),
         "--json", str(report),
-    ]
+    ] + ([] if batch_size is None else ["--batch-size", str(batch_size)])
     os.environ["HOROVOD_FUSION_THRESHOLD"] = str(FUSION_BUFFER_BYTES)
     os.environ["HOROVOD_CYCLE_TIME"] = f"{CYCLE_TIME_MS:g}"
     result = run_job(spec, framework, argv, out, timeout_s=1800)
@@ -132,22 +144,30 @@ def measure(model: str, spec: LabSpec, framework: str, out: Path, steps: int = 2
 
 def validate(
     model: str, machines: int, gpus: int, bandwidth_mbps: float, framework: str, work: Path,
-    latency_ms: float = 0.0, steps: int = 20,
+    latency_ms: float = 0.0, steps: int = 20, batch_size: Optional[int] = None, predict_from: Optional[int] = None,
 ) -> ValidationPoint:
+    """One point: capture 1x1 (at ``predict_from`` when given, else at ``batch_size``), predict
+    ``machines`` x ``gpus`` at ``batch_size``, run it for real at ``batch_size``, compare."""
     if model not in MODELS:
         raise LabError(f"unknown model {model!r}; choose from {', '.join(MODELS)}")
     work = work.resolve()  # the prediction's scenario file lives elsewhere and names the capture by path
-    trace = capture(model, work / "captures")
+    if predict_from is not None and batch_size is None:
+        raise LabError("--predict-from B0 needs --batch-size B: the batch size to predict and run at")
+    captured_at = predict_from if predict_from is not None else batch_size
+    trace = capture(model, work / "captures", batch_size=captured_at)
     links_file = links(bandwidth_mbps, work / "links")
-    predicted_ms, overhead = predict(trace, links_file, machines, gpus, bandwidth_mbps, framework)
+    changed = (predict_from, batch_size) if predict_from is not None and predict_from != batch_size else None
+    predicted_ms, overhead = predict(trace, links_file, machines, gpus, bandwidth_mbps, framework, changed)
     spec = LabSpec(machines, gpus, bandwidth_mbps, latency_ms)
-    run_dir = work / "runs" / f"{model}_{framework}_{machines}x{gpus}_{bandwidth_mbps:g}mbps"
-    report = measure(model, spec, framework, run_dir, steps=steps)
+    batch = "" if batch_size is None else f"_batch{batch_size}"
+    run_dir = work / "runs" / f"{model}_{framework}_{machines}x{gpus}_{bandwidth_mbps:g}mbps{batch}"
+    report = measure(model, spec, framework, run_dir, steps=steps, batch_size=batch_size)
     measured_ms = float(report["median_ms"])
     return ValidationPoint(
         model, machines, gpus, bandwidth_mbps, latency_ms, framework, measured_ms, predicted_ms,
         100.0 * (predicted_ms - measured_ms) / measured_ms,
         overhead.profiled_ms if overhead else float("nan"), overhead.unprofiled_ms if overhead else float("nan"),
+        batch_size, predict_from,
         [float(w["median_ms"]) for w in report.get("workers", [])],
     )
 

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 WARMUP_STEPS = 3
 PROFILED_STEPS = 5
+BATCH_SIZE_ENV = "WHATIF_EXAMPLE_BATCH_SIZE"
 
 
 def synthetic_loader(inputs: torch.Tensor, num_classes: int, batch_size: int, seed: int = 0) -> DataLoader:
@@ -30,6 +31,15 @@ def synthetic_loader(inputs: torch.Tensor, num_classes: int, batch_size: int, se
     return DataLoader(
         TensorDataset(inputs, labels), batch_size=batch_size, shuffle=True, drop_last=True, generator=generator
     )
+
+
+def with_batch_size(loader: DataLoader, batch_size: int | None) -> DataLoader:
+    """The example's loader over the same data at another batch size (None: as it is), shuffled
+    as the examples shuffle; the batch-size what-ifs are checked against such runs."""
+    if batch_size is None or batch_size == loader.batch_size:
+        return loader
+    generator = torch.Generator().manual_seed(0)
+    return DataLoader(loader.dataset, batch_size=batch_size, shuffle=True, drop_last=True, generator=generator)
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: nn.Module, inputs, labels) -> float:
@@ -94,12 +104,15 @@ def main(description: str, default_output: Path, build: Callable[[], tuple[nn.Mo
 
 def train_captured(build: Callable[[], tuple[nn.Module, DataLoader]], batch_size: int) -> None:
     """The same training under the capture API, as ``whatif collect`` runs it: steps, warm-up
-    and the bundle folder come from ``whatif collect`` (the defaults match the trace's)."""
+    and the bundle folder come from ``whatif collect`` (the defaults match the trace's), the
+    batch size from ``WHATIF_EXAMPLE_BATCH_SIZE`` if set."""
     from whatif.collectors.capture import Capture
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model, loader = build()
+    batch_size = int(os.environ.get(BATCH_SIZE_ENV) or batch_size)
+    loader = with_batch_size(loader, batch_size)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
     with Capture(model=model, warmup=WARMUP_STEPS + 1, steps=PROFILED_STEPS, batch_size=batch_size) as capture:

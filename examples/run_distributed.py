@@ -44,7 +44,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
-from profiled_training import endless, gradient_bytes, train_step
+from profiled_training import endless, gradient_bytes, train_step, with_batch_size
 
 MODELS = ("convnet", "vgg", "wide_mlp", "transformer")
 FRAMEWORKS = ("single", "horovod", "ddp")
@@ -179,12 +179,13 @@ def fingerprint(model: nn.Module) -> str:
     return digest.hexdigest()
 
 
-def run(model_name: str, framework: str, steps: int, warmup: int, threads: int) -> tuple[int, dict]:
+def run(model_name: str, framework: str, steps: int, warmup: int, threads: int, batch_size=None) -> tuple[int, dict]:
     """Train ``model_name`` under ``framework``; this worker's rank and the run's report."""
     torch.set_num_threads(threads)
     worker = WORKERS[framework]()
     try:
         model, loader = build_model(model_name)
+        loader = with_batch_size(loader, batch_size)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         model_for_training, optimizer = worker.prepare(model, optimizer)
         times_ms = time_iterations(model_for_training, optimizer, shard(loader, worker.rank, worker.size), warmup, steps)
@@ -218,11 +219,12 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=30, help="timed steps after warm-up (default: 30)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (default: 5)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per worker (default: 1)")
+    parser.add_argument("--batch-size", type=int, help="per-worker batch size (default: the example's)")
     parser.add_argument("--json", type=Path, help="where rank 0 writes the report (default: standard output)")
     args = parser.parse_args(argv)
-    if args.steps < 1 or args.warmup < 0 or args.threads < 1:
-        parser.error("--steps and --threads must be at least 1, --warmup at least 0")
-    rank, report = run(args.model, args.framework, args.steps, args.warmup, args.threads)
+    if args.steps < 1 or args.warmup < 0 or args.threads < 1 or (args.batch_size is not None and args.batch_size < 1):
+        parser.error("--steps, --threads and --batch-size must be at least 1, --warmup at least 0")
+    rank, report = run(args.model, args.framework, args.steps, args.warmup, args.threads, args.batch_size)
     if rank != 0:
         return
     text = json.dumps(report, indent=1)

@@ -7,8 +7,8 @@ is inherits their cost: on our CPU examples a tenth of the step for the small co
 operators are short, and a few percent for the larger models.
 
 A capture bundle also times warm-up steps run with neither profiler nor hooks (XSP's least
-intrusive level; ``collectors/capture.py``). The profiled iterations' median minus theirs is the
-overhead to remove. The profiler pays it per recorded event, at the boundaries of operators, and
+intrusive level; ``collectors/capture.py``). The profiled iterations' steady-state median minus
+theirs is the overhead to remove. The profiler pays it per recorded event, at the boundaries of operators, and
 the CPU tasks of the graph are exactly the stretches between consecutive boundaries on a thread.
 So every CPU task of an iteration gives up the same amount of time (all of it, if it is
 shorter), the amount chosen so that the iteration's tasks give up the measured overhead in
@@ -25,6 +25,8 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
+from whatif.report.iterations import steady_median
+
 from .graph import TaskGraph, TaskKind
 
 _CPU_WORK = (int(TaskKind.CPU), int(TaskKind.GAP), int(TaskKind.RUNTIME))
@@ -35,7 +37,7 @@ _TOLERANCE_US = 1e-6
 class ProfilerOverhead:
     """What the correction found and took out, per iteration."""
 
-    profiled_ms: float  # median profiled iteration, as the trace measured it
+    profiled_ms: float  # steady-state median profiled iteration, as the trace measured it
     unprofiled_ms: float  # median unprofiled warm-up step
     removed_ms: float  # taken out of every iteration (0 when the profiled steps were not slower)
     per_task_us: float  # the largest amount one CPU task gave up (median over iterations)
@@ -49,7 +51,8 @@ class ProfilerOverhead:
 
 def remove_profiler_overhead(graph: TaskGraph, iterations: pd.DataFrame, unprofiled_ms: Sequence[float]) -> ProfilerOverhead:
     """Shorten the CPU tasks of every iteration of ``graph`` (in place) by the measured overhead."""
-    profiled_ms = float(np.median((iterations["end_us"] - iterations["start_us"]).to_numpy())) / 1e3
+    # summarised as predictions are (steady_median), so that the 1x1 prediction is the plain step
+    profiled_ms = steady_median((iterations["end_us"] - iterations["start_us"]) / 1e3)
     plain_ms = float(np.median(np.asarray(unprofiled_ms, dtype=float)))
     overhead_us = max(profiled_ms - plain_ms, 0.0) * 1e3
     if overhead_us == 0.0:

@@ -126,6 +126,8 @@ def _parser() -> argparse.ArgumentParser:
     validate.add_argument("--latency", default="0")
     validate.add_argument("--framework", choices=("horovod", "ddp"), default="horovod")
     validate.add_argument("--steps", type=int, default=20, help="timed iterations of the real run")
+    validate.add_argument("--batch-size", type=int, metavar="B", help="predict and run at this batch size")
+    validate.add_argument("--predict-from", type=int, metavar="B0", help="capture at this batch size (with --batch-size)")
     validate.add_argument("--work", type=Path, default=Path("lab-validate"), help="captures, calibrations and logs")
     validate.add_argument("--json", action="store_true")
     lab_cal = lab_sub.add_parser("calibrate", help="fit latency and bandwidth efficiency of the lab's network")
@@ -273,6 +275,8 @@ def run_validate(args: argparse.Namespace) -> int:
         args.work,
         latency_ms=parse_latency(args.latency, "--latency") / 1e3,
         steps=args.steps,
+        batch_size=args.batch_size,
+        predict_from=args.predict_from,
     )
     record = as_record(point)
     if args.json:

@@ -39,6 +39,8 @@ def predict_scenario(scenario: Scenario) -> ScenarioResult:
     bundle = study.trace.bundle
     if scenario.remove_profiler_overhead and bundle is not None and bundle.unprofiled_step_ms:
         overhead = remove_profiler_overhead(worker, study.iterations, bundle.unprofiled_step_ms)
+    if scenario.batch_size is not None:
+        _change_batch_size(worker, study, scenario)
     baseline = iteration_report(simulate(worker), study.iterations)
     baseline_ms = steady_median(baseline["predicted_ms"])
     without_comm = worker.copy()
@@ -86,6 +88,18 @@ def predict_scenario(scenario: Scenario) -> ScenarioResult:
     return ScenarioResult(
         pd.DataFrame(rows), runs, gradients.source, gradients.bytes_per_iteration(), baseline_ms, overhead
     )
+
+
+def _change_batch_size(worker, study: TraceStudy, scenario: Scenario) -> None:
+    """Rebuild the worker's iteration at the scenario's batch size (operator models; the CPU
+    overheads between operators stay), from the batch size the trace was taken at."""
+    from whatif.sim.batch_size import change_batch_size
+    from whatif.sim.perfmodels import default_models, load_models
+
+    bundle = study.trace.bundle
+    traced = scenario.traced_batch_size or (bundle.environment.get("batch_size") if bundle is not None else None)
+    models = load_models(scenario.perfmodel) if scenario.perfmodel is not None else default_models()
+    change_batch_size(worker, study.trace, models, scenario.batch_size, traced)
 
 
 def _label(row: dict) -> str:

@@ -18,6 +18,8 @@ A scenario file looks like::
     stragglers: [{machine: 1, slowdown: 1.5}]         # or gpu_slowdown
     network: auto                                     # closed_form | shared_links (see sim.distributed)
     profiler_overhead: remove                         # keep: predict from the profiled times as they are
+    batch_size: {from: 32, to: 64}                    # or just 64 (traced at the bundle's batch size)
+    perfmodel: models.json                            # operator models for batch_size (default: fitted here)
     framework_options: {fusion_buffer: 64MB, cycle_time: 5ms, bucket_cap: 25MB,
                         first_bucket: 1MB, partition: 4MB, slice: 1MB}
 
@@ -44,8 +46,8 @@ from whatif.topology import Cluster, TopologyError, as_gbps, parse_latency, pars
 
 _TOP_KEYS = (
     "trace", "iteration", "cluster", "framework", "policy", "collective", "optimizations",
-    "gradients", "stragglers", "framework_options", "replicate", "network", "profiler_overhead", "name",
-    "description",
+    "gradients", "stragglers", "framework_options", "replicate", "network", "profiler_overhead", "batch_size",
+    "perfmodel", "name", "description",
 )
 _CLUSTER_KEYS = ("machines", "gpus_per_machine", "intra_node", "inter_node", "server_machines", "name", "links")
 _OPTION_KEYS = {
@@ -92,6 +94,9 @@ class Scenario:
     replicate: Optional[bool] = None
     shared_links: Optional[bool] = None
     remove_profiler_overhead: bool = True  # where the trace is a bundle that timed unprofiled steps
+    batch_size: Optional[int] = None  # predict at this batch size (sim/batch_size.py)
+    traced_batch_size: Optional[int] = None  # the trace's (None: the bundle's, else inferred)
+    perfmodel: Optional[Path] = None
 
 
 def _as_list(value) -> list:
@@ -187,7 +192,29 @@ def load_scenario(path: Path) -> Scenario:
     scenario.shared_links = {"auto": None, "closed_form": False, "shared_links": True}[network]
     overhead = _choice(path, "profiler_overhead", doc.get("profiler_overhead", "remove"), ("remove", "keep"))
     scenario.remove_profiler_overhead = overhead == "remove"
+    _batch_size(path, doc.get("batch_size"), scenario)
+    if doc.get("perfmodel") is not None:
+        model_file = Path(str(doc["perfmodel"]))
+        scenario.perfmodel = model_file if model_file.is_absolute() else path.parent / model_file
+        if not scenario.perfmodel.is_file():
+            raise ScenarioError(path, "perfmodel", f"no such file: {scenario.perfmodel}")
     return scenario
+
+
+def _batch_size(path: Path, spec, scenario: Scenario) -> None:
+    if spec is None:
+        return
+    if isinstance(spec, dict):
+        _check_keys(path, spec, ("from", "to"), "batch_size")
+        if "to" not in spec:
+            raise ScenarioError(path, "batch_size.to", "missing: the batch size to predict at")
+        to, traced = spec["to"], spec.get("from")
+    else:
+        to, traced = spec, None
+    for key, value in (("batch_size.to" if isinstance(spec, dict) else "batch_size", to), ("batch_size.from", traced)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ScenarioError(path, key, f"expected a positive whole number, got {value!r}")
+    scenario.batch_size, scenario.traced_batch_size = to, traced
 
 
 def _with_links_file(path: Path, cluster: dict) -> dict:

@@ -1,0 +1,52 @@
+"""A scenario at another batch size (``batch_size:``): the worker's iteration is rebuilt with the
+operator models (``sim/batch_size.py``) before the cluster is simulated, so a cluster what-if
+and a batch-size what-if combine. On the bundled convnet bundle, captured at batch 32."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from trace_corpus import REPO
+from whatif.predict import predict_scenario
+from whatif.scenario import ScenarioError, load_scenario
+
+pytest.importorskip("torch", reason="the operator models are fitted with torch: pip install -e '.[test]'")
+
+BUNDLE = REPO / "data" / "convnet_cpu.bundle"
+
+
+def scenario(tmp_path, **extra):
+    doc = {"trace": str(BUNDLE), "cluster": {"machines": [1, 2], "gpus_per_machine": 1, "intra_node": "pcie3",
+                                            "inter_node": "10gbe"}, "framework": "ddp", **extra}
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return load_scenario(path)
+
+
+@pytest.fixture(scope="module")
+def at_32(tmp_path_factory):
+    return predict_scenario(scenario(tmp_path_factory.mktemp("b32")))
+
+
+def test_a_larger_batch_predicts_a_longer_iteration_but_not_more_than_proportionally(at_32, tmp_path):
+    at_64 = predict_scenario(scenario(tmp_path, batch_size=64))
+    assert at_32.baseline_ms < at_64.baseline_ms < 2.2 * at_32.baseline_ms
+    assert (at_64.results["iteration_ms"].to_numpy() > at_32.results["iteration_ms"].to_numpy()).all()
+
+
+def test_the_traced_batch_size_comes_from_the_bundle_or_from_the_scenario(at_32, tmp_path):
+    implicit = predict_scenario(scenario(tmp_path, batch_size=16))
+    explicit = predict_scenario(scenario(tmp_path, batch_size={"from": 32, "to": 16}))
+    assert implicit.baseline_ms == pytest.approx(explicit.baseline_ms, rel=1e-9)
+    assert implicit.baseline_ms < at_32.baseline_ms
+    same = predict_scenario(scenario(tmp_path, batch_size=32))
+    assert same.baseline_ms == pytest.approx(at_32.baseline_ms, rel=1e-9)
+
+
+@pytest.mark.parametrize("value, key", [(0, "batch_size"), ({"from": 32}, "batch_size.to"), ({"to": 8, "form": 32}, "batch_size.form"),
+                                        ({"to": 8, "from": -1}, "batch_size.from"), ("big", "batch_size")])
+def test_a_bad_batch_size_names_the_key(value, key, tmp_path):
+    with pytest.raises(ScenarioError) as error:
+        scenario(tmp_path, batch_size=value)
+    assert f": {key}:" in str(error.value)
