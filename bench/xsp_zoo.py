@@ -1,8 +1,11 @@
 """XSP's automated pipeline over our model zoo: every model at every level, one table, a few plots.
 
-For each model of ``examples/zoo.py`` (five families, three sizes) ``whatif profile`` runs the
-model once per level (model, layer, operator; kernel where a GPU is present), each in its own process,
-and the view it builds is reduced to one row of ``zoo.csv``:
+For each model of ``examples/zoo.py`` (five families, three sizes) one process runs the model
+once per level (model, layer, operator; kernel where a GPU is present) and again, the levels
+alternating round after round (``examples/zoo.py MODEL --levels ... --rounds R``, which calls
+``run_levels``; ``whatif profile`` would start a process per level and round, and the torch
+import each costs would double the pipeline's time), and the view it builds is reduced to one
+row of ``zoo.csv``:
 
 - the step time at each level and each level's overhead against the model level, with the
   profiler events per step and the overhead per event at the operator level;
@@ -20,17 +23,20 @@ with the figures: the development machine is shared, and a busy core inflates st
 
     .venv/bin/python bench/xsp_zoo.py [--quick] [--steps N] [--warmup N] [--rounds R] [--models A,B] [--out DIR]
 
-By default every level runs twice per model, the levels alternating (``whatif profile
---rounds 2``), 10 measured steps a run. ``--quick`` profiles the small size of each family once
-per level with 5 steps (about a minute).
+By default every level runs three times per model, 6 measured steps a run: 18 steps per level,
+of which the faster half count, the levels alternating so that a burst of other work on the
+machine slows them alike. ``--quick`` profiles the small size of each family in one round of 5
+steps (under a minute).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -43,7 +49,7 @@ import pandas as pd  # noqa: E402
 
 from measured_code import REPO, code_version  # noqa: E402  (bench/ is the script's folder)
 from whatif.collectors.capture import cpu_model  # noqa: E402
-from whatif.collectors.leveled import LEVELS, flat_table, profile_command  # noqa: E402
+from whatif.collectors.leveled import LEVELS, VIEW_FILE, flat_table  # noqa: E402
 
 sys.path.insert(0, str(REPO / "examples"))
 import torch  # noqa: E402
@@ -164,15 +170,15 @@ def markdown(table: pd.DataFrame) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the small size of each family, fewer steps")
-    parser.add_argument("--steps", type=int, help="measured steps per level (default: 10, quick: 5)")
-    parser.add_argument("--warmup", type=int, help="steps before them (default: 3, quick: 2)")
-    parser.add_argument("--rounds", type=int, help="rounds of all levels, alternating (default: 2, quick: 1)")
+    parser.add_argument("--steps", type=int, help="measured steps per run (default: 6, quick: 5)")
+    parser.add_argument("--warmup", type=int, help="steps before them (default: 2)")
+    parser.add_argument("--rounds", type=int, help="rounds of all levels, alternating (default: 3, quick: 1)")
     parser.add_argument("--models", help="comma-separated zoo models (default: all, quick: the small ones)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default: {DEFAULT_OUT.relative_to(REPO)})")
     args = parser.parse_args(argv)
-    steps = args.steps or (5 if args.quick else 10)
-    warmup = args.warmup or (2 if args.quick else 3)
-    rounds = args.rounds or (1 if args.quick else 2)
+    steps = args.steps or (5 if args.quick else 6)
+    warmup = args.warmup or 2
+    rounds = args.rounds or (1 if args.quick else 3)
     if args.models:
         names = args.models.split(",")
         unknown = [n for n in names if n not in ZOO]
@@ -192,9 +198,14 @@ def main(argv=None) -> int:
     rows = []
     for name in names:
         began = time.perf_counter()
-        view = profile_command(
-            [sys.executable, str(REPO / "examples" / "zoo.py"), name], levels, args.out / f"{name}.xsp", steps, warmup, rounds
-        )
+        folder = args.out / f"{name}.xsp"
+        command = [sys.executable, str(REPO / "examples" / "zoo.py"), name, "--levels", ",".join(levels),
+                   "--rounds", str(rounds), "--steps", str(steps), "--warmup", str(warmup), "--out", str(folder)]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            print(f"{name} failed:\n{done.stderr[-2000:]}", file=sys.stderr)
+            return 1
+        view = json.loads((folder / VIEW_FILE).read_text())
         rows.append(summarize(name, view))
         print(f"  {name:20s} model {rows[-1]['model_step_ms']:8.2f} ms   operator {rows[-1]['operator_step_ms']:8.2f} ms   "
               f"({time.perf_counter() - began:.0f} s)", flush=True)

@@ -24,9 +24,10 @@ latencies from the least intrusive run that measures them. The levels here:
   the operator whose runtime call launched it. Only where a GPU is present; elsewhere the level
   is recorded as not run, with the reason.
 
-Each run writes ``LEVEL.json`` (and the profiler levels ``LEVEL.pt.trace.json.gz``) into one
-folder; :func:`build_view` reads the folder into the hierarchy model -> layer -> operator ->
-kernel and the overhead of each level, its median step time against the model level's.
+Each run writes ``LEVEL.json`` (and the profiler levels ``LEVEL.pt.trace.json.gz``; a level run
+again in a later round ``LEVEL.ROUND.json``) into one folder; :func:`build_view` reads the folder
+into the hierarchy model -> layer -> operator -> kernel and the overhead of each level, its step
+time against the model level's.
 Operators outside every leaf module (the loss, the optimizer, functional code in a non-leaf
 ``forward``) hang under the model directly, as do their kernels. A layer's latency and its
 operators' come from different runs, so their sum can exceed it where the profiler's
@@ -51,7 +52,7 @@ import sys
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Iterable, Optional, Sequence, Union
+from typing import Callable, Iterable, Optional, Sequence, Union
 
 import numpy as np
 import pandas as pd
@@ -108,7 +109,8 @@ class LeveledProfile:
     ``WHATIF_PROFILE_ROUND`` override ``level``, ``out``, ``steps``, ``warmup`` and ``round_index``;
     ``levels`` (or ``WHATIF_PROFILE_LEVELS``) are all the levels profiled, so that an operator
     run knows whether to attribute to layers. A level measured again in a later round
-    writes ``LEVEL.ROUND.json``; the view pools the rounds' steps.
+    writes ``LEVEL.ROUND.json``; the view pools the rounds' steps. On a GPU every step ends
+    with ``torch.cuda.synchronize()``, at every level, so that a step's time holds its GPU work.
     """
 
     def __init__(
@@ -137,6 +139,7 @@ class LeveledProfile:
         self.name = name or type(model).__name__
         self.record: Optional[dict] = None  # once the level is measured (or found impossible)
         self._step_ns: list[int] = []
+        self._last_ns: Optional[int] = None  # when the step running now began; None outside the `with`
         self._hooks = None
         self._profiler = None
         self._cuda = False
@@ -153,7 +156,7 @@ class LeveledProfile:
             self.out.mkdir(parents=True, exist_ok=True)
         leaves = [(name or type(m).__name__, m) for name, m in self.model.named_modules() if not any(m.children())]
         if self.level == "layer":
-            self._hooks = _LayerTimer(leaves)
+            self._hooks = _LayerTimer(leaves, torch)
         elif self.level in _PROFILED and "layer" in self.levels:
             self._hooks = _LayerAnnotator(leaves, torch)
         if self.level in _PROFILED:
@@ -174,7 +177,7 @@ class LeveledProfile:
         written (and on every call after that)."""
         if self.record is not None:
             return False
-        if not hasattr(self, "_last_ns"):
+        if self._last_ns is None:
             raise ProfileError("LeveledProfile.step() called outside its `with` block")
         if self._cuda:
             self._torch.cuda.synchronize()
@@ -190,7 +193,7 @@ class LeveledProfile:
         return True
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        if self.record is None and hasattr(self, "_last_ns"):
+        if self.record is None and self._last_ns is not None:
             self._stop()
             if exc_type is None:
                 raise ProfileError(
@@ -247,19 +250,11 @@ class LeveledProfile:
             (self.out / f"{self._stem}.json").write_text(json.dumps(record, indent=1) + "\n")
 
 
-def _tensors(value) -> list:
-    """The tensors in a module's arguments or output, however nested in tuples, lists and dicts."""
-    import torch
-    from torch.utils._pytree import tree_leaves
-
-    return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
-
-
-def _created_nodes(output, inputs: set, claimed: set) -> list:
-    """The autograd nodes one forward call created: reachable from its outputs before a node of
-    its inputs, of an earlier call (``claimed``, which this extends) or a gradient accumulation
-    (which the trace cannot tie to a layer: it carries no sequence number)."""
-    todo = [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
+def _created_nodes(outputs: list, inputs: set, claimed: set) -> list:
+    """The autograd nodes one forward call created: reachable from its output tensors before a
+    node of its inputs, of an earlier call (``claimed``, which this extends) or a gradient
+    accumulation (which the trace cannot tie to a layer: it carries no sequence number)."""
+    todo = [t.grad_fn for t in outputs if t.grad_fn is not None]
     nodes, seen = [], set()
     while todo:
         node = todo.pop()
@@ -277,8 +272,9 @@ def _created_nodes(output, inputs: set, claimed: set) -> list:
 class _LeafHooks:
     """Forward pre-hooks and hooks on every leaf module; subclasses say what they do."""
 
-    def __init__(self, leaves: list):
+    def __init__(self, leaves: list, torch):
         self.leaves = leaves
+        self.tensor_type = torch.Tensor
         self.claimed: set = set()
         self.open: dict = {}  # module -> stack of (what the pre-hook started, its inputs' nodes)
         self.handles = []
@@ -296,9 +292,24 @@ class _LeafHooks:
         self.claimed.clear()
         self.open.clear()
 
+    def tensors(self, value) -> list:
+        """The tensors in a module's arguments or output, however nested in tuples, lists and
+        dicts (a loop, not torch's pytree: this runs twice per module call, and the pytree's
+        5 us would be most of the hooks' cost)."""
+        found, todo = [], [value]
+        while todo:
+            item = todo.pop()
+            if isinstance(item, self.tensor_type):
+                found.append(item)
+            elif isinstance(item, (tuple, list)):
+                todo.extend(item)
+            elif isinstance(item, dict):
+                todo.extend(item.values())
+        return found
+
     def _pre(self, name: str):
         def pre(module, args) -> None:
-            inputs = {t.grad_fn for t in _tensors(args) if t.grad_fn is not None}
+            inputs = {t.grad_fn for t in self.tensors(args) if t.grad_fn is not None}
             self.open.setdefault(module, []).append((self.begin(name), inputs))
 
         return pre
@@ -306,7 +317,7 @@ class _LeafHooks:
     def _post(self, name: str):
         def post(module, args, output) -> None:
             started, inputs = self.open[module].pop()
-            self.end(name, started, _created_nodes(output, inputs, self.claimed))
+            self.end(name, started, _created_nodes(self.tensors(output), inputs, self.claimed))
 
         return post
 
@@ -315,8 +326,8 @@ class _LayerTimer(_LeafHooks):
     """The layer level: each leaf module's forward and backward time per step. ``rows`` holds
     [step, layer, pass, total_us, calls] for every step."""
 
-    def __init__(self, leaves: list):
-        super().__init__(leaves)
+    def __init__(self, leaves: list, torch):
+        super().__init__(leaves, torch)
         self.rows: list[list] = []
         self.step = 0
         self.totals: dict = defaultdict(lambda: [0, 0])  # (layer, pass) -> [ns, calls] this step
@@ -359,7 +370,7 @@ class _LayerAnnotator(_LeafHooks):
     backward ranges."""
 
     def __init__(self, leaves: list, torch):
-        super().__init__(leaves)
+        super().__init__(leaves, torch)
         self.record_function = torch.autograd.profiler.record_function
         self.sequence_nr: dict[str, list[int]] = defaultdict(list)
 
@@ -756,6 +767,46 @@ def profile_command(
                 f"`{shown}` wrote no {record.name} to {out}: does it use whatif.collectors.leveled.LeveledProfile "
                 "and call profile.step() every step?"
             )
+    return _write_view(out)
+
+
+def run_levels(
+    step: Callable[[], object],
+    model,
+    out: Union[str, Path],
+    levels: Union[str, Sequence[str]] = LEVELS,
+    rounds: int = 1,
+    steps: int = 10,
+    warmup: int = 3,
+    name: Optional[str] = None,
+) -> dict:
+    """Every level in this process: call ``step`` (one training step of ``model``) under a
+    :class:`LeveledProfile` of each level in turn, least intrusive first, ``rounds`` times over,
+    then build the view and write it into ``out`` as :func:`profile_command` does.
+
+    One process saves a Python start and a torch import per run, which lets the levels
+    alternate in more, shorter rounds on a busy machine; the model stays warm between runs (the
+    hooks and the profiler of one run are gone before the next begins). Under ``whatif
+    profile``, which chooses the level of each process, use :class:`LeveledProfile` alone."""
+    if os.environ.get(LEVEL_ENV):
+        raise ProfileError(f"run_levels chooses each level itself; {LEVEL_ENV} is set (running under `whatif profile`?)")
+    levels = parse_levels(levels)
+    out = Path(out)
+    _clear(out)
+    not_run: set = set()
+    for level, round_index in ((level, r) for r in range(rounds) for level in levels):
+        if level in not_run:
+            continue
+        with LeveledProfile(out, model=model, level=level, levels=levels, steps=steps, warmup=warmup, name=name, round_index=round_index) as profile:
+            step()
+            while profile.step():
+                step()
+        if not profile.record["run"]:
+            not_run.add(level)
+    return _write_view(out)
+
+
+def _write_view(out: Path) -> dict:
     result = build_view(out) | {"folder": str(out)}
     (out / VIEW_FILE).write_text(json.dumps(result, indent=1) + "\n")
     flat_table(result).to_csv(out / TABLE_FILE, index=False)

@@ -12,11 +12,13 @@ every step takes between about 5 and 300 ms.
 
 Each model trains with ``profiled_training.train_step`` (SGD with momentum, cross-entropy)
 under :class:`whatif.collectors.leveled.LeveledProfile`, so ``whatif profile`` runs it once
-per level::
+per level; ``--levels`` runs every level in this one process instead
+(:func:`~whatif.collectors.leveled.run_levels`), as ``bench/xsp_zoo.py`` does::
 
     python examples/zoo.py --list
     python examples/zoo.py cnn-medium                   # the model level: median step time
     whatif profile --levels model,layer,operator -- python examples/zoo.py cnn-medium
+    python examples/zoo.py cnn-medium --levels model,layer,operator --rounds 3 --out cnn.xsp
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import argparse
 import statistics
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -193,7 +196,7 @@ ZOO: dict[str, ZooModel] = {
         ZooModel("mlp", "large", 64, _mlp(1024, (2048,) * 5)),
         ZooModel("cnn", "small", 16, _cnn((16, 32), 32)),
         ZooModel("cnn", "medium", 16, _cnn((32, 64, 128), 32)),
-        ZooModel("cnn", "large", 16, _cnn((64, 128, 256, 256), 64)),
+        ZooModel("cnn", "large", 16, _cnn((64, 128, 256, 256), 48)),
         ZooModel("transformer", "small", 8, _transformer(1024, 32, 64, 2)),
         ZooModel("transformer", "medium", 8, _transformer(4096, 64, 128, 4)),
         ZooModel("transformer", "large", 4, _transformer(16384, 128, 256, 4)),
@@ -207,38 +210,45 @@ ZOO: dict[str, ZooModel] = {
 }
 
 
-def train(entry: ZooModel, steps: int, warmup: int) -> dict:
-    """Train ``entry`` on one thread under :class:`LeveledProfile` (whose level, output and
-    steps ``whatif profile`` may set through the environment); the profile's record."""
-    from whatif.collectors.leveled import LeveledProfile
-
+def trainer(entry: ZooModel) -> tuple[nn.Module, Callable[[], float]]:
+    """``entry`` built on one thread, and a function running one training step of it."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model, loader = entry.build(entry.batch_size)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
     model.train()
-    with LeveledProfile(model=model, name=entry.name, steps=steps, warmup=warmup) as profile:
-        for inputs, labels in endless(loader):
-            train_step(model, optimizer, loss_fn, inputs, labels)
-            if not profile.step():
-                break
-    return profile.record
+    batches = endless(loader)
+    return model, lambda: train_step(model, optimizer, loss_fn, *next(batches))
 
 
 def main(argv=None) -> int:
+    from whatif.collectors.leveled import LeveledProfile, run_levels
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", nargs="?", choices=list(ZOO), metavar="MODEL", help="a zoo model (--list names them)")
     parser.add_argument("--list", action="store_true", help="print the zoo's models and exit")
     parser.add_argument("--steps", type=int, default=10, help="measured steps (default: 10)")
     parser.add_argument("--warmup", type=int, default=3, help="steps before them (default: 3)")
+    parser.add_argument("--levels", help="profile these levels in this process (run_levels) instead of one level")
+    parser.add_argument("--rounds", type=int, default=1, help="with --levels: rounds of all levels, alternating")
+    parser.add_argument("--out", type=Path, help="with --levels: the folder for the runs and the view")
     args = parser.parse_args(argv)
     if args.list or args.model is None:
         print("\n".join(ZOO))
         return 0
-    record = train(ZOO[args.model], args.steps, args.warmup)
-    if record.get("run"):
-        print(f"{args.model}: level {record['level']}, median step {statistics.median(record['step_ms']):.2f} ms")
+    model, step = trainer(ZOO[args.model])
+    if args.levels:
+        view = run_levels(step, model, args.out or Path(f"{args.model}.xsp"), args.levels, args.rounds, args.steps, args.warmup, args.model)
+        print(f"{args.model}: {', '.join(view['levels'])} written to {view['folder']}")
+        return 0
+    with LeveledProfile(model=model, name=args.model, steps=args.steps, warmup=args.warmup) as profile:
+        step()
+        while profile.step():
+            step()
+    record = profile.record
+    if record["run"]:
+        print(f"{args.model}: level {record['level']}, median step {statistics.median(record['step_ms'][args.warmup:]):.2f} ms")
     else:
         print(f"{args.model}: level {record['level']} not run: {record['reason']}")
     return 0

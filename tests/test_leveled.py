@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -27,6 +28,7 @@ from whatif.collectors.leveled import (
     flat_table,
     parse_levels,
     profiler_overhead,
+    run_levels,
 )
 
 torch = pytest.importorskip("torch", reason="leveled profiling runs torch: pip install -e '.[test]'")
@@ -45,7 +47,8 @@ def deep_narrow_mlp() -> nn.Module:
 
 
 def train(model: nn.Module, profile: LeveledProfile, steps: int = 1000) -> int:
-    """A plain training loop with the profile's one line in it; the number of steps run."""
+    """A plain training loop with the profile's one line in it, as a user writes it; the number
+    of steps run."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     generator = torch.Generator().manual_seed(0)
     for step in range(1, steps + 1):
@@ -58,17 +61,30 @@ def train(model: nn.Module, profile: LeveledProfile, steps: int = 1000) -> int:
     return steps
 
 
+def one_step(model: nn.Module):
+    """A function running one training step of ``model``, as ``run_levels`` takes it."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    generator = torch.Generator().manual_seed(0)
+
+    def step() -> None:
+        x, y = torch.randn(4, 8, generator=generator), torch.randint(0, 2, (4,), generator=generator)
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+
+    return step
+
+
 @pytest.fixture(scope="session")
 def profiled(tmp_path_factory):
-    """The deep MLP profiled at every CPU level in this process: (model, folder, view)."""
+    """The deep MLP profiled at every CPU level in this process, in two rounds: (model, view)."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = deep_narrow_mlp()
-    folder = tmp_path_factory.mktemp("leveled")
-    for level in CPU_LEVELS:
-        with LeveledProfile(folder, model=model, level=level, levels=CPU_LEVELS, steps=STEPS, warmup=WARMUP, name="deep") as profile:
-            assert train(model, profile) == WARMUP + STEPS
-    return model, folder, build_view(folder)
+    folder = tmp_path_factory.mktemp("leveled") / "deep.xsp"
+    view = run_levels(one_step(model), model, folder, CPU_LEVELS, rounds=2, steps=STEPS, warmup=WARMUP, name="deep")
+    assert view == json.loads((folder / "view.json").read_text())
+    return model, view
 
 
 def nodes(node: dict, level: str) -> list[dict]:
@@ -86,7 +102,7 @@ def run_cli(capsys, *argv) -> tuple[int, str, str]:
 
 
 def test_the_model_level_time_comes_from_the_model_run_and_is_no_larger_than_the_operator_levels(profiled):
-    _, _, view = profiled
+    _, view = profiled
     root = view["view"]
     assert root["measured_at_level"] == "model"
     assert root["latency_ms"] == view["levels"]["model"]["step_ms"]
@@ -94,7 +110,7 @@ def test_the_model_level_time_comes_from_the_model_run_and_is_no_larger_than_the
 
 
 def test_each_level_comes_from_the_least_intrusive_run_that_measured_it(profiled):
-    _, _, view = profiled
+    _, view = profiled
     assert view["sources"] == {"model": "model", "layer": "layer", "operator": "operator"}
     for level in ("layer", "operator"):
         measured = nodes(view["view"], level)
@@ -104,7 +120,7 @@ def test_each_level_comes_from_the_least_intrusive_run_that_measured_it(profiled
 
 
 def test_every_leaf_module_is_a_layer_forward_and_backward(profiled):
-    model, _, view = profiled
+    model, view = profiled
     names = {n["name"] for n in nodes(view["view"], "layer")}
     for name, module in model.named_modules():
         if not any(module.children()):
@@ -113,7 +129,7 @@ def test_every_leaf_module_is_a_layer_forward_and_backward(profiled):
 
 
 def test_operators_hang_under_the_layer_that_ran_them(profiled):
-    _, _, view = profiled
+    _, view = profiled
     layers = {n["name"]: n for n in nodes(view["view"], "layer")}
     for name, layer in layers.items():
         children = {c["name"] for c in layer["children"]}
@@ -128,7 +144,7 @@ def test_in_every_run_a_nodes_children_add_up_to_no_more_than_the_node(profiled)
     forward range or its backward nodes, the layers and the operators outside them inside the
     step. Across runs no such bound holds: an operator measured under the profiler may take
     longer than its layer did with hooks alone, which is the inflation XSP's levels avoid."""
-    _, _, view = profiled
+    _, view = profiled
 
     def check(node: dict) -> None:
         for run, latency_ms in node["by_level"].items():
@@ -142,7 +158,7 @@ def test_in_every_run_a_nodes_children_add_up_to_no_more_than_the_node(profiled)
 
 
 def test_the_flat_table_is_the_hierarchy_row_by_row(profiled):
-    _, _, view = profiled
+    _, view = profiled
     table = flat_table(view)
     assert list(table.columns[:6]) == ["level", "name", "parent", "latency_ms", "calls_per_step", "measured_at_level"]
     assert len(table) == 1 + sum(len(nodes(view["view"], level)) for level in LEVELS[1:])
@@ -155,7 +171,7 @@ def test_the_flat_table_is_the_hierarchy_row_by_row(profiled):
 
 
 def test_profiler_overhead_compares_each_level_with_the_model_level(profiled):
-    _, _, view = profiled
+    _, view = profiled
     overhead = profiler_overhead(view)
     model_ms = view["levels"]["model"]["step_ms"]
     for level in CPU_LEVELS:
@@ -169,17 +185,12 @@ def test_profiler_overhead_compares_each_level_with_the_model_level(profiled):
     assert overhead["model"]["events_per_step"] is None
 
 
-def test_rounds_of_a_level_pool_their_steps(tmp_path):
-    model = deep_narrow_mlp()
-    for round_index in range(2):
-        for level in ("model", "operator"):
-            with LeveledProfile(tmp_path, model=model, level=level, steps=3, warmup=1, round_index=round_index) as profile:
-                train(model, profile)
-    assert (tmp_path / "operator.1.pt.trace.json.gz").is_file()
-    view = build_view(tmp_path)
-    for level in ("model", "operator"):
-        assert view["levels"][level]["rounds"] == 2 and view["levels"][level]["steps"] == 6
-        assert view["levels"][level]["steps_kept"] >= 3, "the faster half of the pooled steps"
+def test_rounds_of_a_level_pool_their_steps(profiled):
+    _, view = profiled
+    for level in CPU_LEVELS:
+        assert view["levels"][level]["rounds"] == 2 and view["levels"][level]["steps"] == 2 * STEPS
+        assert view["levels"][level]["steps_kept"] >= STEPS, "the faster half of the pooled steps"
+    assert (Path(view["folder"]) / "operator.1.pt.trace.json.gz").is_file()
 
 
 def test_without_the_layer_level_the_operator_run_carries_no_layer_hooks(tmp_path):
