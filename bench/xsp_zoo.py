@@ -17,7 +17,9 @@ row of ``zoo.csv``:
   operators, and the time between operators (Python, the framework's dispatch, the profiler).
 
 The plots: ``where_time_goes.png`` (both breakdowns, as shares of the step, per model) and
-``overhead.png`` (each level's overhead per model, and the operator level's cost per event).
+``overhead.png`` (each level's overhead per model, and the operator level's cost per event, on
+the process's CPU time, which other processes on a shared machine disturb far less than the
+wall clock; the table has both).
 Each model's full hierarchy stays in ``OUT/MODEL.xsp/view.csv``. The machine's load is printed
 with the figures: the development machine is shared, and a busy core inflates step times.
 
@@ -72,11 +74,14 @@ def summarize(name: str, view: dict) -> dict:
     for level, info in view["overhead"].items():
         if info["run"]:
             row[f"{level}_step_ms"] = info["step_ms"]
+            row[f"{level}_cpu_step_ms"] = info["cpu_step_ms"]
             if level != "model":
                 row[f"{level}_overhead_pct"] = info["overhead_pct"]
+                row[f"{level}_cpu_overhead_pct"] = info["cpu_overhead_pct"]
     operator = view["overhead"].get("operator", {})
     row["events_per_step"] = operator.get("events_per_step")
     row["overhead_us_per_event"] = operator.get("overhead_us_per_event")
+    row["cpu_overhead_us_per_event"] = operator.get("cpu_overhead_us_per_event")
     table = flat_table(view)
     if "layer" in view["sources"]:
         layers = table[table["level"] == "layer"]
@@ -122,15 +127,15 @@ def plot_overhead(table: pd.DataFrame, path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(13, 0.38 * len(table) + 1.8), sharey=True)
     y = range(len(table))
     for offset, level in ((-0.2, "layer"), (0.2, "operator")):
-        column = f"{level}_overhead_pct"
+        column = f"{level}_cpu_overhead_pct"
         if column in table:
             axes[0].barh([i + offset for i in y], table[column], height=0.4, label=level)
     axes[0].axvline(0, color="black", linewidth=0.8)
-    axes[0].set_xlabel("step time over the model level's, %")
+    axes[0].set_xlabel("CPU time per step over the model level's, %")
     axes[0].set_title("profiling overhead per level")
     axes[0].legend(fontsize=8)
-    axes[1].barh(list(y), table["overhead_us_per_event"])
-    axes[1].set_xlabel("us per profiler event")
+    axes[1].barh(list(y), table["cpu_overhead_us_per_event"])
+    axes[1].set_xlabel("CPU us per profiler event")
     axes[1].set_title("operator level: overhead per recorded event")
     axes[0].set_yticks(list(y), table["model"])
     axes[0].invert_yaxis()
@@ -144,10 +149,11 @@ def markdown(table: pd.DataFrame) -> str:
     columns = {
         "model": "model",
         "model_step_ms": "model ms",
-        "layer_overhead_pct": "layer +%",
-        "operator_overhead_pct": "operator +%",
+        "layer_cpu_overhead_pct": "layer CPU +%",
+        "operator_overhead_pct": "operator wall +%",
+        "operator_cpu_overhead_pct": "operator CPU +%",
         "events_per_step": "events/step",
-        "overhead_us_per_event": "us/event",
+        "cpu_overhead_us_per_event": "CPU us/event",
         "layers backward": "bwd in layers %",
         "outside layers": "outside layers %",
         "matmul & conv": "matmul+conv %",

@@ -138,8 +138,10 @@ class LeveledProfile:
         self.model = model
         self.name = name or type(model).__name__
         self.record: Optional[dict] = None  # once the level is measured (or found impossible)
-        self._step_ns: list[int] = []
+        self._step_ns: list[int] = []  # wall-clock time of each step
+        self._step_cpu_ns: list[int] = []  # CPU time of the process in each step
         self._last_ns: Optional[int] = None  # when the step running now began; None outside the `with`
+        self._last_cpu_ns = 0
         self._hooks = None
         self._profiler = None
         self._cuda = False
@@ -169,7 +171,7 @@ class LeveledProfile:
                 schedule=torch.profiler.schedule(wait=self.warmup - 1, warmup=1, active=self.steps, repeat=1),
             )
             self._profiler.__enter__()
-        self._last_ns = time.perf_counter_ns()
+        self._last_ns, self._last_cpu_ns = time.perf_counter_ns(), time.process_time_ns()
         return self
 
     def step(self) -> bool:
@@ -182,6 +184,7 @@ class LeveledProfile:
         if self._cuda:
             self._torch.cuda.synchronize()
         self._step_ns.append(time.perf_counter_ns() - self._last_ns)
+        self._step_cpu_ns.append(time.process_time_ns() - self._last_cpu_ns)
         if self._hooks is not None:
             self._hooks.end_step()
         if self._profiler is not None:
@@ -189,7 +192,7 @@ class LeveledProfile:
         if len(self._step_ns) == self.warmup + self.steps:
             self._finish()
             return False
-        self._last_ns = time.perf_counter_ns()
+        self._last_ns, self._last_cpu_ns = time.perf_counter_ns(), time.process_time_ns()
         return True
 
     def __exit__(self, exc_type, exc, tb) -> bool:
@@ -210,7 +213,10 @@ class LeveledProfile:
 
     def _finish(self) -> None:
         self._stop()
-        record = self._header(run=True) | {"step_ms": [ns / 1e6 for ns in self._step_ns]}
+        record = self._header(run=True) | {
+            "step_ms": [ns / 1e6 for ns in self._step_ns],
+            "step_cpu_ms": [ns / 1e6 for ns in self._step_cpu_ns],
+        }
         if isinstance(self._hooks, _LayerTimer):
             record["layers"] = [row for row in self._hooks.rows if row[0] >= self.warmup]
         if self._profiler is not None:
@@ -454,7 +460,7 @@ def build_view(folder: Union[str, Path]) -> dict:
         "model": model,
         "environment": runs[next(iter(measured))][0]["environment"],
         "levels": {
-            level: {key: m[key] for key in ("step_ms", "step_ms_median", "rounds", "steps", "steps_kept", "events_per_step")}
+            level: {key: m[key] for key in ("step_ms", "step_ms_median", "step_cpu_ms", "rounds", "steps", "steps_kept", "events_per_step")}
             | {"run": True}
             if (m := measured.get(level))
             else {"run": False, "reason": runs[level][0].get("reason")}
@@ -475,31 +481,38 @@ def profiler_overhead(result: dict) -> dict[str, dict]:
     """What profiling at each level costs: its step time against the model level's.
 
     Per level run: ``step_ms``, ``ratio`` (step time over the model level's), ``overhead_ms``
-    and ``overhead_pct``; for the profiler levels also ``events_per_step`` (the CPU-side events
-    the profiler recorded in a step: operators, annotations, runtime calls) and
-    ``overhead_us_per_event``, the step's extra time spread over them. A simulator replaying a
-    trace taken at the operator level can subtract ``overhead_us_per_event`` per CPU event, or
-    divide its CPU time by ``ratio``. Levels not run carry their reason; without a model level
-    the comparisons are None."""
+    and ``overhead_pct`` on the wall clock; for the profiler levels also ``events_per_step``
+    (the CPU-side events the profiler recorded in a step: operators, annotations, runtime calls)
+    and ``overhead_us_per_event``, the step's extra time spread over them. The same on the
+    process's CPU time (``cpu_step_ms``, ``cpu_ratio``, ``cpu_overhead_pct``,
+    ``cpu_overhead_us_per_event``; medians over all measured steps): for training on the CPU
+    these leave out the time other processes take the core away, which on a shared machine
+    swamps a few percent of overhead; on a GPU the wall-clock figures are the ones that count.
+
+    A simulator replaying a trace taken at the operator level can subtract the overhead per
+    event from each CPU event, or divide its CPU time by the ratio. Levels not run carry their
+    reason; without a model level the comparisons are None."""
     levels = result["levels"]
-    base = levels.get("model", {}).get("step_ms")
+    model = levels.get("model", {})
     overhead = {}
     for level, info in levels.items():
         if not info["run"]:
             overhead[level] = {"run": False, "reason": info.get("reason")}
             continue
-        step_ms, events = info["step_ms"], info.get("events_per_step")
-        extra_ms = None if base is None else step_ms - base
-        overhead[level] = {
-            "run": True,
-            "step_ms": step_ms,
-            "model_step_ms": base,
-            "ratio": None if base is None else step_ms / base,
-            "overhead_ms": extra_ms,
-            "overhead_pct": None if base is None else 100 * extra_ms / base,
-            "events_per_step": events,
-            "overhead_us_per_event": None if extra_ms is None or not events else extra_ms * 1e3 / events,
-        }
+        events = info.get("events_per_step")
+        entry = {"run": True, "events_per_step": events}
+        for prefix, key in (("", "step_ms"), ("cpu_", "step_cpu_ms")):
+            step_ms, base = info[key], model.get(key)
+            extra_ms = None if base is None else step_ms - base
+            entry |= {
+                f"{prefix}step_ms": step_ms,
+                f"{prefix}model_step_ms": base,
+                f"{prefix}ratio": None if base is None else step_ms / base,
+                f"{prefix}overhead_ms": extra_ms,
+                f"{prefix}overhead_pct": None if base is None else 100 * extra_ms / base,
+                f"{prefix}overhead_us_per_event": None if extra_ms is None or not events else extra_ms * 1e3 / events,
+            }
+        overhead[level] = entry
     return overhead
 
 
@@ -556,11 +569,13 @@ def _measure(records: list[dict], folder: Path) -> dict:
     """One level's step time and what it measured, over its rounds: per level, rows (path
     below the model, mean latency in ms per kept step, mean calls per kept step)."""
     steps_ms = {(r, i): ms for r, record in enumerate(records) for i, ms in enumerate(record["step_ms"][record["warmup_steps"]:])}
+    cpu_ms = {(r, i): ms for r, record in enumerate(records) for i, ms in enumerate(record["step_cpu_ms"][record["warmup_steps"]:])}
     median_ms = statistics.median(steps_ms.values())
     kept = [key for key, ms in steps_ms.items() if ms <= median_ms]
     out = {
         "step_ms": statistics.fmean(steps_ms[key] for key in kept),
         "step_ms_median": median_ms,
+        "step_cpu_ms": statistics.median(cpu_ms.values()),
         "rounds": len(records),
         "steps": len(steps_ms),
         "steps_kept": len(kept),

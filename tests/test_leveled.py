@@ -182,6 +182,8 @@ def test_profiler_overhead_compares_each_level_with_the_model_level(profiled):
     assert operator["ratio"] > 1.0, "the profiler costs something on a step of many tiny operators"
     assert operator["events_per_step"] > DEPTH * 4, "at least the forward and backward of each linear layer"
     assert operator["overhead_us_per_event"] == pytest.approx(operator["overhead_ms"] * 1e3 / operator["events_per_step"])
+    assert operator["cpu_ratio"] > 1.0, "on the process's CPU time too"
+    assert operator["cpu_overhead_us_per_event"] == pytest.approx(operator["cpu_overhead_ms"] * 1e3 / operator["events_per_step"])
     assert overhead["model"]["events_per_step"] is None
 
 
@@ -230,6 +232,7 @@ def test_kernels_hang_under_the_operator_that_launched_them(tmp_path):
         "run": True, "warmup_steps": 0, "steps": len(steps), "environment": {},
         "step_ms": ((steps["end_us"] - steps["start_us"]) / 1e3).tolist(), "trace": "kernel.pt.trace.json.gz",
     }
+    record["step_cpu_ms"] = record["step_ms"]  # the trace cannot say; a stand-in
     (tmp_path / "kernel.json").write_text(json.dumps(record))
     view = build_view(tmp_path)
     kernels = nodes(view["view"], "kernel")

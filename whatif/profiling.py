@@ -61,12 +61,15 @@ def _levels_table(result: dict) -> str:
             continue
         rows.append({
             "level": level,
-            "step ms": f"{info['step_ms']:.2f}",
-            "overhead %": "-" if info["overhead_pct"] is None else f"{info['overhead_pct']:+.1f}",
-            "events/step": "-" if info["events_per_step"] is None else f"{info['events_per_step']:.0f}",
-            "us/event": "-" if info["overhead_us_per_event"] is None else f"{info['overhead_us_per_event']:.2f}",
+            "step ms": info["step_ms"],
+            "overhead %": info["overhead_pct"],
+            "CPU ms": info["cpu_step_ms"],
+            "CPU overhead %": info["cpu_overhead_pct"],
+            "events/step": info["events_per_step"],
+            "CPU us/event": info["cpu_overhead_us_per_event"],
         })
-    return "\n".join([pd.DataFrame(rows).to_string(index=False)] + not_run)
+    table = pd.DataFrame(rows).to_string(index=False, float_format=lambda v: f"{v:.2f}", na_rep="-")
+    return "\n".join([table] + not_run)
 
 
 def _shown(frame: pd.DataFrame) -> str:
