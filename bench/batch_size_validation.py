@@ -13,12 +13,17 @@ script, in fresh subprocesses on one torch thread as the examples run:
    ``examples/run_distributed.time_iterations``), and also captures a profiled trace at B0 / 2
    and 2 B0.
 
-It prints, per model and batch size, the real (unprofiled) median, the profiled median and the
-prediction, and two errors: against the real run (the target: at most 5 %; the seed paper
-reached 7.96 %), and against the profiled run at that batch size, which is what the models alone
-must get right, since the trace the prediction starts from includes the profiler's overhead.
-Each figure is the median over ``--rounds`` rounds, as the machine is shared. Exits 1 when a
-prediction misses the target against the real run.
+The prediction first takes the profiler's overhead out of the B0 trace, using the real B0
+run's iteration times as the capture API's unprofiled warm-up steps would give them
+(``sim/profiler_overhead.py``). It prints, per model and batch size, the real (unprofiled)
+median and the prediction, with its error (the target: at most 5 %; the seed paper reached
+7.96 %), and, as a check of the operator models alone, the prediction from the trace as it is
+against the profiled run at that batch size.
+The machine is shared, and another process on its two cores stretches a run by up to a half,
+so every figure is the best of ``--rounds`` rounds (the least disturbed): the real and profiled
+medians are the lowest of the rounds', and the prediction starts from the fastest B0 capture,
+with the fastest B0 real run as its unprofiled times. Exits 1 when a prediction misses the
+target against the real run.
 
     .venv/bin/python bench/batch_size_validation.py [--rounds 3] [--perfmodel MODELS.json] [--out DIR]
 """
@@ -121,7 +126,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--perfmodel", type=Path, help="operator models (default: fit the default sweep once)")
-    parser.add_argument("--out", type=Path, default=Path("/tmp/whatif-batch-size-validation"))
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "batch_size_validation")
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated example models")
     parser.add_argument("--worker", choices=("capture", "time"), help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -141,44 +146,49 @@ def main(argv=None) -> int:
     print(f"code:    {code_version()}")
     print(f"load:    {' '.join(f'{v:.2f}' for v in os.getloadavg())} (1, 5, 15 min averages at the start)")
     print(f"models:  {models_source}")
-    print(f"runs:    {args.rounds} rounds; per round and batch size a profiled capture ({PROFILED_STEPS} steps) "
+    print(f"runs:    best of {args.rounds} rounds; per round and batch size a profiled capture ({PROFILED_STEPS} steps) "
           f"and a real run ({TIMED_STEPS} timed steps after {WARMUP_STEPS}), one torch thread\n")
     rows = []
     for model in args.models.split(","):
         base = MODELS[model]
         batches = (base // 2, base, base * 2)
-        measured = {b: [] for b in batches}
-        profiled = {b: [] for b in batches}
-        predicted = {b: [] for b in batches}
+        measured = {b: [] for b in batches}  # per round: the real run's steady median
+        profiled = {b: [] for b in batches}  # per round: the profiled capture's steady median
+        traces = {b: [] for b in batches}
+        unprofiled = {b: [] for b in batches}  # per round: the real run's iteration times
         for round_ in range(args.rounds):
-            traces = {}
             for b in batches:
-                traces[b] = args.out / f"{model}_bs{b}_round{round_}.pt.trace.json.gz"
-                _run_worker("capture", model, b, traces[b])
-                profiled[b].append(profiled_ms(traces[b]))
-                measured[b].append(steady_ms(json.loads(_run_worker("time", model, b))))
-            for b in batches:
-                predicted[b].append(predict_at_batch_size(traces[base], base, b, models))
+                traces[b].append(args.out / f"{model}_bs{b}_round{round_}.pt.trace.json.gz")
+                _run_worker("capture", model, b, traces[b][-1])
+                profiled[b].append(profiled_ms(traces[b][-1]))
+                unprofiled[b].append(json.loads(_run_worker("time", model, b)))
+                measured[b].append(steady_ms(unprofiled[b][-1]))
+        best_trace = traces[base][profiled[base].index(min(profiled[base]))]
+        best_plain = unprofiled[base][measured[base].index(min(measured[base]))]
         for b in batches:
-            real, prof, pred = (statistics.median(v[b]) for v in (measured, profiled, predicted))
+            real, prof = min(measured[b]), min(profiled[b])
+            pred = predict_at_batch_size(best_trace, base, b, models, unprofiled_ms=best_plain)
+            as_traced = predict_at_batch_size(best_trace, base, b, models)
             rows.append({
                 "model": model, "batch": b, "from": base, "real_ms": real, "profiled_ms": prof, "predicted_ms": pred,
-                "error_vs_real_pct": 100 * (pred - real) / real, "error_vs_profiled_pct": 100 * (pred - prof) / prof,
+                "as_traced_ms": as_traced, "error_vs_real_pct": 100 * (pred - real) / real,
+                "as_traced_vs_profiled_pct": 100 * (as_traced - prof) / prof,
             })
-            print(f"  {model} batch {b}: real {real:.1f} ms, profiled {prof:.1f} ms, predicted {pred:.1f} ms", flush=True)
+            print(f"  {model} batch {b}: real {real:.1f} ms, profiled {prof:.1f} ms, predicted {pred:.1f} ms "
+                  f"({as_traced:.1f} ms from the trace as it is)", flush=True)
     print()
-    print("| model | batch (from) | real ms | profiled ms | predicted ms | error vs real % | error vs profiled % |")
-    print("|---|--:|--:|--:|--:|--:|--:|")
+    print("| model | batch (from) | real ms | predicted ms | error vs real % | profiled ms | predicted from the profiled trace ms | its error vs profiled % |")
+    print("|---|--:|--:|--:|--:|--:|--:|--:|")
     for r in rows:
         origin = "traced" if r["batch"] == r["from"] else f"from {r['from']}"
-        print(f"| {r['model']} | {r['batch']} ({origin}) | {r['real_ms']:.1f} | {r['profiled_ms']:.1f} | "
-              f"{r['predicted_ms']:.1f} | {r['error_vs_real_pct']:+.1f} | {r['error_vs_profiled_pct']:+.1f} |")
+        print(f"| {r['model']} | {r['batch']} ({origin}) | {r['real_ms']:.1f} | {r['predicted_ms']:.1f} | "
+              f"{r['error_vs_real_pct']:+.1f} | {r['profiled_ms']:.1f} | {r['as_traced_ms']:.1f} | {r['as_traced_vs_profiled_pct']:+.1f} |")
     what_ifs = [r for r in rows if r["batch"] != r["from"]]
     worst = max(abs(r["error_vs_real_pct"]) for r in what_ifs)
     mean_abs = statistics.mean(abs(r["error_vs_real_pct"]) for r in what_ifs)
-    worst_model = max(abs(r["error_vs_profiled_pct"]) for r in what_ifs)
-    print(f"\npredicted batch sizes: mean |error| vs real {mean_abs:.1f} %, worst {worst:.1f} %; "
-          f"worst vs profiled {worst_model:.1f} %")
+    mean_profiled = statistics.mean(abs(r["as_traced_vs_profiled_pct"]) for r in what_ifs)
+    print(f"\npredicted batch sizes: mean |error| vs the real run {mean_abs:.1f} %, worst {worst:.1f} %; "
+          f"from the trace as it is against profiled runs, mean |error| {mean_profiled:.1f} %")
     if worst > TARGET_PCT:
         print(f"MISS: worst |error| vs the real run {worst:.1f} % > target {TARGET_PCT} %")
         return 1

@@ -11,13 +11,14 @@ shapes twice back to back differed by 43 % (GEMM, geometric mean) with the wall-
 five repeats and by 6 % with the fastest of nine thread-CPU-time repeats. The sweep runs on
 the CPU only: no GPU was at hand to check a GPU sweep against.
 
-A training step runs each operator on memory that is cold: its inputs were written layers ago
-and its output lands in pages the allocator has just taken back from the kernel (freed tensors
-are returned at the end of every step, so a large output page-faults every time). A call
-repeated in a tight loop is warm on both counts and far faster: ``threshold_backward`` on a
-[32, 32, 32, 32] activation takes 0.29 ms warm but 2.4 ms in the convnet's trace. So before
-every timed call the sweep writes a buffer of 1.5 times the last-level cache and asks
-glibc to return its free memory (``malloc_trim``), which brings the same call to 2.0 ms.
+In a training step an operator's output lands in pages the allocator has just taken back from
+the kernel (glibc returns the freed tensors' memory as each step ends), so a large output
+page-faults every time; a call repeated in a tight loop reuses the same pages and is far faster:
+``threshold_backward`` on a [32, 32, 32, 32] activation takes 0.29 ms in a loop but 2.4 ms in
+the convnet's trace. So before every timed call the sweep asks glibc to return its free memory
+(``malloc_trim``), which brings the same call to 1.8 ms. (Flushing the caches as well brought it
+to 2.0 ms, but made every small operator 5 to 10 times slower than in a trace, whose dispatch
+code stays hot.)
 Each sample is named and shaped exactly as the profiler records the same call (the outermost
 ``aten::`` operator and its ``Input Dims`` / ``Input type``), so the models read traces and
 sweeps alike; :func:`recorded_as` checks that against the profiler itself.
@@ -50,8 +51,8 @@ class SweepSize:
     shapes_per_op: int
     repeats: int
     budget_ms: float  # the longest a single call may be estimated to take
-    more_for: tuple = ("gemm", "conv")  # the families that dominate a training step get ...
-    more_factor: int = 3  # ... this many times the shapes: their efficiency varies most
+    more: tuple = (("gemm", 3), ("conv", 5))  # families that dominate a training step, whose
+    # efficiency varies most with their shapes, get this many times the shapes
 
 
 DEFAULT = SweepSize(shapes_per_op=40, repeats=5, budget_ms=25.0)
@@ -110,7 +111,7 @@ def _cases(torch, op: str, rng) -> Optional[Case]:
         return Case(op, [[batch, m, k], [k, n]], [f, f], lambda: torch.matmul(a, b))
 
     if op in ("aten::conv2d", "aten::convolution_backward"):
-        n, c, o = _pow2(rng, 1, 128), _pow2(rng, 3, 256) if rng.random() > 0.15 else 3, _pow2(rng, 8, 256)
+        n, c, o = _pow2(rng, 1, 128), _pow2(rng, 8, 256) if rng.random() > 0.15 else 3, _pow2(rng, 8, 256)
         hw, k = _pow2(rng, 4, 64), int(rng.choice([1, 3, 3, 5]))
         x, w = rand(n, c, hw, hw), rand(o, c, k, k)
         if op == "aten::conv2d":
@@ -412,28 +413,17 @@ def _estimated_ms(op: str, dims, types) -> float:
 
 
 class _ColdMemory:
-    """Makes the next call meet memory as a training step does: caches flushed, freed pages
-    returned to the kernel."""
+    """Makes the next call meet the allocator as a training step does: the pages of freed
+    tensors returned to the kernel, so a fresh output page-faults."""
 
-    def __init__(self, torch):
-        self.scratch = torch.empty(int(1.5 * _last_level_cache_bytes()) // 4)
+    def __init__(self):
         try:
             self.trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
         except (OSError, AttributeError):  # not glibc
             self.trim = lambda _pad: 0
 
     def __call__(self) -> None:
-        self.scratch.fill_(1.0)
         self.trim(0)
-
-
-def _last_level_cache_bytes() -> int:
-    sizes = []
-    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
-        text = index.read_text().strip().upper()
-        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
-        sizes.append(int(text.rstrip("KMG")) * scale)
-    return max(sizes, default=32 * 2**20)
 
 
 def _time_us(call, repeats: int, cold=None) -> float:
@@ -481,11 +471,11 @@ def run_sweep(quick: bool = False, threads: int = 1, seed: int = 0,
             described = {**current_device(), "torch": torch.__version__, "threads": threads,
                          **measure_device(torch, quick)}
             rng = np.random.default_rng(seed)
-            cold = _ColdMemory(torch)
+            cold = _ColdMemory()
             rows = []
             for family, ops in SWEEP_OPS.items():
                 started = time.perf_counter()
-                wanted = size.shapes_per_op * (size.more_factor if family in size.more_for else 1)
+                wanted = size.shapes_per_op * dict(size.more).get(family, 1)
                 for op in ops:
                     rows += _sweep_op(torch, op, rng, size, wanted, cold)
                 if progress:

@@ -35,7 +35,7 @@ import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import numpy as np
 import pandas as pd
@@ -244,11 +244,16 @@ def predict_at_batch_size(
     from_batch: Optional[int],
     to_batch: int,
     models: Union[PerfModels, str, Path, None] = None,
+    unprofiled_ms: Optional[Sequence[float]] = None,
 ) -> float:
     """The steady-state median iteration (ms) the trace's job would take at ``to_batch``.
 
     ``from_batch`` is the batch size the trace was captured at (None: inferred); ``models`` a
-    :class:`PerfModels`, a models file, or None for this machine's cached quick fit."""
+    :class:`PerfModels`, a models file, or None for this machine's cached quick fit. Where the
+    unprofiled iteration times at ``from_batch`` are known (``unprofiled_ms``, else a capture
+    bundle's unprofiled warm-up steps), the profiler's overhead is taken out of the trace first
+    (``sim/profiler_overhead.py``): the job predicted runs without the profiler, and the
+    overhead, paid per operator call, does not grow with the batch."""
     from whatif.collectors.iterations import find_iterations
     from whatif.collectors.kineto import load_trace
     from whatif.report.iterations import iteration_report, steady_median
@@ -256,6 +261,7 @@ def predict_at_batch_size(
     from .build import build_graph
     from .engine import simulate
     from .perfmodels import default_models, load_models
+    from .profiler_overhead import remove_profiler_overhead
 
     if models is None:
         models = default_models()
@@ -263,6 +269,11 @@ def predict_at_batch_size(
         models = load_models(models)
     trace = load_trace(trace_path)
     graph = build_graph(trace)
+    iterations = find_iterations(trace)
+    if unprofiled_ms is None and trace.bundle is not None:
+        unprofiled_ms = trace.bundle.unprofiled_step_ms or None
+    if unprofiled_ms is not None:
+        remove_profiler_overhead(graph, iterations, unprofiled_ms)
     change_batch_size(graph, trace, models, to_batch, from_batch)
-    report = iteration_report(simulate(graph), find_iterations(trace))
+    report = iteration_report(simulate(graph), iterations)
     return steady_median(report["predicted_ms"])

@@ -23,9 +23,10 @@ from whatif.sim.perfmodels import (
     work,
 )
 
-#: Held-out geometric-mean error a model fitted on the quick sweep (a few shapes per operator,
-#: three repeats) must stay under in every family; the default sweep's figures are in the README.
-QUICK_FAMILY_BOUND_PCT = 75.0
+#: Held-out geometric-mean error a model fitted on the quick sweep must stay under in every
+#: family. Ten shapes per operator make a coarse model (40 to 60 % in the worst families on this
+#: shared machine, the default sweep's figures are in the README); the bound catches a broken one.
+QUICK_FAMILY_BOUND_PCT = 100.0
 
 
 def test_the_sweep_names_and_shapes_each_call_as_a_trace_records_it():
