@@ -25,7 +25,7 @@ with the figures: the development machine is shared, and a busy core inflates st
 
     .venv/bin/python bench/xsp_zoo.py [--quick] [--steps N] [--warmup N] [--rounds R] [--models A,B] [--out DIR]
 
-By default every level runs three times per model, 6 measured steps a run: 18 steps per level,
+By default every level runs four times per model, 5 measured steps a run: 20 steps per level,
 of which the faster half count, the levels alternating so that a burst of other work on the
 machine slows them alike. ``--quick`` profiles the small size of each family in one round of 5
 steps (under a minute).
@@ -103,7 +103,7 @@ def _family(name: str) -> str:
 
 
 def plot_breakdown(table: pd.DataFrame, path: Path) -> None:
-    fig, axes = plt.subplots(1, 2, figsize=(13, 0.38 * len(table) + 1.8), sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(13, 0.38 * len(table) + 2.4), sharey=True)
     for ax, parts, step, title in (
         (axes[0], LAYER_PARTS, "layer_step_ms", "layer level: leaf modules"),
         (axes[1], OPERATOR_PARTS, "operator_step_ms", "operator level: operators"),
@@ -115,7 +115,7 @@ def plot_breakdown(table: pd.DataFrame, path: Path) -> None:
             left += shares[part]
         ax.set_xlabel("% of the step")
         ax.set_title(title)
-        ax.legend(fontsize=8, loc="lower right")
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=3)
     axes[0].invert_yaxis()
     fig.suptitle("Where the time goes, by level and model (each from its own level's run)")
     fig.tight_layout()
@@ -124,7 +124,7 @@ def plot_breakdown(table: pd.DataFrame, path: Path) -> None:
 
 
 def plot_overhead(table: pd.DataFrame, path: Path) -> None:
-    fig, axes = plt.subplots(1, 2, figsize=(13, 0.38 * len(table) + 1.8), sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(13, 0.38 * len(table) + 2.4), sharey=True)
     y = range(len(table))
     for offset, level in ((-0.2, "layer"), (0.2, "operator")):
         column = f"{level}_cpu_overhead_pct"
@@ -133,7 +133,7 @@ def plot_overhead(table: pd.DataFrame, path: Path) -> None:
     axes[0].axvline(0, color="black", linewidth=0.8)
     axes[0].set_xlabel("CPU time per step over the model level's, %")
     axes[0].set_title("profiling overhead per level")
-    axes[0].legend(fontsize=8)
+    axes[0].legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=2)
     axes[1].barh(list(y), table["cpu_overhead_us_per_event"])
     axes[1].set_xlabel("CPU us per profiler event")
     axes[1].set_title("operator level: overhead per recorded event")
@@ -176,15 +176,15 @@ def markdown(table: pd.DataFrame) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the small size of each family, fewer steps")
-    parser.add_argument("--steps", type=int, help="measured steps per run (default: 6, quick: 5)")
+    parser.add_argument("--steps", type=int, help="measured steps per run (default: 5)")
     parser.add_argument("--warmup", type=int, help="steps before them (default: 2)")
-    parser.add_argument("--rounds", type=int, help="rounds of all levels, alternating (default: 3, quick: 1)")
+    parser.add_argument("--rounds", type=int, help="rounds of all levels, alternating (default: 4, quick: 1)")
     parser.add_argument("--models", help="comma-separated zoo models (default: all, quick: the small ones)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default: {DEFAULT_OUT.relative_to(REPO)})")
     args = parser.parse_args(argv)
-    steps = args.steps or (5 if args.quick else 6)
+    steps = args.steps or 5
     warmup = args.warmup or 2
-    rounds = args.rounds or (1 if args.quick else 3)
+    rounds = args.rounds or (1 if args.quick else 4)
     if args.models:
         names = args.models.split(",")
         unknown = [n for n in names if n not in ZOO]

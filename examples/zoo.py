@@ -32,9 +32,9 @@ from typing import Callable
 
 import torch
 from convnet import conv_block
-from profiled_training import endless, synthetic_loader, train_step
+from profiled_training import endless, train_step
 from torch import nn
-from torch.utils.data import DataLoader, StackDataset, TensorDataset
+from torch.utils.data import BatchSampler, DataLoader, RandomSampler, TensorDataset
 from transformer import EncoderBlock
 
 NUM_CLASSES = 10
@@ -126,66 +126,67 @@ class LSTMClassifier(nn.Module):
 
 @dataclass(frozen=True)
 class ZooModel:
-    """One model of the zoo at one size: how to build it and its synthetic data."""
+    """One model of the zoo at one size: how to build it and the synthetic inputs of an epoch
+    (one tensor per model input, ``BATCHES_PER_EPOCH`` batches long)."""
 
     family: str
     size: str
     batch_size: int
-    build: Callable[[int], tuple[nn.Module, DataLoader]]
+    build: Callable[[int, torch.Generator], tuple[nn.Module, tuple[torch.Tensor, ...]]]
 
     @property
     def name(self) -> str:
         return f"{self.family}-{self.size}"
 
 
-def _generator() -> torch.Generator:
-    return torch.Generator().manual_seed(0)
-
-
 def _mlp(in_features: int, widths: tuple[int, ...]):
-    def build(batch: int):
-        features = torch.randn(BATCHES_PER_EPOCH * batch, in_features, generator=_generator())
-        return MLP(in_features, widths), synthetic_loader(features, NUM_CLASSES, batch)
+    def build(samples: int, generator: torch.Generator):
+        return MLP(in_features, widths), (torch.randn(samples, in_features, generator=generator),)
 
     return build
 
 
 def _cnn(channels: tuple[int, ...], image: int):
-    def build(batch: int):
-        images = torch.randn(BATCHES_PER_EPOCH * batch, 3, image, image, generator=_generator())
-        return CNN(channels), synthetic_loader(images, NUM_CLASSES, batch)
+    def build(samples: int, generator: torch.Generator):
+        return CNN(channels), (torch.randn(samples, 3, image, image, generator=generator),)
 
     return build
 
 
 def _transformer(vocab: int, length: int, d_model: int, blocks: int):
-    def build(batch: int):
-        tokens = torch.randint(0, vocab, (BATCHES_PER_EPOCH * batch, length), generator=_generator())
-        return Transformer(vocab, length, d_model, blocks), synthetic_loader(tokens, NUM_CLASSES, batch)
+    def build(samples: int, generator: torch.Generator):
+        return Transformer(vocab, length, d_model, blocks), (torch.randint(0, vocab, (samples, length), generator=generator),)
 
     return build
 
 
 def _dlrm(dense: int, tables: int, rows: int, dim: int, lookups: int, top: int):
-    def build(batch: int):
-        generator, samples = _generator(), BATCHES_PER_EPOCH * batch
-        inputs = TensorDataset(
+    def build(samples: int, generator: torch.Generator):
+        inputs = (
             torch.randn(samples, dense, generator=generator),
             torch.randint(0, rows, (samples, tables, lookups), generator=generator),
         )
-        labels = torch.randint(0, NUM_CLASSES, (samples,), generator=generator)
-        loader = DataLoader(StackDataset(inputs, labels), batch_size=batch, shuffle=True, drop_last=True, generator=generator)
-        return DLRM(dense, tables, rows, dim, top), loader
+        return DLRM(dense, tables, rows, dim, top), inputs
 
     return build
 
 
 def _lstm(features: int, hidden: int, layers: int, length: int):
-    def build(batch: int):
-        sequences = torch.randn(BATCHES_PER_EPOCH * batch, length, features, generator=_generator())
-        return LSTMClassifier(features, hidden, layers), synthetic_loader(sequences, NUM_CLASSES, batch)
+    def build(samples: int, generator: torch.Generator):
+        return LSTMClassifier(features, hidden, layers), (torch.randn(samples, length, features, generator=generator),)
 
     return build
+
+
+def batched_loader(inputs: tuple[torch.Tensor, ...], batch: int, generator: torch.Generator) -> DataLoader:
+    """Shuffled batches of ``inputs`` with random labels, each drawn as one batch of indices
+    (one indexing operation per tensor, where ``profiled_training.synthetic_loader`` indexes
+    every sample and stacks them): with a few hundred samples a batch, per-sample loading would
+    be most of a small model's step and of its profiler events."""
+    labels = torch.randint(0, NUM_CLASSES, (len(inputs[0]),), generator=generator)
+    dataset = TensorDataset(*inputs, labels)
+    sampler = BatchSampler(RandomSampler(dataset, generator=generator), batch, drop_last=True)
+    return DataLoader(dataset, sampler=sampler, batch_size=None)
 
 
 ZOO: dict[str, ZooModel] = {
@@ -214,12 +215,18 @@ def trainer(entry: ZooModel) -> tuple[nn.Module, Callable[[], float]]:
     """``entry`` built on one thread, and a function running one training step of it."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model, loader = entry.build(entry.batch_size)
+    generator = torch.Generator().manual_seed(0)
+    model, inputs = entry.build(BATCHES_PER_EPOCH * entry.batch_size, generator)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
     model.train()
-    batches = endless(loader)
-    return model, lambda: train_step(model, optimizer, loss_fn, *next(batches))
+    batches = endless(batched_loader(inputs, entry.batch_size, generator))
+
+    def step() -> float:
+        *batch, labels = next(batches)
+        return train_step(model, optimizer, loss_fn, batch[0] if len(batch) == 1 else tuple(batch), labels)
+
+    return model, step
 
 
 def main(argv=None) -> int:
