@@ -254,9 +254,23 @@ def predict_at_batch_size(
     bundle's unprofiled warm-up steps), the profiler's overhead is taken out of the trace first
     (``sim/profiler_overhead.py``): the job predicted runs without the profiler, and the
     overhead, paid per operator call, does not grow with the batch."""
+    from whatif.report.iterations import steady_median
+
+    report = predict_iterations_at_batch_size(trace_path, from_batch, to_batch, models, unprofiled_ms)
+    return steady_median(report["predicted_ms"])
+
+
+def predict_iterations_at_batch_size(
+    trace_path: Union[str, Path],
+    from_batch: Optional[int],
+    to_batch: int,
+    models: Union[PerfModels, str, Path, None] = None,
+    unprofiled_ms: Optional[Sequence[float]] = None,
+) -> pd.DataFrame:
+    """Every iteration of :func:`predict_at_batch_size`'s prediction (``iteration_report``)."""
     from whatif.collectors.iterations import find_iterations
     from whatif.collectors.kineto import load_trace
-    from whatif.report.iterations import iteration_report, steady_median
+    from whatif.report.iterations import iteration_report
 
     from .build import build_graph
     from .engine import simulate
@@ -275,5 +289,4 @@ def predict_at_batch_size(
     if unprofiled_ms is not None:
         remove_profiler_overhead(graph, iterations, unprofiled_ms)
     change_batch_size(graph, trace, models, to_batch, from_batch)
-    report = iteration_report(simulate(graph), iterations)
-    return steady_median(report["predicted_ms"])
+    return iteration_report(simulate(graph), iterations)
