@@ -192,7 +192,7 @@ def batched_loader(inputs: tuple[torch.Tensor, ...], batch: int, generator: torc
 ZOO: dict[str, ZooModel] = {
     m.name: m
     for m in (
-        ZooModel("mlp", "small", 128, _mlp(256, (512, 512))),
+        ZooModel("mlp", "small", 256, _mlp(256, (512, 512))),
         ZooModel("mlp", "medium", 64, _mlp(512, (1024, 1024, 1024))),
         ZooModel("mlp", "large", 64, _mlp(1024, (2048,) * 5)),
         ZooModel("cnn", "small", 16, _cnn((16, 32), 32)),
@@ -201,7 +201,7 @@ ZOO: dict[str, ZooModel] = {
         ZooModel("transformer", "small", 8, _transformer(1024, 32, 64, 2)),
         ZooModel("transformer", "medium", 8, _transformer(4096, 64, 128, 4)),
         ZooModel("transformer", "large", 4, _transformer(16384, 128, 256, 4)),
-        ZooModel("dlrm", "small", 512, _dlrm(13, 4, 1000, 16, 4, 128)),
+        ZooModel("dlrm", "small", 1024, _dlrm(13, 4, 1000, 16, 4, 128)),
         ZooModel("dlrm", "medium", 128, _dlrm(13, 8, 20000, 32, 8, 256)),
         ZooModel("dlrm", "large", 256, _dlrm(13, 26, 20000, 64, 16, 512)),
         ZooModel("lstm", "small", 16, _lstm(32, 128, 1, 48)),
