@@ -35,6 +35,7 @@ was measured on; loading one measured elsewhere warns (:class:`DeviceMismatchWar
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -564,10 +565,14 @@ def cache_dir() -> Path:
 
 
 def default_models(progress=None) -> PerfModels:
-    """This machine's models from the quick sweep, fitted once (a few seconds) and then cached."""
+    """This machine's models from the quick sweep, fitted once (a few seconds) and then cached.
+
+    The cache is keyed by the device and by the code that measures and fits (a hash of this
+    module and the sweep's): models cached by an older whatif, whose features differ, are
+    refitted rather than fed features they were not trained on."""
     device = current_device()
     slug = re.sub(r"[^A-Za-z0-9]+", "-", device["name"]).strip("-").lower() or "cpu"
-    path = cache_dir() / f"perfmodels-quick-{slug}.json"
+    path = cache_dir() / f"perfmodels-quick-{slug}-{_code_fingerprint()}.json"
     if path.is_file():
         return load_models(path)
     try:
@@ -583,6 +588,15 @@ def default_models(progress=None) -> PerfModels:
     if progress:
         progress(f"fitted operator models on the quick sweep; cached in {path}")
     return models
+
+
+def _code_fingerprint() -> str:
+    from whatif.collectors import microbench
+
+    digest = hashlib.sha1()
+    for source in (__file__, microbench.__file__):
+        digest.update(Path(source).read_bytes())
+    return digest.hexdigest()[:12]
 
 
 # -- samples from traces --------------------------------------------------------------------
