@@ -16,7 +16,8 @@ row of ``zoo.csv``:
   convolutions (recurrent and attention kernels included), normalization, embeddings, other
   operators, and the time between operators (Python, the framework's dispatch, the profiler).
 
-The plots: ``where_time_goes.png`` (both breakdowns, as shares of the step, per model) and
+The models run with glibc's memory trimming off (``STEADY_ALLOCATOR``), so that no level
+owes its speed to the pages an earlier run left mapped. The plots: ``where_time_goes.png`` (both breakdowns, as shares of the step, per model) and
 ``overhead.png`` (each level's overhead per model, and the operator level's cost per event, on
 the process's CPU time, which other processes on a shared machine disturb far less than the
 wall clock; the table has both).
@@ -58,6 +59,12 @@ import torch  # noqa: E402
 from zoo import ZOO  # noqa: E402
 
 DEFAULT_OUT = REPO / "bench" / "out" / "xsp"
+#: glibc's malloc without its moving mmap threshold and without trimming: with the defaults the
+#: DLRM models' dense embedding gradients (5 MB a table, freed and allocated again every step)
+#: were page-faulted in again or not depending on what else the heap held, and DLRM-large took
+#: 100 ms a step in its plain runs against 55 ms in the runs after a profiler's, which is the
+#: allocator's doing, not the profiler's cost; with these every run reuses memory alike
+STEADY_ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": str(2**30), "MALLOC_TRIM_THRESHOLD_": str(2**32 - 1)}
 LAYER_PARTS = ("layers forward", "layers backward", "outside layers")
 OPERATOR_FAMILIES = {  # first match wins, on the lower-cased operator name
     "matmul & conv": re.compile(r"linear|addmm|bmm|matmul|conv|attention|lstm|rnn|(^|::)mm"),
@@ -207,7 +214,7 @@ def main(argv=None) -> int:
         folder = args.out / f"{name}.xsp"
         command = [sys.executable, str(REPO / "examples" / "zoo.py"), name, "--levels", ",".join(levels),
                    "--rounds", str(rounds), "--steps", str(steps), "--warmup", str(warmup), "--out", str(folder)]
-        done = subprocess.run(command, capture_output=True, text=True)
+        done = subprocess.run(command, capture_output=True, text=True, env=os.environ | STEADY_ALLOCATOR)
         if done.returncode != 0:
             print(f"{name} failed:\n{done.stderr[-2000:]}", file=sys.stderr)
             return 1

@@ -258,20 +258,22 @@ class LeveledProfile:
 
 def _created_nodes(outputs: list, inputs: set, claimed: set) -> list:
     """The autograd nodes one forward call created: reachable from its output tensors before a
-    node of its inputs, of an earlier call (``claimed``, which this extends) or a gradient
-    accumulation (which the trace cannot tie to a layer: it carries no sequence number)."""
+    node of its inputs, of an earlier call or a gradient accumulation (which the trace cannot
+    tie to a layer: it carries no sequence number). ``claimed`` holds the ids of the nodes
+    earlier calls of the step created, and this adds the new ones': ids, not the nodes, so that
+    the hooks keep no part of the graph, or the tensors it saved, alive past its backward."""
     todo = [t.grad_fn for t in outputs if t.grad_fn is not None]
     nodes, seen = [], set()
     while todo:
         node = todo.pop()
-        if node is None or node in inputs or node in claimed or node in seen:
+        if node is None or node in inputs or id(node) in claimed or node in seen:
             continue
         seen.add(node)
         if hasattr(node, "variable"):
             continue
         nodes.append(node)
         todo.extend(n for n, _ in node.next_functions)
-    claimed.update(nodes)
+    claimed.update(map(id, nodes))
     return nodes
 
 
@@ -294,7 +296,7 @@ class _LeafHooks:
         self.handles.clear()
 
     def end_step(self) -> None:
-        """Forget the step's autograd nodes, which would otherwise keep its graph alive."""
+        """Forget the step's autograd nodes (their ids may be reused by the next step's)."""
         self.claimed.clear()
         self.open.clear()
 
