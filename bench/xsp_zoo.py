@@ -12,6 +12,8 @@ row of ``zoo.csv``:
 - where the time goes at the layer level (leaf modules' forward, their backward, and the rest
   of the step: loss, optimizer, data loading, functional code between modules), each from the
   layer run;
+- how much longer the layers take in the operator run than in the layer run (XSP's point: a
+  profiler inflates the levels above the one it measures);
 - where it goes at the operator level, from the operator run: matrix products and
   convolutions (recurrent and attention kernels included), normalization, embeddings, other
   operators, and the time between operators (Python, the framework's dispatch, the profiler).
@@ -96,6 +98,8 @@ def summarize(name: str, view: dict) -> dict:
         row["layers forward"] = layers.loc[layers["name"].str.endswith("(forward)"), "at_layer_ms"].sum()
         row["layers backward"] = layers.loc[layers["name"].str.endswith("(backward)"), "at_layer_ms"].sum()
         row["outside layers"] = step_ms - row["layers forward"] - row["layers backward"]
+        if layers["at_operator_ms"].notna().any():
+            row["layers_under_profiler_pct"] = 100 * (layers["at_operator_ms"].sum() / layers["at_layer_ms"].sum() - 1)
     if "operator" in view["sources"]:
         operators = table[(table["level"] == "operator") & table["at_operator_ms"].notna()]
         family = operators["name"].str.lower().map(_family)
@@ -161,6 +165,7 @@ def markdown(table: pd.DataFrame) -> str:
         "operator_cpu_overhead_pct": "operator CPU +%",
         "events_per_step": "events/step",
         "cpu_overhead_us_per_event": "CPU us/event",
+        "layers_under_profiler_pct": "layers under profiler +%",
         "layers backward": "bwd in layers %",
         "outside layers": "outside layers %",
         "matmul & conv": "matmul+conv %",
