@@ -35,7 +35,10 @@ bookkeeping inside the operators outweighs the hooks' own time in the layer run.
 
 ``whatif profile -- python SCRIPT.py`` reruns a script that uses :class:`LeveledProfile` once per
 level, with the level, folder and steps in environment variables that override the script's own
-arguments, as ``whatif collect`` does for :class:`~whatif.collectors.capture.Capture`.
+arguments, as ``whatif collect`` does for :class:`~whatif.collectors.capture.Capture`;
+:func:`run_levels` runs every level in one process. Both can alternate the levels in rounds,
+whose steps the view pools, so that a shared machine's bursts of other work slow every level
+alike.
 """
 
 from __future__ import annotations
