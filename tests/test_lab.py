@@ -159,4 +159,4 @@ def test_calibrate_writes_links_a_scenario_can_use(tmp_path):
     assert all(p.cluster.inter_node.efficiency == doc["inter_node"]["efficiency"] for p in points)
     contention = doc["inter_node"]["cpu_contention"]
     assert all(p.cluster.inter_node.comm_slowdown == contention["comm"] >= 1 for p in points)
-    assert doc["intra_node"]["cpu_contention"]["comm"] > 1.2, "loopback transfers are CPU work: a busy core slows them"
+    assert set(doc["intra_node"]["cpu_contention"]) == {"comm", "compute"}, "loopback is calibrated busy too"
