@@ -58,17 +58,10 @@ def _example(model: str):
     sys.path.insert(0, str(EXAMPLES))
     torch.set_num_threads(1)
     torch.manual_seed(0)
+    from profiled_training import with_batch_size
+
     net, loader = importlib.import_module(model).build()
-    return net, rebatched(loader, int(os.environ["BENCH_BATCH"]))
-
-
-def rebatched(loader, batch_size: int):
-    """The example's loader over the same data at another batch size, shuffled as the examples do."""
-    import torch
-    from torch.utils.data import DataLoader
-
-    generator = torch.Generator().manual_seed(0)
-    return DataLoader(loader.dataset, batch_size=batch_size, shuffle=True, drop_last=True, generator=generator)
+    return net, with_batch_size(loader, int(os.environ["BENCH_BATCH"]))
 
 
 def worker_capture(model: str, out: Path) -> None:

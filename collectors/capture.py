@@ -496,10 +496,12 @@ def _count(env: str, what: str, given: int, minimum: int) -> int:
 
 
 def collect(
-    command: Sequence[str], out: Optional[Path] = None, steps: Optional[int] = None, warmup: Optional[int] = None
+    command: Sequence[str], out: Optional[Path] = None, steps: Optional[int] = None, warmup: Optional[int] = None,
+    env: Optional[dict] = None,
 ) -> Bundle:
     """Run ``command`` (a training script using :class:`Capture`) so that it writes its bundle
     at ``out`` (default: ``SCRIPT.bundle`` in the current folder), and read the bundle back.
+    ``env`` adds variables to the script's environment.
     Raises :class:`CaptureError` for a missing script, an output folder that is not a bundle, a
     script that fails or writes no bundle."""
     command = list(command)
@@ -520,7 +522,7 @@ def collect(
         check_writable(out)
     except BundleError as err:
         raise CaptureError(str(err)) from None
-    env = dict(os.environ, **{OUT_ENV: str(out.resolve())})
+    env = dict(os.environ, **(env or {}), **{OUT_ENV: str(out.resolve())})
     for name, value in ((STEPS_ENV, steps), (WARMUP_ENV, warmup)):
         if value is None:
             env.pop(name, None)

@@ -265,20 +265,22 @@ class JobResult:
 
 
 def run_job(
-    spec: LabSpec, framework: str, argv: Sequence[str], out_dir: Path, timeout_s: float = 900.0
+    spec: LabSpec, framework: str, argv: Sequence[str], out_dir: Path, timeout_s: float = 900.0,
+    env: Optional[dict] = None,
 ) -> JobResult:
     """Run ``argv`` as every worker of ``framework`` on an emulated cluster of ``spec``.
 
     Each worker gets the environment its framework reads (Horovod's Gloo variables, or PyTorch's
-    ``MASTER_ADDR`` / ``RANK`` / ``WORLD_SIZE``), ``OMP_NUM_THREADS`` = threads per worker, and
-    ``WHATIF_LAB_OUT`` = ``out_dir`` for per-rank reports; logs go to ``out_dir/rank<r>.log``.
+    ``MASTER_ADDR`` / ``RANK`` / ``WORLD_SIZE``), ``OMP_NUM_THREADS`` = threads per worker,
+    ``WHATIF_LAB_OUT`` = ``out_dir`` for per-rank reports, and the variables in ``env`` (the
+    job's own settings, e.g. Horovod's fusion threshold); logs go to ``out_dir/rank<r>.log``.
     """
     if framework not in FRAMEWORKS:
         raise LabError(f"unknown framework {framework!r}; choose from {', '.join(FRAMEWORKS)}")
     out_dir.mkdir(parents=True, exist_ok=True)
     with EmulatedCluster(spec) as cluster:
         workers = cluster.workers()
-        base = dict(os.environ, OMP_NUM_THREADS=str(spec.threads_per_worker), WHATIF_LAB_OUT=str(out_dir))
+        base = dict(os.environ, **(env or {}), OMP_NUM_THREADS=str(spec.threads_per_worker), WHATIF_LAB_OUT=str(out_dir))
         if framework == "horovod":
             per_rank = _horovod_environment(cluster, workers, out_dir)
         else:

@@ -74,13 +74,9 @@ def capture(model: str, out: Path, steps: int = CAPTURE_STEPS, warmup: int = CAP
         return bundle
     out.mkdir(parents=True, exist_ok=True)
     command = ["taskset", "-c", "0", sys.executable, str(_examples() / f"{model}.py")]
-    os.environ["OMP_NUM_THREADS"] = "1"
-    if batch_size is None:
-        os.environ.pop(BATCH_SIZE_ENV, None)
-    else:
-        os.environ[BATCH_SIZE_ENV] = str(batch_size)
+    env = {"OMP_NUM_THREADS": "1", BATCH_SIZE_ENV: "" if batch_size is None else str(batch_size)}
     try:
-        collect(command, out=bundle, steps=steps, warmup=warmup)
+        collect(command, out=bundle, steps=steps, warmup=warmup, env=env)
     except CaptureError as err:
         raise LabError(f"capturing {model} failed: {err}") from None
     return bundle
@@ -134,9 +130,8 @@ def measure(model: str, spec: LabSpec, framework: str, out: Path, steps: int = 2
         "--steps", str(steps), "--warmup", str(warmup), "--threads", str(spec.threads_per_worker),
         "--json", str(report),
     ] + ([] if batch_size is None else ["--batch-size", str(batch_size)])
-    os.environ["HOROVOD_FUSION_THRESHOLD"] = str(FUSION_BUFFER_BYTES)
-    os.environ["HOROVOD_CYCLE_TIME"] = f"{CYCLE_TIME_MS:g}"
-    result = run_job(spec, framework, argv, out, timeout_s=1800)
+    horovod = {"HOROVOD_FUSION_THRESHOLD": str(FUSION_BUFFER_BYTES), "HOROVOD_CYCLE_TIME": f"{CYCLE_TIME_MS:g}"}
+    result = run_job(spec, framework, argv, out, timeout_s=1800, env=horovod)
     if any(result.exit_codes):
         raise LabError(f"the real run failed (exit codes {result.exit_codes}); logs in {out}")
     return json.loads(report.read_text())
