@@ -2,20 +2,24 @@
 
 For every example model, every configuration and every bandwidth, ``whatif validate``'s loop
 (``collectors/validate.py``): capture a 1x1 bundle, predict the configuration on the lab's
-calibrated links, run it for real, compare. One-machine configurations talk over loopback, so
+calibrated links, run it for real ``--repeats`` times (default 3) and compare with the median
+run, since whole runs on a shared box differ by more than one run's sampling error. One-machine configurations talk over loopback, so
 they are run once per framework, not once per bandwidth; 1x1 is run once per model.
 Configurations with more workers than the machine has cores are listed as not run.
 
 Writes, under ``--out`` (default ``bench/out/validation``): ``validation.csv`` (one row per
 point, appended as each finishes, so an interrupted grid keeps what it measured and ``--resume``
-goes on from there), ``predicted_vs_measured.png`` and ``table.md`` (the README's table); prints
-the mean absolute error and the worst point against the targets (MAE <= 5 %, none above 10 %).
+goes on from there; ``runs_ms`` holds every run's median and ``spread_pct`` their range over the
+median), ``predicted_vs_measured.png`` (the runs' range as error bars) and ``table.md`` (the
+README's table, headed by the commit measured); prints the mean absolute error and the worst
+point against the targets (MAE <= 5 %, none above 10 %).
 
 Needs root and the lab's Horovod build (``make horovod``). Run it alone: it measures CPU time,
 and anything else on the machine's cores shows up as error.
 
     sudo .venv/bin/python bench/validation_grid.py [--models vgg,transformer,wide_mlp]
-        [--configs 1x1,2x1,1x2,2x2] [--bandwidths 100,200,400] [--frameworks horovod,ddp] [--resume]
+        [--configs 1x1,2x1,1x2,2x2] [--bandwidths 100,200,400] [--frameworks horovod,ddp]
+        [--repeats 3] [--resume]
 """
 
 from __future__ import annotations
@@ -32,12 +36,13 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from measured_code import code_version  # noqa: E402
 from whatif.collectors.lab import LabError  # noqa: E402
 from whatif.collectors.validate import as_record, validate  # noqa: E402
 
 COLUMNS = [
     "model", "machines", "gpus_per_machine", "bandwidth_mbps", "framework", "status",
-    "measured_ms", "predicted_ms", "error_pct", "capture_profiled_ms", "capture_unprofiled_ms",
+    "measured_ms", "predicted_ms", "error_pct", "capture_profiled_ms", "capture_unprofiled_ms", "runs_ms", "spread_pct",
 ]
 MAE_TARGET_PCT = 5.0
 WORST_TARGET_PCT = 10.0
@@ -61,7 +66,7 @@ def key(row) -> tuple:
             None if bandwidth in (None, "") else float(bandwidth), row["framework"])
 
 
-def run_point(model, machines, gpus, bandwidth, framework, work: Path, steps: int, default_mbps: float) -> dict:
+def run_point(model, machines, gpus, bandwidth, framework, work: Path, steps: int, repeats: int, default_mbps: float) -> dict:
     cores = os.cpu_count() or 1
     row = {"model": model, "machines": machines, "gpus_per_machine": gpus, "bandwidth_mbps": bandwidth,
            "framework": framework}
@@ -69,11 +74,14 @@ def run_point(model, machines, gpus, bandwidth, framework, work: Path, steps: in
         return {**row, "status": f"not run: {machines * gpus} workers need {machines * gpus} cores, this machine has {cores}"}
     try:
         point = validate(model, machines, gpus, bandwidth or default_mbps,
-                         "horovod" if framework == "single" else framework, work, steps=steps)
+                         "horovod" if framework == "single" else framework, work, steps=steps, repeats=repeats)
     except LabError as err:
         return {**row, "status": f"failed: {err}"}
     record = as_record(point)
-    return {**row, "status": "ok", **{c: record[c] for c in COLUMNS[6:]}}
+    runs = point.runs_measured_ms
+    return {**row, "status": "ok", **{c: record[c] for c in COLUMNS[6:11]},
+            "runs_ms": ";".join(f"{ms:.2f}" for ms in runs),
+            "spread_pct": 100.0 * (max(runs) - min(runs)) / point.measured_ms}
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -102,13 +110,21 @@ def config_label(row: dict) -> str:
     return f"{row['machines']}x{row['gpus_per_machine']}{where}"
 
 
-def markdown_table(rows: list[dict]) -> str:
-    lines = ["| model | config | framework | measured ms | predicted ms | error % |", "|---|---|---|---:|---:|---:|"]
+def run_medians(row: dict) -> list[float]:
+    return [float(ms) for ms in row.get("runs_ms", "").split(";") if ms] or [float(row["measured_ms"])]
+
+
+def markdown_table(rows: list[dict], measured_code: str) -> str:
+    lines = [f"Measured with the code of {measured_code}.", "",
+             "| model | config | framework | measured ms (median run) | runs' range ms | predicted ms | error % |",
+             "|---|---|---|---:|---:|---:|---:|"]
     for r in rows:
         if r["status"] == "ok":
-            cells = [f"{float(r['measured_ms']):.1f}", f"{float(r['predicted_ms']):.1f}", f"{float(r['error_pct']):+.1f}"]
+            runs = run_medians(r)
+            cells = [f"{float(r['measured_ms']):.1f}", f"{min(runs):.1f}–{max(runs):.1f}", f"{float(r['predicted_ms']):.1f}",
+                     f"{float(r['error_pct']):+.1f}"]
         else:
-            cells = ["", "", r["status"]]
+            cells = ["", "", "", r["status"]]
         lines.append(f"| {r['model']} | {config_label(r)} | {r['framework']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -118,8 +134,11 @@ def plot(rows: list[dict], path: Path) -> None:
     for framework, marker in (("single", "o"), ("horovod", "s"), ("ddp", "^")):
         mine = [r for r in rows if r["framework"] == framework]
         if mine:
-            ax.scatter([float(r["measured_ms"]) for r in mine], [float(r["predicted_ms"]) for r in mine],
-                       marker=marker, label=framework, alpha=0.8)
+            measured = [float(r["measured_ms"]) for r in mine]
+            ranges = [[m - min(run_medians(r)) for m, r in zip(measured, mine)],
+                      [max(run_medians(r)) - m for m, r in zip(measured, mine)]]
+            ax.errorbar(measured, [float(r["predicted_ms"]) for r in mine], xerr=ranges, fmt=marker, label=framework,
+                        alpha=0.8, capsize=2)
     values = [float(r[c]) for r in rows for c in ("measured_ms", "predicted_ms")]
     low, high = min(values) * 0.8, max(values) * 1.25
     line = [low, high]
@@ -140,9 +159,12 @@ def main(argv=None) -> int:
     parser.add_argument("--bandwidths", default="100,200,400", help="Mbps")
     parser.add_argument("--frameworks", default="horovod,ddp")
     parser.add_argument("--steps", type=int, default=20, help="timed iterations per real run")
+    parser.add_argument("--repeats", type=int, default=3, help="real runs per point; the median run is compared")
     parser.add_argument("--out", type=Path, default=Path("bench/out/validation"))
     parser.add_argument("--resume", action="store_true", help="keep the points already in the CSV")
     args = parser.parse_args(argv)
+    measured_code = code_version()
+    print(f"measuring the code of {measured_code}", flush=True)
     configs = [tuple(int(n) for n in c.split("x")) for c in args.configs.split(",")]
     bandwidths = [float(b) for b in args.bandwidths.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
@@ -153,12 +175,13 @@ def main(argv=None) -> int:
     for model, machines, gpus, bandwidth, framework in grid(args.models.split(","), configs, bandwidths, args.frameworks.split(",")):
         if (model, machines, gpus, bandwidth, framework) in done:
             continue
-        row = run_point(model, machines, gpus, bandwidth, framework, args.out / "work", args.steps, bandwidths[len(bandwidths) // 2])
+        row = run_point(model, machines, gpus, bandwidth, framework, args.out / "work", args.steps, args.repeats,
+                        bandwidths[len(bandwidths) // 2])
         append_row(csv_path, row)
         shown = f"{float(row['error_pct']):+.1f} %" if row["status"] == "ok" else row["status"]
         print(f"{model} {config_label(row)} {framework}: {shown}", flush=True)
     rows = read_rows(csv_path)
-    (args.out / "table.md").write_text(markdown_table(rows))
+    (args.out / "table.md").write_text(markdown_table(rows, measured_code))
     measured = measured_points(rows)
     if not measured:
         print("no point measured", file=sys.stderr)
@@ -170,7 +193,8 @@ def main(argv=None) -> int:
     skipped = len(rows) - len(measured)
     print(f"{len(measured)} points measured, {skipped} not run or failed; "
           f"mean absolute error {mae:.1f} % (target <= {MAE_TARGET_PCT:g} %), worst {float(worst['error_pct']):+.1f} % "
-          f"({worst['model']} {config_label(worst)} {worst['framework']}; target <= {WORST_TARGET_PCT:g} %)")
+          f"({worst['model']} {config_label(worst)} {worst['framework']}; target <= {WORST_TARGET_PCT:g} %); "
+          f"code {measured_code}")
     met = mae <= MAE_TARGET_PCT and all(e <= WORST_TARGET_PCT for e in errors)
     print(("PASS" if met else "FAIL") + f": table in {args.out / 'table.md'}, plot in {args.out / 'predicted_vs_measured.png'}")
     return 0 if met and not math.isnan(mae) else 1

@@ -126,6 +126,7 @@ def _parser() -> argparse.ArgumentParser:
     validate.add_argument("--latency", default="0")
     validate.add_argument("--framework", choices=("horovod", "ddp"), default="horovod")
     validate.add_argument("--steps", type=int, default=20, help="timed iterations of the real run")
+    validate.add_argument("--repeats", type=int, default=3, help="real runs; the median run is compared (default: 3)")
     validate.add_argument("--batch-size", type=int, metavar="B", help="predict and run at this batch size")
     validate.add_argument("--predict-from", type=int, metavar="B0", help="capture at this batch size (with --batch-size)")
     validate.add_argument("--work", type=Path, default=Path("lab-validate"), help="captures, calibrations and logs")
@@ -277,6 +278,7 @@ def run_validate(args: argparse.Namespace) -> int:
         steps=args.steps,
         batch_size=args.batch_size,
         predict_from=args.predict_from,
+        repeats=args.repeats,
     )
     record = as_record(point)
     if args.json:
@@ -284,7 +286,7 @@ def run_validate(args: argparse.Namespace) -> int:
     else:
         print(
             f"{point.model} {point.framework} {point.machines}x{point.gpus_per_machine} at {point.bandwidth_mbps:g} Mbps: "
-            f"measured {point.measured_ms:.1f} ms, predicted {point.predicted_ms:.1f} ms, error {point.error_pct:+.1f} % "
+            f"measured {point.measured_ms:.1f} ms (median of runs {', '.join(f'{ms:.1f}' for ms in point.runs_measured_ms)}), predicted {point.predicted_ms:.1f} ms, error {point.error_pct:+.1f} % "
             f"(1x1 capture {point.capture_profiled_ms:.1f} ms profiled, {point.capture_unprofiled_ms:.1f} ms without the profiler)"
         )
     return 0

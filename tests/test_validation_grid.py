@@ -1,0 +1,79 @@
+"""The validation grid's bookkeeping: which points it runs, how repeated runs are reported.
+
+The real runs need root and minutes of quiet machine, so the grid itself is a script
+(``bench/validation_grid.py``); these tests hold its tables and refusals to their word."""
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+from whatif.collectors.lab import LabError
+from whatif.collectors.validate import validate
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+@pytest.fixture(scope="module")
+def grid_script():
+    import sys
+
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec = importlib.util.spec_from_file_location("validation_grid", BENCH / "validation_grid.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def measured_row(runs_ms, predicted_ms=100.0):
+    runs = sorted(runs_ms)
+    measured = runs[len(runs) // 2]
+    return {
+        "model": "vgg", "machines": "1", "gpus_per_machine": "2", "bandwidth_mbps": "", "framework": "ddp",
+        "status": "ok", "measured_ms": str(measured), "predicted_ms": str(predicted_ms),
+        "error_pct": str(100 * (predicted_ms - measured) / measured), "runs_ms": ";".join(map(str, runs_ms)),
+    }
+
+
+def test_one_machine_configurations_run_once_per_framework_and_one_worker_once_per_model(grid_script):
+    points = list(grid_script.grid(["vgg"], [(1, 1), (1, 2), (2, 1)], [100.0, 200.0], ["horovod", "ddp"]))
+    assert points == [
+        ("vgg", 1, 1, None, "single"),
+        ("vgg", 1, 2, None, "horovod"), ("vgg", 1, 2, None, "ddp"),
+        ("vgg", 2, 1, 100.0, "horovod"), ("vgg", 2, 1, 200.0, "horovod"),
+        ("vgg", 2, 1, 100.0, "ddp"), ("vgg", 2, 1, 200.0, "ddp"),
+    ]
+
+
+def test_more_workers_than_cores_is_reported_not_run_never_passed(grid_script, tmp_path):
+    workers = (os.cpu_count() or 1) + 1
+    row = grid_script.run_point("vgg", workers, 1, 100.0, "ddp", tmp_path, steps=20, repeats=3, default_mbps=200.0)
+    assert row["status"].startswith("not run:") and "measured_ms" not in row
+    assert not any(tmp_path.iterdir()), "nothing was captured or run for a point that cannot run"
+
+
+def test_the_table_names_the_code_measured_and_every_points_range_of_runs(grid_script):
+    table = grid_script.markdown_table([measured_row([95.0, 104.0, 99.0])], "abc1234")
+    assert "abc1234" in table
+    assert "| vgg | 1x2 (loopback) | ddp | 99.0 | 95.0–104.0 | 100.0 | +1.0 |" in table
+
+
+def test_a_csv_written_before_repeats_existed_still_reads_as_one_run(grid_script):
+    row = measured_row([99.0])
+    del row["runs_ms"]
+    assert grid_script.run_medians(row) == [99.0]
+
+
+def test_the_plot_draws_repeated_runs_as_ranges(grid_script, tmp_path):
+    grid_script.plot([measured_row([95.0, 104.0, 99.0]), measured_row([180.0], 170.0)], tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").stat().st_size > 0
+
+
+def test_validation_needs_at_least_one_real_run(tmp_path):
+    with pytest.raises(LabError, match="--repeats"):
+        validate("vgg", 1, 2, 200.0, "ddp", tmp_path, repeats=0)
+    assert not any(tmp_path.iterdir())
