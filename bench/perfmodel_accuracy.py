@@ -7,12 +7,20 @@ prints per family the geometric-mean absolute error (GMAE) on those held-out sam
 roofline alone and with the family's full model. Target: under 10 % in every family (the seed
 paper's figure); the script exits 1 naming the families that miss it.
 
-    .venv/bin/python bench/perfmodel_accuracy.py [--quick] [--no-traces] [--out MODELS.json]
+No model can be closer to a measurement than the measurement is to itself, so ``--repeat`` runs
+the sweep a second time on the same shapes and prints, per family, the GMAE between the two
+sweeps' timings of the held-out shapes: the noise floor the models' errors should be read
+against. ``--samples FILE`` keeps the sweep (JSON): a later run with the same file refits from
+it without sweeping again.
+
+    .venv/bin/python bench/perfmodel_accuracy.py [--quick] [--no-traces] [--repeat] [--samples SWEEP.json]
+        [--out MODELS.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -22,7 +30,7 @@ import pandas as pd
 
 from measured_code import REPO, code_version  # noqa: E402  (bench/ is the script's folder)
 from whatif.collectors.microbench import run_sweep
-from whatif.sim.perfmodels import fit_models, held_out_report, trace_samples
+from whatif.sim.perfmodels import FAMILY_OF, fit_models, geomean_abs_error, held_out_report, trace_samples
 
 TRACES = (REPO / "data" / "convnet_cpu.bundle", REPO / "data" / "wide_mlp_cpu.pt.trace.json.gz")
 TARGET_PCT = 10.0
@@ -33,11 +41,20 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--no-traces", action="store_true", help="fit from the sweep alone")
     parser.add_argument("--out", type=Path, help="also write the fitted models here")
+    parser.add_argument("--repeat", action="store_true", help="sweep the same shapes again: the timings' own noise")
+    parser.add_argument("--samples", type=Path, help="the sweep's samples: read when the file exists, else written")
     args = parser.parse_args(argv)
     print(f"code:    {code_version()}")
     print(f"load:    {' '.join(f'{v:.2f}' for v in os.getloadavg())} (1, 5, 15 min averages at the start)")
     started = time.perf_counter()
-    samples, device = run_sweep(quick=args.quick, progress=lambda line: print(f"  {line}"))
+    if args.samples and args.samples.exists():
+        samples, device, again = read_sweep(args.samples)
+        print(f"sweep:   read from {args.samples}")
+    else:
+        samples, device = run_sweep(quick=args.quick, progress=lambda line: print(f"  {line}"))
+        again = run_sweep(quick=args.quick)[0] if args.repeat else None
+        if args.samples:
+            write_sweep(args.samples, samples, device, again)
     swept_s = time.perf_counter() - started
     parts, sources = [samples], ["sweep quick" if args.quick else "sweep"]
     if not args.no_traces:
@@ -58,6 +75,8 @@ def main(argv=None) -> int:
     for r in table.itertuples():
         print(f"| {r.family} | {r.kind} | {r.held_out} | {r.from_traces} | {r.roofline_gmae_pct:.1f} | "
               f"{r.gmae_pct:.1f} | {r.median_abs_error_pct:.1f} |")
+    if again is not None:
+        print_noise_floor(models.held_out, samples, again)
     missed = table[table["gmae_pct"] >= TARGET_PCT]
     if len(missed):
         print(f"\nMISS: {', '.join(f'{r.family} {r.gmae_pct:.1f} %' for r in missed.itertuples())} "
@@ -65,6 +84,37 @@ def main(argv=None) -> int:
         return 1
     print(f"\nPASS: every family's held-out GMAE under {TARGET_PCT:g} %")
     return 0
+
+
+def print_noise_floor(held_out: pd.DataFrame, first: pd.DataFrame, second: pd.DataFrame) -> None:
+    """Per family, the GMAE between two sweeps' timings of the held-out sweep shapes."""
+    key = lambda frame: frame["op"] + " " + frame["dims"].map(json.dumps) + " " + frame["types"].map(json.dumps)
+    timed_again = pd.Series(second["duration_us"].to_numpy(), index=key(second))
+    timed_again = timed_again[~timed_again.index.duplicated()]
+    first_time = pd.Series(first["duration_us"].to_numpy(), index=key(first))
+    first_time = first_time[~first_time.index.duplicated()]
+    held = key(held_out)
+    held = held[held.isin(timed_again.index) & held.isin(first_time.index)]
+    print("\n| family | held-out shapes timed twice | GMAE between the two sweeps % (noise floor) |")
+    print("|---|--:|--:|")
+    families = held_out.loc[held.index, "op"].map(FAMILY_OF)
+    for family in sorted(set(families)):
+        keys = held[families == family]
+        floor = geomean_abs_error(timed_again[keys].to_numpy(), first_time[keys].to_numpy())
+        print(f"| {family} | {len(keys)} | {100 * floor:.1f} |")
+
+
+def write_sweep(path: Path, samples: pd.DataFrame, device: dict, again) -> None:
+    doc = {"device": device, "samples": samples.to_dict("list"),
+           "again": None if again is None else again.to_dict("list")}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc))
+
+
+def read_sweep(path: Path):
+    doc = json.loads(path.read_text())
+    again = doc.get("again")
+    return pd.DataFrame(doc["samples"]), doc["device"], None if again is None else pd.DataFrame(again)
 
 
 if __name__ == "__main__":

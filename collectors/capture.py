@@ -116,8 +116,8 @@ class Capture:
         if out is None:
             raise CaptureError("no bundle folder: give Capture(out=...) or run the script under `whatif collect`")
         self.out = Path(out)
-        self.steps = _count(STEPS_ENV, "steps", steps, minimum=1)
-        self.warmup = _count(WARMUP_ENV, "warmup", warmup, minimum=0)
+        self.steps = count_setting(STEPS_ENV, "steps", steps, minimum=1)
+        self.warmup = count_setting(WARMUP_ENV, "warmup", warmup, minimum=0)
         self.model = model
         self.batch_size = batch_size
         self.layers = layers
@@ -480,7 +480,9 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _count(env: str, what: str, given: int, minimum: int) -> int:
+def count_setting(env: str, what: str, given: int, minimum: int) -> int:
+    """A whole-number setting of a capture run: the environment variable ``env`` overrides the
+    script's own ``given`` value, so ``whatif collect --steps`` works on scripts that pass one."""
     raw = os.environ.get(env)
     value = given if raw is None or raw == "" else raw
     try:
@@ -509,7 +511,7 @@ def collect(
         command = command[1:]
     if not command:
         raise CaptureError("no command to run: whatif collect [--out BUNDLE] -- python SCRIPT.py ARGS...")
-    script = _script_of(command)
+    script = script_of(command)
     if script is not None and not Path(script).is_file():
         raise CaptureError(f"{script}: no such script")
     if command[0].endswith(".py"):
@@ -548,7 +550,7 @@ def collect(
     return read_bundle(out)
 
 
-def _script_of(command: list[str]) -> Optional[str]:
+def script_of(command: list[str]) -> Optional[str]:
     """The Python script a command runs (``python [OPTIONS] SCRIPT.py``, or ``SCRIPT.py``), or None."""
     if command[0].endswith(".py"):
         return command[0]

@@ -60,7 +60,7 @@ from typing import Callable, Iterable, Optional, Sequence, Union
 import numpy as np
 import pandas as pd
 
-from .capture import CaptureError, _count, _script_of, cpu_model
+from .capture import CaptureError, count_setting, cpu_model, script_of
 from .iterations import find_iterations
 from .kineto import EventKind, TraceError, load_trace
 
@@ -134,9 +134,9 @@ class LeveledProfile:
         self.out = Path(out) if out is not None else None
         if self.out is None and self.level in _PROFILED:
             raise ProfileError(f"the {self.level} level writes a trace: give LeveledProfile(out=...) or run under `whatif profile`")
-        self.steps = _count(STEPS_ENV, "steps", steps, minimum=1)
-        self.warmup = _count(WARMUP_ENV, "warmup", warmup, minimum=1)
-        self.round = _count(ROUND_ENV, "round", round_index, minimum=0)
+        self.steps = count_setting(STEPS_ENV, "steps", steps, minimum=1)
+        self.warmup = count_setting(WARMUP_ENV, "warmup", warmup, minimum=1)
+        self.round = count_setting(ROUND_ENV, "round", round_index, minimum=0)
         self._stem = self.level if self.round == 0 else f"{self.level}.{self.round}"
         self.model = model
         self.name = name or type(model).__name__
@@ -750,7 +750,7 @@ def profile_command(
         command = command[1:]
     if not command:
         raise ProfileError("no command to run: whatif profile [--levels LEVELS] -- python SCRIPT.py ARGS...")
-    script = _script_of(command)
+    script = script_of(command)
     if script is not None and not Path(script).is_file():
         raise ProfileError(f"{script}: no such script")
     if command[0].endswith(".py"):

@@ -55,6 +55,7 @@ class ValidationPoint:
     measured_ms: float
     predicted_ms: float
     error_pct: float
+    predicted_with_profiler_ms: float  # the same prediction with the profiler's overhead left in the trace
     capture_profiled_ms: float  # the 1x1 capture's median profiled iteration
     capture_unprofiled_ms: float  # its median warm-up step without profiler or hooks (NaN: not timed)
     batch_size: Optional[int]  # the batch size predicted and run (None: the example's own)
@@ -97,8 +98,9 @@ def links(bandwidth_mbps: float, out: Path) -> Path:
 
 
 def predict(trace: Path, links_file: Path, machines: int, gpus: int, bandwidth_mbps: float, framework: str,
-            batch_sizes: Optional[tuple[int, int]] = None):
-    """The predicted iteration (ms) and what the prediction removed as profiler overhead."""
+            batch_sizes: Optional[tuple[int, int]] = None, profiler_overhead: str = "remove"):
+    """The predicted iteration (ms) and what the prediction removed as profiler overhead
+    (``profiler_overhead="keep"``: predicted from the profiled times as they are)."""
     from whatif.predict import predict_scenario
     from whatif.scenario import load_scenario
 
@@ -113,6 +115,7 @@ def predict(trace: Path, links_file: Path, machines: int, gpus: int, bandwidth_m
         "framework": framework,
         "policy": "fifo",
         "framework_options": {"fusion_buffer": f"{FUSION_BUFFER_BYTES}B", "cycle_time": f"{CYCLE_TIME_MS:g}ms"},
+        "profiler_overhead": profiler_overhead,
     }
     if batch_sizes is not None:
         doc["batch_size"] = {"from": batch_sizes[0], "to": batch_sizes[1]}
@@ -162,6 +165,7 @@ def validate(
     links_file = links(bandwidth_mbps, work / "links")
     changed = (predict_from, batch_size) if predict_from is not None and predict_from != batch_size else None
     predicted_ms, overhead = predict(trace, links_file, machines, gpus, bandwidth_mbps, framework, changed)
+    with_profiler_ms, _ = predict(trace, links_file, machines, gpus, bandwidth_mbps, framework, changed, "keep")
     spec = LabSpec(machines, gpus, bandwidth_mbps, latency_ms)
     batch = "" if batch_size is None else f"_batch{batch_size}"
     run_dir = work / "runs" / f"{model}_{framework}_{machines}x{gpus}_{bandwidth_mbps:g}mbps{batch}"
@@ -174,6 +178,7 @@ def validate(
     return ValidationPoint(
         model, machines, gpus, bandwidth_mbps, latency_ms, framework, measured_ms, predicted_ms,
         100.0 * (predicted_ms - measured_ms) / measured_ms,
+        with_profiler_ms,
         overhead.profiled_ms if overhead else float("nan"), overhead.unprofiled_ms if overhead else float("nan"),
         batch_size, predict_from,
         [float(w["median_ms"]) for w in median_run.get("workers", [])],

@@ -36,6 +36,7 @@ def measured_row(runs_ms, predicted_ms=100.0):
         "model": "vgg", "machines": "1", "gpus_per_machine": "2", "bandwidth_mbps": "", "framework": "ddp",
         "status": "ok", "measured_ms": str(measured), "predicted_ms": str(predicted_ms),
         "error_pct": str(100 * (predicted_ms - measured) / measured), "runs_ms": ";".join(map(str, runs_ms)),
+        "predicted_with_profiler_ms": str(measured * 1.03),
     }
 
 
@@ -59,7 +60,18 @@ def test_more_workers_than_cores_is_reported_not_run_never_passed(grid_script, t
 def test_the_table_names_the_code_measured_and_every_points_range_of_runs(grid_script):
     table = grid_script.markdown_table([measured_row([95.0, 104.0, 99.0])], "abc1234")
     assert "abc1234" in table
-    assert "| vgg | 1x2 (loopback) | ddp | 99.0 | 95.0–104.0 | 100.0 | +1.0 |" in table
+    assert "| vgg | 1x2 (loopback) | ddp | 99.0 | 95.0–104.0 | 100.0 | +1.0 | +3.0 |" in table
+
+
+def test_the_profiler_correction_is_judged_by_the_same_mean_absolute_error(grid_script):
+    rows = [measured_row([100.0], predicted_ms=98.0), measured_row([200.0], predicted_ms=204.0)]
+    assert grid_script.mean_abs_error_pct(rows, "predicted_ms") == pytest.approx(2.0)
+    assert grid_script.mean_abs_error_pct(rows, "predicted_with_profiler_ms") == pytest.approx(3.0)
+
+
+def test_repredicting_without_the_kept_capture_says_which_file_is_missing(grid_script, tmp_path):
+    with pytest.raises(SystemExit, match="vgg_1x1.bundle is missing"):
+        grid_script.repredict([measured_row([99.0])], tmp_path / "work", 200.0)
 
 
 def test_a_csv_written_before_repeats_existed_still_reads_as_one_run(grid_script):
