@@ -16,7 +16,8 @@ from whatif.collectors.bundle import read_bundle
 from whatif.predict import predict_scenario
 from whatif.report.iterations import iteration_report, steady_median
 from whatif.scenario import load_scenario
-from whatif.sim.profiler_overhead import water_level
+from whatif.sim.engine import simulate
+from whatif.sim.profiler_overhead import remove_profiler_overhead, water_level
 from whatif.study import TraceStudy
 
 torch = pytest.importorskip("torch", reason="torch is not importable: pip install -e '.[test]' to capture")
@@ -71,6 +72,22 @@ def test_predicting_one_worker_from_a_bundle_gives_the_plain_steps_time(bundle, 
     plain_ms = float(np.median(read_bundle(bundle).unprofiled_step_ms))
     assert outcome.profiler_overhead is not None and outcome.profiler_overhead.removed_ms > 0
     assert outcome.baseline_ms == pytest.approx(plain_ms, rel=0.05)
+
+
+def test_profiled_steps_faster_than_plain_ones_stretch_every_cpu_task_to_the_plain_time(bundle):
+    # on CPU the plain run's heap can page-fault where the profiled one's did not (sim/profiler_overhead.py)
+    study = TraceStudy.from_trace(bundle)
+    graph = study.graph.copy()
+    profiled_ms = steady_median(iteration_report(study.replay, study.iterations)["measured_ms"])
+    before = graph.tasks["duration_us"].to_numpy().copy()
+    added = remove_profiler_overhead(graph, study.iterations, [1.25 * profiled_ms] * 6)
+    assert added.removed_ms == pytest.approx(-0.25 * profiled_ms) and added.stretch > 1.0
+    assert "faster than plain ones" in added.describe()
+    predicted = steady_median(iteration_report(simulate(graph), study.iterations)["predicted_ms"])
+    assert predicted == pytest.approx(1.25 * profiled_ms, rel=0.02)
+    changed = graph.tasks["duration_us"].to_numpy() != before
+    ratios = graph.tasks["duration_us"].to_numpy()[changed] / before[changed]
+    assert ratios.min() > 1.0 and ratios.max() / ratios.min() < 1.5, "every iteration's tasks stretch by one factor"
 
 
 def test_keeping_the_overhead_predicts_the_trace_as_replayed(bundle, tmp_path):
