@@ -9,7 +9,7 @@ Configurations with more workers than the machine has cores are listed as not ru
 
 Writes, under ``--out`` (default ``bench/out/validation``): ``validation.csv`` (one row per
 point, appended as each finishes, so an interrupted grid keeps what it measured and ``--resume``
-goes on from there; ``runs_ms`` holds every run's median and ``spread_pct`` their range over the
+goes on from there, running failed points again; ``runs_ms`` holds every run's median and ``spread_pct`` their range over the
 median), ``predicted_vs_measured.png`` (the runs' range as error bars) and ``table.md`` (the
 README's table, headed by the commit measured); prints the mean absolute error and the worst
 point against the targets (MAE <= 5 %, none above 10 %), and the mean absolute error of the same
@@ -93,6 +93,7 @@ def run_point(model, machines, gpus, bandwidth, framework, work: Path, steps: in
 
 def repredict(rows: list[dict], work: Path, default_mbps: float) -> list[dict]:
     """The measured rows with their predictions made again from the kept captures and links."""
+    work = work.resolve()  # the scenario file lives elsewhere and names the capture by path
     out = []
     for row in rows:
         if row["status"] != "ok":
@@ -226,6 +227,8 @@ def main(argv=None) -> int:
         args.resume = True
     if csv_path.exists() and not args.resume:
         csv_path.unlink()
+    if csv_path.exists():  # resuming: failed points are run again, and their rows replaced
+        write_rows(csv_path, [r for r in read_rows(csv_path) if not r["status"].startswith("failed")])
     done = {key(r) for r in read_rows(csv_path) if r["status"] == "ok" or r["status"].startswith("not run")}
     for model, machines, gpus, bandwidth, framework in grid(args.models.split(","), configs, bandwidths, args.frameworks.split(",")):
         if (model, machines, gpus, bandwidth, framework) in done:
