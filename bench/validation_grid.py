@@ -25,7 +25,7 @@ and anything else on the machine's cores shows up as error.
 
     sudo .venv/bin/python bench/validation_grid.py [--models vgg,transformer,wide_mlp]
         [--configs 1x1,2x1,1x2,2x2] [--bandwidths 100,200,400] [--frameworks horovod,ddp]
-        [--repeats 3] [--resume | --repredict]
+        [--repeats 3] [--steady-allocator] [--resume | --repredict]
 """
 
 from __future__ import annotations
@@ -73,7 +73,8 @@ def key(row) -> tuple:
             None if bandwidth in (None, "") else float(bandwidth), row["framework"])
 
 
-def run_point(model, machines, gpus, bandwidth, framework, work: Path, steps: int, repeats: int, default_mbps: float) -> dict:
+def run_point(model, machines, gpus, bandwidth, framework, work: Path, steps: int, repeats: int, default_mbps: float,
+              steady_allocator: bool = False) -> dict:
     cores = os.cpu_count() or 1
     row = {"model": model, "machines": machines, "gpus_per_machine": gpus, "bandwidth_mbps": bandwidth,
            "framework": framework}
@@ -81,7 +82,8 @@ def run_point(model, machines, gpus, bandwidth, framework, work: Path, steps: in
         return {**row, "status": f"not run: {machines * gpus} workers need {machines * gpus} cores, this machine has {cores}"}
     try:
         point = validate(model, machines, gpus, bandwidth or default_mbps,
-                         "horovod" if framework == "single" else framework, work, steps=steps, repeats=repeats)
+                         "horovod" if framework == "single" else framework, work, steps=steps, repeats=repeats,
+                         steady_allocator=steady_allocator)
     except LabError as err:
         return {**row, "status": f"failed: {err}"}
     record = as_record(point)
@@ -211,6 +213,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="real runs per point; the median run is compared")
     parser.add_argument("--out", type=Path, default=Path("bench/out/validation"))
     parser.add_argument("--resume", action="store_true", help="keep the points already in the CSV")
+    parser.add_argument("--steady-allocator", action="store_true",
+                        help="capture and run with glibc's allocator fixed (collectors/capture.py STEADY_ALLOCATOR)")
     parser.add_argument("--repredict", action="store_true",
                         help="run nothing: predict the CSV's measured points again from the kept captures and links")
     args = parser.parse_args(argv)
@@ -234,7 +238,7 @@ def main(argv=None) -> int:
         if (model, machines, gpus, bandwidth, framework) in done:
             continue
         row = run_point(model, machines, gpus, bandwidth, framework, args.out / "work", args.steps, args.repeats,
-                        bandwidths[len(bandwidths) // 2])
+                        bandwidths[len(bandwidths) // 2], args.steady_allocator)
         append_row(csv_path, row)
         shown = f"{float(row['error_pct']):+.1f} %" if row["status"] == "ok" else row["status"]
         print(f"{model} {config_label(row)} {framework}: {shown}", flush=True)

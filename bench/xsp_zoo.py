@@ -60,13 +60,9 @@ sys.path.insert(0, str(REPO / "examples"))
 import torch  # noqa: E402
 from zoo import ZOO  # noqa: E402
 
+from whatif.collectors.capture import STEADY_ALLOCATOR  # noqa: E402
+
 DEFAULT_OUT = REPO / "bench" / "out" / "xsp"
-#: glibc's malloc without its moving mmap threshold and without trimming: with the defaults the
-#: DLRM models' dense embedding gradients (5 MB a table, freed and allocated again every step)
-#: were page-faulted in again or not depending on what else the heap held, and DLRM-large took
-#: 100 ms a step in its plain runs against 55 ms in the runs after a profiler's, which is the
-#: allocator's doing, not the profiler's cost; with these every run reuses memory alike
-STEADY_ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": str(2**30), "MALLOC_TRIM_THRESHOLD_": str(2**32 - 1)}
 LAYER_PARTS = ("layers forward", "layers backward", "outside layers")
 OPERATOR_FAMILIES = {  # first match wins, on the lower-cased operator name
     "matmul & conv": re.compile(r"linear|addmm|bmm|matmul|conv|attention|lstm|rnn|(^|::)mm"),

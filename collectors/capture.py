@@ -70,6 +70,14 @@ import numpy as np
 from .bundle import TRACE_FILE, Bundle, BundleError, check_writable, is_bundle, read_bundle, write_bundle
 from .kineto import TraceError, load_trace
 
+#: glibc's malloc without its moving mmap threshold and without trimming, as environment
+#: variables for a process about to start. With glibc's defaults whether a step's large tensors
+#: page-fault in again depends on what else the heap holds: the wide MLP's plain steps took 134 ms
+#: in a capture's process (whose imports had shaped the heap) and 105 ms in a plain run of the
+#: same loop, and 102 and 102 ms with these settings; DLRM-large in leveled profiling took 100 ms
+#: plainly and 55 ms after a profiler had run. ``whatif validate --steady-allocator`` captures
+#: and runs with them, so that both measure the same work.
+STEADY_ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": str(2**30), "MALLOC_TRIM_THRESHOLD_": str(2**32 - 1)}
 OUT_ENV = "WHATIF_CAPTURE_OUT"
 STEPS_ENV = "WHATIF_CAPTURE_STEPS"
 WARMUP_ENV = "WHATIF_CAPTURE_WARMUP"

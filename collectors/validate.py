@@ -9,7 +9,8 @@ For one example model (``examples/``) and one configuration:
    uses (Horovod's fusion buffer and cycle time are set explicitly for both);
 3. run the model for real as every worker of an emulated cluster (``collectors/lab.py``), each
    worker with the same CPU share as the capture (one thread, its own core where the box has
-   enough), and take the median iteration after warm-up; do that ``repeats`` times and take the
+   enough; with ``steady_allocator`` both it and the capture run with glibc's allocator fixed,
+   ``capture.STEADY_ALLOCATOR``), and take the median iteration after warm-up; do that ``repeats`` times and take the
    median run, because on a shared or virtual machine whole runs differ by more than the
    sampling error of one run's median: six back-to-back runs of vgg 1x2 with DDP had medians
    from 178 to 205 ms on the box this was built on;
@@ -31,7 +32,7 @@ import yaml
 
 from .bundle import is_bundle
 from .calibrate import calibrate
-from .capture import CaptureError, collect
+from .capture import STEADY_ALLOCATOR, CaptureError, collect
 from .lab import LabError, LabSpec, run_job
 
 REPO = Path(__file__).resolve().parents[1]
@@ -70,7 +71,8 @@ def _examples() -> Path:
     return EXAMPLES
 
 
-def capture(model: str, out: Path, steps: int = CAPTURE_STEPS, warmup: int = CAPTURE_WARMUP, batch_size: Optional[int] = None) -> Path:
+def capture(model: str, out: Path, steps: int = CAPTURE_STEPS, warmup: int = CAPTURE_WARMUP, batch_size: Optional[int] = None,
+            allocator: Optional[dict] = None) -> Path:
     """A single-worker bundle of ``model`` on one core (``whatif collect``), cached in ``out``.
 
     The warm-up is long enough that the capture also times ``warmup - 2`` steps without the
@@ -80,7 +82,7 @@ def capture(model: str, out: Path, steps: int = CAPTURE_STEPS, warmup: int = CAP
         return bundle
     out.mkdir(parents=True, exist_ok=True)
     command = ["taskset", "-c", "0", sys.executable, str(_examples() / f"{model}.py")]
-    env = {"OMP_NUM_THREADS": "1", BATCH_SIZE_ENV: "" if batch_size is None else str(batch_size)}
+    env = {"OMP_NUM_THREADS": "1", BATCH_SIZE_ENV: "" if batch_size is None else str(batch_size), **(allocator or {})}
     try:
         collect(command, out=bundle, steps=steps, warmup=warmup, env=env)
     except CaptureError as err:
@@ -129,7 +131,7 @@ def predict(trace: Path, links_file: Path, machines: int, gpus: int, bandwidth_m
 
 
 def measure(model: str, spec: LabSpec, framework: str, out: Path, steps: int = 20, warmup: int = 5,
-            batch_size: Optional[int] = None) -> dict:
+            batch_size: Optional[int] = None, allocator: Optional[dict] = None) -> dict:
     """The real run: every worker's iteration times, median after warm-up."""
     report = out / "report.json"
     argv = [
@@ -139,7 +141,7 @@ def measure(model: str, spec: LabSpec, framework: str, out: Path, steps: int = 2
         "--json", str(report),
     ] + ([] if batch_size is None else ["--batch-size", str(batch_size)])
     horovod = {"HOROVOD_FUSION_THRESHOLD": str(FUSION_BUFFER_BYTES), "HOROVOD_CYCLE_TIME": f"{CYCLE_TIME_MS:g}"}
-    result = run_job(spec, framework, argv, out, timeout_s=1800, env=horovod)
+    result = run_job(spec, framework, argv, out, timeout_s=1800, env={**horovod, **(allocator or {})})
     if any(result.exit_codes):
         raise LabError(f"the real run failed (exit codes {result.exit_codes}); logs in {out}")
     return json.loads(report.read_text())
@@ -148,7 +150,7 @@ def measure(model: str, spec: LabSpec, framework: str, out: Path, steps: int = 2
 def validate(
     model: str, machines: int, gpus: int, bandwidth_mbps: float, framework: str, work: Path,
     latency_ms: float = 0.0, steps: int = 20, batch_size: Optional[int] = None, predict_from: Optional[int] = None,
-    repeats: int = 3,
+    repeats: int = 3, steady_allocator: bool = False,
 ) -> ValidationPoint:
     """One point: capture 1x1 (at ``predict_from`` when given, else at ``batch_size``), predict
     ``machines`` x ``gpus`` at ``batch_size``, run it for real ``repeats`` times at ``batch_size``,
@@ -161,7 +163,8 @@ def validate(
     if predict_from is not None and batch_size is None:
         raise LabError("--predict-from B0 needs --batch-size B: the batch size to predict and run at")
     captured_at = predict_from if predict_from is not None else batch_size
-    trace = capture(model, work / "captures", batch_size=captured_at)
+    allocator = STEADY_ALLOCATOR if steady_allocator else None
+    trace = capture(model, work / "captures", batch_size=captured_at, allocator=allocator)
     links_file = links(bandwidth_mbps, work / "links")
     changed = (predict_from, batch_size) if predict_from is not None and predict_from != batch_size else None
     predicted_ms, overhead = predict(trace, links_file, machines, gpus, bandwidth_mbps, framework, changed)
@@ -170,7 +173,8 @@ def validate(
     batch = "" if batch_size is None else f"_batch{batch_size}"
     run_dir = work / "runs" / f"{model}_{framework}_{machines}x{gpus}_{bandwidth_mbps:g}mbps{batch}"
     reports = [
-        measure(model, spec, framework, run_dir / f"run{r}", steps=steps, batch_size=batch_size) for r in range(repeats)
+        measure(model, spec, framework, run_dir / f"run{r}", steps=steps, batch_size=batch_size, allocator=allocator)
+        for r in range(repeats)
     ]
     runs_ms = [float(report["median_ms"]) for report in reports]
     measured_ms = statistics.median(runs_ms)

@@ -127,6 +127,7 @@ def _parser() -> argparse.ArgumentParser:
     validate.add_argument("--framework", choices=("horovod", "ddp"), default="horovod")
     validate.add_argument("--steps", type=int, default=20, help="timed iterations of the real run")
     validate.add_argument("--repeats", type=int, default=3, help="real runs; the median run is compared (default: 3)")
+    validate.add_argument("--steady-allocator", action="store_true", help="capture and run with glibc's allocator fixed")
     validate.add_argument("--batch-size", type=int, metavar="B", help="predict and run at this batch size")
     validate.add_argument("--predict-from", type=int, metavar="B0", help="capture at this batch size (with --batch-size)")
     validate.add_argument("--work", type=Path, default=Path("lab-validate"), help="captures, calibrations and logs")
@@ -279,6 +280,7 @@ def run_validate(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         predict_from=args.predict_from,
         repeats=args.repeats,
+        steady_allocator=args.steady_allocator,
     )
     record = as_record(point)
     if args.json:
