@@ -86,14 +86,21 @@ def main(argv=None) -> int:
     return 0
 
 
+def shape_keys(frame: pd.DataFrame) -> pd.Series:
+    """One string per sample naming its operator and shapes."""
+    return frame["op"] + " " + frame["dims"].map(json.dumps) + " " + frame["types"].map(json.dumps)
+
+
+def timings_by_shape(sweep: pd.DataFrame) -> pd.Series:
+    """A sweep's durations indexed by :func:`shape_keys`, the first timing of a shape drawn twice."""
+    timings = pd.Series(sweep["duration_us"].to_numpy(), index=shape_keys(sweep))
+    return timings[~timings.index.duplicated()]
+
+
 def print_noise_floor(held_out: pd.DataFrame, first: pd.DataFrame, second: pd.DataFrame) -> None:
     """Per family, the GMAE between two sweeps' timings of the held-out sweep shapes."""
-    key = lambda frame: frame["op"] + " " + frame["dims"].map(json.dumps) + " " + frame["types"].map(json.dumps)
-    timed_again = pd.Series(second["duration_us"].to_numpy(), index=key(second))
-    timed_again = timed_again[~timed_again.index.duplicated()]
-    first_time = pd.Series(first["duration_us"].to_numpy(), index=key(first))
-    first_time = first_time[~first_time.index.duplicated()]
-    held = key(held_out)
+    first_time, timed_again = timings_by_shape(first), timings_by_shape(second)
+    held = shape_keys(held_out)
     held = held[held.isin(timed_again.index) & held.isin(first_time.index)]
     print("\n| family | held-out shapes timed twice | GMAE between the two sweeps % (noise floor) |")
     print("|---|--:|--:|")

@@ -44,7 +44,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from measured_code import code_version  # noqa: E402
 from whatif.collectors.lab import LabError  # noqa: E402
-from whatif.collectors.validate import as_record, predict, validate  # noqa: E402
+from whatif.collectors.validate import as_record, capture_path, links_path, predict, validate  # noqa: E402
 
 COLUMNS = [
     "model", "machines", "gpus_per_machine", "bandwidth_mbps", "framework", "status",
@@ -82,7 +82,7 @@ def run_point(model, machines, gpus, bandwidth, framework, work: Path, steps: in
         return {**row, "status": f"not run: {machines * gpus} workers need {machines * gpus} cores, this machine has {cores}"}
     try:
         point = validate(model, machines, gpus, bandwidth or default_mbps,
-                         "horovod" if framework == "single" else framework, work, steps=steps, repeats=repeats,
+                         run_as(framework), work, steps=steps, repeats=repeats,
                          steady_allocator=steady_allocator)
     except LabError as err:
         return {**row, "status": f"failed: {err}"}
@@ -91,6 +91,15 @@ def run_point(model, machines, gpus, bandwidth, framework, work: Path, steps: in
     return {**row, "status": "ok", **{c: record[c] for c in COLUMNS[6:12]},
             "runs_ms": ";".join(f"{ms:.2f}" for ms in runs),
             "spread_pct": 100.0 * (max(runs) - min(runs)) / point.measured_ms}
+
+
+def run_as(framework: str) -> str:
+    """The framework a grid point is validated with: one worker ("single") runs as Horovod's 1x1."""
+    return "horovod" if framework == "single" else framework
+
+
+def csv_row(row: dict) -> dict:
+    return {c: ("" if row.get(c) is None else row.get(c)) for c in COLUMNS}
 
 
 def repredict(rows: list[dict], work: Path, default_mbps: float) -> list[dict]:
@@ -103,12 +112,12 @@ def repredict(rows: list[dict], work: Path, default_mbps: float) -> list[dict]:
             continue
         machines, gpus = int(row["machines"]), int(row["gpus_per_machine"])
         bandwidth = float(row["bandwidth_mbps"]) if row["bandwidth_mbps"] not in (None, "") else default_mbps
-        bundle = work / "captures" / f"{row['model']}_1x1.bundle"
-        links_file = work / "links" / f"links_{bandwidth:g}mbps.yaml"
+        bundle = capture_path(row["model"], work)
+        links_file = links_path(bandwidth, work)
         for needed in (bundle, links_file):
             if not needed.exists():
                 raise SystemExit(f"--repredict: {needed} is missing; it was kept by the run that measured {config_label(row)}")
-        framework = "horovod" if row["framework"] == "single" else row["framework"]
+        framework = run_as(row["framework"])
         predicted, _ = predict(bundle, links_file, machines, gpus, bandwidth, framework)
         with_profiler, _ = predict(bundle, links_file, machines, gpus, bandwidth, framework, profiler_overhead="keep")
         measured = float(row["measured_ms"])
@@ -123,7 +132,7 @@ def write_rows(path: Path, rows: list[dict]) -> None:
         writer = csv.DictWriter(f, COLUMNS)
         writer.writeheader()
         for row in rows:
-            writer.writerow({c: ("" if row.get(c) is None else row.get(c)) for c in COLUMNS})
+            writer.writerow(csv_row(row))
     temporary.replace(path)
 
 
@@ -145,7 +154,7 @@ def append_row(path: Path, row: dict) -> None:
         writer = csv.DictWriter(f, COLUMNS)
         if new:
             writer.writeheader()
-        writer.writerow({c: ("" if row.get(c) is None else row.get(c)) for c in COLUMNS})
+        writer.writerow(csv_row(row))
 
 
 def measured_points(rows: list[dict]) -> list[dict]:

@@ -71,16 +71,26 @@ def _examples() -> Path:
     return EXAMPLES
 
 
-def capture(model: str, out: Path, steps: int = CAPTURE_STEPS, warmup: int = CAPTURE_WARMUP, batch_size: Optional[int] = None,
+def capture_path(model: str, work: Path, batch_size: Optional[int] = None) -> Path:
+    """Where the validation kept in ``work`` has ``model``'s 1x1 capture."""
+    return work / "captures" / (f"{model}_1x1.bundle" if batch_size is None else f"{model}_1x1_batch{batch_size}.bundle")
+
+
+def links_path(bandwidth_mbps: float, work: Path) -> Path:
+    """Where the validation kept in ``work`` has the lab network calibrated at ``bandwidth_mbps``."""
+    return work / "links" / f"links_{bandwidth_mbps:g}mbps.yaml"
+
+
+def capture(model: str, work: Path, steps: int = CAPTURE_STEPS, warmup: int = CAPTURE_WARMUP, batch_size: Optional[int] = None,
             allocator: Optional[dict] = None) -> Path:
-    """A single-worker bundle of ``model`` on one core (``whatif collect``), cached in ``out``.
+    """A single-worker bundle of ``model`` on one core (``whatif collect``), kept in ``work``.
 
     The warm-up is long enough that the capture also times ``warmup - 2`` steps without the
     profiler, which the prediction uses to remove the profiler's overhead."""
-    bundle = out / (f"{model}_1x1.bundle" if batch_size is None else f"{model}_1x1_batch{batch_size}.bundle")
+    bundle = capture_path(model, work, batch_size)
     if is_bundle(bundle):
         return bundle
-    out.mkdir(parents=True, exist_ok=True)
+    bundle.parent.mkdir(parents=True, exist_ok=True)
     command = ["taskset", "-c", "0", sys.executable, str(_examples() / f"{model}.py")]
     env = {"OMP_NUM_THREADS": "1", BATCH_SIZE_ENV: "" if batch_size is None else str(batch_size), **(allocator or {})}
     try:
@@ -90,12 +100,12 @@ def capture(model: str, out: Path, steps: int = CAPTURE_STEPS, warmup: int = CAP
     return bundle
 
 
-def links(bandwidth_mbps: float, out: Path) -> Path:
-    """The lab network calibrated at ``bandwidth_mbps`` (cached in ``out``)."""
-    path = out / f"links_{bandwidth_mbps:g}mbps.yaml"
+def links(bandwidth_mbps: float, work: Path) -> Path:
+    """The lab network calibrated at ``bandwidth_mbps`` (kept in ``work``)."""
+    path = links_path(bandwidth_mbps, work)
     if not path.exists():
-        out.mkdir(parents=True, exist_ok=True)
-        calibrate(bandwidth_mbps, path, out / f"calibration_{bandwidth_mbps:g}")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        calibrate(bandwidth_mbps, path, path.parent / f"calibration_{bandwidth_mbps:g}")
     return path
 
 
@@ -164,8 +174,8 @@ def validate(
         raise LabError("--predict-from B0 needs --batch-size B: the batch size to predict and run at")
     captured_at = predict_from if predict_from is not None else batch_size
     allocator = STEADY_ALLOCATOR if steady_allocator else None
-    trace = capture(model, work / "captures", batch_size=captured_at, allocator=allocator)
-    links_file = links(bandwidth_mbps, work / "links")
+    trace = capture(model, work, batch_size=captured_at, allocator=allocator)
+    links_file = links(bandwidth_mbps, work)
     changed = (predict_from, batch_size) if predict_from is not None and predict_from != batch_size else None
     predicted_ms, overhead = predict(trace, links_file, machines, gpus, bandwidth_mbps, framework, changed)
     with_profiler_ms, _ = predict(trace, links_file, machines, gpus, bandwidth_mbps, framework, changed, "keep")

@@ -288,7 +288,8 @@ def run_validate(args: argparse.Namespace) -> int:
     else:
         print(
             f"{point.model} {point.framework} {point.machines}x{point.gpus_per_machine} at {point.bandwidth_mbps:g} Mbps: "
-            f"measured {point.measured_ms:.1f} ms (median of runs {', '.join(f'{ms:.1f}' for ms in point.runs_measured_ms)}), predicted {point.predicted_ms:.1f} ms, error {point.error_pct:+.1f} % "
+            f"measured {point.measured_ms:.1f} ms (median of runs {', '.join(f'{ms:.1f}' for ms in point.runs_measured_ms)}), "
+            f"predicted {point.predicted_ms:.1f} ms, error {point.error_pct:+.1f} % "
             f"(1x1 capture {point.capture_profiled_ms:.1f} ms profiled, {point.capture_unprofiled_ms:.1f} ms without the profiler)"
         )
     return 0
