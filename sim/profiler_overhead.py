@@ -101,15 +101,13 @@ def _iteration_cpu_work(graph: TaskGraph, iterations: pd.DataFrame):
 
 
 def _stretch_to_plain(graph: TaskGraph, iterations: pd.DataFrame, profiled_ms: float, plain_ms: float) -> ProfilerOverhead:
-    duration = graph.tasks["duration_us"].to_numpy(dtype=float).copy()
     added_us = (plain_ms - profiled_ms) * 1e3
     factors = []
-    for ids in _iteration_cpu_work(graph, iterations):
-        held = duration[ids].sum()
+    for ids in _iteration_cpu_work(graph, iterations):  # iterations hold disjoint tasks
+        held = graph.tasks["duration_us"].to_numpy()[ids].sum()
         if held > 0:
             factors.append(1.0 + added_us / held)
-            duration[ids] *= factors[-1]
-    graph.tasks["duration_us"] = duration
+            graph.scale(ids, factors[-1])
     added = ProfilerOverhead(profiled_ms, plain_ms, -added_us / 1e3, 0.0, float(np.median(factors)) if factors else 1.0)
     graph.notes.append(added.describe())
     return added
