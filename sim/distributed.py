@@ -37,6 +37,7 @@ from .engine import Policy, Schedule, simulate
 from .frameworks import FrameworkOptions, Message, plan_messages
 from .gradients import Gradients
 from .graph import GPU_TASK_KINDS, EdgeKind, GraphError, TaskGraph, TaskKind
+from .framework_copies import add_ddp_copies, add_ddp_copy_back, horovod_copy_us
 from .optimizations import OPTIMIZER_STEP
 from .policies import Fifo, HorovodCycle, Priority
 
@@ -71,6 +72,9 @@ class ClusterConfig:
     # overlap, closed form for all-reduce, whose one queue runs a collective at a time (the two
     # agree there, and the closed form is much faster on large clusters)
     shared_links: Optional[bool] = None
+    # how fast the worker's CPU streams gradient bytes (sim/framework_copies.py); None: the
+    # frameworks' copies of the gradients are not simulated (a GPU trace, or no rate found)
+    pass_bytes_per_us: Optional[float] = None
 
     @property
     def on_shared_links(self) -> bool:
@@ -109,21 +113,33 @@ def collective_cost(config: ClusterConfig):
 
 def simulate_cluster(worker: TaskGraph, gradients: Gradients, iterations: pd.DataFrame, config: ClusterConfig) -> ClusterSchedule:
     """Simulate ``config.workers`` copies of ``worker`` training together."""
-    n = len(worker.tasks)
     if config.workers == 1:
         schedule = simulate(worker)
-        return ClusterSchedule(schedule, np.zeros(0, np.int64), np.ones(n, bool), 0.0, 0.0)
+        return ClusterSchedule(schedule, np.zeros(0, np.int64), np.ones(len(worker.tasks), bool), 0.0, 0.0)
     if config.policy not in POLICIES:
         raise GraphError(f"unknown policy {config.policy!r}; choose from {', '.join(POLICIES)}")
     replicate = config.replicate if config.replicate is not None else bool(config.stragglers)
     copies = config.workers if replicate else 1
-    graph = _replicate(worker, copies, config)
     thread = _iteration_thread(worker, iterations)
     sync = _SyncPoints(worker, iterations, thread)
     cost = collective_cost(config)
 
     sliced = config.policy == "p3"
     layerwise = sliced or config.framework == "ps"
+    rate = config.pass_bytes_per_us
+    copy_back: dict = {}  # iteration -> DDP's copy of the buckets back into the gradients
+    if config.framework == "ddp" and rate and not layerwise:
+        worker = worker.copy()
+        gradients = add_ddp_copies(worker, gradients, rate)
+        for it in range(len(iterations)):
+            consumer = sync.optimizer(it, on_gpu=False)
+            sent = sum(g.nbytes for g in gradients.of_iteration(it))
+            if sent and consumer is not None:
+                back = add_ddp_copy_back(worker, consumer, sent, rate)
+                if back is not None:
+                    copy_back[it] = back
+    n = len(worker.tasks)
+    graph = _replicate(worker, copies, config)
     rows, edges = [], []
     nbytes, priority, order = [], [], []
     per_iteration = {}
@@ -150,7 +166,7 @@ def simulate_cluster(worker: TaskGraph, gradients: Gradients, iterations: pd.Dat
                 edges.append((first_id + m.follows, tid, 0.0))
             if m.phase == "push":
                 continue
-            consumer = sync.consumer(it, m, layerwise, config.framework, len(gradients.of_iteration(it)))
+            consumer = copy_back.get(it, sync.consumer(it, m, layerwise, config.framework, len(gradients.of_iteration(it))))
             targets = [consumer + k * n for k in range(copies)] if consumer is not None else []
             if consumer is None or it == last_iteration:
                 # the step's end waits for its communication: with a GPU-side wait (DDP) nothing
@@ -169,7 +185,8 @@ def simulate_cluster(worker: TaskGraph, gradients: Gradients, iterations: pd.Dat
         for resource in sorted({r["resource"] for r in rows}):
             inner = Priority(prio, rank) if sliced else Fifo(rank)
             if config.framework == "horovod" and not sliced:
-                inner = HorovodCycle(inner, size, config.options.fusion_buffer_bytes, config.options.cycle_time_us, cost)
+                inner = HorovodCycle(inner, size, config.options.fusion_buffer_bytes, config.options.cycle_time_us, cost,
+                                     horovod_copy_us(rate) if rate else None)
             if config.on_shared_links:
                 inner = _OnSharedLinks(inner, size, _plan_maker(config, resource), networks)
             policies[resource] = inner

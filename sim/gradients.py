@@ -107,7 +107,7 @@ def _find(trace, graph, iterations, sizes, total_bytes, event, accumulate, rows,
     if bundled is not None:
         return bundled
     if len(accumulate):
-        shapes = [_gradient_bytes(trace, r) for r in rows.tolist()]
+        shapes = [first_input_bytes(trace, r) for r in rows.tolist()]
         known = [b is not None and b > 0 for b in shapes]
         if any(known):
             grads = [
@@ -249,7 +249,9 @@ def _iteration_of(tasks: pd.DataFrame, iterations: pd.DataFrame) -> np.ndarray:
     return which
 
 
-def _gradient_bytes(trace: KinetoTrace, row: int) -> Optional[float]:
+def first_input_bytes(trace: KinetoTrace, row: int) -> Optional[float]:
+    """Bytes of the first input an event recorded (its "Input Dims" and "Input type"); None
+    where the trace recorded no shape."""
     raw = trace.input_dims.get(row)
     if raw is None:
         return None

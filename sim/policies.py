@@ -8,7 +8,7 @@ the network is free, and picks what goes next. Adding a policy is writing a smal
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 from .engine import Policy
 
@@ -54,12 +54,14 @@ class HorovodCycle(Policy):
         fusion_bytes: float,
         cycle_us: float,
         cost_us: Callable[[float], float],
+        copy_us: Optional[Callable[[float, int], float]] = None,
     ):
         self.inner = inner
         self.nbytes = nbytes
         self.fusion_bytes = fusion_bytes
         self.cycle_us = cycle_us
         self.cost_us = cost_us
+        self.copy_us = copy_us  # its passes over the batch's bytes and tensors (sim/framework_copies.py)
 
     def start_at(self, now_us: float) -> float:
         """The first tick at or after ``now_us`` (the tolerance keeps rounding from skipping one)."""
@@ -77,4 +79,5 @@ class HorovodCycle(Policy):
         return batch
 
     def batch_duration_us(self, batch: list[int], durations_us: list[float]) -> float:
-        return self.cost_us(sum(self.nbytes[t] for t in batch))
+        nbytes = sum(self.nbytes[t] for t in batch)
+        return self.cost_us(nbytes) + (self.copy_us(nbytes, len(batch)) if self.copy_us else 0.0)

@@ -12,7 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from trace_corpus import BUNDLED, NO_SHARED, SHARED_TRACES, Traces, shared_kineto_traces
+from trace_corpus import BUNDLED, NO_SHARED, REPO, SHARED_TRACES, Traces, shared_kineto_traces
+from whatif import TraceStudy
+from whatif.sim.gradients import find_gradients
+from whatif.sim.graph import TaskKind
+
+WIDE_MLP = REPO / "data" / "wide_mlp_cpu.pt.trace.json.gz"
 
 
 def pytest_generate_tests(metafunc):
@@ -48,3 +53,13 @@ def quick_models_file(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("perfmodels") / "quick.json"
     fit_models(samples, device, ["sweep quick"]).save(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def wide_mlp():
+    """The wide MLP captured here (75.6 MB of gradients, backward overlapping their all-reduce):
+    its study, its worker graph without communication, and its gradients."""
+    study = TraceStudy.from_trace(WIDE_MLP)
+    worker = study.graph.copy()
+    worker.remove(worker.select(kinds=[TaskKind.COMM]))
+    return study, worker, find_gradients(study.trace, worker, study.iterations)

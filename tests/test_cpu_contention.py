@@ -13,27 +13,14 @@ from __future__ import annotations
 
 import pytest
 
-from trace_corpus import REPO
-from whatif import TraceStudy
 from whatif.predict import steady_median
 from whatif.report.cluster import cluster_breakdown
 from whatif.report.iterations import iteration_report
 from whatif.sim.distributed import ClusterConfig, simulate_cluster
 from whatif.sim.frameworks import FrameworkOptions
-from whatif.sim.gradients import find_gradients
-from whatif.sim.graph import TaskKind
 from whatif.topology import Cluster, TopologyError
 
-WIDE_MLP = REPO / "data" / "wide_mlp_cpu.pt.trace.json.gz"
 SLACK_MS = {"horovod": FrameworkOptions().cycle_time_us / 1e3, "ddp": 0.0}
-
-
-@pytest.fixture(scope="module")
-def wide_mlp():
-    study = TraceStudy.from_trace(WIDE_MLP)
-    worker = study.graph.copy()
-    worker.remove(worker.select(kinds=[TaskKind.COMM]))
-    return study, worker, find_gradients(study.trace, worker, study.iterations)
 
 
 def predict(wide_mlp, framework: str, comm: float = 1.0, compute: float = 1.0, machines: int = 2, gpus: int = 1):

@@ -10,6 +10,7 @@ import pandas as pd
 from whatif.report.cluster import cluster_breakdown
 from whatif.report.iterations import iteration_report, steady_median
 from whatif.sim.distributed import ClusterConfig, simulate_cluster
+from whatif.sim.framework_copies import pass_rate_bytes_per_us
 from whatif.sim.engine import simulate
 from whatif.sim.gradients import find_gradients
 from whatif.sim.graph import TaskKind
@@ -48,6 +49,7 @@ def predict_scenario(scenario: Scenario) -> ScenarioResult:
     gradients = find_gradients(
         study.trace, without_comm, study.iterations, scenario.gradient_sizes, scenario.gradient_total
     )
+    pass_rate = pass_rate_bytes_per_us(study.trace)
     rows, runs = [], {}
     for point in scenario.points:
         config = ClusterConfig(
@@ -59,6 +61,7 @@ def predict_scenario(scenario: Scenario) -> ScenarioResult:
             stragglers=[s for s in scenario.stragglers if s.machine < point.cluster.machines],
             replicate=scenario.replicate,
             shared_links=scenario.shared_links,
+            pass_bytes_per_us=pass_rate,
         )
         graph = worker if config.workers == 1 else without_comm
         run = simulate_cluster(graph, gradients, study.iterations, config)
