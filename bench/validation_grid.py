@@ -49,7 +49,7 @@ from whatif.collectors.validate import as_record, capture_path, links_path, pred
 COLUMNS = [
     "model", "machines", "gpus_per_machine", "bandwidth_mbps", "framework", "status",
     "measured_ms", "predicted_ms", "error_pct", "predicted_with_profiler_ms", "capture_profiled_ms",
-    "capture_unprofiled_ms", "runs_ms", "spread_pct",
+    "capture_unprofiled_ms", "runs_ms", "spread_pct", "capture_page_faults_per_step", "run_page_faults_per_step",
 ]
 MAE_TARGET_PCT = 5.0
 WORST_TARGET_PCT = 10.0
@@ -90,7 +90,9 @@ def run_point(model, machines, gpus, bandwidth, framework, work: Path, steps: in
     runs = point.runs_measured_ms
     return {**row, "status": "ok", **{c: record[c] for c in COLUMNS[6:12]},
             "runs_ms": ";".join(f"{ms:.2f}" for ms in runs),
-            "spread_pct": 100.0 * (max(runs) - min(runs)) / point.measured_ms}
+            "spread_pct": 100.0 * (max(runs) - min(runs)) / point.measured_ms,
+            "capture_page_faults_per_step": record["capture_page_faults_per_step"],
+            "run_page_faults_per_step": record["run_page_faults_per_step"]}
 
 
 def run_as(framework: str) -> str:

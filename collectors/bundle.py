@@ -20,6 +20,7 @@ writes one folder, a *bundle* (format ``whatif-trace-bundle``, version 1)::
      "warmup_steps": 4,                          # steps run before them
      "step_wall_ms": {"unprofiled": [...],       # wall time of warm-up steps 2 .. warmup-1,
                       "profiled": [...]},        #   run without profiler or hooks; and of the profiled ones
+     "step_page_faults": {...},                  # the process's minor page faults in the same steps
      "clock": {...},                             # how hook times were put on the trace's clock
      "environment": {"device": "cpu", "torch": "2.13.0+cpu", "torch_threads": 1,
                      "hostname": ..., "cpu_model": ..., "batch_size": 32, "pid": ..., ...}}
@@ -100,6 +101,12 @@ class Bundle:
         written before they were recorded, or with too few warm-up steps)."""
         times = (self.manifest.get("step_wall_ms") or {}).get("unprofiled") or []
         return [float(t) for t in times if isinstance(t, (int, float)) and t > 0]
+
+    @property
+    def unprofiled_page_faults(self) -> list[int]:
+        """Minor page faults of the same steps (empty for bundles written before they were recorded)."""
+        faults = (self.manifest.get("step_page_faults") or {}).get("unprofiled") or []
+        return [int(f) for f in faults if isinstance(f, (int, float)) and f >= 0]
 
 
 def is_bundle(path: Union[str, Path]) -> bool:

@@ -54,6 +54,7 @@ from __future__ import annotations
 import os
 import platform
 import re
+import resource
 import shlex
 import socket
 import subprocess
@@ -142,6 +143,7 @@ class Capture:
         self._ready: list[list] = []  # [step, parameter, ns, tid]
         self._markers: list[tuple[int, int]] = []  # time_ns() before and after each clock marker
         self._step_ends_ns: list[int] = []  # perf_counter_ns() at __enter__ and at every step()
+        self._step_end_faults: list[int] = []  # the process's minor page faults at the same moments
 
     def __enter__(self) -> "Capture":
         import torch
@@ -168,7 +170,7 @@ class Capture:
         profiler.__enter__()
         self._profiler = profiler
         self._begin_step()
-        self._step_ends_ns.append(time.perf_counter_ns())
+        self._mark_step_end()
         return self
 
     def step(self) -> bool:
@@ -180,7 +182,7 @@ class Capture:
             raise CaptureError("Capture.step() called outside its `with` block")
         if self._cuda:
             self._torch.cuda.synchronize()
-        self._step_ends_ns.append(time.perf_counter_ns())
+        self._mark_step_end()
         self._index += 1
         last = self._index == self.warmup + self.steps
         self._step = None
@@ -205,6 +207,10 @@ class Capture:
         return False
 
     # -- steps and the clock markers ----------------------------------------------------------
+
+    def _mark_step_end(self) -> None:
+        self._step_ends_ns.append(time.perf_counter_ns())
+        self._step_end_faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
 
     def _begin_step(self) -> None:
         if self._index == max(self.warmup - 1, 0):  # the profiler's warm-up step, or the first profiled
@@ -255,17 +261,24 @@ class Capture:
             "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "steps": [f"ProfilerStep#{i}" for i in range(self.warmup, self.warmup + self.steps)],
             "warmup_steps": self.warmup,
-            "step_wall_ms": self._step_wall_ms(),
+            "step_wall_ms": self._per_step(self._step_ends_ns, 1e-6),
+            "step_page_faults": self._per_step(self._step_end_faults, 1),
             "clock": clock,
             "environment": _environment(self._torch, self.model, self.batch_size),
         }
 
-    def _step_wall_ms(self) -> dict:
-        """Every step's wall-clock time: ``unprofiled`` for the steps without profiler or hooks
-        (the first step left out: it pays for allocations and lazy initialisation), ``profiled``
-        for the profiled ones. A step ends when ``step()`` is called (after a CUDA synchronize)."""
-        ms = [(b - a) / 1e6 for a, b in zip(self._step_ends_ns, self._step_ends_ns[1:])]
-        return {"unprofiled": ms[1 : max(self.warmup - 1, 0)], "profiled": ms[self.warmup :]}
+    def _per_step(self, marks: list, unit: float) -> dict:
+        """What every step took between two marks (wall-clock ms; minor page faults): ``unprofiled``
+        for the steps without profiler or hooks (the first step left out: it pays for allocations
+        and lazy initialisation), ``profiled`` for the profiled ones. A step ends when ``step()``
+        is called (after a CUDA synchronize).
+
+        The page faults tell whether the step's large tensors land in memory the allocator
+        returned to the kernel (each 4 kB page is faulted in and zeroed again every step) or in
+        memory it kept: whether the steps measured the same work as a run of the same loop
+        in another process (``whatif validate`` compares them)."""
+        per = [(b - a) * unit for a, b in zip(marks, marks[1:])]
+        return {"unprofiled": per[1 : max(self.warmup - 1, 0)], "profiled": per[self.warmup :]}
 
     # -- hooks ---------------------------------------------------------------------------------
 

@@ -62,6 +62,28 @@ def test_a_capture_times_its_warmup_steps_without_profiler_and_its_profiled_step
     assert all(t > 0 for t in times["unprofiled"] + times["profiled"])
 
 
+def test_a_capture_counts_the_page_faults_of_the_same_steps(bundle):
+    manifest = read_bundle(bundle).manifest
+    for steps in ("unprofiled", "profiled"):
+        faults = manifest["step_page_faults"][steps]
+        assert len(faults) == len(manifest["step_wall_ms"][steps])
+        assert all(isinstance(f, int) and f >= 0 for f in faults)
+
+
+def test_a_step_that_fills_memory_returned_to_the_kernel_faults_once_per_page(tmp_path):
+    # glibc always maps an allocation over 32 MB afresh and unmaps it when freed
+    pages = 64 * 2**20 // 4096
+    model = torch.nn.Linear(4, 4)
+    with Capture(tmp_path / "fresh.bundle", model=model, warmup=WARMUP, steps=STEPS) as capture:
+        while True:
+            model(torch.ones(2, 4)).sum().backward()
+            torch.ones(pages * 1024)  # 64 MB of float32, written and freed
+            if not capture.step():
+                break
+    faults = read_bundle(tmp_path / "fresh.bundle").unprofiled_page_faults
+    assert faults and min(faults) >= 0.9 * pages
+
+
 def test_the_profiled_steps_of_short_operators_are_slower_than_the_plain_ones(bundle):
     times = read_bundle(bundle).manifest["step_wall_ms"]
     assert np.median(times["profiled"]) > 1.1 * np.median(times["unprofiled"])
