@@ -38,7 +38,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from measured_code import REPO, code_version  # noqa: E402  (bench/ is the script's folder)
@@ -78,7 +77,8 @@ def worker_time(model: str) -> None:
     from run_distributed import time_iterations
 
     optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
-    print(json.dumps(time_iterations(net, optimizer, loader, WARMUP_STEPS, TIMED_STEPS)))
+    times_ms, _ = time_iterations(net, optimizer, loader, WARMUP_STEPS, TIMED_STEPS)
+    print(json.dumps(times_ms))
 
 
 def _run_worker(role: str, model: str, batch: int, out: Path = None) -> str:

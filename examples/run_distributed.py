@@ -34,6 +34,7 @@ import hashlib
 import importlib
 import json
 import os
+import resource
 import socket
 import statistics
 import sys
@@ -155,21 +156,24 @@ def shard(loader: DataLoader, rank: int, size: int) -> DataLoader:
     return DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=sampler, drop_last=True)
 
 
-def time_iterations(model, optimizer, loader: DataLoader, warmup: int, steps: int) -> list[float]:
-    """Run ``warmup`` then ``steps`` training steps; each timed step's wall time in milliseconds."""
+def time_iterations(model, optimizer, loader: DataLoader, warmup: int, steps: int) -> tuple[list[float], float]:
+    """Run ``warmup`` then ``steps`` training steps; each timed step's wall time in milliseconds,
+    and the process's minor page faults per timed step (a capture records its own, and
+    ``whatif validate`` holds the two side by side)."""
     loss_fn = nn.CrossEntropyLoss()
     batches = endless(loader)
     model.train()
     for _ in range(warmup):
         train_step(model, optimizer, loss_fn, *next(batches))
     times_ms = []
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     end = time.perf_counter()
     for _ in range(steps):
         start = end
         train_step(model, optimizer, loss_fn, *next(batches))
         end = time.perf_counter()
         times_ms.append((end - start) * 1e3)
-    return times_ms
+    return times_ms, (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / steps
 
 
 def fingerprint(model: nn.Module) -> str:
@@ -189,9 +193,9 @@ def run(model_name: str, framework: str, steps: int, warmup: int, threads: int, 
         loader = with_batch_size(loader, batch_size)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         model_for_training, optimizer = worker.prepare(model, optimizer)
-        times_ms = time_iterations(model_for_training, optimizer, shard(loader, worker.rank, worker.size), warmup, steps)
+        times_ms, faults = time_iterations(model_for_training, optimizer, shard(loader, worker.rank, worker.size), warmup, steps)
         mine = {"rank": worker.rank, "hostname": socket.gethostname(), "pid": os.getpid(),
-                "median_ms": statistics.median(times_ms), "iteration_ms": times_ms,
+                "median_ms": statistics.median(times_ms), "iteration_ms": times_ms, "page_faults_per_step": faults,
                 "parameters_sha1": fingerprint(model)}
         workers = worker.gather(mine)
         report = {
@@ -206,6 +210,7 @@ def run(model_name: str, framework: str, steps: int, warmup: int, threads: int, 
             "torch_version": torch.__version__,
             **worker.settings(),
             "median_ms": mine["median_ms"],
+            "page_faults_per_step": mine["page_faults_per_step"],
             "workers": sorted(workers, key=lambda w: w["rank"]),
         }
         return worker.rank, report
