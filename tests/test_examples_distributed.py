@@ -53,6 +53,7 @@ def assert_data_parallel_report(report: dict, model: str, framework: str, world_
         assert len(worker["iteration_ms"]) == STEPS
         assert all(time_ms > 0 for time_ms in worker["iteration_ms"])
         assert min(worker["iteration_ms"]) <= worker["median_ms"] <= max(worker["iteration_ms"])
+        assert worker["page_faults_per_step"] >= 0
     assert report["median_ms"] == workers[0]["median_ms"]
     assert len({worker["parameters_sha1"] for worker in workers}) == 1, \
         "workers trained on different shards yet must hold identical parameters"
