@@ -26,7 +26,6 @@ just touched: on the VGG run above the optimizer updated 20 GB/s and the reducer
 
 from __future__ import annotations
 
-import re
 from dataclasses import replace
 from typing import Optional
 
@@ -36,34 +35,32 @@ from whatif.collectors.kineto import KinetoTrace
 
 from .gradients import Gradients, first_input_bytes
 from .graph import TaskGraph, TaskKind
+from .optimizations import OPTIMIZER_STEP
 
-IN_PLACE_UPDATE = re.compile(r"aten::(add|mul|sub|div|addcmul|addcdiv|lerp|copy|_foreach_\w+)_$")
-OPTIMIZER_RANGE = re.compile(r"Optimizer\.step|optimizer\.step")
+IN_PLACE_UPDATE = r"^aten::(add|mul|sub|div|addcmul|addcdiv|lerp|copy|_foreach_\w+)_$"
 MIN_UPDATE_BYTES = 256e3
 HOROVOD_FUSED_PASSES = 3  # copy in, scale, copy out
 HOROVOD_LONE_PASSES = 1  # scale in place
 
 
-def pass_rate_bytes_per_us(trace: KinetoTrace) -> Optional[float]:
-    """Bytes per microsecond at which the optimizer of a CPU trace updates its parameters in
-    place; None for a GPU trace (its updates are kernels) or a trace without such updates."""
+def pass_rate_bytes_per_us(trace: KinetoTrace, graph: TaskGraph) -> Optional[float]:
+    """Bytes per microsecond at which the optimizer of a CPU trace (``graph`` built from it)
+    updates its parameters in place; None for a GPU trace (its updates are kernels) or a trace
+    without such updates."""
     if trace.has_gpu:
         return None
-    ev = trace.events
-    names = ev["name"].astype(str).to_numpy()
-    threads = ev["thread"].astype(str).to_numpy()
-    start = ev["ts_us"].to_numpy(dtype=float)
-    end = start + ev["dur_us"].to_numpy(dtype=float)
-    steps = [r for r in range(len(ev)) if OPTIMIZER_RANGE.search(names[r])]
+    tasks = graph.tasks
+    outermost = tasks["name"].astype(str).to_numpy() == tasks["operator"].astype(str).to_numpy()
+    update = graph.match(OPTIMIZER_STEP) & graph.match(IN_PLACE_UPDATE) & outermost
+    events = np.unique(tasks["event"].to_numpy()[update])
+    duration_us = trace.events["dur_us"].to_numpy(dtype=float)
     updated_bytes = spent_us = 0.0
-    for row in np.flatnonzero([bool(IN_PLACE_UPDATE.match(n)) for n in names]).tolist():
-        if not any(threads[s] == threads[row] and start[s] <= start[row] and end[row] <= end[s] for s in steps):
-            continue
+    for row in events[events >= 0].tolist():
         nbytes = first_input_bytes(trace, row)
         if nbytes is None or nbytes < MIN_UPDATE_BYTES:
             continue
         updated_bytes += nbytes
-        spent_us += end[row] - start[row]
+        spent_us += duration_us[row]
     return updated_bytes / spent_us if spent_us > 0 else None
 
 

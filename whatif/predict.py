@@ -49,7 +49,7 @@ def predict_scenario(scenario: Scenario) -> ScenarioResult:
     gradients = find_gradients(
         study.trace, without_comm, study.iterations, scenario.gradient_sizes, scenario.gradient_total
     )
-    pass_rate = pass_rate_bytes_per_us(study.trace)
+    pass_rate = pass_rate_bytes_per_us(study.trace, study.graph)
     rows, runs = [], {}
     for point in scenario.points:
         config = ClusterConfig(
