@@ -88,11 +88,9 @@ def run_point(model, machines, gpus, bandwidth, framework, work: Path, steps: in
         return {**row, "status": f"failed: {err}"}
     record = as_record(point)
     runs = point.runs_measured_ms
-    return {**row, "status": "ok", **{c: record[c] for c in COLUMNS[6:12]},
+    return {**row, "status": "ok", **{c: record[c] for c in COLUMNS if c in record and c not in row},
             "runs_ms": ";".join(f"{ms:.2f}" for ms in runs),
-            "spread_pct": 100.0 * (max(runs) - min(runs)) / point.measured_ms,
-            "capture_page_faults_per_step": record["capture_page_faults_per_step"],
-            "run_page_faults_per_step": record["run_page_faults_per_step"]}
+            "spread_pct": 100.0 * (max(runs) - min(runs)) / point.measured_ms}
 
 
 def run_as(framework: str) -> str:
@@ -214,6 +212,23 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def measure_grid(args: argparse.Namespace, csv_path: Path, configs: list, bandwidths: list) -> None:
+    """Run every point of the grid the CSV does not hold yet, appending each as it finishes."""
+    if csv_path.exists() and not args.resume:
+        csv_path.unlink()
+    if csv_path.exists():  # resuming: failed points are run again, and their rows replaced
+        write_rows(csv_path, [r for r in read_rows(csv_path) if not r["status"].startswith("failed")])
+    done = {key(r) for r in read_rows(csv_path) if r["status"] == "ok" or r["status"].startswith("not run")}
+    for model, machines, gpus, bandwidth, framework in grid(args.models.split(","), configs, bandwidths, args.frameworks.split(",")):
+        if (model, machines, gpus, bandwidth, framework) in done:
+            continue
+        row = run_point(model, machines, gpus, bandwidth, framework, args.out / "work", args.steps, args.repeats,
+                        bandwidths[len(bandwidths) // 2], args.steady_allocator)
+        append_row(csv_path, row)
+        shown = f"{float(row['error_pct']):+.1f} %" if row["status"] == "ok" else row["status"]
+        print(f"{model} {config_label(row)} {framework}: {shown}", flush=True)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="vgg,transformer,wide_mlp")
@@ -239,20 +254,8 @@ def main(argv=None) -> int:
         if not csv_path.exists():
             raise SystemExit(f"--repredict: no measurements in {csv_path}")
         write_rows(csv_path, repredict(read_rows(csv_path), args.out / "work", bandwidths[len(bandwidths) // 2]))
-        args.resume = True
-    if csv_path.exists() and not args.resume:
-        csv_path.unlink()
-    if csv_path.exists():  # resuming: failed points are run again, and their rows replaced
-        write_rows(csv_path, [r for r in read_rows(csv_path) if not r["status"].startswith("failed")])
-    done = {key(r) for r in read_rows(csv_path) if r["status"] == "ok" or r["status"].startswith("not run")}
-    for model, machines, gpus, bandwidth, framework in grid(args.models.split(","), configs, bandwidths, args.frameworks.split(",")):
-        if (model, machines, gpus, bandwidth, framework) in done:
-            continue
-        row = run_point(model, machines, gpus, bandwidth, framework, args.out / "work", args.steps, args.repeats,
-                        bandwidths[len(bandwidths) // 2], args.steady_allocator)
-        append_row(csv_path, row)
-        shown = f"{float(row['error_pct']):+.1f} %" if row["status"] == "ok" else row["status"]
-        print(f"{model} {config_label(row)} {framework}: {shown}", flush=True)
+    else:
+        measure_grid(args, csv_path, configs, bandwidths)
     rows = read_rows(csv_path)
     (args.out / "table.md").write_text(markdown_table(rows, measured_code))
     measured = measured_points(rows)

@@ -89,3 +89,13 @@ def test_validation_needs_at_least_one_real_run(tmp_path):
     with pytest.raises(LabError, match="--repeats"):
         validate("vgg", 1, 2, 200.0, "ddp", tmp_path, repeats=0)
     assert not any(tmp_path.iterdir())
+
+
+def test_repredicting_runs_nothing_and_keeps_every_row(grid_script, tmp_path):
+    failed = {**measured_row([100.0]), "model": "vgg", "machines": "1", "gpus_per_machine": "1", "framework": "single",
+              "status": "failed: the real run failed"}
+    grid_script.write_rows(tmp_path / "validation.csv", [failed])
+    assert grid_script.main(["--repredict", "--out", str(tmp_path), "--models", "vgg", "--configs", "1x1"]) == 1
+    rows = grid_script.read_rows(tmp_path / "validation.csv")
+    assert [r["status"] for r in rows] == [failed["status"]]
+    assert not (tmp_path / "work").exists(), "nothing was captured, calibrated or run"
