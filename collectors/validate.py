@@ -28,7 +28,7 @@ import os
 import statistics
 import sys
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -72,6 +72,12 @@ class ValidationPoint:
     # (glibc returning a step's large tensors to the kernel in one and keeping them in the other).
     capture_page_faults_per_step: float = float("nan")
     run_page_faults_per_step: float = float("nan")
+    # where worker 0's steps went in the median run (examples/run_distributed.py's PhaseClock):
+    # each phase's wall and training-thread CPU time, and the CPU time of its other threads,
+    # the framework's communication, which shared the worker's core with the training step
+    run_phase_wall_ms: dict = field(default_factory=dict)
+    run_phase_cpu_ms: dict = field(default_factory=dict)
+    run_other_threads_cpu_ms_per_step: float = float("nan")
 
 
 def _examples() -> Path:
@@ -198,6 +204,7 @@ def validate(
     runs_ms = [float(report["median_ms"]) for report in reports]
     measured_ms = statistics.median(runs_ms)
     median_run = min(reports, key=lambda report: abs(float(report["median_ms"]) - measured_ms))
+    worker0 = median_run.get("workers", [{}])[0]
     return ValidationPoint(
         model, machines, gpus, bandwidth_mbps, latency_ms, framework, measured_ms, predicted_ms,
         100.0 * (predicted_ms - measured_ms) / measured_ms,
@@ -208,6 +215,9 @@ def validate(
         runs_ms,
         _median_or_nan(read_bundle(trace).unprofiled_page_faults),
         float(median_run.get("page_faults_per_step", float("nan"))),
+        worker0.get("phase_wall_ms", {}),
+        worker0.get("phase_cpu_ms", {}),
+        float(worker0.get("other_threads_cpu_ms_per_step", float("nan"))),
     )
 
 

@@ -42,15 +42,21 @@ def with_batch_size(loader: DataLoader, batch_size: int | None) -> DataLoader:
     return DataLoader(loader.dataset, batch_size=batch_size, shuffle=True, drop_last=True, generator=generator)
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: nn.Module, inputs, labels) -> float:
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: nn.Module, inputs, labels,
+               mark: Callable[[str], None] | None = None) -> float:
     """One forward, backward and optimizer step; the loss.
 
     ``zero_grad()`` frees the gradients (torch 2's default, ``set_to_none=True``); it takes no
-    argument because Horovod's ``DistributedOptimizer.zero_grad`` accepts none."""
+    argument because Horovod's ``DistributedOptimizer.zero_grad`` accepts none. ``mark``, when
+    given, is called with each phase's name as it ends (the real runs time their phases)."""
+    mark = mark or (lambda phase: None)
     optimizer.zero_grad()
     loss = loss_fn(model(inputs), labels)
+    mark("forward")
     loss.backward()
+    mark("backward")
     optimizer.step()
+    mark("step")
     return loss.item()
 
 

@@ -18,8 +18,10 @@ backward and the optimizer step, whose end is synchronous with the communication
 backward waits for its last bucket, Horovod's ``step()`` for its last all-reduce) and with the
 compute (``loss.item()``). Every worker records its iteration times after ``--warmup`` steps;
 rank 0 gathers them and writes the JSON report: the run's settings, ``median_ms`` (rank 0's
-median iteration) and per worker its rank, host, median, every iteration time and a hash of its
-parameters after the last step (the same on every worker when the gradients were averaged).
+median iteration) and per worker its rank, host, median, every iteration time, where its steps
+went (page faults, each phase's wall and training-thread CPU time, the other threads' CPU time)
+and a hash of its parameters after the last step (the same on every worker when the gradients
+were averaged).
 
 Usage::
 
@@ -156,24 +158,63 @@ def shard(loader: DataLoader, rank: int, size: int) -> DataLoader:
     return DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=sampler, drop_last=True)
 
 
-def time_iterations(model, optimizer, loader: DataLoader, warmup: int, steps: int) -> tuple[list[float], float]:
+class PhaseClock:
+    """Where a worker's steps go: each phase's wall time and its CPU time on the training
+    thread, and the CPU time the process's other threads (the framework's communication) took
+    per step. On a worker pinned to one core, a phase's wall time beyond its own CPU time is
+    what those threads and waiting took from it, which the simulator's CPU contention models."""
+
+    PHASES = ("forward", "backward", "step")
+
+    def __init__(self) -> None:
+        self.wall_ms = {phase: [] for phase in self.PHASES}
+        self.cpu_ms = {phase: [] for phase in self.PHASES}
+        self.last_wall, self.last_cpu = time.perf_counter(), time.thread_time()
+
+    def restart(self) -> None:
+        self.last_wall, self.last_cpu = time.perf_counter(), time.thread_time()
+
+    def mark(self, phase: str) -> None:
+        wall, cpu = time.perf_counter(), time.thread_time()
+        self.wall_ms[phase].append((wall - self.last_wall) * 1e3)
+        self.cpu_ms[phase].append((cpu - self.last_cpu) * 1e3)
+        self.last_wall, self.last_cpu = wall, cpu
+
+    def medians(self) -> dict:
+        return {
+            "phase_wall_ms": {phase: statistics.median(v) for phase, v in self.wall_ms.items()},
+            "phase_cpu_ms": {phase: statistics.median(v) for phase, v in self.cpu_ms.items()},
+        }
+
+
+def time_iterations(model, optimizer, loader: DataLoader, warmup: int, steps: int) -> tuple[list[float], dict]:
     """Run ``warmup`` then ``steps`` training steps; each timed step's wall time in milliseconds,
-    and the process's minor page faults per timed step (a capture records its own, and
-    ``whatif validate`` holds the two side by side)."""
+    and per timed step: the process's minor page faults (a capture records its own, and
+    ``whatif validate`` holds the two side by side), the phases' medians (``PhaseClock``) and
+    the CPU time of the threads other than the training thread."""
     loss_fn = nn.CrossEntropyLoss()
     batches = endless(loader)
     model.train()
     for _ in range(warmup):
         train_step(model, optimizer, loss_fn, *next(batches))
     times_ms = []
+    clock = PhaseClock()
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    process_cpu, thread_cpu = time.process_time(), time.thread_time()
     end = time.perf_counter()
     for _ in range(steps):
         start = end
-        train_step(model, optimizer, loss_fn, *next(batches))
+        clock.restart()
+        train_step(model, optimizer, loss_fn, *next(batches), mark=clock.mark)
         end = time.perf_counter()
         times_ms.append((end - start) * 1e3)
-    return times_ms, (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / steps
+    # the two clocks are read one after the other: a few microseconds apart, never below zero
+    other_threads_cpu = max((time.process_time() - process_cpu) - (time.thread_time() - thread_cpu), 0.0)
+    return times_ms, {
+        "page_faults_per_step": (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / steps,
+        **clock.medians(),
+        "other_threads_cpu_ms_per_step": other_threads_cpu / steps * 1e3,
+    }
 
 
 def fingerprint(model: nn.Module) -> str:
@@ -193,9 +234,9 @@ def run(model_name: str, framework: str, steps: int, warmup: int, threads: int, 
         loader = with_batch_size(loader, batch_size)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         model_for_training, optimizer = worker.prepare(model, optimizer)
-        times_ms, faults = time_iterations(model_for_training, optimizer, shard(loader, worker.rank, worker.size), warmup, steps)
+        times_ms, where = time_iterations(model_for_training, optimizer, shard(loader, worker.rank, worker.size), warmup, steps)
         mine = {"rank": worker.rank, "hostname": socket.gethostname(), "pid": os.getpid(),
-                "median_ms": statistics.median(times_ms), "iteration_ms": times_ms, "page_faults_per_step": faults,
+                "median_ms": statistics.median(times_ms), "iteration_ms": times_ms, **where,
                 "parameters_sha1": fingerprint(model)}
         workers = worker.gather(mine)
         report = {

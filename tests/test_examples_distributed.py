@@ -54,9 +54,22 @@ def assert_data_parallel_report(report: dict, model: str, framework: str, world_
         assert all(time_ms > 0 for time_ms in worker["iteration_ms"])
         assert min(worker["iteration_ms"]) <= worker["median_ms"] <= max(worker["iteration_ms"])
         assert worker["page_faults_per_step"] >= 0
+        assert_phases_fit_in_the_step(worker)
     assert report["median_ms"] == workers[0]["median_ms"]
     assert len({worker["parameters_sha1"] for worker in workers}) == 1, \
         "workers trained on different shards yet must hold identical parameters"
+
+
+def assert_phases_fit_in_the_step(worker: dict) -> None:
+    """The phases' medians add up to about a median step (the rest is loading the batch and
+    reading the loss), and the training thread cannot spend more CPU in a phase than its wall
+    time (a 1 ms allowance for the clocks' granularity)."""
+    walls, cpus = worker["phase_wall_ms"], worker["phase_cpu_ms"]
+    assert set(walls) == set(cpus) == {"forward", "backward", "step"}
+    assert 0.5 * worker["median_ms"] < sum(walls.values()) <= 1.2 * worker["median_ms"]
+    for phase in walls:
+        assert 0 <= cpus[phase] <= walls[phase] + 1.0, phase
+    assert worker["other_threads_cpu_ms_per_step"] >= 0
 
 
 @pytest.mark.parametrize("model", MODELS)
