@@ -11,11 +11,14 @@ The probe also times the all-reduces while the worker's core computes, and the c
 the all-reduces run (``collectors/allreduce_probe.py``): on CPU workers the TCP stack and
 Gloo's reductions share the core with the training step, so communication that overlaps
 backward is slower than on an idle worker, and backward is slower too. Their ratios are the
-links' ``cpu_contention`` factors (``topology.Link``).
+links' ``cpu_contention`` factors (``topology.Link``). Where Horovod is installed, a Horovod job
+also measures the CPU time its background loop takes per cycle on each worker's core
+(``collectors/horovod_loop_probe.py``): the links' ``horovod_loop``, the slowest worker's.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 import tempfile
@@ -61,11 +64,27 @@ def measure(spec: LabSpec, out_dir: Path, sizes=SIZES_BYTES) -> dict:
     return json.loads((out_dir / "allreduce.json").read_text())
 
 
-def calibrate(bandwidth_mbit: float, out_yaml: Path, work_dir: Path = None) -> dict:
-    """Measure across two machines and inside one; write the fitted topology to ``out_yaml``."""
+def measure_horovod_loop(spec: LabSpec, out_dir: Path, cycle_ms: float) -> dict:
+    argv = [sys.executable, "-m", "whatif.collectors.horovod_loop_probe"]
+    result = run_job(spec, "horovod", argv, out_dir, timeout_s=300, env={"HOROVOD_CYCLE_TIME": f"{cycle_ms:g}"})
+    if any(result.exit_codes):
+        raise LabError(f"the Horovod loop probe failed; see the logs in {out_dir}")
+    return json.loads((out_dir / "horovod_loop.json").read_text())
+
+
+def calibrate(bandwidth_mbit: float, out_yaml: Path, work_dir: Path = None, horovod_cycle_ms: float = 5.0) -> dict:
+    """Measure across two machines and inside one; write the fitted topology to ``out_yaml``.
+    Horovod's loop is measured at ``horovod_cycle_ms``, the cycle time of the jobs to predict."""
     work_dir = Path(work_dir or tempfile.mkdtemp(prefix="whatif-calibrate-"))
-    across = measure(LabSpec(2, 1, bandwidth_mbit), work_dir / "across")
-    inside = measure(LabSpec(1, 2, bandwidth_mbit), work_dir / "inside")
+    specs = {"across_machines": LabSpec(2, 1, bandwidth_mbit), "inside_a_machine": LabSpec(1, 2, bandwidth_mbit)}
+    measured = {where: measure(spec, work_dir / where.split("_")[0]) for where, spec in specs.items()}
+    contention = {where: fit_contention(probe) for where, probe in measured.items()}
+    if importlib.util.find_spec("horovod") is not None:
+        for where, spec in specs.items():
+            loop = measure_horovod_loop(spec, work_dir / f"horovod_loop_{where}", horovod_cycle_ms)
+            contention[where]["horovod_loop"] = f"{max(loop['cpu_us_per_cycle']):.1f}us"
+            measured[where]["horovod_loop"] = loop
+    across, inside = measured["across_machines"], measured["inside_a_machine"]
     nic = fit_ring(across["sizes_bytes"], across["seconds"], 2, bandwidth_mbit * 1e6 / 8)
     # inside a machine the "link" is loopback, unshaped: fit its bandwidth with efficiency 1
     slope, intercept = np.polyfit(inside["sizes_bytes"], inside["seconds"], 1)
@@ -76,15 +95,15 @@ def calibrate(bandwidth_mbit: float, out_yaml: Path, work_dir: Path = None) -> d
             "bandwidth": f"{loopback_bytes_per_s / 1e6:.1f}MB/s",
             "latency": f"{max(intercept, 0) / 2 * 1e6:.1f}us",
             "efficiency": 1.0,
-            "cpu_contention": fit_contention(inside),
+            "cpu_contention": contention["inside_a_machine"],
         },
         "inter_node": {
             "bandwidth": f"{bandwidth_mbit:g}Mbps",
             "latency": f"{nic['latency_us']:.1f}us",
             "efficiency": round(nic["efficiency"], 4),
-            "cpu_contention": fit_contention(across),
+            "cpu_contention": contention["across_machines"],
         },
-        "measured": {"across_machines": across, "inside_a_machine": inside},
+        "measured": measured,
     }
     out_yaml.write_text(yaml.safe_dump(doc, sort_keys=False))
     return doc

@@ -120,7 +120,7 @@ def links(bandwidth_mbps: float, work: Path) -> Path:
     path = links_path(bandwidth_mbps, work)
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        calibrate(bandwidth_mbps, path, path.parent / f"calibration_{bandwidth_mbps:g}")
+        calibrate(bandwidth_mbps, path, path.parent / f"calibration_{bandwidth_mbps:g}", horovod_cycle_ms=CYCLE_TIME_MS)
     return path
 
 

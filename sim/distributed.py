@@ -138,6 +138,8 @@ def simulate_cluster(worker: TaskGraph, gradients: Gradients, iterations: pd.Dat
                 back = add_ddp_copy_back(worker, consumer, sent, rate)
                 if back is not None:
                     copy_back[it] = back
+    if config.framework == "horovod":
+        worker = _with_horovod_loop(worker, _driving_link(config), config.options.cycle_time_us)
     n = len(worker.tasks)
     graph = _replicate(worker, copies, config)
     rows, edges = [], []
@@ -220,6 +222,29 @@ _CPU_WORK = (int(TaskKind.CPU), int(TaskKind.GAP), int(TaskKind.RUNTIME))
 _CONTENTION_PASSES = 4
 
 
+def _cpu_work(tasks: pd.DataFrame) -> np.ndarray:
+    """Ids of the tasks that take time on a CPU thread: operators, the gaps between them, runtime calls."""
+    resource = tasks["resource"].astype(str).to_numpy().astype(str)
+    on_cpu = np.char.startswith(resource, "cpu ") | (np.char.find(resource, ": cpu ") >= 0)
+    busy = tasks["duration_us"].to_numpy(dtype=float) > 0
+    return np.flatnonzero(np.isin(tasks["kind"].to_numpy(), _CPU_WORK) & on_cpu & busy)
+
+
+def _with_horovod_loop(worker: TaskGraph, link, cycle_us: float) -> TaskGraph:
+    """The worker with its CPU work slowed by Horovod's background loop, which takes
+    ``link.horovod_loop_us`` of the worker's core every cycle (``collectors/horovod_loop_probe.py``)
+    and so leaves the training step ``1 - loop / cycle`` of it."""
+    if not link.horovod_loop_us:
+        return worker
+    if link.horovod_loop_us >= cycle_us:
+        raise GraphError(
+            f"Horovod's loop takes {link.horovod_loop_us:g} us of every {cycle_us:g} us cycle: the worker would never compute"
+        )
+    slowed = worker.copy()
+    slowed.scale(_cpu_work(slowed.tasks), 1.0 / (1.0 - link.horovod_loop_us / cycle_us))
+    return slowed
+
+
 def _with_cpu_contention(graph: TaskGraph, schedule: Schedule, comm: np.ndarray, size: dict, link, policies_for, n: int) -> Schedule:
     """Re-simulate with communication and CPU work slowing each other where they overlapped.
 
@@ -234,10 +259,7 @@ def _with_cpu_contention(graph: TaskGraph, schedule: Schedule, comm: np.ndarray,
     tasks = graph.tasks
     base = tasks["duration_us"].to_numpy(dtype=float).copy()
     base_size = dict(size)
-    resource = tasks["resource"].astype(str).to_numpy().astype(str)
-    on_cpu = np.char.startswith(resource, "cpu ") | (np.char.find(resource, ": cpu ") >= 0)
-    cpu = np.flatnonzero(np.isin(tasks["kind"].to_numpy(), _CPU_WORK) & on_cpu)
-    cpu = cpu[base[cpu] > 0]
+    cpu = _cpu_work(tasks)
     worker0_cpu = cpu[cpu < n]
     for _ in range(_CONTENTION_PASSES):
         busy = _Union(schedule.start_us[worker0_cpu], schedule.end_us[worker0_cpu])

@@ -7,6 +7,10 @@ the contended prediction must lie between the uncontended one and the one that s
 transfer and every CPU task by the whole factor. Horovod's cycle makes its predictions move by
 up to a cycle either way when the gradients' timing shifts (which fuse together changes), so
 there "slower" means "not faster by more than one cycle".
+
+Horovod's background loop takes ``horovod_loop`` of the core every cycle, whatever is in flight:
+a Horovod worker's CPU work gets the rest of the core, and a DDP worker, which has no such
+loop, is untouched.
 """
 
 from __future__ import annotations
@@ -18,14 +22,17 @@ from whatif.report.cluster import cluster_breakdown
 from whatif.report.iterations import iteration_report
 from whatif.sim.distributed import ClusterConfig, simulate_cluster
 from whatif.sim.frameworks import FrameworkOptions
+from whatif.sim.graph import GraphError
 from whatif.topology import Cluster, TopologyError
 
 SLACK_MS = {"horovod": FrameworkOptions().cycle_time_us / 1e3, "ddp": 0.0}
 
 
-def predict(wide_mlp, framework: str, comm: float = 1.0, compute: float = 1.0, machines: int = 2, gpus: int = 1):
+def predict(wide_mlp, framework: str, comm: float = 1.0, compute: float = 1.0, machines: int = 2, gpus: int = 1,
+            horovod_loop: str = "0us"):
     study, worker, gradients = wide_mlp
-    link = {"bandwidth": "1Gbps", "latency": "100us", "cpu_contention": {"comm": comm, "compute": compute}}
+    contention = {"comm": comm, "compute": compute, "horovod_loop": horovod_loop}
+    link = {"bandwidth": "1Gbps", "latency": "100us", "cpu_contention": contention}
     cluster = Cluster.from_config({"machines": machines, "gpus_per_machine": gpus, "intra_node": link, "inter_node": link})
     run = simulate_cluster(worker, gradients, study.iterations, ClusterConfig(cluster, framework))
     report = iteration_report(run.schedule, study.iterations, run.worker0)
@@ -64,7 +71,24 @@ def test_inside_one_machine_the_loopback_links_contention_applies(wide_mlp):
     assert predict(wide_mlp, "ddp", comm=2.0, compute=2.0, machines=1, gpus=2)[0] > unaffected
 
 
+def test_horovods_loop_slows_a_horovod_workers_cpu_work_by_its_share_of_the_cycle(wide_mlp):
+    free_ms, _, compute_ms = predict(wide_mlp, "horovod")
+    quarter_ms, _, quarter_compute_ms = predict(wide_mlp, "horovod", horovod_loop="1250us")  # a quarter of 5 ms
+    assert quarter_compute_ms == pytest.approx(compute_ms / 0.75, rel=0.02)
+    assert free_ms < quarter_ms <= free_ms + compute_ms / 3 + SLACK_MS["horovod"], "compute overlaps the transfers"
+
+
+def test_ddp_has_no_background_loop(wide_mlp):
+    assert predict(wide_mlp, "ddp", horovod_loop="1250us") == predict(wide_mlp, "ddp")
+
+
+def test_a_loop_that_takes_the_whole_cycle_cannot_be_simulated(wide_mlp):
+    with pytest.raises(GraphError, match="never compute"):
+        predict(wide_mlp, "horovod", horovod_loop="5ms")
+
+
 @pytest.mark.parametrize("contention, key", [
+    ({"horovod_loop": "-3us"}, "cpu_contention.horovod_loop"),
     ({"comm": 0.5}, "cpu_contention.comm"),
     ({"compute": "fast"}, "cpu_contention.compute"),
     ({"comms": 1.2}, "cpu_contention"),

@@ -77,6 +77,9 @@ class Link:
     worker's CPU computes, ``compute_slowdown`` how much longer CPU work takes while a transfer
     is in flight (YAML: ``cpu_contention: {comm: 1.1, compute: 1.2}``; ``whatif lab calibrate``
     measures both). GPU workers whose NICs and NCCL need no host CPU keep the default 1.
+    ``horovod_loop_us`` is the CPU time Horovod's background loop takes from such a worker's
+    core in every cycle while it coordinates with its peers over this link (YAML:
+    ``cpu_contention: {horovod_loop: 130us}``), which slows all of the worker's CPU work.
     """
 
     bandwidth_bytes_per_us: float
@@ -85,6 +88,7 @@ class Link:
     name: str = ""
     comm_slowdown: float = 1.0
     compute_slowdown: float = 1.0
+    horovod_loop_us: float = 0.0
 
     def __post_init__(self):
         if not (np.isfinite(self.bandwidth_bytes_per_us) and self.bandwidth_bytes_per_us > 0):
@@ -97,6 +101,8 @@ class Link:
             value = getattr(self, name)
             if not (np.isfinite(value) and value >= 1):
                 raise TopologyError(f"cpu_contention.{name.removesuffix('_slowdown')}", f"must be a factor >= 1, got {value}")
+        if not (np.isfinite(self.horovod_loop_us) and self.horovod_loop_us >= 0):
+            raise TopologyError("cpu_contention.horovod_loop", f"must not be negative, got {self.horovod_loop_us}")
 
     @property
     def has_cpu_contention(self) -> bool:
@@ -154,13 +160,15 @@ class Link:
 
 
 def _cpu_contention(value: Any, key: str) -> dict:
-    """``{comm: F, compute: F}`` as Link's slowdown fields (absent: none)."""
+    """``{comm: F, compute: F, horovod_loop: DURATION}`` as Link's fields (absent: none)."""
     if value is None:
         return {}
     if not isinstance(value, Mapping):
         raise TopologyError(key, f"expected {{comm: FACTOR, compute: FACTOR}}, got {value!r}")
-    _check_keys(value, ("comm", "compute"), key)
+    _check_keys(value, ("comm", "compute", "horovod_loop"), key)
     factors = {}
+    if "horovod_loop" in value:
+        factors["horovod_loop_us"] = parse_latency(value["horovod_loop"], _join(key, "horovod_loop"))
     for name in ("comm", "compute"):
         raw = value.get(name, 1.0)
         try:

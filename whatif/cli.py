@@ -135,6 +135,7 @@ def _parser() -> argparse.ArgumentParser:
     lab_cal = lab_sub.add_parser("calibrate", help="fit latency and bandwidth efficiency of the lab's network")
     lab_cal.add_argument("--bandwidth", default="200Mbps", help="the NIC rate to calibrate at")
     lab_cal.add_argument("--out", type=Path, default=Path("lab-topology.yaml"), help="topology YAML to write")
+    lab_cal.add_argument("--horovod-cycle", default="5ms", help="Horovod's cycle time to measure its loop at (default: 5ms)")
     return parser
 
 
@@ -228,10 +229,13 @@ def _refuse_inputs(path: Path, inputs: tuple) -> None:
 def run_lab(args: argparse.Namespace) -> int:
     if args.lab_command == "calibrate":
         bandwidth_mbit = as_gbps(parse_bandwidth(args.bandwidth, "--bandwidth")) * 1e3
-        doc = calibrate(bandwidth_mbit, args.out)
+        doc = calibrate(bandwidth_mbit, args.out, horovod_cycle_ms=parse_latency(args.horovod_cycle, "--horovod-cycle") / 1e3)
         nic, intra = doc["inter_node"], doc["intra_node"]
         print(f"NIC at {nic['bandwidth']}: latency {nic['latency']}, efficiency {nic['efficiency']}")
         print(f"inside a machine: {intra['bandwidth']}, latency {intra['latency']}")
+        if "horovod_loop" in nic["cpu_contention"]:
+            loops = nic["cpu_contention"]["horovod_loop"], intra["cpu_contention"]["horovod_loop"]
+            print(f"Horovod's loop per {args.horovod_cycle} cycle: {loops[0]} across machines, {loops[1]} inside one")
         print(f"written to {args.out}")
         return 0
     argv = args.script[1:] if args.script[:1] == ["--"] else args.script
