@@ -172,8 +172,12 @@ def run_medians(row: dict) -> list[float]:
     return [float(ms) for ms in row.get("runs_ms", "").split(";") if ms] or [float(row["measured_ms"])]
 
 
-def markdown_table(rows: list[dict], measured_code: str) -> str:
-    lines = [f"Measured with the code of {measured_code}.", "",
+def markdown_table(rows: list[dict], code: str, repredicted: bool = False) -> str:
+    """The grid as a markdown table, under a line naming the code that measured it (or, for
+    ``--repredict``, the code that predicted the kept measurements again)."""
+    made = f"Predicted again with the code of {code}, against the measurements kept in the CSV." if repredicted \
+        else f"Measured with the code of {code}."
+    lines = [made, "",
              "| model | config | framework | measured ms (median run) | runs' range ms | predicted ms | error % "
              "| error with the profiler's overhead kept % |",
              "|---|---|---|---:|---:|---:|---:|---:|"]
@@ -245,8 +249,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repredict", action="store_true",
                         help="run nothing: predict the CSV's measured points again from the kept captures and links")
     args = parser.parse_args(argv)
-    measured_code = code_version()
-    print(f"measuring the code of {measured_code}", flush=True)
+    code = code_version()
+    print(f"{'predicting with' if args.repredict else 'measuring'} the code of {code}", flush=True)
     configs = [tuple(int(n) for n in c.split("x")) for c in args.configs.split(",")]
     bandwidths = [float(b) for b in args.bandwidths.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
@@ -258,7 +262,7 @@ def main(argv=None) -> int:
     else:
         measure_grid(args, csv_path, configs, bandwidths)
     rows = read_rows(csv_path)
-    (args.out / "table.md").write_text(markdown_table(rows, measured_code))
+    (args.out / "table.md").write_text(markdown_table(rows, code, args.repredict))
     measured = measured_points(rows)
     if not measured:
         print("no point measured", file=sys.stderr)
@@ -271,7 +275,7 @@ def main(argv=None) -> int:
     print(f"{len(measured)} points measured, {skipped} not run or failed; "
           f"mean absolute error {mae:.1f} % (target <= {MAE_TARGET_PCT:g} %), worst {float(worst['error_pct']):+.1f} % "
           f"({worst['model']} {config_label(worst)} {worst['framework']}; target <= {WORST_TARGET_PCT:g} %); "
-          f"code {measured_code}")
+          f"code {code}")
     print(f"with the profiler's overhead left in the trace: mean absolute error "
           f"{mean_abs_error_pct(measured, 'predicted_with_profiler_ms'):.1f} %")
     met = mae <= MAE_TARGET_PCT and all(e <= WORST_TARGET_PCT for e in errors)

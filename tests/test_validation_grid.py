@@ -63,6 +63,11 @@ def test_the_table_names_the_code_measured_and_every_points_range_of_runs(grid_s
     assert "| vgg | 1x2 (loopback) | ddp | 99.0 | 95.0–104.0 | 100.0 | +1.0 | +3.0 |" in table
 
 
+def test_a_table_predicted_again_says_its_code_predicted_rather_than_measured(grid_script):
+    table = grid_script.markdown_table([measured_row([99.0])], "abc1234", repredicted=True)
+    assert table.startswith("Predicted again with the code of abc1234")
+
+
 def test_the_profiler_correction_is_judged_by_the_same_mean_absolute_error(grid_script):
     rows = [measured_row([100.0], predicted_ms=98.0), measured_row([200.0], predicted_ms=204.0)]
     assert grid_script.mean_abs_error_pct(rows, "predicted_ms") == pytest.approx(2.0)
