@@ -36,7 +36,7 @@ from whatif.topology import Cluster, Network, Plan, allreduce_time_us, parameter
 from .engine import Policy, Schedule, simulate
 from .frameworks import FrameworkOptions, Message, plan_messages
 from .gradients import Gradients
-from .graph import GPU_TASK_KINDS, EdgeKind, GraphError, TaskGraph, TaskKind
+from .graph import CPU_WORK_KINDS, GPU_TASK_KINDS, EdgeKind, GraphError, TaskGraph, TaskKind
 from .framework_copies import add_ddp_copies, add_ddp_copy_back, horovod_copy_us
 from .optimizations import OPTIMIZER_STEP
 from .policies import Fifo, HorovodCycle, Priority
@@ -218,7 +218,6 @@ def _driving_link(config: ClusterConfig):
     return cluster.inter_node if cluster.machines > 1 else cluster.intra_node
 
 
-_CPU_WORK = (int(TaskKind.CPU), int(TaskKind.GAP), int(TaskKind.RUNTIME))
 _CONTENTION_PASSES = 4
 
 
@@ -227,7 +226,7 @@ def _cpu_work(tasks: pd.DataFrame) -> np.ndarray:
     resource = tasks["resource"].astype(str).to_numpy().astype(str)
     on_cpu = np.char.startswith(resource, "cpu ") | (np.char.find(resource, ": cpu ") >= 0)
     busy = tasks["duration_us"].to_numpy(dtype=float) > 0
-    return np.flatnonzero(np.isin(tasks["kind"].to_numpy(), _CPU_WORK) & on_cpu & busy)
+    return np.flatnonzero(np.isin(tasks["kind"].to_numpy(), CPU_WORK_KINDS) & on_cpu & busy)
 
 
 def _with_horovod_loop(worker: TaskGraph, link, cycle_us: float) -> TaskGraph:

@@ -36,6 +36,8 @@ class TaskKind(enum.IntEnum):
 
 
 GPU_TASK_KINDS = (TaskKind.KERNEL, TaskKind.MEMCPY, TaskKind.MEMSET, TaskKind.COMM)
+# the time a CPU thread spends: operators, the gaps between them, runtime calls
+CPU_WORK_KINDS = (int(TaskKind.CPU), int(TaskKind.GAP), int(TaskKind.RUNTIME))
 
 
 class EdgeKind(enum.IntEnum):

@@ -37,9 +37,8 @@ import pandas as pd
 
 from whatif.report.iterations import steady_median
 
-from .graph import TaskGraph, TaskKind
+from .graph import CPU_WORK_KINDS, TaskGraph
 
-_CPU_WORK = (int(TaskKind.CPU), int(TaskKind.GAP), int(TaskKind.RUNTIME))
 _TOLERANCE_US = 1e-6
 
 
@@ -93,7 +92,7 @@ def _iteration_cpu_work(graph: TaskGraph, iterations: pd.DataFrame):
     tasks = graph.tasks
     m_start = tasks["measured_start_us"].to_numpy()
     m_end = tasks["measured_end_us"].to_numpy()
-    cpu_work = np.isin(tasks["kind"].to_numpy(), _CPU_WORK)
+    cpu_work = np.isin(tasks["kind"].to_numpy(), CPU_WORK_KINDS)
     for it in iterations.itertuples(index=False):
         ids = np.flatnonzero(cpu_work & (m_start >= it.start_us - _TOLERANCE_US) & (m_end <= it.end_us + _TOLERANCE_US))
         if len(ids):
