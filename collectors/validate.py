@@ -214,7 +214,7 @@ def validate(
         [float(w["median_ms"]) for w in median_run.get("workers", [])],
         runs_ms,
         _median_or_nan(read_bundle(trace).unprofiled_page_faults),
-        float(median_run.get("page_faults_per_step", float("nan"))),
+        float(worker0.get("page_faults_per_step", float("nan"))),
         worker0.get("phase_wall_ms", {}),
         worker0.get("phase_cpu_ms", {}),
         float(worker0.get("other_threads_cpu_ms_per_step", float("nan"))),

@@ -169,9 +169,10 @@ class PhaseClock:
     def __init__(self) -> None:
         self.wall_ms = {phase: [] for phase in self.PHASES}
         self.cpu_ms = {phase: [] for phase in self.PHASES}
-        self.last_wall, self.last_cpu = time.perf_counter(), time.thread_time()
+        self.restart()
 
     def restart(self) -> None:
+        """A step begins: its first phase is timed from now."""
         self.last_wall, self.last_cpu = time.perf_counter(), time.thread_time()
 
     def mark(self, phase: str) -> None:
