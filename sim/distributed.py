@@ -197,7 +197,8 @@ def simulate_cluster(worker: TaskGraph, gradients: Gradients, iterations: pd.Dat
     schedule = simulate(graph, policies_for(size))
     link = _driving_link(config)
     if link.has_cpu_contention and len(comm):
-        schedule = _with_cpu_contention(graph, schedule, comm, size, link, policies_for, n)
+        waits_on = thread if config.framework == "horovod" else None
+        schedule = _with_cpu_contention(graph, schedule, comm, size, link, policies_for, n, waits_on)
     worker0 = np.zeros(len(graph.tasks), dtype=bool)
     worker0[:n] = True
     if barrier is not None:
@@ -244,10 +245,15 @@ def _with_horovod_loop(worker: TaskGraph, link, cycle_us: float) -> TaskGraph:
     return slowed
 
 
-def _with_cpu_contention(graph: TaskGraph, schedule: Schedule, comm: np.ndarray, size: dict, link, policies_for, n: int) -> Schedule:
+def _with_cpu_contention(graph: TaskGraph, schedule: Schedule, comm: np.ndarray, size: dict, link, policies_for, n: int,
+                         polling_thread: Optional[str] = None) -> Schedule:
     """Re-simulate with communication and CPU work slowing each other where they overlapped.
 
-    A transfer that overlaps worker 0's CPU work for a fraction ``f`` of its time lasts
+    Worker 0's core is busy while it runs CPU work, and, where ``polling_thread`` is named
+    (Horovod's), while that thread waits for communication: Horovod's ``synchronize()`` spins on
+    ``sched_yield`` until the all-reduce is done, so the transfers it waits for share the core
+    as they would with compute (DDP's wait blocks). A transfer that overlaps a busy core for a
+    fraction ``f`` of its time lasts
     ``1 + (comm_slowdown - 1) f`` times as long (its bytes priced as that many more for a fused
     batch); a CPU task overlapping communication for a fraction ``g`` lasts
     ``1 + (compute_slowdown - 1) g`` times as long. The overlaps come from the previous
@@ -261,7 +267,9 @@ def _with_cpu_contention(graph: TaskGraph, schedule: Schedule, comm: np.ndarray,
     cpu = _cpu_work(tasks)
     worker0_cpu = cpu[cpu < n]
     for _ in range(_CONTENTION_PASSES):
-        busy = _Union(schedule.start_us[worker0_cpu], schedule.end_us[worker0_cpu])
+        wait_start, wait_end = _waits_for_comm(graph, schedule, comm, polling_thread) if polling_thread else ([], [])
+        busy = _Union(np.concatenate([schedule.start_us[worker0_cpu], wait_start]),
+                      np.concatenate([schedule.end_us[worker0_cpu], wait_end]))
         in_flight = _Union(schedule.start_us[comm], schedule.end_us[comm])
         comm_factor = 1 + (link.comm_slowdown - 1) * busy.fraction_of(schedule.start_us[comm], schedule.end_us[comm])
         cpu_factor = 1 + (link.compute_slowdown - 1) * in_flight.fraction_of(schedule.start_us[cpu], schedule.end_us[cpu])
@@ -276,6 +284,19 @@ def _with_cpu_contention(graph: TaskGraph, schedule: Schedule, comm: np.ndarray,
         if abs(schedule.makespan_us - previous) <= 1e-3 * previous:
             break
     return schedule
+
+
+def _waits_for_comm(graph: TaskGraph, schedule: Schedule, comm: np.ndarray, thread: str) -> tuple[np.ndarray, np.ndarray]:
+    """Start and end times of worker 0's waits on ``thread`` for communication: from the end of
+    the task before one that a transfer feeds to that task's start."""
+    resource = graph.tasks["resource"].astype(str).to_numpy()
+    on_thread = np.flatnonzero(resource == thread)
+    order = on_thread[np.argsort(schedule.start_us[on_thread], kind="stable")]
+    edges = graph.edges
+    fed_by_comm = edges["dst"].to_numpy()[np.isin(edges["src"].to_numpy(), comm)]
+    waiting = np.isin(order[1:], fed_by_comm)
+    starts, ends = schedule.end_us[order[:-1]][waiting], schedule.start_us[order[1:]][waiting]
+    return starts[ends > starts], ends[ends > starts]
 
 
 class _Union:

@@ -8,6 +8,10 @@ transfer and every CPU task by the whole factor. Horovod's cycle makes its predi
 up to a cycle either way when the gradients' timing shifts (which fuse together changes), so
 there "slower" means "not faster by more than one cycle".
 
+A Horovod worker's core is also busy while its training thread waits for an all-reduce:
+``synchronize()`` polls with ``sched_yield`` (Horovod 0.28's ``WaitAndClear``), where DDP's wait
+blocks.
+
 Horovod's background loop takes ``horovod_loop`` of the core every cycle, whatever is in flight:
 a Horovod worker's CPU work gets the rest of the core, and a DDP worker, which has no such
 loop, is untouched.
@@ -99,3 +103,18 @@ def test_a_contention_factor_below_one_or_misspelt_is_refused_naming_the_key(con
         Cluster.from_config({"machines": 2, "gpus_per_machine": 1, "intra_node": "pcie3",
                              "inter_node": {"bandwidth": "1Gbps", "latency": "1us", "cpu_contention": contention}})
     assert key in str(error.value)
+
+
+
+def test_a_horovod_worker_spinning_in_synchronize_slows_every_transfer_it_waits_for(wide_mlp):
+    # at 1 Gbps the wide MLP's worker mostly waits for its transfers; Horovod's synchronize()
+    # polls with sched_yield, so its core stays busy and every transfer runs at the busy speed
+    _, free_comm_ms, _ = predict(wide_mlp, "horovod")
+    _, busy_comm_ms, _ = predict(wide_mlp, "horovod", comm=2.0)
+    assert busy_comm_ms == pytest.approx(2 * free_comm_ms, rel=0.05)
+
+
+def test_a_ddp_worker_blocks_while_it_waits_so_only_transfers_under_backward_slow_down(wide_mlp):
+    _, free_comm_ms, _ = predict(wide_mlp, "ddp")
+    _, busy_comm_ms, _ = predict(wide_mlp, "ddp", comm=2.0)
+    assert free_comm_ms < busy_comm_ms < 1.5 * free_comm_ms
