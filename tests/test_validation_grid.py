@@ -104,3 +104,50 @@ def test_repredicting_runs_nothing_and_keeps_every_row(grid_script, tmp_path):
     rows = grid_script.read_rows(tmp_path / "validation.csv")
     assert [r["status"] for r in rows] == [failed["status"]]
     assert not (tmp_path / "work").exists(), "nothing was captured, calibrated or run"
+
+
+UNSTEADY_MS = [113.2, 106.3, 105.9, 105.2, 132.2, 129.9, 124.3, 150.5]  # the wide MLP's capture on a busy box
+STEADY_MS = [144.3, 143.3, 145.6, 143.4, 143.3, 143.2, 141.8, 144.0]
+
+
+@pytest.fixture
+def captures_timing(monkeypatch):
+    """Stand in for ``whatif collect``: each capture is the bundled convnet capture with its plain
+    steps timed as the next entry of the list this fixture returns."""
+    import json
+    import shutil
+
+    import whatif.collectors.validate as validation
+
+    timings = []
+
+    def collect(command, out, steps, warmup, env):
+        shutil.copytree(Path(__file__).resolve().parents[1] / "data" / "convnet_cpu.bundle", out)
+        manifest = json.loads((out / "bundle.json").read_text())
+        manifest["step_wall_ms"] = {"unprofiled": timings.pop(0), "profiled": []}
+        (out / "bundle.json").write_text(json.dumps(manifest))
+
+    monkeypatch.setattr(validation, "collect", collect)
+    return timings
+
+
+def test_a_capture_whose_plain_steps_disagree_is_taken_again(captures_timing, tmp_path):
+    from whatif.collectors.bundle import read_bundle
+    from whatif.collectors.validate import capture
+
+    captures_timing += [UNSTEADY_MS, STEADY_MS, UNSTEADY_MS]
+    bundle = capture("vgg", tmp_path)
+    assert read_bundle(bundle).unprofiled_step_ms == STEADY_MS
+    assert captures_timing == [UNSTEADY_MS], "a steady capture ends the retries"
+    assert sorted(p.name for p in bundle.parent.iterdir()) == [bundle.name], "no attempt is left behind"
+
+
+def test_when_every_capture_is_unsteady_the_steadiest_is_kept(captures_timing, tmp_path):
+    from whatif.collectors.bundle import read_bundle
+    from whatif.collectors.validate import CAPTURE_ATTEMPTS, capture, plain_step_spread
+
+    wilder = [ms * (1 + 0.2 * (i % 2)) for i, ms in enumerate(UNSTEADY_MS)]
+    captures_timing += [wilder, UNSTEADY_MS, wilder][:CAPTURE_ATTEMPTS]
+    bundle = capture("vgg", tmp_path)
+    assert read_bundle(bundle).unprofiled_step_ms == UNSTEADY_MS
+    assert plain_step_spread(bundle) > 0.05 and not captures_timing
