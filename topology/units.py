@@ -128,7 +128,8 @@ def parse_bandwidth(value, key: str = "bandwidth") -> float:
 
 
 def parse_latency(value, key: str = "latency") -> float:
-    """Microseconds in a latency such as ``5us``, ``5 µs``, ``2.5 ms``, ``100ns`` or ``0``."""
+    """Microseconds in a duration such as ``5us``, ``5 µs``, ``2.5 ms``, ``100ns`` or ``0`` (a
+    link's latency, Horovod's cycle time or its loop's time per cycle)."""
     number, unit = _split(value, key, "5us")
     if not unit:
         if number != 0:
@@ -138,7 +139,7 @@ def parse_latency(value, key: str = "latency") -> float:
     if factor is None:
         raise _unknown_unit(key, value, unit, ["ns", "us", "µs", "ms", "s"], "5us")
     if number < 0:
-        raise TopologyError(key, f"latency must not be negative, got {str(value)!r}")
+        raise TopologyError(key, f"a duration must not be negative, got {str(value)!r}")
     return number * factor
 
 
