@@ -266,8 +266,9 @@ def _with_cpu_contention(graph: TaskGraph, schedule: Schedule, comm: np.ndarray,
     base_size = dict(size)
     cpu = _cpu_work(tasks)
     worker0_cpu = cpu[cpu < n]
+    waits = _CommWaits(graph, comm, polling_thread) if polling_thread else None
     for _ in range(_CONTENTION_PASSES):
-        wait_start, wait_end = _waits_for_comm(graph, schedule, comm, polling_thread) if polling_thread else ([], [])
+        wait_start, wait_end = waits.intervals(schedule) if waits else ([], [])
         busy = _Union(np.concatenate([schedule.start_us[worker0_cpu], wait_start]),
                       np.concatenate([schedule.end_us[worker0_cpu], wait_end]))
         in_flight = _Union(schedule.start_us[comm], schedule.end_us[comm])
@@ -286,17 +287,24 @@ def _with_cpu_contention(graph: TaskGraph, schedule: Schedule, comm: np.ndarray,
     return schedule
 
 
-def _waits_for_comm(graph: TaskGraph, schedule: Schedule, comm: np.ndarray, thread: str) -> tuple[np.ndarray, np.ndarray]:
-    """Start and end times of worker 0's waits on ``thread`` for communication: from the end of
-    the task before one that a transfer feeds to that task's start."""
-    resource = graph.tasks["resource"].astype(str).to_numpy()
-    on_thread = np.flatnonzero(resource == thread)
-    order = on_thread[np.argsort(schedule.start_us[on_thread], kind="stable")]
-    edges = graph.edges
-    fed_by_comm = edges["dst"].to_numpy()[np.isin(edges["src"].to_numpy(), comm)]
-    waiting = np.isin(order[1:], fed_by_comm)
-    starts, ends = schedule.end_us[order[:-1]][waiting], schedule.start_us[order[1:]][waiting]
-    return starts[ends > starts], ends[ends > starts]
+class _CommWaits:
+    """Worker 0's waits on ``thread`` for communication in a schedule: from the end of the task
+    before one that a transfer feeds to that task's start. Which tasks those are does not change
+    from one contention pass to the next; only their times do."""
+
+    def __init__(self, graph: TaskGraph, comm: np.ndarray, thread: str):
+        resource = graph.tasks["resource"].astype(str).to_numpy()
+        self.on_thread = np.flatnonzero(resource == thread)
+        edges = graph.edges
+        self.fed_by_comm = np.isin(self.on_thread, edges["dst"].to_numpy()[np.isin(edges["src"].to_numpy(), comm)])
+
+    def intervals(self, schedule: Schedule) -> tuple[np.ndarray, np.ndarray]:
+        """Start and end times of the waits."""
+        order = np.argsort(schedule.start_us[self.on_thread], kind="stable")
+        tasks = self.on_thread[order]
+        waiting = self.fed_by_comm[order][1:]
+        starts, ends = schedule.end_us[tasks[:-1]][waiting], schedule.start_us[tasks[1:]][waiting]
+        return starts[ends > starts], ends[ends > starts]
 
 
 class _Union:
