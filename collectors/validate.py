@@ -116,29 +116,27 @@ def capture(model: str, work: Path, steps: int = CAPTURE_STEPS, warmup: int = CA
     bundle.parent.mkdir(parents=True, exist_ok=True)
     command = ["taskset", "-c", "0", sys.executable, str(_examples() / f"{model}.py")]
     env = {"OMP_NUM_THREADS": "1", BATCH_SIZE_ENV: "" if batch_size is None else str(batch_size), **(allocator or {})}
-    attempts = []
+    spreads: dict[Path, float] = {}  # each attempt's bundle and its plain steps' spread
     try:
         for attempt in range(CAPTURE_ATTEMPTS):
             candidate = bundle.with_name(f"{bundle.name}.attempt{attempt}")
             shutil.rmtree(candidate, ignore_errors=True)
             collect(command, out=candidate, steps=steps, warmup=warmup, env=env)
-            attempts.append((plain_step_spread(candidate), attempt, candidate))
-            if attempts[-1][0] <= STEADY_SPREAD:
+            spreads[candidate] = plain_step_spread(read_bundle(candidate).unprofiled_step_ms)
+            if spreads[candidate] <= STEADY_SPREAD:
                 break
-        _, _, steadiest = min(attempts)
-        steadiest.rename(bundle)
+        min(spreads, key=spreads.get).rename(bundle)
     except CaptureError as err:
         raise LabError(f"capturing {model} failed: {err}") from None
     finally:
-        for _, _, candidate in attempts:
+        for candidate in spreads:
             shutil.rmtree(candidate, ignore_errors=True)
     return bundle
 
 
-def plain_step_spread(bundle: Path) -> float:
-    """Interquartile range over median of the bundle's steps timed without the profiler (0 with
-    too few to tell)."""
-    times = read_bundle(bundle).unprofiled_step_ms
+def plain_step_spread(times: list[float]) -> float:
+    """Interquartile range over median of a capture's steps timed without the profiler
+    (``Bundle.unprofiled_step_ms``; 0 with too few to tell)."""
     if len(times) < 4:
         return 0.0
     low, median, high = statistics.quantiles(times, n=4)
@@ -235,6 +233,7 @@ def validate(
     measured_ms = statistics.median(runs_ms)
     median_run = min(reports, key=lambda report: abs(float(report["median_ms"]) - measured_ms))
     worker0 = median_run.get("workers", [{}])[0]
+    captured = read_bundle(trace)
     return ValidationPoint(
         model, machines, gpus, bandwidth_mbps, latency_ms, framework, measured_ms, predicted_ms,
         100.0 * (predicted_ms - measured_ms) / measured_ms,
@@ -243,8 +242,8 @@ def validate(
         batch_size, predict_from,
         [float(w["median_ms"]) for w in median_run.get("workers", [])],
         runs_ms,
-        _median_or_nan(read_bundle(trace).unprofiled_page_faults),
-        100.0 * plain_step_spread(trace),
+        _median_or_nan(captured.unprofiled_page_faults),
+        100.0 * plain_step_spread(captured.unprofiled_step_ms),
         float(worker0.get("page_faults_per_step", float("nan"))),
         worker0.get("phase_wall_ms", {}),
         worker0.get("phase_cpu_ms", {}),
