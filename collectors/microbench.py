@@ -6,19 +6,28 @@ outputs allocated by every call, the fastest of a few repeats after one untimed 
 
 On a CPU a call is timed by the calling thread's CPU time, not the wall clock: with one
 intra-op thread the operator runs on that thread, so its CPU time is what the call costs when
-nothing else competes for the core. This machine's two cores are shared, and timing the same
-shapes twice back to back differed by 43 % (GEMM, geometric mean) with the wall-clock median of
-five repeats and by 6 % with the fastest of nine thread-CPU-time repeats. The sweep runs on
-the CPU only: no GPU was at hand to check a GPU sweep against.
+nothing else competes for the core. The sweep runs on the CPU only: no GPU was at hand to check
+a GPU sweep against.
 
-In a training step an operator's output lands in pages the allocator has just taken back from
-the kernel (glibc returns the freed tensors' memory as each step ends), so a large output
-page-faults every time; a call repeated in a tight loop reuses the same pages and is far faster:
-``threshold_backward`` on a [32, 32, 32, 32] activation takes 0.29 ms in a loop but 2.4 ms in
-the convnet's trace. So before every timed call the sweep asks glibc to return its free memory
-(``malloc_trim``), which brings the same call to 1.8 ms. (Flushing the caches as well brought it
-to 2.0 ms, but made every small operator 5 to 10 times slower than in a trace, whose dispatch
-code stays hot.)
+This machine's two cores are shared with other virtual machines, and a core's speed drifts over
+tens of milliseconds: a 512 x 512 GEMM's fastest of five calls took 2.7 to 4.4 ms from one
+second to the next. So the sweep draws its shapes once and times them all in several passes,
+a shape's time being its fastest over the passes, which lie tens of seconds apart. Six sweeps of
+the default size, one after another, timed the same shapes within 2 to 9 % of each other
+(geometric mean by family, sweep against sweep); the fastest of three against the fastest of
+the other three, within 2 to 5 %.
+
+While it sweeps, glibc is told to keep the memory it frees (no ``mmap`` for large blocks, no
+trimming), so an output lands in pages that are already mapped. Left to its defaults, glibc
+returns a large freed tensor's pages to the kernel and the next call page-faults them in again,
+at a cost that varied twofold between two timings of the same call (a [1552, 19] x [19, 1956]
+GEMM: 4.4 and 7.8 ms) and that depends on what the heap held before, not on the operator. The
+models therefore describe an operator's compute; how a training step's allocator behaves is
+the trace's to tell (``sim/batch_size.py`` rescales each traced call by a ratio of models,
+which keeps that call's own allocator cost), and a run that should match them is run with
+``capture.STEADY_ALLOCATOR``. (The sweep used to trim glibc's free memory before every call so
+that outputs page-faulted as in a step; two such sweeps differed by 14 to 61 % by family.)
+
 Each sample is named and shaped exactly as the profiler records the same call (the outermost
 ``aten::`` operator and its ``Input Dims`` / ``Input type``), so the models read traces and
 sweeps alike; :func:`recorded_as` checks that against the profiler itself.
@@ -49,14 +58,15 @@ import pandas as pd
 @dataclass(frozen=True)
 class SweepSize:
     shapes_per_op: int
-    repeats: int
+    repeats: int  # calls timed back to back, in each pass
+    passes: int  # times every shape is timed, a whole pass apart
     budget_ms: float  # the longest a single call may be estimated to take
     more: tuple = (("gemm", 3), ("conv", 5))  # families that dominate a training step, whose
     # efficiency varies most with their shapes, get this many times the shapes
 
 
-DEFAULT = SweepSize(shapes_per_op=40, repeats=5, budget_ms=25.0)
-QUICK = SweepSize(shapes_per_op=10, repeats=3, budget_ms=4.0)
+DEFAULT = SweepSize(shapes_per_op=40, repeats=5, passes=3, budget_ms=25.0)
+QUICK = SweepSize(shapes_per_op=10, repeats=3, passes=2, budget_ms=4.0)
 _EST_FLOPS_PER_S = 60e9  # rough single-core rates, only to keep draws within the budget
 _EST_BYTES_PER_S = 6e9
 
@@ -412,28 +422,37 @@ def _estimated_ms(op: str, dims, types) -> float:
     return 1e3 * (flops / _EST_FLOPS_PER_S + bytes_ / _EST_BYTES_PER_S)
 
 
-class _ColdMemory:
-    """Makes the next call meet the allocator as a training step does: the pages of freed
-    tensors returned to the kernel, so a fresh output page-faults."""
+class _HeldMemory:
+    """While open, glibc keeps the memory the process frees (large blocks from the heap rather
+    than ``mmap``, no trimming), so a fresh output reuses pages already mapped; on leaving, its
+    defaults are back. Does nothing where the C library is not glibc."""
+
+    _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+    _DEFAULTS = {_M_TRIM_THRESHOLD: 128 * 1024, _M_MMAP_MAX: 65536}
 
     def __init__(self):
         try:
-            self.trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-        except (OSError, AttributeError):  # not glibc
-            self.trim = lambda _pad: 0
+            self.mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+        except (OSError, AttributeError):
+            self.mallopt = None
 
-    def __call__(self) -> None:
-        self.trim(0)
+    def __enter__(self):
+        if self.mallopt:
+            self.mallopt(self._M_TRIM_THRESHOLD, 2**31 - 1)
+            self.mallopt(self._M_MMAP_MAX, 0)
+        return self
+
+    def __exit__(self, *exc):
+        if self.mallopt:
+            for option, value in self._DEFAULTS.items():
+                self.mallopt(option, value)
 
 
-def _time_us(call, repeats: int, cold=None) -> float:
-    """The fastest of ``repeats`` calls after an untimed one, in thread CPU time, each after
-    ``cold()`` where given."""
+def _time_us(call, repeats: int) -> float:
+    """The fastest of ``repeats`` calls after an untimed one, in thread CPU time."""
     call()
     times = []
     for _ in range(repeats):
-        if cold is not None:
-            cold()
         start = time.thread_time_ns()
         call()
         times.append((time.thread_time_ns() - start) / 1e3)
@@ -467,27 +486,33 @@ def run_sweep(quick: bool = False, threads: int = 1, seed: int = 0,
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _HeldMemory():
             described = {**current_device(), "torch": torch.__version__, "threads": threads,
                          **measure_device(torch, quick)}
-            rng = np.random.default_rng(seed)
-            cold = _ColdMemory()
-            rows = []
-            for family, ops in SWEEP_OPS.items():
-                started = time.perf_counter()
-                wanted = size.shapes_per_op * dict(size.more).get(family, 1)
-                for op in ops:
-                    rows += _sweep_op(torch, op, rng, size, wanted, cold)
-                if progress:
-                    progress(f"{family}: {sum(r['op'] in ops for r in rows)} shapes in {time.perf_counter() - started:.1f} s")
+            passes = [_sweep_pass(torch, size, seed, progress if p == 0 else None) for p in range(size.passes)]
     finally:
         torch.set_num_threads(previous_threads)
     source = "sweep quick" if quick else "sweep"
-    frame = pd.DataFrame(rows, columns=["op", "dims", "types", "duration_us"]).assign(source=source)
+    frame = pd.DataFrame(passes[0], columns=["op", "dims", "types", "duration_us"]).assign(source=source)
+    frame["duration_us"] = np.min([[row["duration_us"] for row in rows] for rows in passes], axis=0)
     return frame, described
 
 
-def _sweep_op(torch, op: str, rng, size: SweepSize, wanted: int, cold) -> list[dict]:
+def _sweep_pass(torch, size: SweepSize, seed: int, progress) -> list[dict]:
+    """One timing of every shape; the shapes are drawn from ``seed``, so every pass draws the same."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for family, ops in SWEEP_OPS.items():
+        started = time.perf_counter()
+        wanted = size.shapes_per_op * dict(size.more).get(family, 1)
+        for op in ops:
+            rows += _sweep_op(torch, op, rng, size, wanted)
+        if progress:
+            progress(f"{family}: {sum(r['op'] in ops for r in rows)} shapes in {time.perf_counter() - started:.1f} s (a pass)")
+    return rows
+
+
+def _sweep_op(torch, op: str, rng, size: SweepSize, wanted: int) -> list[dict]:
     rows, tries = [], 0
     while len(rows) < wanted and tries < 20 * wanted:
         tries += 1
@@ -497,7 +522,7 @@ def _sweep_op(torch, op: str, rng, size: SweepSize, wanted: int, cold) -> list[d
         if _estimated_ms(case.op, case.dims, case.types) > size.budget_ms:
             continue
         rows.append({"op": case.op, "dims": case.dims, "types": case.types,
-                     "duration_us": _time_us(case.call, size.repeats, cold)})
+                     "duration_us": _time_us(case.call, size.repeats)})
     return rows
 
 
