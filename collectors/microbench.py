@@ -34,7 +34,7 @@ sweeps alike; :func:`recorded_as` checks that against the profiler itself.
 
 Shapes are drawn log-uniformly from ranges that cover the example models from batch 4 to 256,
 and any draw whose estimated time exceeds the budget of a call is dropped, so the default sweep
-takes a couple of minutes on two cores and ``quick`` a few seconds. The device's peak compute
+takes about five minutes on two cores and ``quick`` a quarter of a minute. The device's peak compute
 (a large single-precision GEMM) and memory bandwidth (a large copy into a preallocated buffer,
 read plus write) are measured alongside: the rooflines are drawn against them.
 """
@@ -61,12 +61,14 @@ class SweepSize:
     repeats: int  # calls timed back to back, in each pass
     passes: int  # times every shape is timed, a whole pass apart
     budget_ms: float  # the longest a single call may be estimated to take
-    more: tuple = (("gemm", 3), ("conv", 5))  # families that dominate a training step, whose
-    # efficiency varies most with their shapes, get this many times the shapes
+    # how many times ``shapes_per_op`` each family draws: the trees learn what the rooflines
+    # miss from these, and a family with few operators or irregular kernels needs more of them
+    more: tuple = (("gemm", 9), ("conv", 10), ("elementwise", 2), ("norm", 4), ("reduction", 5),
+                   ("pooling", 5), ("embedding", 4), ("attention", 3))
 
 
 DEFAULT = SweepSize(shapes_per_op=40, repeats=5, passes=3, budget_ms=25.0)
-QUICK = SweepSize(shapes_per_op=10, repeats=3, passes=2, budget_ms=4.0)
+QUICK = SweepSize(shapes_per_op=10, repeats=3, passes=2, budget_ms=4.0, more=(("gemm", 3), ("conv", 5)))
 _EST_FLOPS_PER_S = 60e9  # rough single-core rates, only to keep draws within the budget
 _EST_BYTES_PER_S = 6e9
 
@@ -418,7 +420,7 @@ SWEEP_OPS: dict[str, tuple[str, ...]] = {
 def _estimated_ms(op: str, dims, types) -> float:
     from whatif.sim.perfmodels import work
 
-    flops, bytes_ = work(op, dims, types)
+    flops, bytes_, _ = work(op, dims, types)
     return 1e3 * (flops / _EST_FLOPS_PER_S + bytes_ / _EST_BYTES_PER_S)
 
 

@@ -8,12 +8,15 @@ grouped into families and each family gets a model from input shapes to duration
   with the device's peak compute and memory bandwidth measured by the microbenchmark sweep
   (``collectors/microbench.py``) and the overhead and the two efficiencies fitted per operator
   (per family where an operator has too few samples) by least squares in log space, so a 5 us
-  operator weighs as much as a 5 ms one;
-- for the irregular ones (embedding lookups, reductions, pooling) and for any family the
-  roofline misses by more than :data:`ROOFLINE_TARGET` on its training samples, gradient-boosted
-  trees (LightGBM) learn the roofline's residual ``log(measured / roofline)`` from the shapes,
-  kept where, fitted on three quarters of the training samples, they beat the roofline on the
-  last quarter (on a few noisy samples they learn the noise).
+  operator weighs as much as a 5 ms one. Normalisations, reductions and pooling add
+  ``loops * per_loop``: their kernels restart a loop per row, channel or image plane, and a
+  layer norm over rows of 32 values spends as long starting rows as reading them;
+- then, in every family, gradient-boosted trees (LightGBM) learn the roofline's residual
+  ``log(measured / roofline)`` from the shapes: what FLOPs and bytes do not say (a GEMM with a
+  narrow side, a batch norm over 1 x 1 images, a working set larger than the last-level cache,
+  an embedding's index pattern). They are kept where, fitted on three quarters of the training
+  samples, they beat the roofline on the last quarter (on a few noisy samples they learn the
+  noise).
   Learning the residual rather than the duration keeps the roofline's scaling outside the
   shapes the trees saw, where trees alone would predict a constant.
 
@@ -50,15 +53,9 @@ import numpy as np
 import pandas as pd
 
 FORMAT = "whatif-perfmodels"
-VERSION = 1
-#: The seed paper's bar for every kernel family: geometric-mean absolute error under 10 %.
-ROOFLINE_TARGET = 0.10
+VERSION = 2
 HELD_OUT_FRACTION = 0.2
 _MIN_OP_SAMPLES = 4  # fewer than this and an operator shares its family's roofline
-
-#: Families whose models try trees whatever the roofline's error (the seed's ML-based kernels:
-#: their cost depends on more than FLOPs and bytes, e.g. index patterns, reduction axes).
-LEARNED_FAMILIES = ("embedding", "reduction", "pooling")
 
 FAMILY_OPS: dict[str, tuple[str, ...]] = {
     "gemm": ("aten::linear", "aten::matmul", "aten::addmm", "aten::mm", "aten::bmm", "aten::baddbmm"),
@@ -177,7 +174,7 @@ def _last_dim(tensors) -> int:
     return shapes[0][-1] if shapes else 1
 
 
-def _gemm(op: str, inputs) -> tuple[float, float, list]:
+def _gemm(op: str, inputs) -> tuple[float, float, float, list]:
     e = _element_size(inputs)
     if op == "aten::linear":
         x, w = _tensor(inputs, 0), _tensor(inputs, 1)
@@ -195,22 +192,22 @@ def _gemm(op: str, inputs) -> tuple[float, float, list]:
         batch = max(_numel(a[:-2]), _numel(b[:-2]))
     flops = 2.0 * batch * m * n * k
     params = [batch, m, k, n, min(m, k, n), _alignment(k), _alignment(n)]
-    return flops, float(e * (batch * m * k + batch * k * n + batch * m * n)), params
+    return flops, float(e * (batch * m * k + batch * k * n + batch * m * n)), 0.0, params
 
 
-def _conv(op: str, inputs) -> tuple[float, float, list]:
+def _conv(op: str, inputs) -> tuple[float, float, float, list]:
     e = _element_size(inputs)
     if op == "aten::convolution_backward":
         grad, x, w = _tensor(inputs, 0), _tensor(inputs, 1), _tensor(inputs, 2)
         out_pixels = _numel(grad[2:])
         flops = 2 * 2.0 * grad[0] * w[0] * out_pixels * _numel(w[1:])  # input and weight gradients
         params = _conv_params(grad[0], x[1], w[0], out_pixels, _numel(w[2:]))
-        return flops, float(2 * e * (_numel(grad) + _numel(x) + _numel(w))), params
+        return flops, float(2 * e * (_numel(grad) + _numel(x) + _numel(w))), 0.0, params
     x, w = _tensor(inputs, 0), _tensor(inputs, 1)
     out_pixels = _numel(x[2:])  # stride 1, "same" padding (strides are not recorded)
     flops = 2.0 * x[0] * w[0] * out_pixels * _numel(w[1:])
     params = _conv_params(x[0], x[1], w[0], out_pixels, _numel(w[2:]))
-    return flops, float(e * (_numel(x) + _numel(w) + x[0] * w[0] * out_pixels)), params
+    return flops, float(e * (_numel(x) + _numel(w) + x[0] * w[0] * out_pixels)), 0.0, params
 
 
 def _alignment(size: int) -> int:
@@ -225,41 +222,47 @@ def _conv_params(batch, channels, filters, pixels, kernel) -> list:
     return [batch, channels, filters, pixels, kernel, batch * pixels, channels * kernel, _alignment(channels), _alignment(filters)]
 
 
-def _elementwise(op: str, inputs) -> tuple[float, float, list]:
+def _elementwise(op: str, inputs) -> tuple[float, float, float, list]:
     tensors = [x for x in inputs if x is not None]
     if op in ("aten::cat", "aten::stack"):
         out = sum(_numel(x[0]) for x in tensors)
     else:
         out = max((_numel(x[0]) for x in tensors), default=1)
     last = _last_dim(tensors)
-    return float(out), _bytes_in(inputs) + out * _element_size(inputs), [out, len(tensors), last]
+    return float(out), _bytes_in(inputs) + out * _element_size(inputs), 0.0, [out, len(tensors), last]
 
 
-def _norm(op: str, inputs) -> tuple[float, float, list]:
+def _norm(op: str, inputs) -> tuple[float, float, float, list]:
     x = _tensor(inputs, 0) or ()
     n = _numel(x)
     e = _element_size(inputs)
     passes = 3 if op.endswith("_backward") else 2
-    params = [x[0] if x else 1, x[1] if len(x) > 1 else 1, n, x[-1] if x else 1]
-    return 8.0 * n, float(passes * n * e + _bytes_in(inputs[1:])), params
+    # batch norm loops over channels, layer and group norm over rows of the normalised size
+    loops = x[1] if "batch_norm" in op and len(x) > 1 else n / x[-1] if x and x[-1] else 1
+    params = [x[0] if x else 1, x[1] if len(x) > 1 else 1, n, x[-1] if x else 1, loops, n / max(loops, 1)]
+    return 8.0 * n, float(passes * n * e + _bytes_in(inputs[1:])), float(loops), params
 
 
-def _reduction(op: str, inputs) -> tuple[float, float, list]:
+def _reduction(op: str, inputs) -> tuple[float, float, float, list]:
     largest = max((x[0] for x in inputs if x is not None and x[0] and not isinstance(x[0][0], tuple)), key=_numel, default=())
     n = _numel(largest)
     rows = n / largest[-1] if largest and largest[-1] else 1
-    # a softmax or loss pays per row (its maximum, sum and logarithm) as well as per element
-    return float(n + 32 * rows), _bytes_in(inputs), [n, largest[0] if largest else 1, largest[-1] if largest else 1]
+    first = largest[0] if largest else 1
+    # a softmax or loss pays per row (its maximum, sum and logarithm) as well as per element;
+    # which dimension a sum or mean reduces is not recorded, so both shapes go to the trees
+    params = [n, first, largest[-1] if largest else 1, rows, n / max(first, 1)]
+    return float(n + 32 * rows), _bytes_in(inputs), float(rows), params
 
 
-def _pooling(op: str, inputs) -> tuple[float, float, list]:
+def _pooling(op: str, inputs) -> tuple[float, float, float, list]:
     x = _tensor(inputs, 0) or ()
     n = _numel(x)
-    params = (list(x) + [1, 1, 1, 1])[:4]
-    return float(n), _bytes_in(inputs) + n * _element_size(inputs) / 4.0, params
+    planes = _numel(x[:2]) if len(x) >= 2 else 1  # one loop per image and channel
+    params = (list(x) + [1, 1, 1, 1])[:4] + [planes, n / planes]
+    return float(n), _bytes_in(inputs) + n * _element_size(inputs) / 4.0, float(planes), params
 
 
-def _embedding(op: str, inputs) -> tuple[float, float, list]:
+def _embedding(op: str, inputs) -> tuple[float, float, float, list]:
     e = 4
     if op in ("aten::embedding", "aten::embedding_bag", "aten::_embedding_bag"):
         w, idx = _tensor(inputs, 0), _tensor(inputs, 1)
@@ -270,10 +273,10 @@ def _embedding(op: str, inputs) -> tuple[float, float, list]:
     else:  # backward: gradient rows scattered into the weight's gradient (its size is not recorded)
         grad, idx = _tensor(inputs, 0), _tensor(inputs, 1)
         rows, width, table = _numel(idx), grad[-1], 0
-    return float(rows * width), float(2 * rows * width * e + 8 * rows), [rows, width, table]
+    return float(rows * width), float(2 * rows * width * e + 8 * rows), 0.0, [rows, width, table]
 
 
-def _attention(op: str, inputs) -> tuple[float, float, list]:
+def _attention(op: str, inputs) -> tuple[float, float, float, list]:
     q, k = _tensor(inputs, 0), _tensor(inputs, 1)
     if op.endswith("_backward"):
         q, k = _tensor(inputs, 1), _tensor(inputs, 2)
@@ -281,7 +284,7 @@ def _attention(op: str, inputs) -> tuple[float, float, list]:
     flops = 4.0 * batch_heads * length * keys * depth
     bytes_ = _bytes_in(inputs) + batch_heads * length * depth * 4
     params = [batch_heads, length, keys, depth]
-    return (2.5 * flops, 2 * bytes_, params) if op.endswith("_backward") else (flops, bytes_, params)
+    return (2.5 * flops, 2 * bytes_, 0.0, params) if op.endswith("_backward") else (flops, bytes_, 0.0, params)
 
 
 _WORK = {
@@ -290,23 +293,25 @@ _WORK = {
 }
 
 
-def work(op: str, dims, types) -> tuple[float, float]:
-    """FLOPs and bytes moved by ``op`` on inputs of these recorded shapes; (nan, nan) when the
-    shapes are not those the family expects (a missing tensor, a vector where a matrix goes)."""
-    return _work(op, dims, types)[:2]
+def work(op: str, dims, types) -> tuple[float, float, float]:
+    """FLOPs, bytes moved and inner loops run by ``op`` on inputs of these recorded shapes (the
+    loops: rows, channels or image planes that a normalisation, reduction or pooling kernel
+    starts afresh, each at a cost of its own; 0 for the other families); NaNs when the shapes
+    are not those the family expects (a missing tensor, a vector where a matrix goes)."""
+    return _work(op, dims, types)[:3]
 
 
-def _work(op: str, dims, types) -> tuple[float, float, list]:
-    """FLOPs, bytes, and the family's shape parameters (GEMM: batch, M, K, N; convolution: N,
+def _work(op: str, dims, types) -> tuple[float, float, float, list]:
+    """:func:`work`, and the family's shape parameters (GEMM: batch, M, K, N; convolution: N,
     C, O, output pixels, kernel area; ...), the sizes its efficiency depends on."""
     family = FAMILY_OF.get(op)
     if family is None:
         raise KeyError(op)
     try:
-        flops, bytes_, params = _WORK[family](op, parse_shapes(dims, types))
+        flops, bytes_, loops, params = _WORK[family](op, parse_shapes(dims, types))
     except (TypeError, IndexError, ValueError):
-        return math.nan, math.nan, []
-    return max(flops, 1.0), max(bytes_, 1.0), params
+        return math.nan, math.nan, math.nan, []
+    return max(flops, 1.0), max(bytes_, 1.0), float(loops), params
 
 
 _PARAMS = 9  # shape parameters the trees see (padded)
@@ -314,7 +319,7 @@ _PARAMS = 9  # shape parameters the trees see (padded)
 
 def _features(op_code: int, dims, types, op: str) -> list[float]:
     """What the trees see: the operator, its work, and its family's shape parameters."""
-    flops, bytes_, params = _work(op, dims, types)
+    flops, bytes_, _, params = _work(op, dims, types)
     padded = (list(params) + [0] * _PARAMS)[:_PARAMS]
     return [float(op_code), math.log2(flops + 1), math.log2(bytes_ + 1)] + [math.log2(float(v) + 1) for v in padded]
 
@@ -323,15 +328,21 @@ def _features(op_code: int, dims, types, op: str) -> list[float]:
 
 @dataclass
 class Roofline:
+    """``overhead + max(compute, memory) + loops x per_loop``: the roof, plus what each inner
+    loop costs to start (a layer norm over rows of 32 spends as long starting rows as reading
+    them)."""
+
     overhead_us: float
     compute_efficiency: float
     memory_efficiency: float
     samples: int = 0
+    per_loop_us: float = 0.0
 
-    def predict_us(self, flops: np.ndarray, bytes_: np.ndarray, peak_flops_per_us: float, bytes_per_us: float) -> np.ndarray:
+    def predict_us(self, flops: np.ndarray, bytes_: np.ndarray, loops: np.ndarray, peak_flops_per_us: float,
+                   bytes_per_us: float) -> np.ndarray:
         compute = flops / (peak_flops_per_us * self.compute_efficiency)
         memory = bytes_ / (bytes_per_us * self.memory_efficiency)
-        return self.overhead_us + np.maximum(compute, memory)
+        return self.overhead_us + np.maximum(compute, memory) + loops * self.per_loop_us
 
 
 @dataclass
@@ -385,13 +396,13 @@ class PerfModels:
             if model is None:
                 continue
             idx = rows.index.to_numpy()
-            work_ = np.array([work(ops[i], dims[i], types[i]) for i in idx], dtype=float).reshape(-1, 2)
-            flops, bytes_ = work_[:, 0], work_[:, 1]
+            work_ = np.array([work(ops[i], dims[i], types[i]) for i in idx], dtype=float).reshape(-1, 3)
+            flops, bytes_, loops = work_[:, 0], work_[:, 1], work_[:, 2]
             roof = np.empty(len(idx))
             for op, positions in pd.Series(range(len(idx)), index=[ops[i] for i in idx]).groupby(level=0):
                 line = model.ops.get(op, model.pooled)
                 p = positions.to_numpy()
-                roof[p] = line.predict_us(flops[p], bytes_[p], self.peak_flops_per_us, self.bytes_per_us)
+                roof[p] = line.predict_us(flops[p], bytes_[p], loops[p], self.peak_flops_per_us, self.bytes_per_us)
             if learned and model.trees:
                 codes = [model.op_codes.index(ops[i]) if ops[i] in model.op_codes else -1 for i in idx]
                 features = np.array([_features(c, dims[i], types[i], ops[i]) for c, i in zip(codes, idx)])
@@ -442,6 +453,7 @@ def _roofline_doc(r: Roofline) -> dict:
         "overhead_us": r.overhead_us,
         "compute_efficiency": r.compute_efficiency,
         "memory_efficiency": r.memory_efficiency,
+        "per_loop_us": r.per_loop_us,
         "samples": r.samples,
     }
 
@@ -528,15 +540,19 @@ class _Reader:
     def roofline(self, doc, where: str) -> Roofline:
         if not isinstance(doc, dict):
             self.fail(where, "is missing or not an object")
-        overhead = doc.get("overhead_us")
-        if isinstance(overhead, bool) or not isinstance(overhead, (int, float)) or not math.isfinite(overhead) or overhead < 0:
-            self.fail(f"{where}.overhead_us", f"must be a non-negative number, not {overhead!r}")
         return Roofline(
-            float(overhead),
+            self.non_negative(doc, "overhead_us", f"{where}.overhead_us"),
             self.positive(doc, "compute_efficiency", f"{where}.compute_efficiency"),
             self.positive(doc, "memory_efficiency", f"{where}.memory_efficiency"),
             int(doc.get("samples", 0) or 0),
+            self.non_negative(doc, "per_loop_us", f"{where}.per_loop_us"),
         )
+
+    def non_negative(self, doc: dict, key: str, where: str) -> float:
+        value = doc.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            self.fail(where, f"must be a non-negative number, not {value!r}")
+        return float(value)
 
 
 def current_device() -> dict:
@@ -685,7 +701,7 @@ def fit_models(samples: pd.DataFrame, device: dict, sources: Iterable[str] = (),
     samples = samples.reset_index(drop=True)
     samples = samples[samples["op"].isin(FAMILY_OF) & (samples["duration_us"] > 0)].reset_index(drop=True)
     work_ = np.array([work(o, d, t) for o, d, t in zip(samples["op"], samples["dims"], samples["types"])], dtype=float)
-    samples = samples.assign(flops=work_[:, 0], bytes=work_[:, 1], family=samples["op"].map(FAMILY_OF))
+    samples = samples.assign(flops=work_[:, 0], bytes=work_[:, 1], loops=work_[:, 2], family=samples["op"].map(FAMILY_OF))
     samples = samples[np.isfinite(samples["flops"])].reset_index(drop=True)
     rng = np.random.default_rng(seed)
     held = np.zeros(len(samples), dtype=bool)
@@ -718,13 +734,12 @@ def _fit_family(name: str, rows: pd.DataFrame, peak: float, bandwidth: float, se
     }
     model = FamilyModel(name, pooled, ops)
     roof = np.array([
-        ops.get(op, pooled).predict_us(np.array([f]), np.array([b]), peak, bandwidth)[0]
-        for op, f, b in zip(rows["op"], rows["flops"], rows["bytes"])
+        ops.get(op, pooled).predict_us(np.array([f]), np.array([b]), np.array([n]), peak, bandwidth)[0]
+        for op, f, b, n in zip(rows["op"], rows["flops"], rows["bytes"], rows["loops"])
     ])
     measured = rows["duration_us"].to_numpy()
     residual = np.log(measured) - np.log(roof)
-    wanted = name in LEARNED_FAMILIES or geomean_abs_error(roof, measured) > ROOFLINE_TARGET
-    if wanted and len(rows) >= 8:
+    if len(rows) >= 8:
         codes = sorted(rows["op"].unique())
         if _trees_help(rows, codes, roof, residual, seed):
             model.op_codes = codes
@@ -750,27 +765,32 @@ def _trees_help(rows: pd.DataFrame, codes: list[str], roof: np.ndarray, residual
 
 
 def _fit_roofline(rows: pd.DataFrame, peak: float, bandwidth: float) -> Roofline:
-    """Overhead and efficiencies minimising the squared log error (robust to a few noisy samples)."""
+    """Overhead, efficiencies and (where the family runs loops) the cost per loop minimising the
+    squared log error (robust to a few noisy samples)."""
     from scipy.optimize import least_squares
 
     t = rows["duration_us"].to_numpy(dtype=float)
     flops = rows["flops"].to_numpy(dtype=float)
     bytes_ = rows["bytes"].to_numpy(dtype=float)
+    loops = rows["loops"].to_numpy(dtype=float)
+    looped = bool((loops > 0).any())
 
     def residual(theta):
-        c, ec, em = np.exp(theta)
-        return np.log(c + np.maximum(flops / (peak * ec), bytes_ / (bandwidth * em))) - np.log(t)
+        c, ec, em = np.exp(theta[:3])
+        per_loop = np.exp(theta[3]) if looped else 0.0
+        return np.log(c + np.maximum(flops / (peak * ec), bytes_ / (bandwidth * em)) + loops * per_loop) - np.log(t)
 
-    bounds = (np.log([1e-3, 1e-5, 1e-5]), np.log([1e6, 10.0, 10.0]))
+    low, high = [1e-3, 1e-5, 1e-5, 1e-7][: 3 + looped], [1e6, 10.0, 10.0, 1e3][: 3 + looped]
     overhead = max(float(np.min(t)) / 2, 0.1)
     # The max() leaves the term that never binds without a gradient, so start from several
     # balances of compute and memory and keep the best fit.
     fits = [
-        least_squares(residual, np.log([overhead, ec, em]), bounds=bounds, loss="soft_l1", f_scale=0.1)
+        least_squares(residual, np.log([overhead, ec, em, 1e-3][: 3 + looped]), bounds=(np.log(low), np.log(high)),
+                      loss="soft_l1", f_scale=0.1)
         for ec in (0.3, 0.01) for em in (0.3, 0.03)
     ]
-    c, ec, em = (float(v) for v in np.exp(min(fits, key=lambda f: f.cost).x))
-    return Roofline(c, ec, em, len(rows))
+    theta = np.exp(min(fits, key=lambda f: f.cost).x)
+    return Roofline(float(theta[0]), float(theta[1]), float(theta[2]), len(rows), float(theta[3]) if looped else 0.0)
 
 
 def _fit_trees(rows: pd.DataFrame, op_codes: list[str], residual: np.ndarray, seed: int) -> str:
@@ -780,12 +800,12 @@ def _fit_trees(rows: pd.DataFrame, op_codes: list[str], residual: np.ndarray, se
         _features(op_codes.index(op), d, t, op) for op, d, t in zip(rows["op"], rows["dims"], rows["types"])
     ])
     params = {
-        "objective": "huber", "alpha": 0.2, "learning_rate": 0.05, "num_leaves": 8,
-        "min_data_in_leaf": 3, "min_data_in_bin": 1, "lambda_l2": 1.0, "num_threads": 1,
+        "objective": "huber", "alpha": 0.2, "learning_rate": 0.05, "num_leaves": 16,
+        "min_data_in_leaf": 2, "min_data_in_bin": 1, "lambda_l2": 1.0, "num_threads": 1,
         "deterministic": True, "force_row_wise": True, "seed": seed, "verbose": -1,
     }
     data = lightgbm.Dataset(features, residual, categorical_feature=[0], params={"verbose": -1})
-    booster = lightgbm.train(params, data, num_boost_round=200)
+    booster = lightgbm.train(params, data, num_boost_round=400)
     return booster.model_to_string()
 
 

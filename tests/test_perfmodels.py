@@ -37,10 +37,21 @@ def test_the_sweep_names_and_shapes_each_call_as_a_trace_records_it():
 
 
 def test_work_is_the_textbook_count_for_gemm_and_convolution():
-    assert work("aten::mm", [[64, 128], [128, 32]], ["float", "float"]) == (2 * 64 * 128 * 32, 4 * (64 * 128 + 128 * 32 + 64 * 32))
-    flops, _ = work("aten::conv2d", [[8, 16, 32, 32], [64, 16, 3, 3], [], [], [], [], []], ["float", "float"])
+    assert work("aten::mm", [[64, 128], [128, 32]], ["float", "float"]) == (2 * 64 * 128 * 32, 4 * (64 * 128 + 128 * 32 + 64 * 32), 0)
+    flops, _, _ = work("aten::conv2d", [[8, 16, 32, 32], [64, 16, 3, 3], [], [], [], [], []], ["float", "float"])
     assert flops == 2 * 8 * 64 * 32 * 32 * 16 * 3 * 3  # stride 1, "same" padding
     assert all(math.isnan(v) for v in work("aten::mm", [[64, 128], []], ["float", ""]))
+
+
+def test_the_loops_a_kernel_restarts_are_rows_channels_or_image_planes():
+    def loops(op, dims):
+        return work(op, dims, ["float"] * len(dims))[2]
+
+    assert loops("aten::layer_norm", [[8, 128, 32], [], [32], [32], [], []]) == 8 * 128  # rows of 32
+    assert loops("aten::batch_norm", [[32, 64, 16, 16], [64], [64], [64], [64], [], [], [], []]) == 64  # channels
+    assert loops("aten::log_softmax", [[512, 10], [], []]) == 512  # rows
+    assert loops("aten::max_pool2d", [[32, 64, 16, 16], [], [], [], [], []]) == 32 * 64  # image planes
+    assert loops("aten::relu", [[32, 64, 16, 16]]) == 0
 
 
 def test_a_quick_fit_predicts_held_out_shapes_of_every_family(quick_models_file):
