@@ -96,7 +96,8 @@ def run_perfmodel(args: argparse.Namespace) -> int:
           f"memory {device['bandwidth_gbps']:g} GB/s; fitted from {', '.join(models.sources) or 'unknown'}")
     shown = table.rename(columns={
         "held_out": "held-out shapes", "from_traces": "from traces", "roofline_gmae_pct": "roofline GMAE %",
-        "gmae_pct": "GMAE %", "median_abs_error_pct": "median |error| %",
+        "gmae_pct": "GMAE %", "swept_gmae_pct": "on swept %", "traced_gmae_pct": "on traced %",
+        "median_abs_error_pct": "median |error| %",
     })
     print(shown.to_string(index=False, float_format=lambda v: f"{v:.1f}"))
     return 0
