@@ -26,7 +26,13 @@ with the fastest B0 real run as its unprofiled times. The fastest single iterati
 all rounds; predicted, of the steady ones) are compared too: an iteration nothing interrupted.
 Exits 1 when a prediction misses the target against the real run.
 
+With ``--steady-allocator`` every capture and real run keeps glibc's freed memory
+(``capture.STEADY_ALLOCATOR``), as the operator sweep does while it times operators: then
+no run page-faults its large tensors in again, which with glibc's defaults differs from one run
+(and one batch size) to the next.
+
     .venv/bin/python bench/batch_size_validation.py [--rounds 3] [--perfmodel MODELS.json] [--out DIR]
+        [--steady-allocator]
 """
 
 from __future__ import annotations
@@ -81,8 +87,8 @@ def worker_time(model: str) -> None:
     print(json.dumps(times_ms))
 
 
-def _run_worker(role: str, model: str, batch: int, out: Path = None) -> str:
-    env = {**os.environ, "BENCH_BATCH": str(batch), "OMP_NUM_THREADS": "1"}
+def _run_worker(role: str, model: str, batch: int, allocator: dict, out: Path = None) -> str:
+    env = {**os.environ, **allocator, "BENCH_BATCH": str(batch), "OMP_NUM_THREADS": "1"}
     argv = [sys.executable, __file__, "--worker", role, "--model", model] + (["--trace", str(out)] if out else [])
     done = subprocess.run(argv, env=env, capture_output=True, text=True, cwd=str(EXAMPLES))
     if done.returncode != 0:
@@ -123,6 +129,8 @@ def main(argv=None) -> int:
     parser.add_argument("--perfmodel", type=Path, help="operator models (default: fit the default sweep once)")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "batch_size_validation")
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated example models")
+    parser.add_argument("--steady-allocator", action="store_true",
+                        help="capture and run with glibc's allocator fixed (collectors/capture.py STEADY_ALLOCATOR)")
     parser.add_argument("--worker", choices=("capture", "time"), help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--trace", type=Path, help=argparse.SUPPRESS)
@@ -134,13 +142,17 @@ def main(argv=None) -> int:
         worker_time(args.model)
         return 0
 
+    from whatif.collectors.capture import STEADY_ALLOCATOR
     from whatif.sim.batch_size import predict_at_batch_size, predict_iterations_at_batch_size
+
+    allocator = STEADY_ALLOCATOR if args.steady_allocator else {}
 
     args.out.mkdir(parents=True, exist_ok=True)
     models, models_source = models_for(args)
     print(f"code:    {code_version()}")
     print(f"load:    {' '.join(f'{v:.2f}' for v in os.getloadavg())} (1, 5, 15 min averages at the start)")
     print(f"models:  {models_source}")
+    print(f"malloc:  {'fixed: ' + ' '.join(f'{k}={v}' for k, v in allocator.items()) if allocator else 'glibc defaults'}")
     print(f"runs:    best of {args.rounds} rounds; per round and batch size a profiled capture ({PROFILED_STEPS} steps) "
           f"and a real run ({TIMED_STEPS} timed steps after {WARMUP_STEPS}), one torch thread\n")
     rows = []
@@ -155,10 +167,10 @@ def main(argv=None) -> int:
         for round_ in range(args.rounds):
             for b in batches:
                 traces[b].append(args.out / f"{model}_bs{b}_round{round_}.pt.trace.json.gz")
-                _run_worker("capture", model, b, traces[b][-1])
+                _run_worker("capture", model, b, allocator, traces[b][-1])
                 profiled[b].append(statistics.median(profiled_ms(traces[b][-1])))
                 fastest_profiled[b] = min(fastest_profiled[b], *profiled_ms(traces[b][-1]))
-                unprofiled[b].append(json.loads(_run_worker("time", model, b)))
+                unprofiled[b].append(json.loads(_run_worker("time", model, b, allocator)))
                 measured[b].append(steady_ms(unprofiled[b][-1]))
         best_trace = traces[base][profiled[base].index(min(profiled[base]))]
         best_plain = unprofiled[base][measured[base].index(min(measured[base]))]
