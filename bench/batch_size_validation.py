@@ -147,6 +147,7 @@ def main(argv=None) -> int:
 
     allocator = STEADY_ALLOCATOR if args.steady_allocator else {}
 
+    args.out = args.out.resolve()  # the workers run in examples/
     args.out.mkdir(parents=True, exist_ok=True)
     models, models_source = models_for(args)
     print(f"code:    {code_version()}")
