@@ -258,7 +258,7 @@ def _pooling(op: str, inputs) -> tuple[float, float, float, list]:
     x = _tensor(inputs, 0) or ()
     n = _numel(x)
     planes = _numel(x[:2]) if len(x) >= 2 else 1  # one loop per image and channel
-    params = (list(x) + [1, 1, 1, 1])[:4] + [planes, n / planes]
+    params = (list(x) + [1, 1, 1, 1])[:4] + [planes, n / max(planes, 1)]
     return float(n), _bytes_in(inputs) + n * _element_size(inputs) / 4.0, float(planes), params
 
 

@@ -52,6 +52,7 @@ def test_the_loops_a_kernel_restarts_are_rows_channels_or_image_planes():
     assert loops("aten::log_softmax", [[512, 10], [], []]) == 512  # rows
     assert loops("aten::max_pool2d", [[32, 64, 16, 16], [], [], [], [], []]) == 32 * 64  # image planes
     assert loops("aten::relu", [[32, 64, 16, 16]]) == 0
+    assert loops("aten::max_pool2d", [[0, 64, 16, 16], [], [], [], [], []]) == 0  # an empty batch: no work, no error
 
 
 def test_a_quick_fit_predicts_held_out_shapes_of_every_family(quick_models_file):
