@@ -426,8 +426,11 @@ def _estimated_ms(op: str, dims, types) -> float:
 
 class _HeldMemory:
     """While open, glibc keeps the memory the process frees (large blocks from the heap rather
-    than ``mmap``, no trimming), so a fresh output reuses pages already mapped; on leaving, its
-    defaults are back. Does nothing where the C library is not glibc."""
+    than ``mmap``, no trimming), so a fresh output reuses pages already mapped. On leaving, the
+    two settings get glibc's default values again; glibc cannot say what they were before, so a
+    ``MALLOC_TRIM_THRESHOLD_`` or ``MALLOC_MMAP_MAX_`` from the environment is not restored, and
+    the mmap threshold stays where it is instead of adapting. Does nothing where the C library
+    is not glibc."""
 
     _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
     _DEFAULTS = {_M_TRIM_THRESHOLD: 128 * 1024, _M_MMAP_MAX: 65536}
