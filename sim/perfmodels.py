@@ -532,9 +532,15 @@ class _Reader:
         return doc[key]
 
     def positive(self, doc: dict, key: str, where: str) -> float:
+        return self._number(doc, key, where, "a positive number", lambda value: value > 0)
+
+    def non_negative(self, doc: dict, key: str, where: str) -> float:
+        return self._number(doc, key, where, "a non-negative number", lambda value: value >= 0)
+
+    def _number(self, doc: dict, key: str, where: str, wanted: str, fits) -> float:
         value = doc.get(key) if isinstance(doc, dict) else None
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-            self.fail(where, f"must be a positive number, not {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not fits(value):
+            self.fail(where, f"must be {wanted}, not {value!r}")
         return float(value)
 
     def roofline(self, doc, where: str) -> Roofline:
@@ -547,12 +553,6 @@ class _Reader:
             int(doc.get("samples", 0) or 0),
             self.non_negative(doc, "per_loop_us", f"{where}.per_loop_us"),
         )
-
-    def non_negative(self, doc: dict, key: str, where: str) -> float:
-        value = doc.get(key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-            self.fail(where, f"must be a non-negative number, not {value!r}")
-        return float(value)
 
 
 def current_device() -> dict:
