@@ -2,14 +2,15 @@
 
 Runs the microbenchmark sweep on this machine (``collectors/microbench.py``; ``--quick`` for the
 short one), adds the operator calls of the bundled CPU traces (``--no-traces`` leaves them out),
-fits the models (``sim/perfmodels.py``) with a fifth of every family's samples held out, and
-prints per family the geometric-mean absolute error (GMAE) on those held-out samples, with the
-roofline alone and with the family's full model. Target: under 10 % in every family (the seed
+fits the models (``sim/perfmodels.py``) five times, each time holding out another fifth of every
+family's shapes (a cross-validation: every shape is predicted once by a model that did not see
+it), and prints per family the geometric-mean absolute error (GMAE) on the held-out shapes, with
+the roofline alone and with the family's full model. ``--out`` keeps the first fold's models. Target: under 10 % in every family (the seed
 paper's figure); the script exits 1 naming the families that miss it.
 
 No model can be closer to a measurement than the measurement is to itself, so ``--repeat`` runs
 the sweep a second time on the same shapes and prints, per family, the GMAE between the two
-sweeps' timings of the held-out shapes: the noise floor the models' errors should be read
+sweeps' timings of the shapes: the noise floor the models' errors should be read
 against. ``--samples FILE`` keeps the sweep (JSON): a later run with the same file refits from
 it without sweeping again.
 
@@ -30,7 +31,7 @@ import pandas as pd
 
 from measured_code import REPO, code_version  # noqa: E402  (bench/ is the script's folder)
 from whatif.collectors.microbench import run_sweep
-from whatif.sim.perfmodels import FAMILY_OF, fit_models, geomean_abs_error, held_out_report, trace_samples
+from whatif.sim.perfmodels import FAMILY_OF, FOLDS, fit_models, geomean_abs_error, held_out_report, trace_samples
 
 TRACES = (REPO / "data" / "convnet_cpu.bundle", REPO / "data" / "wide_mlp_cpu.pt.trace.json.gz")
 TARGET_PCT = 10.0
@@ -62,14 +63,15 @@ def main(argv=None) -> int:
             parts.append(trace_samples(trace))
             sources.append(f"trace {trace.relative_to(REPO)}")
     started = time.perf_counter()
-    models = fit_models(pd.concat(parts, ignore_index=True), device, sources)
+    folds = [fit_models(pd.concat(parts, ignore_index=True), device, sources, fold=k) for k in range(FOLDS)]
     fit_s = time.perf_counter() - started
     if args.out:
-        models.save(args.out)
+        folds[0].save(args.out)
     print(f"device:  {device['name']}, {device['threads']} torch thread(s); peak {device['peak_gflops']:g} GFLOP/s, "
           f"memory {device['bandwidth_gbps']:g} GB/s")
-    print(f"sweep:   {len(samples)} shapes in {swept_s:.0f} s; fit {fit_s:.1f} s; samples from {', '.join(sources)}\n")
-    table = held_out_report(models)
+    print(f"sweep:   {len(samples)} shapes in {swept_s:.0f} s; {FOLDS} fits, each holding out a fifth of the shapes, "
+          f"{fit_s:.1f} s; samples from {', '.join(sources)}\n")
+    table = held_out_report(*folds)
     print("| family | model | held-out samples | of them from traces | roofline GMAE % | model GMAE % | "
           "on swept samples % | on traced samples % | median abs error % |")
     print("|---|---|--:|--:|--:|--:|--:|--:|--:|")
@@ -78,7 +80,7 @@ def main(argv=None) -> int:
         print(f"| {r.family} | {r.kind} | {r.held_out} | {r.from_traces} | {r.roofline_gmae_pct:.1f} | "
               f"{r.gmae_pct:.1f} | {r.swept_gmae_pct:.1f} | {traced} | {r.median_abs_error_pct:.1f} |")
     if again is not None:
-        print_noise_floor(models.held_out, samples, again)
+        print_noise_floor(pd.concat([models.held_out for models in folds], ignore_index=True), samples, again)
     missed = table[table["gmae_pct"] >= TARGET_PCT]
     if len(missed):
         print(f"\nMISS: {', '.join(f'{r.family} {r.gmae_pct:.1f} %' for r in missed.itertuples())} "

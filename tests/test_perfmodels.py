@@ -15,7 +15,9 @@ from whatif.cli import main
 from whatif.collectors.microbench import SWEEP_OPS, recorded_as
 from whatif.sim.perfmodels import (
     FAMILY_OF,
+    FOLDS,
     DeviceMismatchWarning,
+    fit_models,
     geomean_abs_error,
     held_out_report,
     load_models,
@@ -43,7 +45,14 @@ def test_work_is_the_textbook_count_for_gemm_and_convolution():
     assert all(math.isnan(v) for v in work("aten::mm", [[64, 128], []], ["float", ""]))
 
 
-def test_the_loops_a_kernel_restarts_are_rows_channels_or_image_planes():
+def test_a_matmul_with_batch_dimensions_on_one_side_is_one_tall_gemm():
+    folded = work("aten::matmul", [[29, 66, 396], [396, 2]], ["float", "float"])
+    assert folded == work("aten::mm", [[29 * 66, 396], [396, 2]], ["float", "float"])
+    batched = work("aten::matmul", [[29, 66, 396], [29, 396, 2]], ["float", "float"])
+    assert batched == work("aten::bmm", [[29, 66, 396], [29, 396, 2]], ["float", "float"])
+
+
+def test_the_loops_a_kernel_restarts_are_rows_channels_image_planes_or_matrices():
     def loops(op, dims):
         return work(op, dims, ["float"] * len(dims))[2]
 
@@ -51,6 +60,8 @@ def test_the_loops_a_kernel_restarts_are_rows_channels_or_image_planes():
     assert loops("aten::batch_norm", [[32, 64, 16, 16], [64], [64], [64], [64], [], [], [], []]) == 64  # channels
     assert loops("aten::log_softmax", [[512, 10], [], []]) == 512  # rows
     assert loops("aten::max_pool2d", [[32, 64, 16, 16], [], [], [], [], []]) == 32 * 64  # image planes
+    assert loops("aten::bmm", [[47, 4, 3], [47, 3, 20]]) == 47  # matrices
+    assert loops("aten::mm", [[4, 3], [3, 20]]) == 0
     assert loops("aten::relu", [[32, 64, 16, 16]]) == 0
     assert loops("aten::max_pool2d", [[0, 64, 16, 16], [], [], [], [], []]) == 0  # an empty batch: no work, no error
 
@@ -122,6 +133,31 @@ def test_a_trace_gives_one_sample_per_outermost_modelled_call():
     assert counts["aten::convolution_backward"] == 3 * 5
     assert "aten::mkldnn_convolution" not in counts, "nested inside aten::conv2d: timed as part of it"
     assert (samples["duration_us"] > 0).all()
+
+
+def test_a_shape_called_every_step_is_one_sample_and_is_held_out_whole():
+    samples = trace_samples(BUNDLED_TRACE)
+    models = fit_models(samples, {"peak_gflops": 90, "bandwidth_gbps": 20})
+    held = models.held_out
+    shapes = [json.dumps([op, dims, types]) for op, dims, types in zip(held["op"], held["dims"], held["types"])]
+    assert len(held) and len(set(shapes)) == len(shapes)
+    every_call = samples.assign(shape=[json.dumps([o, d, t]) for o, d, t in zip(samples["op"], samples["dims"], samples["types"])])
+    medians = every_call.groupby("shape")["duration_us"].median()
+    np.testing.assert_allclose(held["duration_us"], medians[shapes])
+
+
+def test_the_five_folds_hold_out_every_shape_once():
+    samples = trace_samples(BUNDLED_TRACE)
+    folds = [fit_models(samples, {"peak_gflops": 90, "bandwidth_gbps": 20}, fold=k) for k in range(FOLDS)]
+    held = [set(map(json.dumps, zip(m.held_out["op"], m.held_out["dims"], m.held_out["types"]))) for m in folds]
+    assert sum(map(len, held)) == len(set().union(*held)), "no shape held out twice"
+    family = samples["op"].map(FAMILY_OF)
+    shapes = samples.assign(shape=list(map(json.dumps, zip(samples["op"], samples["dims"], samples["types"]))))
+    per_family = shapes.groupby(family)["shape"].nunique()
+    expected = set(shapes.loc[family.isin(per_family.index[per_family >= FOLDS]), "shape"])
+    assert set().union(*held) == expected, "every shape of a family with enough of them"
+    report = held_out_report(*folds).set_index("family")
+    assert report["held_out"].sum() == len(expected)
 
 
 def test_fit_from_a_trace_alone_and_report(tmp_path, capsys):
