@@ -35,7 +35,7 @@ sweeps alike; :func:`recorded_as` checks that against the profiler itself.
 
 Shapes are drawn log-uniformly from ranges that cover the example models from batch 4 to 256,
 and any draw whose estimated time exceeds the budget of a call is dropped, so the default sweep
-takes about five minutes on two cores and ``quick`` a quarter of a minute. The device's peak compute
+takes about nine minutes on two cores and ``quick`` under half a minute. The device's peak compute
 (a large single-precision GEMM) and memory bandwidth (a large copy into a preallocated buffer,
 read plus write) are measured alongside: the rooflines are drawn against them.
 """
