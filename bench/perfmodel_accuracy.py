@@ -31,7 +31,9 @@ import pandas as pd
 
 from measured_code import REPO, code_version  # noqa: E402  (bench/ is the script's folder)
 from whatif.collectors.microbench import run_sweep
-from whatif.sim.perfmodels import FAMILY_OF, FOLDS, fit_models, geomean_abs_error, held_out_report, trace_samples
+from whatif.sim.perfmodels import (
+    FAMILY_OF, FOLDS, fit_models, geomean_abs_error, held_out_report, shape_keys, trace_samples,
+)
 
 TRACES = (REPO / "data" / "convnet_cpu.bundle", REPO / "data" / "wide_mlp_cpu.pt.trace.json.gz")
 TARGET_PCT = 10.0
@@ -88,11 +90,6 @@ def main(argv=None) -> int:
         return 1
     print(f"\nPASS: every family's held-out GMAE under {TARGET_PCT:g} %")
     return 0
-
-
-def shape_keys(frame: pd.DataFrame) -> pd.Series:
-    """One string per sample naming its operator and shapes."""
-    return frame["op"] + " " + frame["dims"].map(json.dumps) + " " + frame["types"].map(json.dumps)
 
 
 def timings_by_shape(sweep: pd.DataFrame) -> pd.Series:

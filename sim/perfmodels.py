@@ -749,9 +749,15 @@ def _one_per_shape(samples: pd.DataFrame) -> pd.DataFrame:
     shape whose other calls were fitted; so the check holds out shapes, with all their sources.
     The median, because a trace's calls of one shape vary up to a hundredfold (page faults,
     the profiler's own work), and a shape's model is of its typical call."""
-    shape = [json.dumps([op, dims, types]) for op, dims, types in zip(samples["op"], samples["dims"], samples["types"])]
-    grouped = samples.assign(shape=shape).groupby(["shape", "source"], sort=False)
+    grouped = samples.assign(shape=shape_keys(samples)).groupby(["shape", "source"], sort=False)
     return grouped.first().reset_index().assign(duration_us=grouped["duration_us"].median().to_numpy())
+
+
+def shape_keys(samples: pd.DataFrame) -> pd.Series:
+    """One string per sample naming its operator, input shapes and types: samples with the same
+    key time the same call."""
+    keys = [json.dumps([op, dims, types]) for op, dims, types in zip(samples["op"], samples["dims"], samples["types"])]
+    return pd.Series(keys, index=samples.index, dtype=object)
 
 
 def _fit_family(name: str, rows: pd.DataFrame, peak: float, bandwidth: float, seed: int) -> FamilyModel:
@@ -770,30 +776,28 @@ def _fit_family(name: str, rows: pd.DataFrame, peak: float, bandwidth: float, se
     residual = np.log(measured) - np.log(roof)
     if len(rows) >= 8:
         codes = sorted(rows["op"].unique())
-        if _trees_help(rows, codes, roof, residual, seed):
+        features = np.array([
+            _features(codes.index(op), d, t, op) for op, d, t in zip(rows["op"], rows["dims"], rows["types"])
+        ])
+        if _trees_help(features, measured, roof, residual, seed):
             model.op_codes = codes
-            model.trees = _fit_trees(rows, codes, residual, seed)
+            model.trees = _fit_trees(features, residual, seed)
     return model
 
 
-def _trees_help(rows: pd.DataFrame, codes: list[str], roof: np.ndarray, residual: np.ndarray, seed: int) -> bool:
+def _trees_help(features: np.ndarray, measured: np.ndarray, roof: np.ndarray, residual: np.ndarray, seed: int) -> bool:
     """Whether trees beat the roofline alone on training samples they were not fitted on (each
     quarter predicted by trees fitted on the other three): on a noisy sweep they can learn the
     noise instead of the shapes. A single quarter is too few shapes to decide on: in one
     family it kept or dropped the trees depending on the seed, at 10 against 16 % held-out error."""
     import lightgbm
 
-    quarter = np.random.default_rng(seed + 1).permutation(len(rows)) % 4
-    learned = np.empty(len(rows))
+    quarter = np.random.default_rng(seed + 1).permutation(len(measured)) % 4
+    learned = np.empty(len(measured))
     for part in range(4):
         check = quarter == part
-        trees = lightgbm.Booster(model_str=_fit_trees(rows[~check], codes, residual[~check], seed))
-        features = np.array([
-            _features(codes.index(op), d, t, op)
-            for op, d, t in zip(rows["op"][check], rows["dims"][check], rows["types"][check])
-        ])
-        learned[check] = roof[check] * np.exp(trees.predict(features))
-    measured = rows["duration_us"].to_numpy()
+        trees = lightgbm.Booster(model_str=_fit_trees(features[~check], residual[~check], seed))
+        learned[check] = roof[check] * np.exp(trees.predict(features[check]))
     return geomean_abs_error(learned, measured) < geomean_abs_error(roof, measured)
 
 
@@ -826,12 +830,10 @@ def _fit_roofline(rows: pd.DataFrame, peak: float, bandwidth: float) -> Roofline
     return Roofline(float(theta[0]), float(theta[1]), float(theta[2]), len(rows), float(theta[3]) if looped else 0.0)
 
 
-def _fit_trees(rows: pd.DataFrame, op_codes: list[str], residual: np.ndarray, seed: int) -> str:
+def _fit_trees(features: np.ndarray, residual: np.ndarray, seed: int) -> str:
+    """Trees from :func:`_features` rows to the roofline's log residual, in LightGBM's text format."""
     import lightgbm
 
-    features = np.array([
-        _features(op_codes.index(op), d, t, op) for op, d, t in zip(rows["op"], rows["dims"], rows["types"])
-    ])
     params = {
         "objective": "huber", "alpha": 0.2, "learning_rate": 0.05, "num_leaves": 16,
         "min_data_in_leaf": 2, "min_data_in_bin": 1, "lambda_l2": 1.0, "num_threads": 1,
@@ -867,12 +869,13 @@ def held_out_report(*folds: PerfModels) -> pd.DataFrame:
     for models in folds:
         held = models.held_out
         ops, dims, types = held["op"].tolist(), held["dims"].tolist(), held["types"].tolist()
+        family = held["op"].map(FAMILY_OF)
         kinds = {name: model.kind for name, model in models.families.items()}
         predicted.append(held.assign(
-            family=held["op"].map(FAMILY_OF),
+            family=family,
             roof=models.predict_us(ops, dims, types, learned=False) if len(held) else [],
             full=models.predict_us(ops, dims, types) if len(held) else [],
-            kind=held["op"].map(FAMILY_OF).map(kinds).fillna("none"),
+            kind=family.map(kinds).fillna("none"),
         ))
     held = pd.concat(predicted, ignore_index=True)
     rows = []
