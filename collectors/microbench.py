@@ -2,8 +2,8 @@
 
 Each operator family of ``sim/perfmodels.py`` is timed at many shapes on the device at hand,
 the way our traces run it: one torch intra-op thread (``examples/profiled_training.py``), fresh
-outputs allocated by every call, the caches emptied before every call (:class:`_ColdCaches`),
-the fastest of a few repeats after one untimed warm-up call.
+outputs allocated by every call, the caches emptied before every call but for the operator's
+own code (:class:`_ColdCaches`), the fastest of a few repeats after one untimed warm-up call.
 
 On a CPU a call is timed by the calling thread's CPU time, not the wall clock: with one
 intra-op thread the operator runs on that thread, so its CPU time is what the call costs when
@@ -13,10 +13,14 @@ a GPU sweep against.
 This machine's two cores are shared with other virtual machines, and a core's speed drifts over
 tens of milliseconds: a 512 x 512 GEMM's fastest of five calls took 2.7 to 4.4 ms from one
 second to the next. So the sweep draws its shapes once and times them all in several passes,
-a shape's time being its fastest over the passes, which lie tens of seconds apart. Six sweeps of
-the default size, one after another, timed the same shapes within 2 to 9 % of each other
-(geometric mean by family, sweep against sweep); the fastest of three against the fastest of
-the other three, within 2 to 5 %.
+a shape's time being its fastest over the passes, which lie tens of seconds apart. Timed cold,
+an operator reads its inputs from memory, whose speed on a shared host also depends on the
+neighbours: two sweeps of three passes (five calls a pass) timed the same shapes 5 to 21 %
+apart (geometric mean by family), and models fitted on the fastest of both sweeps' six passes
+were closer on held-out shapes than models fitted on either sweep in seven families of eight,
+by up to 5.6 points (attention: 4.9 against 4.8 and 5.4 %). Calls back
+to back share the core's state of the moment and passes do not, so the default sweep times
+five passes of three calls.
 
 While it sweeps, glibc is told to keep the memory it frees (no ``mmap`` for large blocks, no
 trimming), so an output lands in pages that are already mapped. Left to its defaults, glibc
@@ -42,6 +46,7 @@ read plus write) are measured alongside: the rooflines are drawn against them.
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import ctypes.util
 import json
@@ -69,7 +74,7 @@ class SweepSize:
                    ("pooling", 5), ("embedding", 4), ("attention", 3))
 
 
-DEFAULT = SweepSize(shapes_per_op=40, repeats=5, passes=3, budget_ms=25.0)
+DEFAULT = SweepSize(shapes_per_op=40, repeats=3, passes=5, budget_ms=25.0)
 QUICK = SweepSize(shapes_per_op=10, repeats=3, passes=2, budget_ms=4.0, more=(("gemm", 3), ("conv", 5)))
 _EST_FLOPS_PER_S = 60e9  # rough single-core rates, only to keep draws within the budget
 _EST_BYTES_PER_S = 6e9
@@ -456,20 +461,27 @@ class _HeldMemory:
 
 
 class _ColdCaches:
-    """Evicts the CPU's caches, by writing a buffer twice the size of the largest of them.
+    """Evicts the CPU's caches, by writing a buffer twice the size of the largest of them, then
+    calls ``then``: the operator to be timed, on other tensors of the same shape.
 
     A training step's working set (every layer's activations, the weights, their gradients)
     is far larger than the last-level cache, so an operator finds its inputs in memory, not in
     the cache. Timed back to back on the same tensors, it finds them in the cache up to the
     cache's size and not beyond: a [32, 32, 32, 32] ``threshold_backward`` took 171 us hot and
     548 us cold, twice that shape 638 and 1004 us. The hot ratio (3.7) is a cliff no training
-    step has; the cold one (1.8) is what its profiled steps showed between those batch sizes."""
+    step has; the cold one (1.8) is what its profiled steps showed between those batch sizes.
+
+    Its code, though, a step keeps hot: the same operators run again and again. Writing the
+    buffer evicts the code too, and PyTorch's dispatch path fetched from memory made operators
+    under 30 us a median 7 to 8 times slower than hot (120 shapes, two draws), against 2.1 to
+    2.8 times when the operator has just run on other tensors."""
 
     def __init__(self, torch):
         self.buffer = torch.empty(2 * _largest_cache_bytes() // 4)
 
-    def __call__(self):
+    def __call__(self, then: Callable[[], object]):
         self.buffer.fill_(1.0)
+        then()
 
 
 def _largest_cache_bytes(default: int = 32 * 2**20) -> int:
@@ -558,13 +570,15 @@ def _sweep_op(torch, op: str, rng, size: SweepSize, wanted: int, cold: _ColdCach
     rows, tries = [], 0
     while len(rows) < wanted and tries < 20 * wanted:
         tries += 1
+        drawn_from = copy.deepcopy(rng)
         case = _cases(torch, op, rng)
         if case is None:
             break
         if _estimated_ms(case.op, case.dims, case.types) > size.budget_ms:
             continue
+        twin = _cases(torch, op, drawn_from)  # the same shape, other tensors
         rows.append({"op": case.op, "dims": case.dims, "types": case.types,
-                     "duration_us": _time_us(case.call, size.repeats, before=cold)})
+                     "duration_us": _time_us(case.call, size.repeats, before=lambda: cold(then=twin.call))})
     return rows
 
 
