@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import warnings
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from whatif.sim.perfmodels import (
     FAMILY_OF,
     FOLDS,
     DeviceMismatchWarning,
+    Roofline,
     fit_models,
     geomean_abs_error,
     held_out_report,
@@ -113,6 +115,9 @@ def test_models_measured_on_another_device_warn(quick_models_file, tmp_path, cap
         (lambda doc: {**doc, "families": {**doc["families"], "gemm": {**doc["families"]["gemm"], "pooled": None}}},
          "'families.gemm.pooled'"),
         (lambda doc: {**doc, "families": {"matmuls": {}}}, "'families.matmuls'"),
+        (lambda doc: {**doc, "families": {**doc["families"], "gemm": {
+            **doc["families"]["gemm"], "pooled": {**doc["families"]["gemm"]["pooled"], "additive": "yes"}}}},
+         "'families.gemm.pooled.additive'"),
         (lambda doc: {k: v for k, v in doc.items() if k != "held_out"}, "'held_out'"),
     ],
 )
@@ -124,6 +129,16 @@ def test_a_malformed_models_file_is_a_one_line_error(quick_models_file, tmp_path
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1
     assert err.startswith(f"whatif: error: {bad}: ") and field in err and "Traceback" not in err
+
+
+def test_a_gemm_moves_its_operands_before_computing_so_the_two_times_add():
+    models = fit_models(trace_samples(BUNDLED_TRACE), {"peak_gflops": 90, "bandwidth_gbps": 20})
+    assert models.families["gemm"].pooled.additive
+    assert not any(f.pooled.additive for name, f in models.families.items() if name != "gemm")
+    one_us_of_each = (np.array([90e3]), np.array([20e3]), np.array([0.0]), 90e3, 20e3)
+    roof = Roofline(overhead_us=1.0, compute_efficiency=1.0, memory_efficiency=1.0, additive=True)
+    assert roof.predict_us(*one_us_of_each)[0] == pytest.approx(3.0)
+    assert replace(roof, additive=False).predict_us(*one_us_of_each)[0] == pytest.approx(2.0)
 
 
 def test_a_trace_gives_one_sample_per_outermost_modelled_call():
