@@ -39,7 +39,7 @@ sweeps alike; :func:`recorded_as` checks that against the profiler itself.
 
 Shapes are drawn log-uniformly from ranges that cover the example models from batch 4 to 256,
 and any draw whose estimated time exceeds the budget of a call is dropped, so the default sweep
-takes about nine minutes on two cores and ``quick`` under half a minute. The device's peak compute
+takes about fifteen minutes on two cores (878 s here) and ``quick`` under half a minute. The device's peak compute
 (a large single-precision GEMM) and memory bandwidth (a large copy into a preallocated buffer,
 read plus write) are measured alongside: the rooflines are drawn against them.
 """
