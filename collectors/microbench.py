@@ -18,9 +18,9 @@ an operator reads its inputs from memory, whose speed on a shared host also depe
 neighbours: two sweeps of three passes (five calls a pass) timed the same shapes 5 to 21 %
 apart (geometric mean by family), and models fitted on the fastest of both sweeps' six passes
 were closer on held-out shapes than models fitted on either sweep in seven families of eight,
-by up to 5.6 points (attention: 4.9 against 4.8 and 5.4 %). Calls back
-to back share the core's state of the moment and passes do not, so the default sweep times
-five passes of three calls.
+by up to 5.6 points (attention: 4.9 against 4.8 and 5.4 %). Calls back to back share the
+core's state of the moment and passes do not, so the default sweep times five passes of three
+calls.
 
 While it sweeps, glibc is told to keep the memory it frees (no ``mmap`` for large blocks, no
 trimming), so an output lands in pages that are already mapped. Left to its defaults, glibc
@@ -39,9 +39,10 @@ sweeps alike; :func:`recorded_as` checks that against the profiler itself.
 
 Shapes are drawn log-uniformly from ranges that cover the example models from batch 4 to 256,
 and any draw whose estimated time exceeds the budget of a call is dropped, so the default sweep
-takes about fifteen minutes on two cores (878 s here) and ``quick`` under half a minute. The device's peak compute
-(a large single-precision GEMM) and memory bandwidth (a large copy into a preallocated buffer,
-read plus write) are measured alongside: the rooflines are drawn against them.
+takes about fifteen minutes on two cores (878 s here) and ``quick`` under half a minute. The
+device's peak compute (a large single-precision GEMM) and memory bandwidth (a large copy into a
+preallocated buffer, read plus write) are measured alongside: the rooflines are drawn against
+them.
 """
 
 from __future__ import annotations
