@@ -5,8 +5,9 @@ short one), adds the operator calls of the bundled CPU traces (``--no-traces`` l
 fits the models (``sim/perfmodels.py``) five times, each time holding out another fifth of every
 family's shapes (a cross-validation: every shape is predicted once by a model that did not see
 it), and prints per family the geometric-mean absolute error (GMAE) on the held-out shapes, with
-the roofline alone and with the family's full model. ``--out`` keeps the first fold's models. Target: under 10 % in every family (the seed
-paper's figure); the script exits 1 naming the families that miss it.
+the roofline alone and with the family's full model. ``--out`` keeps the first fold's models.
+Target: under 10 % in every family (the seed paper's figure); the script exits 1 naming the
+families that miss it.
 
 No model can be closer to a measurement than the measurement is to itself, so ``--repeat`` runs
 the sweep a second time on the same shapes and prints, per family, the GMAE between the two
@@ -65,7 +66,8 @@ def main(argv=None) -> int:
             parts.append(trace_samples(trace))
             sources.append(f"trace {trace.relative_to(REPO)}")
     started = time.perf_counter()
-    folds = [fit_models(pd.concat(parts, ignore_index=True), device, sources, fold=k) for k in range(FOLDS)]
+    every_sample = pd.concat(parts, ignore_index=True)
+    folds = [fit_models(every_sample, device, sources, fold=k) for k in range(FOLDS)]
     fit_s = time.perf_counter() - started
     if args.out:
         folds[0].save(args.out)

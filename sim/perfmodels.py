@@ -830,10 +830,8 @@ def _fit_roofline(rows: pd.DataFrame, peak: float, bandwidth: float, additive: b
 
     def residual(theta):
         c, ec, em = np.exp(theta[:3])
-        per_loop = np.exp(theta[3]) if looped else 0.0
-        compute, memory = flops / (peak * ec), bytes_ / (bandwidth * em)
-        both = compute + memory if additive else np.maximum(compute, memory)
-        return np.log(c + both + loops * per_loop) - np.log(t)
+        roof = Roofline(c, ec, em, per_loop_us=np.exp(theta[3]) if looped else 0.0, additive=additive)
+        return np.log(roof.predict_us(flops, bytes_, loops, peak, bandwidth)) - np.log(t)
 
     low, high = [1e-3, 1e-5, 1e-5, 1e-7][: 3 + looped], [1e6, 10.0, 10.0, 1e3][: 3 + looped]
     overhead = max(float(np.min(t)) / 2, 0.1)
