@@ -261,11 +261,11 @@ def _norm(op: str, inputs) -> tuple[float, float, float, list]:
 def _reduction(op: str, inputs) -> tuple[float, float, float, list]:
     largest = max((x[0] for x in inputs if x is not None and x[0] and not isinstance(x[0][0], tuple)), key=_numel, default=())
     n = _numel(largest)
-    rows = n / largest[-1] if largest and largest[-1] else 1
-    first = largest[0] if largest else 1
+    first, last = (largest[0], largest[-1]) if largest else (1, 1)
+    rows = n / last if last else 1
     # a softmax or loss pays per row (its maximum, sum and logarithm) as well as per element;
     # which dimension a sum or mean reduces is not recorded, so both shapes go to the trees
-    params = [n, first, largest[-1] if largest else 1, rows, n / max(first, 1)]
+    params = [n, first, last, rows, n / max(first, 1)]
     return float(n + 32 * rows), _bytes_in(inputs), float(rows), params
 
 
