@@ -160,6 +160,19 @@ def test_two_horovod_workers_over_gloo_average_their_gradients(model, tmp_path):
     assert report["horovod"]["version"] == "0.28.1"
 
 
+def test_an_example_under_whatif_collect_runs_at_the_batch_size_the_validation_asks_for(tmp_path):
+    from whatif.collectors.validate import BATCH_SIZE_ENV
+
+    bundle = tmp_path / "convnet.bundle"
+    completed = subprocess.run(
+        [sys.executable, "-m", "whatif.cli", "collect", "--out", str(bundle), "--steps", "1", "--warmup", "3", "--",
+         sys.executable, str(ROOT / "examples" / "convnet.py")],
+        capture_output=True, text=True, timeout=TIMEOUT_S, env={**os.environ, BATCH_SIZE_ENV: "8"},
+    )
+    check_completed(completed, completed.stdout + completed.stderr)
+    assert json.loads((bundle / "bundle.json").read_text())["environment"]["batch_size"] == 8
+
+
 @pytest.mark.parametrize("model", MODELS)
 def test_every_example_writes_a_bundle_under_whatif_collect(model, tmp_path):
     bundle = tmp_path / f"{model}.bundle"
