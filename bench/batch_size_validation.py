@@ -19,11 +19,18 @@ run's iteration times as the capture API's unprofiled warm-up steps would give t
 median and the prediction, with its error (the target: at most 5 %; the seed paper reached
 7.96 %), and, as a check of the operator models alone, the prediction from the trace as it is
 against the profiled run at that batch size.
-The machine is shared, and another process on its two cores stretches a run by up to a half,
-so every figure is the best of ``--rounds`` rounds (the least disturbed): the real and profiled
+The machine is shared, and the host runs a whole process at one of two speeds: probed in fresh
+processes on an otherwise idle machine (``bench/host_speed.py``), a ``gelu_backward`` took
+216 to 321 us, a small GEMM 326 to 426 us, most processes near one end or the other. Every
+worker (capture or real run) times those probe operators (``host_speed.probe``) before and
+after its work, and ``results.json`` keeps them beside its timings, with the host's fast state
+(the fastest of ``HOST_PROBES`` processes probed at the start). So every figure is the best of
+``--rounds`` rounds (the least disturbed): the real and profiled
 medians are the lowest of the rounds', and the prediction starts from the fastest B0 capture,
 with the fastest B0 real run as its unprofiled times. The fastest single iterations (real, over
 all rounds; predicted, of the steady ones) are compared too: an iteration nothing interrupted.
+Everything printed, and every round's medians and iteration times, is kept in
+``OUT/results.json``, so a figure can be recomputed another way without running again.
 Exits 1 when a prediction misses the target against the real run.
 
 With ``--steady-allocator`` every capture and real run keeps glibc's freed memory
@@ -46,7 +53,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from measured_code import REPO, code_version  # noqa: E402  (bench/ is the script's folder)
+from host_speed import probe  # noqa: E402  (bench/ is the script's folder)
+from measured_code import REPO, code_version  # noqa: E402
 
 EXAMPLES = REPO / "examples"
 MODELS = {"convnet": 32, "wide_mlp": 64, "transformer": 8}
@@ -54,6 +62,7 @@ TARGET_PCT = 5.0
 PROFILED_STEPS = 7
 TIMED_STEPS = 20
 WARMUP_STEPS = 5
+HOST_PROBES = 6  # fresh processes probed at the start, to find the host's fast state
 
 
 def _example(model: str):
@@ -73,7 +82,9 @@ def worker_capture(model: str, out: Path) -> None:
     net, loader = _example(model)
     from profiled_training import capture_trace
 
+    before = probe()
     capture_trace(net, loader, out, PROFILED_STEPS)
+    print(json.dumps({"probes": [before, probe()]}))
 
 
 def worker_time(model: str) -> None:
@@ -83,17 +94,32 @@ def worker_time(model: str) -> None:
     from run_distributed import time_iterations
 
     optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    before = probe()
     times_ms, _ = time_iterations(net, optimizer, loader, WARMUP_STEPS, TIMED_STEPS)
-    print(json.dumps(times_ms))
+    print(json.dumps({"times_ms": times_ms, "probes": [before, probe()]}))
 
 
-def _run_worker(role: str, model: str, batch: int, allocator: dict, out: Path = None) -> str:
+def _run_worker(role: str, model: str, batch: int, allocator: dict, out: Path = None) -> dict:
     env = {**os.environ, **allocator, "BENCH_BATCH": str(batch), "OMP_NUM_THREADS": "1"}
     argv = [sys.executable, __file__, "--worker", role, "--model", model] + (["--trace", str(out)] if out else [])
     done = subprocess.run(argv, env=env, capture_output=True, text=True, cwd=str(EXAMPLES))
     if done.returncode != 0:
         raise SystemExit(f"{role} {model} at batch {batch} failed:\n{done.stderr[-2000:]}")
-    return done.stdout
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def host_fast_ms(processes: int) -> dict:
+    """Per probe operator, the fastest of ``processes`` fresh processes' probes: the host's fast state."""
+    runs = [_run_worker("probe", "", 0, {}) for _ in range(processes)]
+    return {name: min(run[name] for run in runs) for name in runs[0]}
+
+
+def slowest_probe(worker: dict, fast: dict) -> float:
+    """How much slower than the host's fast state the worker's probes ran: the largest ratio over
+    its probes (before and after its work) and the probe operators. Recorded, not acted on: in a
+    first try at re-running workers whose probes were slow, a capture whose probes were all within
+    5 % of the fast state still ran its steps 15 % slower than other rounds' captures."""
+    return max(probe[name] / fast[name] for probe in worker["probes"] for name in fast)
 
 
 def steady_ms(values) -> float:
@@ -131,7 +157,7 @@ def main(argv=None) -> int:
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated example models")
     parser.add_argument("--steady-allocator", action="store_true",
                         help="capture and run with glibc's allocator fixed (collectors/capture.py STEADY_ALLOCATOR)")
-    parser.add_argument("--worker", choices=("capture", "time"), help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=("capture", "time", "probe"), help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--trace", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -140,6 +166,9 @@ def main(argv=None) -> int:
         return 0
     if args.worker == "time":
         worker_time(args.model)
+        return 0
+    if args.worker == "probe":
+        print(json.dumps(probe()))
         return 0
 
     from whatif.collectors.capture import STEADY_ALLOCATOR
@@ -155,8 +184,11 @@ def main(argv=None) -> int:
     print(f"models:  {models_source}")
     print(f"malloc:  {'fixed: ' + ' '.join(f'{k}={v}' for k, v in allocator.items()) if allocator else 'glibc defaults'}")
     print(f"runs:    best of {args.rounds} rounds; per round and batch size a profiled capture ({PROFILED_STEPS} steps) "
-          f"and a real run ({TIMED_STEPS} timed steps after {WARMUP_STEPS}), one torch thread\n")
-    rows = []
+          f"and a real run ({TIMED_STEPS} timed steps after {WARMUP_STEPS}), one torch thread")
+    fast = host_fast_ms(HOST_PROBES)
+    print(f"host:    fast state {', '.join(f'{k} {v:.1f}' for k, v in fast.items())} (fastest of {HOST_PROBES} "
+          f"processes); every worker's probes, over that, go to results.json\n")
+    rows, per_round = [], []
     for model in args.models.split(","):
         base = MODELS[model]
         batches = (base // 2, base, base * 2)
@@ -165,14 +197,21 @@ def main(argv=None) -> int:
         traces = {b: [] for b in batches}
         unprofiled = {b: [] for b in batches}  # per round: the real run's iteration times
         fastest_profiled = {b: float("inf") for b in batches}
+        states = {b: {"capture": [], "real": []} for b in batches}  # per round: the worker's probes
         for round_ in range(args.rounds):
             for b in batches:
                 traces[b].append(args.out / f"{model}_bs{b}_round{round_}.pt.trace.json.gz")
-                _run_worker("capture", model, b, allocator, traces[b][-1])
+                captured = _run_worker("capture", model, b, allocator, traces[b][-1])
                 profiled[b].append(statistics.median(profiled_ms(traces[b][-1])))
                 fastest_profiled[b] = min(fastest_profiled[b], *profiled_ms(traces[b][-1]))
-                unprofiled[b].append(json.loads(_run_worker("time", model, b, allocator)))
+                timed = _run_worker("time", model, b, allocator)
+                unprofiled[b].append(timed["times_ms"])
                 measured[b].append(steady_ms(unprofiled[b][-1]))
+                for kind, report in (("capture", captured), ("real", timed)):
+                    states[b][kind].append({"slowest_probe": round(slowest_probe(report, fast), 3),
+                                            "probes": report["probes"]})
+        per_round += [{"model": model, "batch": b, "real_ms": measured[b], "profiled_ms": profiled[b],
+                       "real_iterations_ms": unprofiled[b], "host_state": states[b]} for b in batches]
         best_trace = traces[base][profiled[base].index(min(profiled[base]))]
         best_plain = unprofiled[base][measured[base].index(min(measured[base]))]
         for b in batches:
@@ -192,6 +231,10 @@ def main(argv=None) -> int:
             print(f"  {model} batch {b}: real {real:.1f} ms, profiled {prof:.1f} ms, predicted {pred:.1f} ms "
                   f"({as_traced:.1f} ms from the trace as it is); fastest iteration: real {fastest_real:.1f} ms, "
                   f"profiled {fastest_profiled[b]:.1f} ms, predicted {fastest_pred:.1f} ms", flush=True)
+    (args.out / "results.json").write_text(json.dumps({
+        "code": code_version(), "rounds": args.rounds, "allocator": allocator, "models": models_source,
+        "host_fast_state_us": fast,
+        "rows": rows, "per_round": per_round}, indent=1))
     print()
     print("| model | batch (from) | real ms | predicted ms | error % | fastest real ms | fastest predicted ms | error % | profiled ms | predicted from the profiled trace ms | its error vs profiled % |")
     print("|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|")

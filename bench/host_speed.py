@@ -1,0 +1,93 @@
+"""How fast this machine runs the same operators from one process to the next.
+
+Every figure under ``bench/`` compares timings taken in different processes: a capture against
+a real run, one sweep against another. On a shared virtual machine the host decides how fast a
+process runs, and it does not decide the same way twice. This script starts ``--processes``
+fresh Python processes one after another, pinned to one core, and each times the same few
+operators (one torch thread; the fastest of many back-to-back calls, in thread CPU time):
+
+- ``gelu_backward`` of [4, 64, 1024] (1 MB, vector arithmetic: an ``erf`` and an ``exp`` per element);
+- a 256 x 256 x 256 GEMM (fused multiply-adds on data in the core's cache);
+- ``add_`` of 8 M elements (32 MB, beyond the last-level cache: memory bandwidth).
+
+It prints each process's timings and, per operator, the slowest over the fastest process. On a
+quiet dedicated machine that is a few percent; where it is far above the 5 % the validations aim
+for, their figures move by as much from one run to the next, whatever the model predicts.
+:func:`probe` is also what the batch-size validation records in every worker it starts.
+
+    .venv/bin/python bench/host_speed.py [--processes 10] [--pause 5] [--cpu 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+CALLS = 30
+
+
+def probe() -> dict:
+    """The fastest of :data:`CALLS` back-to-back calls of each probe operator, in microseconds of
+    this thread's CPU time, on one torch thread."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        grad, x = torch.randn(4, 64, 1024), torch.randn(4, 64, 1024)
+        a, b = torch.rand(256, 256), torch.rand(256, 256)
+        big, other = torch.rand(8 * 2**20), torch.rand(8 * 2**20)
+        calls = {
+            "gelu_backward_us": lambda: torch.ops.aten.gelu_backward(grad, x),
+            "gemm_256_us": lambda: torch.mm(a, b),
+            "add_32MB_us": lambda: big.add_(other),
+        }
+        return {name: round(_fastest_us(call), 1) for name, call in calls.items()}
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _fastest_us(call) -> float:
+    call()
+    best = float("inf")
+    for _ in range(CALLS):
+        start = time.thread_time_ns()
+        call()
+        best = min(best, (time.thread_time_ns() - start) / 1e3)
+    return best
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--processes", type=int, default=10)
+    parser.add_argument("--pause", type=float, default=5.0, help="seconds between processes")
+    parser.add_argument("--cpu", type=int, default=0, help="the core every process is pinned to")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(probe()))
+        return 0
+    print(f"load:    {' '.join(f'{v:.2f}' for v in os.getloadavg())} (1, 5, 15 min averages at the start)")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    runs = []
+    for n in range(args.processes):
+        if n:
+            time.sleep(args.pause)
+        done = subprocess.run(["taskset", "-c", str(args.cpu), sys.executable, __file__, "--child"],
+                              capture_output=True, text=True, env=env, check=True)
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        print(f"process {n + 1:2d}: " + ", ".join(f"{k} {v:.1f}" for k, v in runs[-1].items()), flush=True)
+    print()
+    for name in runs[0]:
+        times = [run[name] for run in runs]
+        print(f"{name}: fastest {min(times):.1f}, slowest {max(times):.1f} "
+              f"(slowest / fastest {max(times) / min(times):.2f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
