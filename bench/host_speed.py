@@ -13,9 +13,15 @@ operators (one torch thread; the fastest of many back-to-back calls, in thread C
 It prints each process's timings and, per operator, the slowest over the fastest process. On a
 quiet dedicated machine that is a few percent; where it is far above the 5 % the validations aim
 for, their figures move by as much from one run to the next, whatever the model predicts.
+
 :func:`probe` is also what the batch-size validation records in every worker it starts.
+``--results OUT/results.json`` reads such a record instead and prints, per probe operator, how
+well a worker's probe (its slower of before and after, over the host's fast state) tells how
+slow its run was (its median over the fastest round's of the same model, batch and kind): the
+correlation, over every capture and real run. Near zero, the probes do not see what slows a run.
 
     .venv/bin/python bench/host_speed.py [--processes 10] [--pause 5] [--cpu 0]
+    .venv/bin/python bench/host_speed.py --results bench/out/batch_size_validation/results.json
 """
 
 from __future__ import annotations
@@ -26,6 +32,9 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+import numpy as np
 
 CALLS = 30
 
@@ -66,10 +75,14 @@ def main(argv=None) -> int:
     parser.add_argument("--processes", type=int, default=10)
     parser.add_argument("--pause", type=float, default=5.0, help="seconds between processes")
     parser.add_argument("--cpu", type=int, default=0, help="the core every process is pinned to")
+    parser.add_argument("--results", type=Path, help="a batch-size validation's results.json to read instead")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(probe()))
+        return 0
+    if args.results:
+        print_probe_correlation(json.loads(args.results.read_text()))
         return 0
     print(f"load:    {' '.join(f'{v:.2f}' for v in os.getloadavg())} (1, 5, 15 min averages at the start)")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -87,6 +100,22 @@ def main(argv=None) -> int:
         print(f"{name}: fastest {min(times):.1f}, slowest {max(times):.1f} "
               f"(slowest / fastest {max(times) / min(times):.2f})")
     return 0
+
+
+def print_probe_correlation(results: dict) -> None:
+    fast = results["host_fast_state_us"]
+    slowness, probed = [], {name: [] for name in fast}
+    for point in results["per_round"]:
+        for kind, medians in (("capture", point["profiled_ms"]), ("real", point["real_ms"])):
+            for median, state in zip(medians, point["host_state"][kind]):
+                slowness.append(median / min(medians))
+                for name in fast:
+                    probed[name].append(max(p[name] for p in state["probes"]) / fast[name])
+    print(f"{len(slowness)} workers; their run's median over the fastest round's: "
+          f"{min(slowness):.2f} to {max(slowness):.2f}")
+    for name, ratios in probed.items():
+        print(f"{name}: probe over the fast state {min(ratios):.2f} to {max(ratios):.2f}; "
+              f"correlation with the run's slowness {np.corrcoef(ratios, slowness)[0, 1]:.2f}")
 
 
 if __name__ == "__main__":
