@@ -61,14 +61,16 @@ def assert_data_parallel_report(report: dict, model: str, framework: str, world_
 
 
 def assert_phases_fit_in_the_step(worker: dict) -> None:
-    """The phases' medians add up to more than half a median step (the rest is loading the batch
-    and reading the loss) and to no more than the slowest step: each phase's median may come from
-    another step, and where Horovod's waits make steps uneven they added up to 1.2 median steps.
-    The training thread cannot spend more CPU in a phase than its wall time (a 1 ms allowance
-    for the clocks' granularity)."""
+    """The phases' medians add up to more than half a median step (the rest is reading the loss),
+    and the phases lie inside their steps. Each phase's median may come from another step, so
+    their sum can pass the slowest step (Horovod's uneven steps did: 424.8 ms against 420.5), but
+    not the bound that nesting gives: a median of n values that are not negative is at most their
+    sum over ceil(n / 2). The training thread cannot spend more CPU in a phase than its wall time
+    (a 1 ms allowance for the clocks' granularity)."""
     walls, cpus = worker["phase_wall_ms"], worker["phase_cpu_ms"]
     assert set(walls) == set(cpus) == {"forward", "backward", "step"}
-    assert 0.5 * worker["median_ms"] < sum(walls.values()) <= max(worker["iteration_ms"])
+    steps = worker["iteration_ms"]
+    assert 0.5 * worker["median_ms"] < sum(walls.values()) <= sum(steps) / ((len(steps) + 1) // 2)
     for phase in walls:
         assert 0 <= cpus[phase] <= walls[phase] + 1.0, phase
     assert worker["other_threads_cpu_ms_per_step"] >= 0
