@@ -13,6 +13,7 @@ import pytest
 
 from trace_corpus import BUNDLED_TRACE
 from whatif.cli import main
+from whatif.collectors import microbench
 from whatif.collectors.microbench import SWEEP_OPS, recorded_as
 from whatif.sim.perfmodels import (
     FAMILY_OF,
@@ -38,6 +39,19 @@ def test_the_sweep_names_and_shapes_each_call_as_a_trace_records_it():
         case, recorded_name, recorded_dims = recorded_as(op)
         assert (recorded_name, recorded_dims) == (case.op, case.dims), op
         assert op in FAMILY_OF, f"{op} is swept but belongs to no family"
+
+
+def test_an_operator_is_timed_with_its_caches_emptied_and_its_code_warmed_in_that_order():
+    """Writing a buffer twice the largest cache evicts the inputs (and the code); the twin call
+    that follows warms the code again. Run the other way round, the code would be cold too."""
+    import torch
+
+    cold = microbench._ColdCaches(torch)
+    assert cold.buffer.numel() * cold.buffer.element_size() == 2 * microbench._largest_cache_bytes()
+    cold.buffer.zero_()
+    buffer_written_when_the_twin_ran = []
+    cold(then=lambda: buffer_written_when_the_twin_ran.append(bool((cold.buffer == 1.0).all())))
+    assert buffer_written_when_the_twin_ran == [True]
 
 
 def test_work_is_the_textbook_count_for_gemm_and_convolution():
