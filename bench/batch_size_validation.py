@@ -24,9 +24,13 @@ processes on an otherwise idle machine (``bench/host_speed.py``), a ``gelu_backw
 216 to 321 us, a small GEMM 326 to 426 us, most processes near one end or the other. Every
 worker (capture or real run) times those probe operators (``host_speed.probe``) before and
 after its work, and ``results.json`` keeps them beside its timings, with the host's fast state
-(the fastest of ``HOST_PROBES`` processes probed at the start). So every figure is the best of
-``--rounds`` rounds (the least disturbed): the real and profiled
-medians are the lowest of the rounds', and the prediction starts from the fastest B0 capture,
+(the fastest of ``HOST_PROBES`` processes probed at the start). They are recorded, not acted
+on: a capture whose probes were all within 5 % of the fast state still ran its steps 15 %
+slower than other rounds' captures, and over the 54 workers of the first full record the
+probes' correlation with how slow a worker's run was is 0.10 (``gelu_backward``), 0.06 (GEMM)
+and 0.39 (memory) (``bench/host_speed.py --results OUT/results.json`` prints it). So every
+figure is the best of ``--rounds`` rounds (the least disturbed): the real and profiled medians
+are the lowest of the rounds', and the prediction starts from the fastest B0 capture,
 with the fastest B0 real run as its unprofiled times. The fastest single iterations (real, over
 all rounds; predicted, of the steady ones) are compared too: an iteration nothing interrupted.
 Everything printed, and every round's medians and iteration times, is kept in
@@ -53,7 +57,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from host_speed import probe  # noqa: E402  (bench/ is the script's folder)
+from host_speed import probe, probe_in_fresh_processes  # noqa: E402  (bench/ is the script's folder)
 from measured_code import REPO, code_version  # noqa: E402
 
 EXAMPLES = REPO / "examples"
@@ -110,19 +114,8 @@ def _run_worker(role: str, model: str, batch: int, allocator: dict, out: Path = 
 
 def host_fast_ms(processes: int) -> dict:
     """Per probe operator, the fastest of ``processes`` fresh processes' probes: the host's fast state."""
-    runs = [_run_worker("probe", "", 0, {}) for _ in range(processes)]
+    runs = probe_in_fresh_processes(processes)
     return {name: min(run[name] for run in runs) for name in runs[0]}
-
-
-def slowest_probe(worker: dict, fast: dict) -> float:
-    """How much slower than the host's fast state the worker's probes ran: the largest ratio over
-    its probes (before and after its work) and the probe operators. Recorded, not acted on: in a
-    first try at re-running workers whose probes were slow, a capture whose probes were all within
-    5 % of the fast state still ran its steps 15 % slower than other rounds' captures, and over
-    the 54 workers of the first full record the probes' correlation with how slow a worker's run
-    was is 0.10 (``gelu_backward``), 0.06 (GEMM) and 0.39 (memory): ``bench/host_speed.py
-    --results OUT/results.json`` prints it."""
-    return max(probe[name] / fast[name] for probe in worker["probes"] for name in fast)
 
 
 def steady_ms(values) -> float:
@@ -160,7 +153,7 @@ def main(argv=None) -> int:
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated example models")
     parser.add_argument("--steady-allocator", action="store_true",
                         help="capture and run with glibc's allocator fixed (collectors/capture.py STEADY_ALLOCATOR)")
-    parser.add_argument("--worker", choices=("capture", "time", "probe"), help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=("capture", "time"), help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--trace", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -169,9 +162,6 @@ def main(argv=None) -> int:
         return 0
     if args.worker == "time":
         worker_time(args.model)
-        return 0
-    if args.worker == "probe":
-        print(json.dumps(probe()))
         return 0
 
     from whatif.collectors.capture import STEADY_ALLOCATOR
@@ -210,9 +200,8 @@ def main(argv=None) -> int:
                 timed = _run_worker("time", model, b, allocator)
                 unprofiled[b].append(timed["times_ms"])
                 measured[b].append(steady_ms(unprofiled[b][-1]))
-                for kind, report in (("capture", captured), ("real", timed)):
-                    states[b][kind].append({"slowest_probe": round(slowest_probe(report, fast), 3),
-                                            "probes": report["probes"]})
+                states[b]["capture"].append({"probes": captured["probes"]})
+                states[b]["real"].append({"probes": timed["probes"]})
         per_round += [{"model": model, "batch": b, "real_ms": measured[b], "profiled_ms": profiled[b],
                        "real_iterations_ms": unprofiled[b], "host_state": states[b]} for b in batches]
         best_trace = traces[base][profiled[base].index(min(profiled[base]))]

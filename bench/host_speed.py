@@ -33,8 +33,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
+
+from whatif.collectors.microbench import fastest_call_us
 
 CALLS = 30
 
@@ -55,19 +58,26 @@ def probe() -> dict:
             "gemm_256_us": lambda: torch.mm(a, b),
             "add_32MB_us": lambda: big.add_(other),
         }
-        return {name: round(_fastest_us(call), 1) for name, call in calls.items()}
+        return {name: round(fastest_call_us(call, CALLS), 1) for name, call in calls.items()}
     finally:
         torch.set_num_threads(previous)
 
 
-def _fastest_us(call) -> float:
-    call()
-    best = float("inf")
-    for _ in range(CALLS):
-        start = time.thread_time_ns()
-        call()
-        best = min(best, (time.thread_time_ns() - start) / 1e3)
-    return best
+def probe_in_fresh_processes(count: int, pause_s: float = 0.0, cpu: Optional[int] = None, progress=None) -> list[dict]:
+    """:func:`probe` in ``count`` fresh processes, one after another, ``pause_s`` apart, each
+    pinned to core ``cpu`` where one is given; ``progress`` sees each process's probe as it ends."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    pin = ["taskset", "-c", str(cpu)] if cpu is not None else []
+    runs = []
+    for n in range(count):
+        if n:
+            time.sleep(pause_s)
+        done = subprocess.run(pin + [sys.executable, __file__, "--child"], capture_output=True, text=True, env=env,
+                              check=True)
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        if progress:
+            progress(n, runs[-1])
+    return runs
 
 
 def main(argv=None) -> int:
@@ -85,15 +95,9 @@ def main(argv=None) -> int:
         print_probe_correlation(json.loads(args.results.read_text()))
         return 0
     print(f"load:    {' '.join(f'{v:.2f}' for v in os.getloadavg())} (1, 5, 15 min averages at the start)")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    runs = []
-    for n in range(args.processes):
-        if n:
-            time.sleep(args.pause)
-        done = subprocess.run(["taskset", "-c", str(args.cpu), sys.executable, __file__, "--child"],
-                              capture_output=True, text=True, env=env, check=True)
-        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
-        print(f"process {n + 1:2d}: " + ", ".join(f"{k} {v:.1f}" for k, v in runs[-1].items()), flush=True)
+    runs = probe_in_fresh_processes(
+        args.processes, args.pause, args.cpu,
+        lambda n, run: print(f"process {n + 1:2d}: " + ", ".join(f"{k} {v:.1f}" for k, v in run.items()), flush=True))
     print()
     for name in runs[0]:
         times = [run[name] for run in runs]

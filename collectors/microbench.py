@@ -502,7 +502,7 @@ def _largest_cache_bytes(default: int = 32 * 2**20) -> int:
     return max(sizes, default=default)
 
 
-def _time_us(call, repeats: int, before=None) -> float:
+def fastest_call_us(call, repeats: int, before=None) -> float:
     """The fastest of ``repeats`` calls after an untimed one, in thread CPU time; ``before`` (not
     timed) runs ahead of each call."""
     call()
@@ -521,10 +521,10 @@ def measure_device(torch, quick: bool = False) -> dict:
     between preallocated buffers counted as read plus write), best of a few runs: the roof."""
     n = 512 if quick else 1024
     a, b, out = torch.rand(n, n), torch.rand(n, n), torch.empty(n, n)
-    gemm_us = min(_time_us(lambda: torch.mm(a, b, out=out), 3) for _ in range(2))
+    gemm_us = min(fastest_call_us(lambda: torch.mm(a, b, out=out), 3) for _ in range(2))
     elements = (8 if quick else 32) * 2**20
     src, dst = torch.rand(elements), torch.empty(elements)
-    copy_us = min(_time_us(lambda: dst.copy_(src), 3) for _ in range(2))
+    copy_us = min(fastest_call_us(lambda: dst.copy_(src), 3) for _ in range(2))
     return {
         "peak_gflops": round(2.0 * n**3 / gemm_us / 1e3, 2),
         "bandwidth_gbps": round(2.0 * 4 * elements / copy_us / 1e3, 2),
@@ -582,7 +582,7 @@ def _sweep_op(torch, op: str, rng, size: SweepSize, wanted: int, cold: _ColdCach
             continue
         twin = _cases(torch, op, drawn_from)  # the same shape, other tensors
         rows.append({"op": case.op, "dims": case.dims, "types": case.types,
-                     "duration_us": _time_us(case.call, size.repeats, before=lambda: cold(then=twin.call))})
+                     "duration_us": fastest_call_us(case.call, size.repeats, before=lambda: cold(then=twin.call))})
     return rows
 
 
