@@ -14,7 +14,7 @@ from whatif.collectors.kineto import load_trace
 from whatif.sim.batch_size import change_batch_size, infer_batch_size, parameter_shapes, predict_at_batch_size, rescale_dims
 from whatif.sim.build import build_graph
 from whatif.sim.graph import TaskKind
-from whatif.sim.perfmodels import load_models
+from whatif.sim.perfmodels import load_models, operator_units
 from whatif.study import TraceStudy
 
 BUNDLE = BUNDLED_TRACE.parent / "convnet_cpu.bundle"
@@ -74,6 +74,33 @@ def test_only_batch_carrying_operators_and_data_loading_change(models):
     assert changed[(names == "aten::mkldnn_convolution").to_numpy()].all()
     loading = context.str.contains("DataLoader").to_numpy()
     np.testing.assert_allclose(after[loading], 2 * before[loading])
+
+
+def test_a_modelled_operator_takes_its_models_ratio_of_its_whole_traced_time_its_fixed_helpers_included(models):
+    """A ``linear`` of the wide MLP transposes its weight (``aten::t``, no batch in it) before
+    its GEMM: the transpose keeps its time and the GEMM makes up the rest, so that the call as a
+    whole changes by the model's ratio, as the microbenchmark that fitted the model timed it."""
+    trace = load_trace(WIDE_MLP)
+    graph = build_graph(trace)
+    units = operator_units(trace)
+    linear = units[(units["op"] == "aten::linear") & (units["unit"] == units["row"])]
+    weights = parameter_shapes(trace)
+    new_dims = [rescale_dims("aten::linear", d, 64, 32, weights) for d in linear["dims"]]
+    ratio = models.predict_us(["aten::linear"] * len(linear), new_dims, linear["types"].tolist()) / models.predict_us(
+        ["aten::linear"] * len(linear), linear["dims"].tolist(), linear["types"].tolist())
+    unit_of_event = units.set_index("row")["unit"]
+    op_of_event = units.set_index("row")["op"]
+    events = graph.tasks["event"].to_numpy()
+    in_unit = unit_of_event.reindex(events).fillna(-1).to_numpy()
+    transposes = (op_of_event.reindex(events) == "aten::t").to_numpy() & np.isin(in_unit, linear["row"].to_numpy())
+    assert transposes.any()
+    before = graph.tasks["duration_us"].to_numpy().copy()
+    change_batch_size(graph, trace, models, 32)
+    after = graph.tasks["duration_us"].to_numpy()
+    np.testing.assert_array_equal(after[transposes], before[transposes])
+    for row, r in zip(linear["row"].to_numpy(), ratio):
+        mine = in_unit == row
+        assert after[mine].sum() == pytest.approx(r * before[mine].sum(), rel=1e-9)
 
 
 def test_the_same_batch_size_changes_nothing(models):
