@@ -1,7 +1,7 @@
 """How fast this machine runs the same operators from one process to the next.
 
-Every figure under ``bench/`` compares timings taken in different processes: a capture against
-a real run, one sweep against another. On a shared virtual machine the host decides how fast a
+Most figures under ``bench/`` compare timings taken in different processes: a capture against
+a real cluster run, one operator sweep against another. On a shared virtual machine the host decides how fast a
 process runs, and it does not decide the same way twice. This script starts ``--processes``
 fresh Python processes one after another, pinned to one core, and each times the same few
 operators (one torch thread; the fastest of many back-to-back calls, in thread CPU time):
@@ -14,11 +14,11 @@ It prints each process's timings and, per operator, the slowest over the fastest
 quiet dedicated machine that is a few percent; where it is far above the 5 % the validations aim
 for, their figures move by as much from one run to the next, whatever the model predicts.
 
-:func:`probe` is also what the batch-size validation records in every worker it starts.
+:func:`probe` is also what the batch-size validation records in every round it starts.
 ``--results OUT/results.json`` reads such a record instead and prints, per probe operator, how
-well a worker's probe (its slower of before and after, over the host's fast state) tells how
-slow its run was (its median over the fastest round's of the same model, batch and kind): the
-correlation, over every capture and real run. Near zero, the probes do not see what slows a run.
+well a round's probe (its slower of before and after, over the host's fast state) tells how
+slow its real run at the model's own batch size was (its median over the fastest round's of the
+same model): the correlation, over every round. Near zero, the probes do not see what slows a run.
 
     .venv/bin/python bench/host_speed.py [--processes 10] [--pause 5] [--cpu 0]
     .venv/bin/python bench/host_speed.py --results bench/out/batch_size_validation/results.json
@@ -110,13 +110,17 @@ def print_probe_correlation(results: dict) -> None:
     fast = results["host_fast_state_us"]
     slowness, probed = [], {name: [] for name in fast}
     for point in results["per_round"]:
-        for kind, medians in (("capture", point["profiled_ms"]), ("real", point["real_ms"])):
-            for median, state in zip(medians, point["host_state"][kind]):
-                slowness.append(median / min(medians))
-                for name in fast:
-                    probed[name].append(max(p[name] for p in state["probes"]) / fast[name])
-    print(f"{len(slowness)} workers; their run's median over the fastest round's: "
+        if point["batch"] != point["from"]:
+            continue  # a round is one process: its batch size B0 stands for it
+        for median, probes in zip(point["real_ms"], point["probes"]):
+            slowness.append(median / min(point["real_ms"]))
+            for name in fast:
+                probed[name].append(max(p[name] for p in probes) / fast[name])
+    print(f"{len(slowness)} rounds; their real run's median at B0 over the fastest round's: "
           f"{min(slowness):.2f} to {max(slowness):.2f}")
+    if len(slowness) < 3:
+        print("too few rounds for a correlation")
+        return
     for name, ratios in probed.items():
         print(f"{name}: probe over the fast state {min(ratios):.2f} to {max(ratios):.2f}; "
               f"correlation with the run's slowness {np.corrcoef(ratios, slowness)[0, 1]:.2f}")
