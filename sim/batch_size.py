@@ -213,7 +213,8 @@ def change_batch_size(
     known = cpu & (events >= 0) & ~loading
     duration = graph.tasks["duration_us"].to_numpy(dtype=float)
     factors = np.ones(len(graph.tasks))
-    factors[known] = _unit_scaling(units, ratio, modelled, carries, ops).task_factors(events[known], duration[known])
+    in_units = _events_in_units(units, ratio, modelled, carries, ops)
+    factors[known] = _task_factors(in_units, events[known], duration[known])
     factors[loading] = to_batch / from_batch
     change.data_loading_tasks = int(loading.sum())
     graph.tasks["duration_us"] = duration * factors
@@ -221,42 +222,37 @@ def change_batch_size(
     return change
 
 
-@dataclass
-class _UnitScaling:
-    """Per event of a modelled unit: the unit's row, its model ratio, and whether the event's
-    time scales (the unit itself, or a batch-carrying non-view helper whose callers all scale)."""
-
-    unit_of_event: pd.Series  # event row -> its unit's row
-    scales: pd.Series  # event row -> whether its time scales
-    ratio_of_unit: pd.Series  # unit row -> model(new shapes) / model(old shapes)
-
-    def task_factors(self, events: np.ndarray, duration_us: np.ndarray) -> np.ndarray:
-        """Each task's factor (tasks named by their owning event): where its event scales, the
-        factor that brings its unit's tasks, together, to ``ratio`` times their time while the
-        ones that do not scale keep theirs; 1 elsewhere."""
-        unit = self.unit_of_event.reindex(events).fillna(-1).to_numpy(dtype=np.int64)
-        scales = self.scales.reindex(events).fillna(False).to_numpy(dtype=bool)
-        inside = unit >= 0
-        per_unit = pd.DataFrame({"unit": unit[inside], "scaling": np.where(scales[inside], duration_us[inside], 0.0),
-                                 "fixed": np.where(scales[inside], 0.0, duration_us[inside])}).groupby("unit").sum()
-        total = per_unit["scaling"] + per_unit["fixed"]
-        target = self.ratio_of_unit.reindex(per_unit.index).to_numpy() * total
-        with np.errstate(divide="ignore", invalid="ignore"):
-            factor = np.where(per_unit["scaling"] > 0, (target - per_unit["fixed"]) / per_unit["scaling"], 1.0)
-        factor_of_unit = pd.Series(np.maximum(factor, 0.0), index=per_unit.index)
-        factors = np.ones(len(events))
-        factors[inside & scales] = factor_of_unit.reindex(unit[inside & scales]).to_numpy()
-        return factors
+def _task_factors(in_units: pd.DataFrame, events: np.ndarray, duration_us: np.ndarray) -> np.ndarray:
+    """Each task's factor (tasks named by their owning event): where its event scales, the
+    factor that brings its unit's tasks, together, to the unit's ratio times their time while
+    the ones that do not scale keep theirs; 1 elsewhere."""
+    mine = in_units.reindex(events)
+    inside = mine["unit"].notna().to_numpy()
+    scales = mine["scales"].fillna(False).to_numpy(dtype=bool)
+    tasks = pd.DataFrame({"unit": mine["unit"].to_numpy()[inside], "ratio": mine["ratio"].to_numpy()[inside],
+                          "scaling": np.where(scales[inside], duration_us[inside], 0.0),
+                          "fixed": np.where(scales[inside], 0.0, duration_us[inside])})
+    per_unit = tasks.groupby("unit").agg(ratio=("ratio", "first"), scaling=("scaling", "sum"), fixed=("fixed", "sum"))
+    target = per_unit["ratio"] * (per_unit["scaling"] + per_unit["fixed"])
+    with np.errstate(divide="ignore", invalid="ignore"):
+        factor = np.where(per_unit["scaling"] > 0, (target - per_unit["fixed"]) / per_unit["scaling"], 1.0)
+    factor_of_unit = pd.Series(np.maximum(factor, 0.0), index=per_unit.index)
+    factors = np.ones(len(events))
+    factors[inside & scales] = factor_of_unit.reindex(mine["unit"].to_numpy()[inside & scales]).to_numpy()
+    return factors
 
 
-def _unit_scaling(units: pd.DataFrame, ratio: np.ndarray, modelled: np.ndarray, carries: np.ndarray, ops) -> _UnitScaling:
-    """Which events belong to a modelled unit and which of them scale. Parents precede children."""
+def _events_in_units(units: pd.DataFrame, ratio: np.ndarray, modelled: np.ndarray, carries: np.ndarray, ops) -> pd.DataFrame:
+    """Per event inside a modelled unit (index: its row): the unit's row and ratio, and whether
+    the event's time scales (the unit itself, or a batch-carrying non-view helper whose callers
+    all scale). Parents precede children."""
     rows = units["row"].to_numpy()
     unit = units["unit"].to_numpy()
     parent = units["parent"].to_numpy()
     position = {int(r): i for i, r in enumerate(rows)}
     inside = np.zeros(len(rows), dtype=bool)
     scaled = np.zeros(len(rows), dtype=bool)
+    unit_ratio = np.full(len(rows), np.nan)
     for i in range(len(rows)):
         if unit[i] < 0:
             continue
@@ -264,17 +260,13 @@ def _unit_scaling(units: pd.DataFrame, ratio: np.ndarray, modelled: np.ndarray, 
         if not modelled[u]:
             continue
         inside[i] = True
+        unit_ratio[i] = ratio[u]
         if u == i:
             scaled[i] = True
         else:
             p = position.get(int(parent[i]))
             scaled[i] = p is not None and scaled[p] and carries[i] and ops[i] not in VIEW_OPS
-    is_unit = inside & (unit == rows)
-    return _UnitScaling(
-        pd.Series(unit[inside], index=rows[inside]),
-        pd.Series(scaled[inside], index=rows[inside]),
-        pd.Series(ratio[is_unit], index=rows[is_unit]),
-    )
+    return pd.DataFrame({"unit": unit[inside], "ratio": unit_ratio[inside], "scales": scaled[inside]}, index=rows[inside])
 
 
 def predict_at_batch_size(
