@@ -13,10 +13,11 @@ No model can be closer to a measurement than the measurement is to itself, so ``
 the sweep a second time on the same shapes and prints, per family, the GMAE between the two
 sweeps' timings of the shapes: the noise floor the models' errors should be read
 against. ``--samples FILE`` keeps the sweep (JSON): a later run with the same file refits from
-it without sweeping again.
+it without sweeping again. The samples keep every pass's timing of a shape, so ``--first-passes K``
+refits a kept sweep as if it had timed only K passes: how much the extra passes bought.
 
     .venv/bin/python bench/perfmodel_accuracy.py [--quick] [--no-traces] [--repeat] [--samples SWEEP.json]
-        [--out MODELS.json]
+        [--passes N] [--first-passes K] [--out MODELS.json]
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, help="also write the fitted models here")
     parser.add_argument("--repeat", action="store_true", help="sweep the same shapes again: the timings' own noise")
     parser.add_argument("--samples", type=Path, help="the sweep's samples: read when the file exists, else written")
+    parser.add_argument("--passes", type=int, help="a new sweep times every shape in this many passes (default: the sweep's own)")
+    parser.add_argument("--first-passes", type=int, metavar="K",
+                        help="time each shape by its fastest of the first K passes only: what fewer passes would have given")
     args = parser.parse_args(argv)
     print(f"code:    {code_version()}")
     print(f"load:    {' '.join(f'{v:.2f}' for v in os.getloadavg())} (1, 5, 15 min averages at the start)")
@@ -55,11 +59,13 @@ def main(argv=None) -> int:
         samples, device, again = read_sweep(args.samples)
         print(f"sweep:   read from {args.samples}")
     else:
-        samples, device = run_sweep(quick=args.quick, progress=lambda line: print(f"  {line}"))
-        again = run_sweep(quick=args.quick)[0] if args.repeat else None
+        samples, device = run_sweep(quick=args.quick, progress=lambda line: print(f"  {line}"), passes=args.passes)
+        again = run_sweep(quick=args.quick, passes=args.passes)[0] if args.repeat else None
         if args.samples:
             write_sweep(args.samples, samples, device, again)
     swept_s = time.perf_counter() - started
+    if args.first_passes:
+        samples = fastest_of_first_passes(samples, args.first_passes)
     parts, sources = [samples], ["sweep quick" if args.quick else "sweep"]
     if not args.no_traces:
         for trace in TRACES:
@@ -92,6 +98,17 @@ def main(argv=None) -> int:
         return 1
     print(f"\nPASS: every family's held-out GMAE under {TARGET_PCT:g} %")
     return 0
+
+
+def fastest_of_first_passes(samples: pd.DataFrame, passes: int) -> pd.DataFrame:
+    """The sweep as if it had timed ``passes`` passes: each shape at its fastest of the first ones."""
+    if "pass_us" not in samples:
+        raise SystemExit("--first-passes: this sweep's samples do not keep their passes' timings")
+    taken = [times[:passes] for times in samples["pass_us"]]
+    if min(map(len, taken)) < passes:
+        raise SystemExit(f"--first-passes {passes}: the sweep timed only {min(map(len, taken))} passes")
+    print(f"passes:  each shape's fastest of its first {passes} passes")
+    return samples.assign(duration_us=[min(times) for times in taken])
 
 
 def timings_by_shape(sweep: pd.DataFrame) -> pd.Series:

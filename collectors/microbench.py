@@ -55,7 +55,7 @@ import math
 import re
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -532,14 +532,19 @@ def measure_device(torch, quick: bool = False) -> dict:
 
 
 def run_sweep(quick: bool = False, threads: int = 1, seed: int = 0,
-              progress: Optional[Callable[[str], None]] = None) -> tuple[pd.DataFrame, dict]:
+              progress: Optional[Callable[[str], None]] = None,
+              passes: Optional[int] = None) -> tuple[pd.DataFrame, dict]:
     """Time every operator of :data:`SWEEP_OPS` at many shapes; the samples (op, dims, types,
-    duration_us, source) and the device (type, name, torch, threads, peak_gflops, bandwidth_gbps)."""
+    duration_us, source, and pass_us: the shape's fastest call in each pass, whose minimum is
+    duration_us) and the device (type, name, torch, threads, peak_gflops, bandwidth_gbps).
+    ``passes`` overrides the sweep size's number of passes."""
     import torch
 
     from whatif.sim.perfmodels import current_device
 
     size = QUICK if quick else DEFAULT
+    if passes is not None:
+        size = replace(size, passes=passes)
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -547,12 +552,14 @@ def run_sweep(quick: bool = False, threads: int = 1, seed: int = 0,
             described = {**current_device(), "torch": torch.__version__, "threads": threads,
                          **measure_device(torch, quick)}
             cold = _ColdCaches(torch)
-            passes = [_sweep_pass(torch, size, seed, cold, progress if p == 0 else None) for p in range(size.passes)]
+            timed = [_sweep_pass(torch, size, seed, cold, progress if p == 0 else None) for p in range(size.passes)]
     finally:
         torch.set_num_threads(previous_threads)
     source = "sweep quick" if quick else "sweep"
-    frame = pd.DataFrame(passes[0], columns=["op", "dims", "types", "duration_us"]).assign(source=source)
-    frame["duration_us"] = np.min([[row["duration_us"] for row in rows] for rows in passes], axis=0)
+    frame = pd.DataFrame(timed[0], columns=["op", "dims", "types", "duration_us"]).assign(source=source)
+    per_pass = np.array([[row["duration_us"] for row in rows] for rows in timed]).T
+    frame["duration_us"] = per_pass.min(axis=1)
+    frame["pass_us"] = per_pass.tolist()
     return frame, described
 
 
