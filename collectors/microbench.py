@@ -19,8 +19,9 @@ neighbours: two sweeps of three passes (five calls a pass) timed the same shapes
 apart (geometric mean by family), and models fitted on the fastest of both sweeps' six passes
 were closer on held-out shapes than models fitted on either sweep in seven families of eight,
 by up to 5.6 points (attention: 4.9 against 4.8 and 5.4 %). Calls back to back share the
-core's state of the moment and passes do not, so the default sweep times five passes of three
-calls.
+core's state of the moment and passes do not, so the default sweep times ten passes of three
+calls: against the fastest of the first five passes of the same sweep, ten lowered every
+family's held-out error, by 0.4 to 2.3 points (``bench/perfmodel_accuracy.py --first-passes``).
 
 While it sweeps, glibc is told to keep the memory it frees (no ``mmap`` for large blocks, no
 trimming), so an output lands in pages that are already mapped. Left to its defaults, glibc
@@ -39,7 +40,7 @@ sweeps alike; :func:`recorded_as` checks that against the profiler itself.
 
 Shapes are drawn log-uniformly from ranges that cover the example models from batch 4 to 256,
 and any draw whose estimated time exceeds the budget of a call is dropped, so the default sweep
-takes about fifteen minutes on two cores (878 s here) and ``quick`` under half a minute. The
+takes about half an hour on two cores (1789 s here) and ``quick`` under half a minute. The
 device's peak compute (a large single-precision GEMM) and memory bandwidth (a large copy into a
 preallocated buffer, read plus write) are measured alongside: the rooflines are drawn against
 them.
@@ -75,7 +76,7 @@ class SweepSize:
                    ("pooling", 5), ("embedding", 4), ("attention", 3))
 
 
-DEFAULT = SweepSize(shapes_per_op=40, repeats=3, passes=5, budget_ms=25.0)
+DEFAULT = SweepSize(shapes_per_op=40, repeats=3, passes=10, budget_ms=25.0)
 # The quick sweep's budget reaches the bundled convnet's convolutions at twice its batch: at 4 ms
 # its convolution models extrapolated, and predicted those calls 1.7 to 3.1 times as long at
 # batch 64 as at 32 (four quick fits); at 12 ms, 1.7 to 2.3 times (three), and the sweep takes 28 s here.

@@ -44,12 +44,19 @@ def shared_traces() -> Path:
 
 
 @pytest.fixture(scope="session")
-def quick_models_file(tmp_path_factory) -> Path:
-    """Operator performance models fitted on this machine's quick sweep, once per session."""
+def quick_sweep():
+    """This machine's quick sweep (samples, device), once per session."""
     from whatif.collectors.microbench import run_sweep
+
+    return run_sweep(quick=True)
+
+
+@pytest.fixture(scope="session")
+def quick_models_file(quick_sweep, tmp_path_factory) -> Path:
+    """Operator performance models fitted on this machine's quick sweep, once per session."""
     from whatif.sim.perfmodels import fit_models
 
-    samples, device = run_sweep(quick=True)
+    samples, device = quick_sweep
     path = tmp_path_factory.mktemp("perfmodels") / "quick.json"
     fit_models(samples, device, ["sweep quick"]).save(path)
     return path

@@ -54,6 +54,19 @@ def test_an_operator_is_timed_with_its_caches_emptied_and_its_code_warmed_in_tha
     assert buffer_written_when_the_twin_ran == [True]
 
 
+def test_a_shape_is_timed_at_its_fastest_pass_and_every_pass_is_kept(quick_sweep):
+    samples, _ = quick_sweep
+    assert samples["pass_us"].map(len).eq(microbench.QUICK.passes).all()
+    assert samples["duration_us"].tolist() == samples["pass_us"].map(min).tolist()
+
+
+def test_a_sweep_can_be_asked_for_more_passes(monkeypatch):
+    monkeypatch.setattr(microbench, "SWEEP_OPS", {"gemm": ("aten::mm",)})
+    samples, _ = microbench.run_sweep(quick=True, passes=4)
+    assert len(samples) == microbench.QUICK.shapes_per_op * dict(microbench.QUICK.more)["gemm"]
+    assert samples["pass_us"].map(len).eq(4).all()
+
+
 def test_work_is_the_textbook_count_for_gemm_and_convolution():
     assert work("aten::mm", [[64, 128], [128, 32]], ["float", "float"]) == (2 * 64 * 128 * 32, 4 * (64 * 128 + 128 * 32 + 64 * 32), 0)
     flops, _, _ = work("aten::conv2d", [[8, 16, 32, 32], [64, 16, 3, 3], [], [], [], [], []], ["float", "float"])
