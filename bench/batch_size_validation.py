@@ -32,12 +32,16 @@ operators (``host_speed.probe``) before and after its work; ``results.json`` kee
 every round's timings, predictions and iteration times, so a figure can be recomputed another
 way without running again. Exits 1 when a point misses the target.
 
+Running takes a quiet machine for about twelve minutes, predicting seconds: ``--repredict``
+predicts the kept runs of ``--out`` again (other operator models, changed code) and rewrites its
+``results.json`` with the new predictions beside the runs' own ``code``.
+
 With ``--steady-allocator`` every round keeps glibc's freed memory (``capture.STEADY_ALLOCATOR``),
 as the operator sweep does while it times operators: then no run page-faults its large tensors
 in again, which with glibc's defaults differs from one run (and one batch size) to the next.
 
     .venv/bin/python bench/batch_size_validation.py [--rounds 5] [--perfmodel MODELS.json] [--out DIR]
-        [--steady-allocator]
+        [--steady-allocator] [--repredict]
 """
 
 from __future__ import annotations
@@ -110,6 +114,22 @@ def _run_round(model: str, round_: int, allocator: dict, out: Path) -> dict:
     return measured
 
 
+def kept_rounds(kept: dict, models_run: list[str]) -> dict:
+    """Per model, every round's plain iteration times by batch size and its probes, as a kept
+    ``results.json`` holds them: what ``--repredict`` predicts against."""
+    measured = {model: [{"times_ms": {}, "probes": None} for _ in range(kept["rounds"])] for model in models_run}
+    for point in kept["per_round"]:
+        if point["model"] not in measured:
+            continue
+        for record, times, probes in zip(measured[point["model"]], point["real_iterations_ms"], point["probes"]):
+            record["times_ms"][point["batch"]] = times
+            record["probes"] = probes
+    missing = [model for model, records in measured.items() if not records[0]["times_ms"]]
+    if missing:
+        raise SystemExit(f"--repredict: the kept results.json has no runs of {', '.join(missing)}")
+    return measured
+
+
 def host_fast_ms(processes: int) -> dict:
     """Per probe operator, the fastest of ``processes`` fresh processes' probes: the host's fast state."""
     runs = probe_in_fresh_processes(processes)
@@ -151,6 +171,8 @@ def main(argv=None) -> int:
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated example models")
     parser.add_argument("--steady-allocator", action="store_true",
                         help="capture and run with glibc's allocator fixed (collectors/capture.py STEADY_ALLOCATOR)")
+    parser.add_argument("--repredict", action="store_true",
+                        help="predict again, with these models and this code, against the runs and traces kept in --out")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--round", type=int, help=argparse.SUPPRESS)
@@ -163,6 +185,8 @@ def main(argv=None) -> int:
     if unknown or args.rounds < 1:
         parser.error(f"unknown model {unknown[0]!r}; choose from {', '.join(MODELS)}" if unknown
                      else f"--rounds must be at least 1, not {args.rounds}")
+    if args.repredict and not (args.out / "results.json").exists():
+        parser.error(f"--repredict: no kept runs in {args.out} (results.json)")
 
     from whatif.collectors.capture import STEADY_ALLOCATOR
     from whatif.sim.batch_size import predict_at_batch_size, predict_iterations_at_batch_size
@@ -171,20 +195,26 @@ def main(argv=None) -> int:
     args.out = args.out.resolve()  # the workers run in examples/
     args.out.mkdir(parents=True, exist_ok=True)
     models, models_source = models_for(args)
-    print(f"code:    {code_version()}")
+    kept = json.loads((args.out / "results.json").read_text()) if args.repredict else None
+    if kept:
+        allocator = kept["allocator"]
+    print(f"code:    {code_version()}" + (f" (predicting; the runs measured by {kept['code']})" if kept else ""))
     print(f"load:    {' '.join(f'{v:.2f}' for v in os.getloadavg())} (1, 5, 15 min averages at the start)")
     print(f"models:  {models_source}")
     print(f"malloc:  {'fixed: ' + ' '.join(f'{k}={v}' for k, v in allocator.items()) if allocator else 'glibc defaults'}")
     print(f"runs:    {args.rounds} rounds, each one process per model: real runs at the three batch sizes "
           f"({TIMED_STEPS} timed steps each, in {BLOCKS} interleaved blocks), then a profiled capture "
           f"({PROFILED_STEPS} steps) at each; one torch thread")
-    fast = host_fast_ms(HOST_PROBES)
-    print(f"host:    fast state {', '.join(f'{k} {v:.1f}' for k, v in fast.items())} (fastest of {HOST_PROBES} "
-          f"processes); every round's probes, over that, go to results.json\n")
-    measured = {model: [] for model in models_run}
-    for round_ in range(args.rounds):  # rounds outermost: a model's rounds lie minutes apart
-        for model in models_run:
-            measured[model].append(_run_round(model, round_, allocator, args.out))
+    if kept:
+        fast, measured, args.rounds = kept["host_fast_state_us"], kept_rounds(kept, models_run), kept["rounds"]
+    else:
+        fast = host_fast_ms(HOST_PROBES)
+        print(f"host:    fast state {', '.join(f'{k} {v:.1f}' for k, v in fast.items())} (fastest of {HOST_PROBES} "
+              f"processes); every round's probes, over that, go to results.json\n")
+        measured = {model: [] for model in models_run}
+        for round_ in range(args.rounds):  # rounds outermost: a model's rounds lie minutes apart
+            for model in models_run:
+                measured[model].append(_run_round(model, round_, allocator, args.out))
     rows, per_round = [], []
     for model in models_run:
         base = MODELS[model]
@@ -209,7 +239,7 @@ def main(argv=None) -> int:
             print(f"  {model} batch {b}: per round, error {' '.join(f'{e:+.1f}' for e in point['error_pct'])} % "
                   f"(real {' '.join(f'{v:.1f}' for v in point['real_ms'])} ms)", flush=True)
     (args.out / "results.json").write_text(json.dumps({
-        "code": code_version(), "rounds": args.rounds, "allocator": allocator, "models": models_source,
+        "code": kept["code"] if kept else code_version(), "predicted_by": code_version(), "rounds": args.rounds, "allocator": allocator, "models": models_source,
         "host_fast_state_us": fast, "rows": rows, "per_round": per_round}, indent=1))
     print("\nMedians over rounds:\n")
     print("| model | batch (from) | real ms | predicted ms | error % | profiled ms | predicted from the profiled trace ms | its error vs profiled % |")
@@ -221,8 +251,10 @@ def main(argv=None) -> int:
     what_ifs = [r for r in rows if r["batch"] != r["from"]]
     worst = max(abs(r["error_pct"]) for r in what_ifs)
     mean_abs = statistics.mean(abs(r["error_pct"]) for r in what_ifs)
+    geomean_abs = statistics.geometric_mean(abs(r["error_pct"]) for r in what_ifs)
     mean_profiled = statistics.mean(abs(r["as_traced_vs_profiled_pct"]) for r in what_ifs)
-    print(f"\npredicted batch sizes: mean |error| vs the real run {mean_abs:.1f} %, worst {worst:.1f} %; "
+    print(f"\npredicted batch sizes: mean |error| vs the real run {mean_abs:.1f} %, worst {worst:.1f} %, "
+          f"geometric mean {geomean_abs:.1f} % (the seed's end-to-end statistic: 7.96 %); "
           f"from the trace as it is against profiled runs, mean |error| {mean_profiled:.1f} %")
     if worst > TARGET_PCT:
         print(f"MISS: worst |error| vs the real run {worst:.1f} % > target {TARGET_PCT} %")
