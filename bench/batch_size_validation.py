@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -197,7 +198,7 @@ def main(argv=None) -> int:
     models, models_source = models_for(args)
     kept = json.loads((args.out / "results.json").read_text()) if args.repredict else None
     if kept:
-        allocator = kept["allocator"]
+        allocator, args.rounds = kept["allocator"], kept["rounds"]
     print(f"code:    {code_version()}" + (f" (predicting; the runs measured by {kept['code']})" if kept else ""))
     print(f"load:    {' '.join(f'{v:.2f}' for v in os.getloadavg())} (1, 5, 15 min averages at the start)")
     print(f"models:  {models_source}")
@@ -206,7 +207,7 @@ def main(argv=None) -> int:
           f"({TIMED_STEPS} timed steps each, in {BLOCKS} interleaved blocks), then a profiled capture "
           f"({PROFILED_STEPS} steps) at each; one torch thread")
     if kept:
-        fast, measured, args.rounds = kept["host_fast_state_us"], kept_rounds(kept, models_run), kept["rounds"]
+        fast, measured = kept["host_fast_state_us"], kept_rounds(kept, models_run)
     else:
         fast = host_fast_ms(HOST_PROBES)
         print(f"host:    fast state {', '.join(f'{k} {v:.1f}' for k, v in fast.items())} (fastest of {HOST_PROBES} "
@@ -239,8 +240,8 @@ def main(argv=None) -> int:
             print(f"  {model} batch {b}: per round, error {' '.join(f'{e:+.1f}' for e in point['error_pct'])} % "
                   f"(real {' '.join(f'{v:.1f}' for v in point['real_ms'])} ms)", flush=True)
     (args.out / "results.json").write_text(json.dumps({
-        "code": kept["code"] if kept else code_version(), "predicted_by": code_version(), "rounds": args.rounds, "allocator": allocator, "models": models_source,
-        "host_fast_state_us": fast, "rows": rows, "per_round": per_round}, indent=1))
+        "code": kept["code"] if kept else code_version(), "predicted_by": code_version(), "rounds": args.rounds,
+        "allocator": allocator, "models": models_source, "host_fast_state_us": fast, "rows": rows, "per_round": per_round}, indent=1))
     print("\nMedians over rounds:\n")
     print("| model | batch (from) | real ms | predicted ms | error % | profiled ms | predicted from the profiled trace ms | its error vs profiled % |")
     print("|---|--:|--:|--:|--:|--:|--:|--:|")
@@ -251,7 +252,7 @@ def main(argv=None) -> int:
     what_ifs = [r for r in rows if r["batch"] != r["from"]]
     worst = max(abs(r["error_pct"]) for r in what_ifs)
     mean_abs = statistics.mean(abs(r["error_pct"]) for r in what_ifs)
-    geomean_abs = statistics.geometric_mean(abs(r["error_pct"]) for r in what_ifs)
+    geomean_abs = math.prod(abs(r["error_pct"]) for r in what_ifs) ** (1 / len(what_ifs))  # 0 where a point is exact
     mean_profiled = statistics.mean(abs(r["as_traced_vs_profiled_pct"]) for r in what_ifs)
     print(f"\npredicted batch sizes: mean |error| vs the real run {mean_abs:.1f} %, worst {worst:.1f} %, "
           f"geometric mean {geomean_abs:.1f} % (the seed's end-to-end statistic: 7.96 %); "
