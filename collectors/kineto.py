@@ -85,6 +85,7 @@ class _Args(msgspec.Struct, gc=False):
     wait_on_record_correlation: int = msgspec.field(name="wait_on_cuda_event_record_corr_id", default=-1)
     input_dims: msgspec.Raw = msgspec.field(name="Input Dims", default=msgspec.Raw())
     input_types: msgspec.Raw = msgspec.field(name="Input type", default=msgspec.Raw())
+    concrete_inputs: msgspec.Raw = msgspec.field(name="Concrete Inputs", default=msgspec.Raw())
     message_elements: int = msgspec.field(name="In msg nelems", default=-1)
     message_dtype: str = msgspec.field(name="dtype", default="")
     sequence_nr: int = msgspec.field(name="Sequence number", default=-1)
@@ -130,6 +131,9 @@ class KinetoTrace:
     distributed_info: dict = field(default_factory=dict)
     input_dims: dict = field(default_factory=dict)  # event row -> raw JSON of "Input Dims"
     input_types: dict = field(default_factory=dict)  # event row -> raw JSON of "Input type"
+    # event row -> raw JSON of "Concrete Inputs": the values of scalar arguments (a convolution's
+    # stride, the dimensions a sum reduces), recorded by torch 2.1 and later
+    concrete_inputs: dict = field(default_factory=dict)
     base_time_ns: Optional[int] = None  # an event's ts (us) + this / 1000 is Unix time; newer torch only
     bundle: Optional["Bundle"] = None  # the capture bundle the trace came in, if it did
 
@@ -255,6 +259,7 @@ def load_trace(path: Union[str, Path]) -> KinetoTrace:
     ts = [ev.ts for ev in kept]
     input_dims = {i: a.input_dims for i, a in enumerate(args) if len(a.input_dims) and kinds[i] == EventKind.CPU_OP}
     input_types = {i: a.input_types for i, a in enumerate(args) if len(a.input_types) and kinds[i] == EventKind.CPU_OP}
+    concrete_inputs = {i: a.concrete_inputs for i, a in enumerate(args) if len(a.concrete_inputs) and kinds[i] == EventKind.CPU_OP}
     ts_arr = np.asarray(ts, dtype=np.float64)
     base_time = _json_or(doc.baseTimeNanoseconds, None)
     origin = float(ts_arr.min())
@@ -286,6 +291,7 @@ def load_trace(path: Union[str, Path]) -> KinetoTrace:
         distributed_info=_json_or(doc.distributedInfo, {}),
         input_dims=input_dims,
         input_types=input_types,
+        concrete_inputs=concrete_inputs,
         base_time_ns=base_time if isinstance(base_time, int) else None,
     )
 

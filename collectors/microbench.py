@@ -34,9 +34,12 @@ which keeps that call's own allocator cost), and a run that should match them is
 ``capture.STEADY_ALLOCATOR``. (The sweep used to trim glibc's free memory before every call so
 that outputs page-faulted as in a step; two such sweeps differed by 14 to 61 % by family.)
 
-Each sample is named and shaped exactly as the profiler records the same call (the outermost
-``aten::`` operator and its ``Input Dims`` / ``Input type``), so the models read traces and
-sweeps alike; :func:`recorded_as` checks that against the profiler itself.
+Each sample is named, shaped and argued exactly as the profiler records the same call (the
+outermost ``aten::`` operator and its ``Input Dims``, ``Input type`` and ``Concrete Inputs``),
+so the models read traces and sweeps alike; :func:`recorded_as` checks that against the
+profiler itself. Where an argument chooses the kernel or the work, the sweep draws it too:
+sums and means along rows, down columns or across the second dimension, convolutions of
+stride 2 as well as 1, and first-layer backward passes that compute no input gradient.
 
 Shapes are drawn log-uniformly from ranges that cover the example models from batch 4 to 256,
 and any draw whose estimated time exceeds the budget of a call is dropped, so the default sweep
@@ -80,19 +83,23 @@ DEFAULT = SweepSize(shapes_per_op=40, repeats=3, passes=10, budget_ms=25.0)
 # The quick sweep's budget reaches the bundled convnet's convolutions at twice its batch: at 4 ms
 # its convolution models extrapolated, and predicted those calls 1.7 to 3.1 times as long at
 # batch 64 as at 32 (four quick fits); at 12 ms, 1.7 to 2.3 times (three), and the sweep takes 28 s here.
-QUICK = SweepSize(shapes_per_op=10, repeats=3, passes=2, budget_ms=12.0, more=(("gemm", 3), ("conv", 5)))
+# Norms and reductions get three times as many: each of their kernel paths needs shapes of its own.
+QUICK = SweepSize(shapes_per_op=10, repeats=3, passes=2, budget_ms=12.0,
+                  more=(("gemm", 3), ("conv", 5), ("norm", 3), ("reduction", 3)))
 _EST_FLOPS_PER_S = 60e9  # rough single-core rates, only to keep draws within the budget
 _EST_BYTES_PER_S = 6e9
 
 
 @dataclass
 class Case:
-    """One operator at one shape: how to call it, and how the profiler records the call."""
+    """One operator at one shape: how to call it, and how the profiler records the call (its
+    ``Input Dims``, ``Input type`` and ``Concrete Inputs``: the scalar arguments' values)."""
 
     op: str
     dims: list
     types: list
     call: Callable[[], object]
+    args: list
 
 
 def _pow2(rng, lo: int, hi: int) -> int:
@@ -119,39 +126,47 @@ def _cases(torch, op: str, rng) -> Optional[Case]:
         if op == "aten::linear":
             lead = [m] if rng.random() < 0.5 else [max(1, m // 64), 64]
             x, w, b = rand(*lead, k), rand(n, k), rand(n)
-            return Case(op, [lead + [k], [n, k], [n]], [f, f, f], lambda: F.linear(x, w, b))
+            return Case(op, [lead + [k], [n, k], [n]], [f, f, f], lambda: F.linear(x, w, b), ["", "", ""])
         if op == "aten::addmm":
             bias, a, b = rand(n), rand(m, k), rand(k, n)
-            return Case(op, [[n], [m, k], [k, n], [], []], [f, f, f, "Scalar", "Scalar"], lambda: torch.addmm(bias, a, b))
+            return Case(op, [[n], [m, k], [k, n], [], []], [f, f, f, "Scalar", "Scalar"], lambda: torch.addmm(bias, a, b), ["", "", "", "1", "1"])
         if op == "aten::mm":
             a, b = rand(m, k), rand(k, n)
-            return Case(op, [[m, k], [k, n]], [f, f], lambda: torch.mm(a, b))
+            return Case(op, [[m, k], [k, n]], [f, f], lambda: torch.mm(a, b), ["", ""])
         batch = _log_int(rng, 2, 64)
         m, k, n = max(1, m // batch), max(1, k // 4), max(1, n // 4)
         if op == "aten::bmm":
             a, b = rand(batch, m, k), rand(batch, k, n)
-            return Case(op, [[batch, m, k], [batch, k, n]], [f, f], lambda: torch.bmm(a, b))
+            return Case(op, [[batch, m, k], [batch, k, n]], [f, f], lambda: torch.bmm(a, b), ["", ""])
         a, b = rand(batch, m, k), rand(k, n)
-        return Case(op, [[batch, m, k], [k, n]], [f, f], lambda: torch.matmul(a, b))
+        return Case(op, [[batch, m, k], [k, n]], [f, f], lambda: torch.matmul(a, b), ["", ""])
 
     if op in ("aten::conv2d", "aten::convolution_backward"):
         n, c, o = _pow2(rng, 1, 128), _pow2(rng, 8, 256) if rng.random() > 0.15 else 3, _pow2(rng, 8, 256)
         hw, k = _pow2(rng, 4, 64), int(rng.choice([1, 3, 3, 5]))
+        stride = 2 if hw >= 8 and rng.random() < 0.25 else 1  # a downsampling layer
+        pad = k // 2
+        out = (hw + 2 * pad - k) // stride + 1
         x, w = rand(n, c, hw, hw), rand(o, c, k, k)
         if op == "aten::conv2d":
             dims = [[n, c, hw, hw], [o, c, k, k], [], [], [], [], []]
             types = [f, f, "", "ScalarList", "ScalarList", "ScalarList", "Scalar"]
-            return Case(op, dims, types, lambda: F.conv2d(x, w, None, 1, k // 2))
-        grad = rand(n, o, hw, hw)
-        dims = [[n, o, hw, hw], [n, c, hw, hw], [o, c, k, k], [], [], [], [], [], [], [], []]
+            args = ["", "", "", f"[{stride}, {stride}]", f"[{pad}, {pad}]", "[1, 1]", "1"]
+            return Case(op, dims, types, lambda: F.conv2d(x, w, None, stride, pad), args)
+        grad = rand(n, o, out, out)
+        # a first layer, on the image's three channels, needs no gradient of its input
+        mask = [c != 3, True, False]
+        dims = [[n, o, out, out], [n, c, hw, hw], [o, c, k, k], [], [], [], [], [], [], [], []]
         types = [f, f, f, "ScalarList", "ScalarList", "ScalarList", "ScalarList", "Scalar", "ScalarList", "Scalar", "ScalarList"]
+        args = ["", "", "", "[0]", f"[{stride}, {stride}]", f"[{pad}, {pad}]", "[1, 1]", "False", "[0, 0]", "1",
+                "[" + ", ".join(map(str, mask)) + "]"]
         return Case(op, dims, types, lambda: aten.convolution_backward(
-            grad, x, w, [0], [1, 1], [k // 2, k // 2], [1, 1], False, [0, 0], 1, [True, True, False]))
+            grad, x, w, [0], [stride, stride], [pad, pad], [1, 1], False, [0, 0], 1, mask), args)
 
     if op in _ELEMENTWISE_CALLS or op in _NORM_CALLS or op in _REDUCTION_CALLS or op in _POOLING_CALLS:
         shape = _activation_shape(rng)
         table = {**_ELEMENTWISE_CALLS, **_NORM_CALLS, **_REDUCTION_CALLS, **_POOLING_CALLS}
-        return table[op](torch, shape, rand)
+        return table[op](torch, shape, rand, rng)
 
     if op in ("aten::embedding", "aten::embedding_backward", "aten::embedding_bag"):
         rows, width = _log_int(rng, 64, 65536), _pow2(rng, 16, 512)
@@ -160,20 +175,22 @@ def _cases(torch, op: str, rng) -> Optional[Case]:
         if op == "aten::embedding":
             w = rand(rows, width)
             return Case(op, [[rows, width], [batch, length], [], [], []], [f, "long int", "Scalar", "Scalar", "Scalar"],
-                        lambda: F.embedding(idx, w))
+                        lambda: F.embedding(idx, w), ["", "", "-1", "False", "False"])
         if op == "aten::embedding_bag":
             w = rand(rows, width)
             flat = idx.reshape(-1)
             offsets = torch.arange(0, batch * length, length)
             dims = [[rows, width], [batch * length], [batch], [], [], [], [], [], []]
             types = [f, "long int", "long int", "Scalar", "Scalar", "Scalar", "", "Scalar", ""]
-            return Case(op, dims, types, lambda: F.embedding_bag(flat, w, offsets, mode="sum"))
+            return Case(op, dims, types, lambda: F.embedding_bag(flat, w, offsets, mode="sum"),
+                        ["", "", "", "False", "0", "False", "", "False", ""])
         rows = 1024  # the table's size is not recorded: the sweep keeps it fixed
         idx = torch.randint(0, rows, (batch, length))
         grad = rand(batch, length, width)
         dims = [[batch, length, width], [batch, length], [], [], [], []]
         types = [f, "long int", "Scalar", "Scalar", "Scalar", "Scalar"]
-        return Case(op, dims, types, lambda: aten.embedding_backward(grad, idx, rows, -1, False, False))
+        return Case(op, dims, types, lambda: aten.embedding_backward(grad, idx, rows, -1, False, False),
+                    ["", "", str(rows), "-1", "False", "False"])
 
     if op in ("aten::scaled_dot_product_attention", "aten::_scaled_dot_product_flash_attention_for_cpu_backward"):
         batch, heads, length, depth = _pow2(rng, 1, 64), _pow2(rng, 1, 16), _pow2(rng, 16, 512), _pow2(rng, 16, 128)
@@ -182,13 +199,13 @@ def _cases(torch, op: str, rng) -> Optional[Case]:
         if op == "aten::scaled_dot_product_attention":
             dims = [shape, shape, shape, [], [], [], [], []]
             types = [f, f, f, "", "Scalar", "Scalar", "", "Scalar"]
-            return Case(op, dims, types, lambda: F.scaled_dot_product_attention(q, k, v))
+            return Case(op, dims, types, lambda: F.scaled_dot_product_attention(q, k, v), ["", "", "", "", "0.", "False", "", "False"])
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v)
         grad = rand(*shape)
         dims = [shape, shape, shape, shape, shape, [batch, heads, length], [], [], [], []]
         types = [f, f, f, f, f, f, "Scalar", "Scalar", "", ""]
         return Case(op, dims, types, lambda: aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad, q, k, v, out, lse, 0.0, False))
+            grad, q, k, v, out, lse, 0.0, False), ["", "", "", "", "", "", "0.", "False", "", ""])
     return None
 
 
@@ -202,49 +219,51 @@ def _activation_shape(rng) -> list:
     return [_pow2(rng, 1, 512), _log_int(rng, 2, 8192)]
 
 
-def _unary(op, fn, inplace=False):
-    def case(torch, shape, rand):
+def _unary(op, fn):
+    def case(torch, shape, rand, rng):
         x = rand(*shape)
-        return Case(op, [shape], ["float"], lambda: fn(torch, x))
+        return Case(op, [shape], ["float"], lambda: fn(torch, x), [""])
     return case
 
 
-def _binary(op, fn, scalar=False):
-    def case(torch, shape, rand):
+def _binary(op, fn, scalar_arg=None):
+    """A call on two tensors and an alpha of 1; or, given how the profiler writes its scalar
+    argument (``'2.'``, ``''`` for an unrecorded one), on one tensor and that scalar."""
+    def case(torch, shape, rand, rng):
         x, y = rand(*shape), rand(*shape)
-        if scalar:
-            return Case(op, [shape, []], ["float", "Scalar"], lambda: fn(torch, x, 2.0))
-        return Case(op, [shape, shape, []], ["float", "float", "Scalar"], lambda: fn(torch, x, y))
+        if scalar_arg is not None:
+            return Case(op, [shape, []], ["float", "Scalar"], lambda: fn(torch, x, 2.0), ["", scalar_arg])
+        return Case(op, [shape, shape, []], ["float", "float", "Scalar"], lambda: fn(torch, x, y), ["", "", "1"])
     return case
 
 
 def _mul_case(op, fn):
-    def case(torch, shape, rand):
+    def case(torch, shape, rand, rng):
         x, y = rand(*shape), rand(*shape)
-        return Case(op, [shape, shape], ["float", "float"], lambda: fn(torch, x, y))
+        return Case(op, [shape, shape], ["float", "float"], lambda: fn(torch, x, y), ["", ""])
     return case
 
 
-def _threshold_backward(torch, shape, rand):
+def _threshold_backward(torch, shape, rand, rng):
     g, x = rand(*shape), rand(*shape) - 0.5
     return Case("aten::threshold_backward", [shape, shape, []], ["float", "float", "Scalar"],
-                lambda: torch.ops.aten.threshold_backward(g, x, 0.0))
+                lambda: torch.ops.aten.threshold_backward(g, x, 0.0), ["", "", "0."])
 
 
-def _gelu_backward(torch, shape, rand):
+def _gelu_backward(torch, shape, rand, rng):
     g, x = rand(*shape), rand(*shape)
     return Case("aten::gelu_backward", [shape, shape, []], ["float", "float", "c10::string_view"],
-                lambda: torch.ops.aten.gelu_backward(g, x))
+                lambda: torch.ops.aten.gelu_backward(g, x), ["", "", ""])
 
 
-def _copy(torch, shape, rand):
+def _copy(torch, shape, rand, rng):
     dst, src = rand(*shape), rand(*shape)
-    return Case("aten::copy_", [shape, shape, []], ["float", "float", "Scalar"], lambda: dst.copy_(src))
+    return Case("aten::copy_", [shape, shape, []], ["float", "float", "Scalar"], lambda: dst.copy_(src), ["", "", "False"])
 
 
-def _cat(torch, shape, rand):
+def _cat(torch, shape, rand, rng):
     parts = [rand(*shape) for _ in range(2)]
-    return Case("aten::cat", [[shape, shape], []], ["TensorList", "Scalar"], lambda: torch.cat(parts))
+    return Case("aten::cat", [[shape, shape], []], ["TensorList", "Scalar"], lambda: torch.cat(parts), ["", "0"])
 
 
 def _as_images(shape) -> list:
@@ -254,24 +273,26 @@ def _as_images(shape) -> list:
     return [max(shape[0], 2), *shape[1:]]
 
 
-def _batch_norm(torch, shape, rand):
+def _batch_norm(torch, shape, rand, rng):
     shape = _as_images(shape)
     x, c = rand(*shape), shape[1]
     mean, var, w, b = torch.zeros(c), torch.ones(c), rand(c), rand(c)
     dims = [shape, [c], [c], [c], [c], [], [], [], []]
     types = ["float"] * 5 + ["Scalar"] * 4
     return Case("aten::batch_norm", dims, types,
-                lambda: torch.nn.functional.batch_norm(x, mean, var, w, b, training=True))
+                lambda: torch.nn.functional.batch_norm(x, mean, var, w, b, training=True),
+                ["", "", "", "", "", "True", "0.10000000000000001", "1.0000000000000001e-05", "True"])
 
 
-def _batch_norm_backward(torch, shape, rand):
+def _batch_norm_backward(torch, shape, rand, rng):
     shape = _as_images(shape)
     x, g, c = rand(*shape), rand(*shape), shape[1]
     w, rm, rv, sm, si = rand(c), torch.zeros(c), torch.ones(c), rand(c), rand(c)
     dims = [shape, shape, [c], [c], [c], [c], [c], [], [], []]
     types = ["float"] * 7 + ["Scalar", "Scalar", "ScalarList"]
     return Case("aten::native_batch_norm_backward", dims, types,
-                lambda: torch.ops.aten.native_batch_norm_backward(g, x, w, rm, rv, sm, si, True, 1e-5, [True, True, True]))
+                lambda: torch.ops.aten.native_batch_norm_backward(g, x, w, rm, rv, sm, si, True, 1e-5, [True, True, True]),
+                ["", "", "", "", "", "", "", "True", "1.0000000000000001e-05", "[True, True, True]"])
 
 
 def _tokens(shape) -> list:
@@ -281,15 +302,15 @@ def _tokens(shape) -> list:
     return [shape[0], max(shape[-1], 32)] if len(shape) == 2 else [shape[0], shape[1], max(shape[2], 32)]
 
 
-def _layer_norm(torch, shape, rand):
+def _layer_norm(torch, shape, rand, rng):
     shape = _tokens(shape)
     d = shape[-1]
     x, w, b = rand(*shape), rand(d), rand(d)
     return Case("aten::layer_norm", [shape, [], [d], [d], [], []], ["float", "ScalarList", "float", "float", "Scalar", "Scalar"],
-                lambda: torch.nn.functional.layer_norm(x, (d,), w, b))
+                lambda: torch.nn.functional.layer_norm(x, (d,), w, b), ["", f"[{d}]", "", "", "1.0000000000000001e-05", "True"])
 
 
-def _layer_norm_backward(torch, shape, rand):
+def _layer_norm_backward(torch, shape, rand, rng):
     shape = _tokens(shape)
     d = shape[-1]
     x, g, w, b = rand(*shape), rand(*shape), rand(d), rand(d)
@@ -298,7 +319,8 @@ def _layer_norm_backward(torch, shape, rand):
     dims = [shape, shape, [], stats, stats, [d], [d], []]
     types = ["float", "float", "ScalarList", "float", "float", "float", "float", "ScalarList"]
     return Case("aten::native_layer_norm_backward", dims, types,
-                lambda: torch.ops.aten.native_layer_norm_backward(g, x, [d], mean, rstd, w, b, [True, True, True]))
+                lambda: torch.ops.aten.native_layer_norm_backward(g, x, [d], mean, rstd, w, b, [True, True, True]),
+                ["", "", f"[{d}]", "", "", "", "", "[True, True, True]"])
 
 
 def _rows(shape) -> list:
@@ -307,42 +329,47 @@ def _rows(shape) -> list:
 
 
 def _reduce(op, fn):
-    def case(torch, shape, rand):
+    """A sum or mean along the rows (the last dimension, or an image's two), down the columns
+    (the first) or across the second: PyTorch runs a different kernel for each."""
+    def case(torch, shape, rand, rng):
         x = rand(*shape)
-        return Case(op, [shape, [], [], []], ["float", "ScalarList", "Scalar", ""], lambda: fn(torch, x))
+        choices = [[-1], [0], [1]] + ([[-1, -2]] if len(shape) == 4 else [])
+        dims = choices[int(rng.integers(len(choices)))]
+        return Case(op, [shape, [], [], []], ["float", "ScalarList", "Scalar", ""], lambda: fn(torch, x, dims),
+                    ["", "[" + ", ".join(map(str, dims)) + "]", "False", ""])
     return case
 
 
-def _log_softmax(torch, shape, rand):
+def _log_softmax(torch, shape, rand, rng):
     shape = _rows(shape)
     x = rand(*shape)
     return Case("aten::log_softmax", [shape, [], []], ["float", "Scalar", ""],
-                lambda: torch.nn.functional.log_softmax(x, dim=1))
+                lambda: torch.nn.functional.log_softmax(x, dim=1), ["", "1", ""])
 
 
-def _log_softmax_backward(torch, shape, rand):
+def _log_softmax_backward(torch, shape, rand, rng):
     shape = _rows(shape)
     g, out = rand(*shape), rand(*shape)
     return Case("aten::_log_softmax_backward_data", [shape, shape, [], []], ["float", "float", "Scalar", "Scalar"],
-                lambda: torch.ops.aten._log_softmax_backward_data(g, out, 1, torch.float32))
+                lambda: torch.ops.aten._log_softmax_backward_data(g, out, 1, torch.float32), ["", "", "1", "6"])
 
 
-def _cross_entropy(torch, shape, rand):
+def _cross_entropy(torch, shape, rand, rng):
     shape = _rows(shape)
     x = rand(*shape)
     y = torch.randint(0, shape[1], (shape[0],))
     return Case("aten::cross_entropy_loss", [shape, [shape[0]], [], [], [], []],
                 ["float", "long int", "", "Scalar", "Scalar", "Scalar"],
-                lambda: torch.nn.functional.cross_entropy(x, y))
+                lambda: torch.nn.functional.cross_entropy(x, y), ["", "", "", "1", "-100", "0."])
 
 
-def _nll_loss_backward(torch, shape, rand):
+def _nll_loss_backward(torch, shape, rand, rng):
     shape = _rows(shape)
     x, g, total = rand(*shape), torch.tensor(1.0), torch.tensor(float(shape[0]))
     y = torch.randint(0, shape[1], (shape[0],))
     return Case("aten::nll_loss_backward", [[], shape, [shape[0]], [], [], [], []],
                 ["float", "float", "long int", "", "Scalar", "Scalar", "float"],
-                lambda: torch.ops.aten.nll_loss_backward(g, x, y, None, 1, -100, total))
+                lambda: torch.ops.aten.nll_loss_backward(g, x, y, None, 1, -100, total), ["", "", "", "", "1", "-100", ""])
 
 
 def _images(shape) -> list:
@@ -351,14 +378,14 @@ def _images(shape) -> list:
     return [shape[0], shape[1], 2, 2] if len(shape) == 2 else [shape[0], shape[1], 2, shape[2] // 2 * 2 or 2]
 
 
-def _max_pool(torch, shape, rand):
+def _max_pool(torch, shape, rand, rng):
     shape = _images(shape)
     x = rand(*shape)
     return Case("aten::max_pool2d", [shape, [], [], [], [], []], ["float", "ScalarList", "ScalarList", "ScalarList", "ScalarList", "Scalar"],
-                lambda: torch.nn.functional.max_pool2d(x, 2))
+                lambda: torch.nn.functional.max_pool2d(x, 2), ["", "[2, 2]", "[]", "[0, 0]", "[1, 1]", "False"])
 
 
-def _max_pool_backward(torch, shape, rand):
+def _max_pool_backward(torch, shape, rand, rng):
     shape = _images(shape)
     x = rand(*shape)
     out, idx = torch.ops.aten.max_pool2d_with_indices(x, [2, 2])
@@ -367,26 +394,27 @@ def _max_pool_backward(torch, shape, rand):
     dims = [half, shape, [], [], [], [], [], half]
     types = ["float", "float", "ScalarList", "ScalarList", "ScalarList", "ScalarList", "Scalar", "long int"]
     return Case("aten::max_pool2d_with_indices_backward", dims, types,
-                lambda: torch.ops.aten.max_pool2d_with_indices_backward(g, x, [2, 2], [2, 2], [0, 0], [1, 1], False, idx))
+                lambda: torch.ops.aten.max_pool2d_with_indices_backward(g, x, [2, 2], [2, 2], [0, 0], [1, 1], False, idx),
+                ["", "", "[2, 2]", "[2, 2]", "[0, 0]", "[1, 1]", "False", ""])
 
 
-def _adaptive_avg_pool(torch, shape, rand):
+def _adaptive_avg_pool(torch, shape, rand, rng):
     shape = _images(shape)
     x = rand(*shape)
     return Case("aten::adaptive_avg_pool2d", [shape, []], ["float", "ScalarList"],
-                lambda: torch.nn.functional.adaptive_avg_pool2d(x, 1))
+                lambda: torch.nn.functional.adaptive_avg_pool2d(x, 1), ["", "[1, 1]"])
 
 
 _ELEMENTWISE_CALLS = {
     "aten::relu_": _unary("aten::relu_", lambda torch, x: torch.relu_(x)),
     "aten::relu": _unary("aten::relu", lambda torch, x: torch.relu(x)),
-    "aten::gelu": _binary("aten::gelu", lambda torch, x, s: torch.nn.functional.gelu(x), scalar=True),
+    "aten::gelu": _binary("aten::gelu", lambda torch, x, s: torch.nn.functional.gelu(x), scalar_arg=""),
     "aten::sigmoid": _unary("aten::sigmoid", lambda torch, x: torch.sigmoid(x)),
     "aten::tanh": _unary("aten::tanh", lambda torch, x: torch.tanh(x)),
-    "aten::clone": _binary("aten::clone", lambda torch, x, s: torch.clone(x), scalar=True),
-    "aten::fill_": _binary("aten::fill_", lambda torch, x, s: x.fill_(s), scalar=True),
+    "aten::clone": _binary("aten::clone", lambda torch, x, s: torch.clone(x), scalar_arg=""),
+    "aten::fill_": _binary("aten::fill_", lambda torch, x, s: x.fill_(s), scalar_arg="2."),
     "aten::zero_": _unary("aten::zero_", lambda torch, x: x.zero_()),
-    "aten::div": _binary("aten::div", lambda torch, x, s: torch.div(x, s), scalar=True),
+    "aten::div": _binary("aten::div", lambda torch, x, s: torch.div(x, s), scalar_arg=""),
     "aten::add": _binary("aten::add", lambda torch, x, y: torch.add(x, y)),
     "aten::add_": _binary("aten::add_", lambda torch, x, y: x.add_(y)),
     "aten::mul": _mul_case("aten::mul", lambda torch, x, y: torch.mul(x, y)),
@@ -403,8 +431,8 @@ _NORM_CALLS = {
     "aten::native_layer_norm_backward": _layer_norm_backward,
 }
 _REDUCTION_CALLS = {
-    "aten::sum": _reduce("aten::sum", lambda torch, x: torch.sum(x, dim=0)),
-    "aten::mean": _reduce("aten::mean", lambda torch, x: torch.mean(x, dim=1)),
+    "aten::sum": _reduce("aten::sum", lambda torch, x, dims: torch.sum(x, dim=dims)),
+    "aten::mean": _reduce("aten::mean", lambda torch, x, dims: torch.mean(x, dim=dims)),
     "aten::log_softmax": _log_softmax,
     "aten::_log_softmax_backward_data": _log_softmax_backward,
     "aten::cross_entropy_loss": _cross_entropy,
@@ -557,7 +585,7 @@ def run_sweep(quick: bool = False, threads: int = 1, seed: int = 0,
     finally:
         torch.set_num_threads(previous_threads)
     source = "sweep quick" if quick else "sweep"
-    frame = pd.DataFrame(timed[0], columns=["op", "dims", "types", "duration_us"]).assign(source=source)
+    frame = pd.DataFrame(timed[0], columns=["op", "dims", "types", "args", "duration_us"]).assign(source=source)
     per_pass = np.array([[row["duration_us"] for row in rows] for rows in timed]).T
     frame["duration_us"] = per_pass.min(axis=1)
     frame["pass_us"] = per_pass.tolist()
@@ -589,15 +617,16 @@ def _sweep_op(torch, op: str, rng, size: SweepSize, wanted: int, cold: _ColdCach
         if _estimated_ms(case.op, case.dims, case.types) > size.budget_ms:
             continue
         twin = _cases(torch, op, drawn_from)  # the same shape, other tensors
-        rows.append({"op": case.op, "dims": case.dims, "types": case.types,
+        rows.append({"op": case.op, "dims": case.dims, "types": case.types, "args": case.args,
                      "duration_us": fastest_call_us(case.call, size.repeats, before=lambda: cold(then=twin.call))})
     return rows
 
 
-def recorded_as(op: str, seed: int = 0) -> tuple[Case, str, list]:
-    """One case of ``op`` and what a trace of its call records: the outermost operator's name and
-    input dims, read back through ``collectors/kineto.py`` from an exported Chrome trace. The
-    sweep is right when they equal the case's own ``op`` and ``dims``."""
+def recorded_as(op: str, seed: int = 0) -> tuple[Case, str, list, list]:
+    """One case of ``op`` and what a trace of its call records: the outermost operator's name,
+    input dims and scalar arguments, read back through ``collectors/kineto.py`` from an
+    exported Chrome trace. The sweep is right when they equal the case's own ``op``, ``dims``
+    and ``args``."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -614,4 +643,5 @@ def recorded_as(op: str, seed: int = 0) -> tuple[Case, str, list]:
     ops = trace.events[trace.events["kind"] == int(EventKind.CPU_OP)]
     ops = ops[ops["name"].astype(str).str.startswith("aten::")]
     outer = ops.assign(neg=-ops["dur_us"]).sort_values(["ts_us", "neg"]).index[0]
-    return case, str(trace.events.at[outer, "name"]), json.loads(bytes(trace.input_dims.get(outer, b"[]")))
+    recorded = [json.loads(bytes(raw.get(outer, b"[]"))) for raw in (trace.input_dims, trace.concrete_inputs)]
+    return case, str(trace.events.at[outer, "name"]), *recorded

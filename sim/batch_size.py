@@ -191,11 +191,12 @@ def change_batch_size(
     is_unit &= ~units["row"].isin(loading_events).to_numpy()
     ratio = np.full(len(units), np.nan)
     picked = np.flatnonzero(is_unit)
-    types = units["types"].tolist()
+    types, args = units["types"].tolist(), units["args"].tolist()
+    picked_ops, picked_types, picked_args = [ops[i] for i in picked], [types[i] for i in picked], [args[i] for i in picked]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        before = models.predict_us([ops[i] for i in picked], [dims[i] for i in picked], [types[i] for i in picked])
-        after = models.predict_us([ops[i] for i in picked], [new_dims[i] for i in picked], [types[i] for i in picked])
+        before = models.predict_us(picked_ops, [dims[i] for i in picked], picked_types, picked_args)
+        after = models.predict_us(picked_ops, [new_dims[i] for i in picked], picked_types, picked_args)
     ratio[picked] = after / before
     modelled = np.isfinite(ratio) & (ratio > 0)
     change.scaled_units = int(modelled.sum())

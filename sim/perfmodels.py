@@ -22,10 +22,17 @@ grouped into families and each family gets a model from input shapes to duration
 
 Shapes are what the PyTorch profiler records with ``record_shapes=True`` (Kineto's ``Input
 Dims`` and ``Input type``): per positional input a tensor's shape, ``[]`` for a scalar or a
-missing tensor, a list of shapes for a tensor list. Stride, padding and kernel sizes are not
-recorded, so convolutions are taken as stride 1 with "same" padding and pooling as 2x2; the
-sweep measures exactly that, and a prediction across batch sizes, which keeps those constant,
-scales correctly whatever they were.
+missing tensor, a list of shapes for a tensor list. Its ``Concrete Inputs`` (torch 2.1 on) add
+the scalar arguments, here ``args``: a convolution's stride, padding and which gradients its
+backward computes, the dimensions a sum or mean reduces. Without them (older traces),
+convolutions are taken as stride 1 with "same" padding and reductions as over every dimension.
+
+One operator can run different kernels by its arguments, and a roofline fitted across them
+fits neither: a sum along rows reads memory in order, one down columns adds whole rows at a
+time, and a batch norm over 1 x 1 images runs PyTorch's channels-last kernel, which has no
+per-channel loop (models fitted across both kernels predicted such a batch norm up to 3 times
+its time, and its backward down to a quarter of it). So each operator's calls are split by
+kernel path (:func:`kernel_path`), and each path gets a roofline of its own.
 
 Samples come from the microbenchmark sweep and from the durations already in CPU traces (the
 outermost operator of each family on the stack, its inclusive CPU time); the repeated calls of
@@ -56,7 +63,7 @@ import numpy as np
 import pandas as pd
 
 FORMAT = "whatif-perfmodels"
-VERSION = 4  # 4: a roofline may add compute and memory (GEMM); 3: matmul folds one-sided batch dimensions
+VERSION = 5  # 5: scalar arguments, rooflines per kernel path; 4: a roofline may add compute and memory (GEMM); 3: matmul folds one-sided batch dimensions
 FOLDS = 5  # a fifth of the shapes held out; the five folds of a cross-validation
 _MIN_OP_SAMPLES = 4  # fewer than this and an operator shares its family's roofline
 # Families whose kernels move their operands before computing on them, so that memory time adds
@@ -159,6 +166,32 @@ def parse_shapes(dims, types) -> list:
     return inputs
 
 
+def parse_args(args) -> list:
+    """Per positional input, the value of a scalar argument as Kineto's ``Concrete Inputs``
+    writes it (``'[1, 1]'``, ``'True'``, ``'1e-05'``): an int, float, bool or list of them;
+    None for a tensor, an absent argument, or one that is not a number (a string, a dtype)."""
+    values = []
+    for text in args or ():
+        text = str(text).strip()
+        try:
+            value = json.loads(text.replace("True", "true").replace("False", "false")) if text else None
+        except ValueError:
+            value = None
+        ok = isinstance(value, (int, float)) or (isinstance(value, list) and all(isinstance(v, (int, float)) for v in value))
+        values.append(value if ok else None)
+    return values
+
+
+def _arg(args: list, i: int, default):
+    """Argument ``i`` (a list for list arguments), or ``default`` where it was not recorded."""
+    value = args[i] if i < len(args) else None
+    if value is None:
+        return default
+    if isinstance(default, list) and not isinstance(value, list):
+        return [value] * len(default)
+    return value
+
+
 def _numel(shape) -> int:
     if shape and isinstance(shape[0], tuple):
         return sum(_numel(s) for s in shape)
@@ -182,7 +215,7 @@ def _last_dim(tensors) -> int:
     return shapes[0][-1] if shapes else 1
 
 
-def _gemm(op: str, inputs) -> tuple[float, float, float, list]:
+def _gemm(op: str, inputs, args: list) -> tuple[float, float, float, list]:
     e = _element_size(inputs)
     if op == "aten::linear":
         x, w = _tensor(inputs, 0), _tensor(inputs, 1)
@@ -210,18 +243,28 @@ def _gemm(op: str, inputs) -> tuple[float, float, float, list]:
     return flops, float(e * (batch * m * k + batch * k * n + batch * m * n)), loops, params
 
 
-def _conv(op: str, inputs) -> tuple[float, float, float, list]:
+def _conv(op: str, inputs, args: list) -> tuple[float, float, float, list]:
     e = _element_size(inputs)
     if op == "aten::convolution_backward":
         grad, x, w = _tensor(inputs, 0), _tensor(inputs, 1), _tensor(inputs, 2)
         out_pixels = _numel(grad[2:])
-        flops = 2 * 2.0 * grad[0] * w[0] * out_pixels * _numel(w[1:])  # input and weight gradients
-        params = _conv_params(grad[0], x[1], w[0], out_pixels, _numel(w[2:]))
-        return flops, float(2 * e * (_numel(grad) + _numel(x) + _numel(w))), 0.0, params
+        # the first layer's backward computes no input gradient: half the work
+        wanted = _arg(args, 10, [True, True, False])
+        gradients = int(bool(wanted[0])) + int(bool(wanted[1]))
+        flops = gradients * 2.0 * grad[0] * w[0] * out_pixels * _numel(w[1:])
+        stride = _arg(args, 4, [1])[0]
+        params = _conv_params(grad[0], x[1], w[0], out_pixels, _numel(w[2:]), stride, gradients)
+        return flops, float(gradients * e * (_numel(grad) + _numel(x) + _numel(w))), 0.0, params
     x, w = _tensor(inputs, 0), _tensor(inputs, 1)
-    out_pixels = _numel(x[2:])  # stride 1, "same" padding (strides are not recorded)
-    flops = 2.0 * x[0] * w[0] * out_pixels * _numel(w[1:])
-    params = _conv_params(x[0], x[1], w[0], out_pixels, _numel(w[2:]))
+    spatial, kernel = list(x[2:]), list(w[2:])
+    at = (4, 3) if op == "aten::mkldnn_convolution" else (3, 4)  # where stride and padding are
+    stride = _arg(args, at[0], [1] * len(spatial))
+    padding = _arg(args, at[1], [k // 2 for k in kernel])  # unrecorded: "same"
+    dilation = _arg(args, 5, [1] * len(spatial))
+    out = [(size + 2 * p - d * (k - 1) - 1) // s + 1 for size, k, s, p, d in zip(spatial, kernel, stride, padding, dilation)]
+    out_pixels = _numel(tuple(max(o, 1) for o in out))
+    flops = 2.0 * x[0] * w[0] * out_pixels * _numel(w[1:])  # w[1] is the channels of one group
+    params = _conv_params(x[0], x[1], w[0], out_pixels, _numel(kernel), stride[0] if stride else 1, 1)
     return flops, float(e * (_numel(x) + _numel(w) + x[0] * w[0] * out_pixels)), 0.0, params
 
 
@@ -232,12 +275,14 @@ def _alignment(size: int) -> int:
     return min((size & -size).bit_length() - 1, 4) if size > 0 else 0
 
 
-def _conv_params(batch, channels, filters, pixels, kernel) -> list:
-    """A convolution's sizes, and those of the GEMM it lowers to (rows, depth)."""
-    return [batch, channels, filters, pixels, kernel, batch * pixels, channels * kernel, _alignment(channels), _alignment(filters)]
+def _conv_params(batch, channels, filters, pixels, kernel, stride, gradients) -> list:
+    """A convolution's sizes, those of the GEMM it lowers to (rows, depth), its stride and how
+    many gradients a backward computes."""
+    return [batch, channels, filters, pixels, kernel, batch * pixels, channels * kernel, _alignment(channels),
+            _alignment(filters), stride, gradients]
 
 
-def _elementwise(op: str, inputs) -> tuple[float, float, float, list]:
+def _elementwise(op: str, inputs, args: list) -> tuple[float, float, float, list]:
     tensors = [x for x in inputs if x is not None]
     if op in ("aten::cat", "aten::stack"):
         out = sum(_numel(x[0]) for x in tensors)
@@ -247,29 +292,69 @@ def _elementwise(op: str, inputs) -> tuple[float, float, float, list]:
     return float(out), _bytes_in(inputs) + out * _element_size(inputs), 0.0, [out, len(tensors), last]
 
 
-def _norm(op: str, inputs) -> tuple[float, float, float, list]:
+def _norm(op: str, inputs, args: list) -> tuple[float, float, float, list]:
     x = _tensor(inputs, 0) or ()
     n = _numel(x)
     e = _element_size(inputs)
     passes = 3 if op.endswith("_backward") else 2
-    # batch norm loops over channels, layer and group norm over rows of the normalised size
-    loops = x[1] if "batch_norm" in op and len(x) > 1 else n / x[-1] if x and x[-1] else 1
+    # batch norm loops over channels (over images where it runs channels-last), layer and group
+    # norm over rows of the normalised size
+    if "batch_norm" in op and len(x) > 1:
+        loops = x[0] if _norm_path(op, x) else x[1]
+    else:
+        loops = n / x[-1] if x and x[-1] else 1
     params = [x[0] if x else 1, x[1] if len(x) > 1 else 1, n, x[-1] if x else 1, loops, n / max(loops, 1)]
     return 8.0 * n, float(passes * n * e + _bytes_in(inputs[1:])), float(loops), params
 
 
-def _reduction(op: str, inputs) -> tuple[float, float, float, list]:
+def _norm_path(op: str, x) -> str:
+    """PyTorch's CPU batch norm takes an input whose images are 1 x 1 (or a [N, C] one) as
+    channels-last, and runs a kernel vectorised across channels instead of one per channel."""
+    return "channels_last" if "batch_norm" in op and len(x) > 1 and _numel(x[2:]) == 1 else ""
+
+
+_DIM_REDUCTIONS = frozenset({"aten::sum", "aten::mean", "aten::amax", "aten::max"})
+
+
+def _reduction(op: str, inputs, args: list) -> tuple[float, float, float, list]:
+    if op in _DIM_REDUCTIONS:
+        x = _tensor(inputs, 0) or ()
+        outer, reduced, inner = _reduced_split(x, args)
+        # along rows: one loop per row; down columns: one vector pass over the inner
+        # elements per reduced index
+        loops = outer if inner == 1 else outer * reduced
+        n = _numel(x)
+        return float(n), _bytes_in(inputs) + 4.0 * outer * inner, float(loops), [n, outer, reduced, inner, loops]
     largest = max((x[0] for x in inputs if x is not None and x[0] and not isinstance(x[0][0], tuple)), key=_numel, default=())
     n = _numel(largest)
     first, last = (largest[0], largest[-1]) if largest else (1, 1)
     rows = n / last if last else 1
-    # a softmax or loss pays per row (its maximum, sum and logarithm) as well as per element;
-    # which dimension a sum or mean reduces is not recorded, so both shapes go to the trees
+    # a softmax or loss pays per row (its maximum, sum and logarithm) as well as per element
     params = [n, first, last, rows, n / max(first, 1)]
     return float(n + 32 * rows), _bytes_in(inputs), float(rows), params
 
 
-def _pooling(op: str, inputs) -> tuple[float, float, float, list]:
+def _reduced_split(x, args: list) -> tuple[int, int, int]:
+    """A sum, mean or max over some dimensions of ``x``, as (outer, reduced, inner) element
+    counts: the dimensions before the first reduced one, the reduced ones, those after the
+    last (every dimension where the call names none)."""
+    dims = _arg(args, 1, [])
+    dims = sorted({d % len(x) for d in dims}) if x and dims else list(range(len(x)))
+    if not dims:
+        return 1, 1, 1
+    reduced = _numel(tuple(x[d] for d in dims))
+    inner = _numel(tuple(x[dims[-1] + 1:]))
+    return max(_numel(tuple(x)) // max(reduced * inner, 1), 1), reduced, inner
+
+
+def _reduction_path(op: str, inputs, args: list) -> str:
+    if op not in _DIM_REDUCTIONS:
+        return ""
+    _, _, inner = _reduced_split(_tensor(inputs, 0) or (), args)
+    return "rows" if inner == 1 else "columns"
+
+
+def _pooling(op: str, inputs, args: list) -> tuple[float, float, float, list]:
     x = _tensor(inputs, 0) or ()
     n = _numel(x)
     planes = _numel(x[:2]) if len(x) >= 2 else 1  # one loop per image and channel
@@ -277,7 +362,7 @@ def _pooling(op: str, inputs) -> tuple[float, float, float, list]:
     return float(n), _bytes_in(inputs) + n * _element_size(inputs) / 4.0, float(planes), params
 
 
-def _embedding(op: str, inputs) -> tuple[float, float, float, list]:
+def _embedding(op: str, inputs, args: list) -> tuple[float, float, float, list]:
     e = 4
     if op in ("aten::embedding", "aten::embedding_bag", "aten::_embedding_bag"):
         w, idx = _tensor(inputs, 0), _tensor(inputs, 1)
@@ -291,7 +376,7 @@ def _embedding(op: str, inputs) -> tuple[float, float, float, list]:
     return float(rows * width), float(2 * rows * width * e + 8 * rows), 0.0, [rows, width, table]
 
 
-def _attention(op: str, inputs) -> tuple[float, float, float, list]:
+def _attention(op: str, inputs, args: list) -> tuple[float, float, float, list]:
     q, k = _tensor(inputs, 0), _tensor(inputs, 1)
     if op.endswith("_backward"):
         q, k = _tensor(inputs, 1), _tensor(inputs, 2)
@@ -308,36 +393,52 @@ _WORK = {
 }
 
 
-def work(op: str, dims, types) -> tuple[float, float, float]:
-    """FLOPs, bytes moved and inner loops run by ``op`` on inputs of these recorded shapes (the
-    loops: rows, channels or image planes that a normalisation, reduction or pooling kernel
-    starts afresh, the matrices of a batched GEMM, each at a cost of its own; 0 for the other
-    families and plain GEMMs); NaNs when the shapes
-    are not those the family expects (a missing tensor, a vector where a matrix goes)."""
-    return _work(op, dims, types)[:3]
+def work(op: str, dims, types, args=()) -> tuple[float, float, float]:
+    """FLOPs, bytes moved and inner loops run by ``op`` on inputs of these recorded shapes and
+    scalar arguments (the loops: rows, channels or image planes that a normalisation, reduction
+    or pooling kernel starts afresh, the matrices of a batched GEMM, each at a cost of its own;
+    0 for the other families and plain GEMMs); NaNs when the shapes are not those the family
+    expects (a missing tensor, a vector where a matrix goes)."""
+    return _work(op, dims, types, args)[:3]
 
 
-def _work(op: str, dims, types) -> tuple[float, float, float, list]:
+def _work(op: str, dims, types, args=()) -> tuple[float, float, float, list]:
     """:func:`work`, and the family's shape parameters (GEMM: batch, M, K, N; convolution: N,
     C, O, output pixels, kernel area; ...), the sizes its efficiency depends on."""
     family = FAMILY_OF.get(op)
     if family is None:
         raise KeyError(op)
     try:
-        flops, bytes_, loops, params = _WORK[family](op, parse_shapes(dims, types))
-    except (TypeError, IndexError, ValueError):
+        flops, bytes_, loops, params = _WORK[family](op, parse_shapes(dims, types), parse_args(args))
+    except (TypeError, IndexError, ValueError, ZeroDivisionError):
         return math.nan, math.nan, math.nan, []
     return max(flops, 1.0), max(bytes_, 1.0), float(loops), params
 
 
-_PARAMS = 9  # shape parameters the trees see (padded)
+def kernel_path(op: str, dims, types, args=()) -> str:
+    """The operator, and the kernel it runs where its arguments choose between kernels of
+    different cost (``aten::sum/columns``): the unit a roofline is fitted for."""
+    try:
+        inputs = parse_shapes(dims, types)
+        if FAMILY_OF.get(op) == "norm":
+            path = _norm_path(op, _tensor(inputs, 0) or ())
+        elif FAMILY_OF.get(op) == "reduction":
+            path = _reduction_path(op, inputs, parse_args(args))
+        else:
+            path = ""
+    except (TypeError, IndexError, ValueError, ZeroDivisionError):
+        path = ""
+    return f"{op}/{path}" if path else op
 
 
-def _features(op_code: int, dims, types, op: str) -> list[float]:
-    """What the trees see: the operator, its work, and its family's shape parameters."""
-    flops, bytes_, _, params = _work(op, dims, types)
+_PARAMS = 11  # shape parameters the trees see (padded)
+
+
+def _features(op_code: int, dims, types, op: str, args=()) -> list[float]:
+    """What the trees see: the operator's kernel path, its work, and its family's shape parameters."""
+    flops, bytes_, _, params = _work(op, dims, types, args)
     padded = (list(params) + [0] * _PARAMS)[:_PARAMS]
-    return [float(op_code), math.log2(flops + 1), math.log2(bytes_ + 1)] + [math.log2(float(v) + 1) for v in padded]
+    return [float(op_code), math.log2(flops + 1), math.log2(bytes_ + 1)] + [math.log2(abs(float(v)) + 1) for v in padded]
 
 
 # -- the models ------------------------------------------------------------------------------
@@ -368,8 +469,8 @@ class Roofline:
 class FamilyModel:
     name: str
     pooled: Roofline
-    ops: dict[str, Roofline] = field(default_factory=dict)
-    op_codes: list[str] = field(default_factory=list)  # the trees' op feature: index in this list
+    ops: dict[str, Roofline] = field(default_factory=dict)  # by kernel path (:func:`kernel_path`)
+    op_codes: list[str] = field(default_factory=list)  # the trees' kernel-path feature: index in this list
     trees: Optional[str] = None  # LightGBM model_to_string() of the residual, None: roofline only
     _booster: object = field(default=None, repr=False, compare=False)
 
@@ -391,7 +492,7 @@ class PerfModels:
 
     device: dict
     families: dict[str, FamilyModel]
-    held_out: pd.DataFrame  # op, dims, types, duration_us, source
+    held_out: pd.DataFrame  # op, dims, types, args, duration_us, source
     sources: list = field(default_factory=list)
     created: str = ""
 
@@ -406,8 +507,11 @@ class PerfModels:
     def covers(self, op: str) -> bool:
         return FAMILY_OF.get(op) in self.families
 
-    def predict_us(self, ops: Sequence[str], dims: Sequence, types: Sequence, learned: bool = True) -> np.ndarray:
-        """Predicted durations; NaN where the operator's family has no model or its shapes do not fit it."""
+    def predict_us(self, ops: Sequence[str], dims: Sequence, types: Sequence, args: Optional[Sequence] = None,
+                   learned: bool = True) -> np.ndarray:
+        """Predicted durations; NaN where the operator's family has no model or its shapes do not
+        fit it. ``args``: per call its recorded scalar arguments (``Concrete Inputs``), if any."""
+        args = list(args) if args is not None else [()] * len(ops)
         out = np.full(len(ops), np.nan)
         frame = pd.DataFrame({"op": list(ops), "family": [FAMILY_OF.get(o) for o in ops]})
         for family, rows in frame.groupby("family", sort=False):
@@ -415,16 +519,17 @@ class PerfModels:
             if model is None:
                 continue
             idx = rows.index.to_numpy()
-            work_ = np.array([work(ops[i], dims[i], types[i]) for i in idx], dtype=float).reshape(-1, 3)
+            work_ = np.array([work(ops[i], dims[i], types[i], args[i]) for i in idx], dtype=float).reshape(-1, 3)
             flops, bytes_, loops = work_[:, 0], work_[:, 1], work_[:, 2]
+            keys = [kernel_path(ops[i], dims[i], types[i], args[i]) for i in idx]
             roof = np.empty(len(idx))
-            for op, positions in pd.Series(range(len(idx)), index=[ops[i] for i in idx]).groupby(level=0):
-                line = model.ops.get(op, model.pooled)
+            for key, positions in pd.Series(range(len(idx)), index=keys).groupby(level=0):
+                line = model.ops.get(key) or model.ops.get(key.split("/")[0], model.pooled)
                 p = positions.to_numpy()
                 roof[p] = line.predict_us(flops[p], bytes_[p], loops[p], self.peak_flops_per_us, self.bytes_per_us)
             if learned and model.trees:
-                codes = [model.op_codes.index(ops[i]) if ops[i] in model.op_codes else -1 for i in idx]
-                features = np.array([_features(c, dims[i], types[i], ops[i]) for c, i in zip(codes, idx)])
+                codes = [model.op_codes.index(k) if k in model.op_codes else -1 for k in keys]
+                features = np.array([_features(c, dims[i], types[i], ops[i], args[i]) for c, i in zip(codes, idx)])
                 finite = np.isfinite(roof)
                 if finite.any():
                     roof[finite] = roof[finite] * np.exp(model.booster().predict(features[finite]))
@@ -454,6 +559,7 @@ class PerfModels:
                 "op": self.held_out["op"].tolist(),
                 "dims": self.held_out["dims"].tolist(),
                 "types": self.held_out["types"].tolist(),
+                "args": self.held_out["args"].tolist(),
                 "duration_us": [round(float(v), 3) for v in self.held_out["duration_us"]],
                 "source": self.held_out["source"].tolist(),
             },
@@ -516,7 +622,7 @@ def load_models(path: Union[str, Path], check_device: bool = True) -> PerfModels
         families[name] = FamilyModel(name, reader.roofline(fdoc.get("pooled"), f"{where}.pooled"), ops, codes, trees)
     held = reader.mapping(doc, "held_out")
     columns = {}
-    for key in ("op", "dims", "types", "duration_us", "source"):
+    for key in ("op", "dims", "types", "args", "duration_us", "source"):
         value = held.get(key)
         if not isinstance(value, list):
             raise PerfModelError(f"{path}: field 'held_out.{key}' must be a list")
@@ -647,8 +753,8 @@ def operator_units(trace) -> pd.DataFrame:
     """The outermost operator of a modelled family on every CPU stack: the unit a model times.
 
     Columns: row (the event's row in ``trace.events``), unit (the row of the outermost modelled
-    operator around or at it, -1 for none), op, dims, types (decoded ``Input Dims`` / ``Input
-    type``). One row per CPU event; a unit's inclusive time holds its dispatch and the helper
+    operator around or at it, -1 for none), op, dims, types, args (decoded ``Input Dims`` /
+    ``Input type`` / ``Concrete Inputs``). One row per CPU event; a unit's inclusive time holds its dispatch and the helper
     operators it calls, as a microbenchmark of the same call does.
     """
     from whatif.collectors.kineto import EventKind
@@ -678,6 +784,7 @@ def operator_units(trace) -> pd.DataFrame:
         stack.append(i)
     dims = [_decode(trace.input_dims.get(r)) for r in rows]
     types = [_decode(trace.input_types.get(r)) for r in rows]
+    args = [_decode(trace.concrete_inputs.get(r)) for r in rows]
     return pd.DataFrame(
         {
             "row": rows,
@@ -686,6 +793,7 @@ def operator_units(trace) -> pd.DataFrame:
             "op": names,
             "dims": dims,
             "types": types,
+            "args": args,
             "dur_us": order["dur_us"].to_numpy(),
         }
     )
@@ -712,6 +820,7 @@ def trace_samples(path: Union[str, Path]) -> pd.DataFrame:
             "op": own["op"].to_numpy(),
             "dims": own["dims"].tolist(),
             "types": own["types"].tolist(),
+            "args": own["args"].tolist(),
             "duration_us": own["dur_us"].to_numpy(),
             "source": f"trace {Path(path).name}",
         }
@@ -722,15 +831,18 @@ def trace_samples(path: Union[str, Path]) -> pd.DataFrame:
 
 def fit_models(samples: pd.DataFrame, device: dict, sources: Iterable[str] = (), seed: int = 0,
                fold: int = 0) -> PerfModels:
-    """Fit every family present in ``samples`` (op, dims, types, duration_us, source), holding a
+    """Fit every family present in ``samples`` (op, dims, types, duration_us, source, and args
+    where the calls' scalar arguments were recorded), holding a
     fifth of each family's shapes out: the ``fold``-th of :data:`FOLDS` random fifths, so that
     fitting every fold predicts every shape once unseen (a cross-validation). ``device``
     carries the measured ``peak_gflops`` and ``bandwidth_gbps`` the rooflines are drawn
     against."""
     samples = samples[samples["op"].isin(FAMILY_OF) & (samples["duration_us"] > 0)]
-    samples = _one_per_shape(samples)
-    work_ = np.array([work(o, d, t) for o, d, t in zip(samples["op"], samples["dims"], samples["types"])], dtype=float)
-    samples = samples.assign(flops=work_[:, 0], bytes=work_[:, 1], loops=work_[:, 2], family=samples["op"].map(FAMILY_OF))
+    samples = _one_per_shape(_with_args(samples))
+    calls = list(zip(samples["op"], samples["dims"], samples["types"], samples["args"]))
+    work_ = np.array([work(*call) for call in calls], dtype=float).reshape(-1, 3)
+    samples = samples.assign(flops=work_[:, 0], bytes=work_[:, 1], loops=work_[:, 2], family=samples["op"].map(FAMILY_OF),
+                             path=[kernel_path(*call) for call in calls])
     samples = samples[np.isfinite(samples["flops"])].reset_index(drop=True)
     rng = np.random.default_rng(seed)
     held = np.zeros(len(samples), dtype=bool)
@@ -745,7 +857,7 @@ def fit_models(samples: pd.DataFrame, device: dict, sources: Iterable[str] = (),
     train = samples[~held]
     for name, rows in train.groupby("family", sort=True):
         families[name] = _fit_family(name, rows, peak, bandwidth, seed)
-    kept = samples[held][["op", "dims", "types", "duration_us", "source"]].reset_index(drop=True)
+    kept = samples[held][["op", "dims", "types", "args", "duration_us", "source"]].reset_index(drop=True)
     return PerfModels(
         device=dict(device),
         families=families,
@@ -769,31 +881,40 @@ def _one_per_shape(samples: pd.DataFrame) -> pd.DataFrame:
 
 
 def shape_keys(samples: pd.DataFrame) -> pd.Series:
-    """One string per sample naming its operator, input shapes and types: samples with the same
-    key time the same call."""
-    keys = [json.dumps([op, dims, types]) for op, dims, types in zip(samples["op"], samples["dims"], samples["types"])]
+    """One string per sample naming its operator, input shapes and types, and scalar arguments
+    where recorded: samples with the same key time the same call."""
+    keys = [json.dumps([op, dims, types] + ([a] if a else []))
+            for op, dims, types, a in zip(samples["op"], samples["dims"], samples["types"], _with_args(samples)["args"])]
     return pd.Series(keys, index=samples.index, dtype=object)
+
+
+def _with_args(samples: pd.DataFrame) -> pd.DataFrame:
+    """``samples`` with an ``args`` list on every row: empty where none was recorded (a sweep
+    or trace from before they were, concatenated with one from after)."""
+    args = samples["args"] if "args" in samples else pd.Series([None] * len(samples), index=samples.index, dtype=object)
+    return samples.assign(args=[list(a) if isinstance(a, (list, tuple)) else [] for a in args])
 
 
 def _fit_family(name: str, rows: pd.DataFrame, peak: float, bandwidth: float, seed: int) -> FamilyModel:
     additive = name in _ADDITIVE_FAMILIES
     pooled = _fit_roofline(rows, peak, bandwidth, additive)
     ops = {
-        op: _fit_roofline(group, peak, bandwidth, additive)
-        for op, group in rows.groupby("op", sort=True)
+        key: _fit_roofline(group, peak, bandwidth, additive)
+        for key, group in rows.groupby("path", sort=True)
         if len(group) >= _MIN_OP_SAMPLES
     }
     model = FamilyModel(name, pooled, ops)
     roof = np.array([
-        ops.get(op, pooled).predict_us(np.array([f]), np.array([b]), np.array([n]), peak, bandwidth)[0]
-        for op, f, b, n in zip(rows["op"], rows["flops"], rows["bytes"], rows["loops"])
+        ops.get(key, pooled).predict_us(np.array([f]), np.array([b]), np.array([n]), peak, bandwidth)[0]
+        for key, f, b, n in zip(rows["path"], rows["flops"], rows["bytes"], rows["loops"])
     ])
     measured = rows["duration_us"].to_numpy()
     residual = np.log(measured) - np.log(roof)
     if len(rows) >= 8:
-        codes = sorted(rows["op"].unique())
+        codes = sorted(rows["path"].unique())
         features = np.array([
-            _features(codes.index(op), d, t, op) for op, d, t in zip(rows["op"], rows["dims"], rows["types"])
+            _features(codes.index(key), d, t, op, a)
+            for key, op, d, t, a in zip(rows["path"], rows["op"], rows["dims"], rows["types"], rows["args"])
         ])
         if _trees_help(features, measured, roof, residual, seed):
             model.op_codes = codes
@@ -884,13 +1005,13 @@ def held_out_report(*folds: PerfModels) -> pd.DataFrame:
     predicted = []
     for models in folds:
         held = models.held_out
-        ops, dims, types = held["op"].tolist(), held["dims"].tolist(), held["types"].tolist()
+        calls = held["op"].tolist(), held["dims"].tolist(), held["types"].tolist(), held["args"].tolist()
         family = held["op"].map(FAMILY_OF)
         kinds = {name: model.kind for name, model in models.families.items()}
         predicted.append(held.assign(
             family=family,
-            roof=models.predict_us(ops, dims, types, learned=False) if len(held) else [],
-            full=models.predict_us(ops, dims, types) if len(held) else [],
+            roof=models.predict_us(*calls, learned=False) if len(held) else [],
+            full=models.predict_us(*calls) if len(held) else [],
             kind=family.map(kinds).fillna("none"),
         ))
     held = pd.concat(predicted, ignore_index=True)

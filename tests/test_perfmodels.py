@@ -23,6 +23,7 @@ from whatif.sim.perfmodels import (
     fit_models,
     geomean_abs_error,
     held_out_report,
+    kernel_path,
     load_models,
     trace_samples,
     work,
@@ -34,10 +35,14 @@ from whatif.sim.perfmodels import (
 QUICK_FAMILY_BOUND_PCT = 100.0
 
 
-def test_the_sweep_names_and_shapes_each_call_as_a_trace_records_it():
+def test_the_sweep_names_shapes_and_argues_each_call_as_a_trace_records_it():
+    """Operators whose draws vary their arguments (a convolution's stride, which gradients its
+    backward computes, the dimensions a sum reduces) are checked over several draws."""
+    varied = {"aten::conv2d", "aten::convolution_backward", "aten::sum", "aten::mean"}
     for op in [op for ops in SWEEP_OPS.values() for op in ops]:
-        case, recorded_name, recorded_dims = recorded_as(op)
-        assert (recorded_name, recorded_dims) == (case.op, case.dims), op
+        for seed in range(30 if op in varied else 1):
+            case, recorded_name, recorded_dims, recorded_args = recorded_as(op, seed)
+            assert (recorded_name, recorded_dims, recorded_args) == (case.op, case.dims, case.args), (op, seed)
         assert op in FAMILY_OF, f"{op} is swept but belongs to no family"
 
 
@@ -95,6 +100,60 @@ def test_the_loops_a_kernel_restarts_are_rows_channels_image_planes_or_matrices(
     assert loops("aten::max_pool2d", [[0, 64, 16, 16], [], [], [], [], []]) == 0  # an empty batch: no work, no error
 
 
+CONV_TYPES = ["float", "float", "", "ScalarList", "ScalarList", "ScalarList", "Scalar"]
+SUM_TYPES = ["float", "ScalarList", "Scalar", ""]
+
+
+def test_a_convolution_reads_its_stride_and_padding_from_the_recorded_arguments():
+    dims = [[8, 16, 32, 32], [64, 16, 3, 3], [], [], [], [], []]
+    same = work("aten::conv2d", dims, CONV_TYPES, ["", "", "", "[1, 1]", "[1, 1]", "[1, 1]", "1"])[0]
+    strided = work("aten::conv2d", dims, CONV_TYPES, ["", "", "", "[2, 2]", "[1, 1]", "[1, 1]", "1"])[0]
+    unpadded = work("aten::conv2d", dims, CONV_TYPES, ["", "", "", "[1, 1]", "[0, 0]", "[1, 1]", "1"])[0]
+    assert same == work("aten::conv2d", dims, CONV_TYPES)[0], "unrecorded: stride 1, same padding"
+    assert strided == same * (16 * 16) / (32 * 32)  # a 16 x 16 output
+    assert unpadded == same * (30 * 30) / (32 * 32)
+
+
+def test_a_first_layers_backward_computes_no_input_gradient_and_does_half_the_work():
+    dims = [[8, 64, 32, 32], [8, 3, 32, 32], [64, 3, 3, 3], [], [], [], [], [], [], [], []]
+    types = ["float"] * 3 + ["ScalarList"] * 4 + ["Scalar", "ScalarList", "Scalar", "ScalarList"]
+    both = ["", "", "", "[0]", "[1, 1]", "[1, 1]", "[1, 1]", "False", "[0, 0]", "1", "[True, True, False]"]
+    weight_only = both[:-1] + ["[False, True, False]"]
+    assert work("aten::convolution_backward", dims, types, weight_only)[:2] == tuple(
+        v / 2 for v in work("aten::convolution_backward", dims, types, both)[:2])
+
+
+def test_a_sum_runs_along_rows_or_down_columns_by_the_dimensions_it_reduces():
+    def summed(shape, dims):
+        args = ["", dims, "False", ""]
+        calls = ("aten::sum", [shape, [], [], []], SUM_TYPES, args)
+        return kernel_path(*calls), work(*calls)[2]
+
+    assert summed([64, 128], "[1]") == ("aten::sum/rows", 64)  # a loop per row
+    assert summed([64, 128], "[0]") == ("aten::sum/columns", 64)  # a pass over a row per reduced index
+    assert summed([32, 128, 4, 4], "[-1, -2]") == ("aten::sum/rows", 32 * 128)
+    assert summed([32, 128, 4, 4], "[1]") == ("aten::sum/columns", 32 * 128)
+    assert summed([32, 128, 4, 4], "") == ("aten::sum/rows", 1), "no dimensions named: all of them"
+
+
+def test_batch_norm_over_one_by_one_images_runs_its_channels_last_kernel():
+    def path(shape):
+        c = shape[1]
+        return kernel_path("aten::batch_norm", [shape, [c], [c], [c], [c], [], [], [], []], ["float"] * 5 + ["Scalar"] * 4)
+
+    assert path([512, 64, 1, 1]) == "aten::batch_norm/channels_last"
+    assert path([512, 64]) == "aten::batch_norm/channels_last"
+    assert path([32, 64, 8, 8]) == "aten::batch_norm"
+
+
+def test_a_trace_records_the_scalar_arguments_of_every_sample():
+    samples = trace_samples(BUNDLED_TRACE)
+    convs = samples[samples["op"] == "aten::conv2d"]
+    assert set(map(tuple, convs["args"])) == {("", "", "", "[1, 1]", "[1, 1]", "[1, 1]", "1")}
+    sums = samples[samples["op"] == "aten::sum"]
+    assert {a[1] for a in sums["args"]} == {"[0]"}  # the last layer's bias gradient, summed over the batch
+
+
 def test_a_quick_fit_predicts_held_out_shapes_of_every_family(quick_models_file):
     models = load_models(quick_models_file)
     report = held_out_report(models).set_index("family")
@@ -110,8 +169,9 @@ def test_the_models_file_round_trips_and_holds_no_pickle(quick_models_file, tmp_
     models.save(copy)
     again = load_models(copy)
     held = models.held_out
-    args = (held["op"].tolist(), held["dims"].tolist(), held["types"].tolist())
-    np.testing.assert_array_equal(models.predict_us(*args), again.predict_us(*args))
+    calls = (held["op"].tolist(), held["dims"].tolist(), held["types"].tolist(), held["args"].tolist())
+    assert any(held["args"].map(len)), "the sweep records its calls' scalar arguments"
+    np.testing.assert_array_equal(models.predict_us(*calls), again.predict_us(*calls))
     doc = json.loads(copy.read_text())
     assert doc["device"]["peak_gflops"] > 0 and doc["device"]["bandwidth_gbps"] > 0
     learned = [f for f in doc["families"].values() if f["trees"]]
@@ -181,9 +241,9 @@ def test_a_shape_called_every_step_is_one_sample_and_is_held_out_whole():
     samples = trace_samples(BUNDLED_TRACE)
     models = fit_models(samples, {"peak_gflops": 90, "bandwidth_gbps": 20})
     held = models.held_out
-    shapes = [json.dumps([op, dims, types]) for op, dims, types in zip(held["op"], held["dims"], held["types"])]
+    shapes = [json.dumps(call) for call in zip(held["op"], held["dims"], held["types"], held["args"])]
     assert len(held) and len(set(shapes)) == len(shapes)
-    every_call = samples.assign(shape=[json.dumps([o, d, t]) for o, d, t in zip(samples["op"], samples["dims"], samples["types"])])
+    every_call = samples.assign(shape=[json.dumps(call) for call in zip(samples["op"], samples["dims"], samples["types"], samples["args"])])
     medians = every_call.groupby("shape")["duration_us"].median()
     np.testing.assert_allclose(held["duration_us"], medians[shapes])
 
@@ -191,10 +251,10 @@ def test_a_shape_called_every_step_is_one_sample_and_is_held_out_whole():
 def test_the_five_folds_hold_out_every_shape_once():
     samples = trace_samples(BUNDLED_TRACE)
     folds = [fit_models(samples, {"peak_gflops": 90, "bandwidth_gbps": 20}, fold=k) for k in range(FOLDS)]
-    held = [set(map(json.dumps, zip(m.held_out["op"], m.held_out["dims"], m.held_out["types"]))) for m in folds]
+    held = [set(map(json.dumps, zip(m.held_out["op"], m.held_out["dims"], m.held_out["types"], m.held_out["args"]))) for m in folds]
     assert sum(map(len, held)) == len(set().union(*held)), "no shape held out twice"
     family = samples["op"].map(FAMILY_OF)
-    shapes = samples.assign(shape=list(map(json.dumps, zip(samples["op"], samples["dims"], samples["types"]))))
+    shapes = samples.assign(shape=list(map(json.dumps, zip(samples["op"], samples["dims"], samples["types"], samples["args"]))))
     per_family = shapes.groupby(family)["shape"].nunique()
     expected = set(shapes.loc[family.isin(per_family.index[per_family >= FOLDS]), "shape"])
     assert set().union(*held) == expected, "every shape of a family with enough of them"
