@@ -43,7 +43,7 @@ stride 2 as well as 1, and first-layer backward passes that compute no input gra
 
 Shapes are drawn log-uniformly from ranges that cover the example models from batch 4 to 256,
 and any draw whose estimated time exceeds the budget of a call is dropped, so the default sweep
-takes about half an hour on two cores (1789 s here) and ``quick`` under half a minute. The
+takes about half an hour on two cores (1996 s here) and ``quick`` under a minute (38 s). The
 device's peak compute (a large single-precision GEMM) and memory bandwidth (a large copy into a
 preallocated buffer, read plus write) are measured alongside: the rooflines are drawn against
 them.
@@ -82,7 +82,7 @@ class SweepSize:
 DEFAULT = SweepSize(shapes_per_op=40, repeats=3, passes=10, budget_ms=25.0)
 # The quick sweep's budget reaches the bundled convnet's convolutions at twice its batch: at 4 ms
 # its convolution models extrapolated, and predicted those calls 1.7 to 3.1 times as long at
-# batch 64 as at 32 (four quick fits); at 12 ms, 1.7 to 2.3 times (three), and the sweep takes 28 s here.
+# batch 64 as at 32 (four quick fits); at 12 ms, 1.7 to 2.3 times (three).
 # Norms and reductions get three times as many: each of their kernel paths needs shapes of its own.
 QUICK = SweepSize(shapes_per_op=10, repeats=3, passes=2, budget_ms=12.0,
                   more=(("gemm", 3), ("conv", 5), ("norm", 3), ("reduction", 3)))
