@@ -324,7 +324,8 @@ def _reduction(op: str, inputs, args: list) -> tuple[float, float, float, list]:
         # elements per reduced index
         loops = outer if inner == 1 else outer * reduced
         n = _numel(x)
-        return float(n), _bytes_in(inputs) + 4.0 * outer * inner, float(loops), [n, outer, reduced, inner, loops]
+        written = outer * inner * _element_size(inputs)
+        return float(n), _bytes_in(inputs) + written, float(loops), [n, outer, reduced, inner, loops]
     largest = max((x[0] for x in inputs if x is not None and x[0] and not isinstance(x[0][0], tuple)), key=_numel, default=())
     n = _numel(largest)
     first, last = (largest[0], largest[-1]) if largest else (1, 1)

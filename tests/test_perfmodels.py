@@ -136,6 +136,11 @@ def test_a_sum_runs_along_rows_or_down_columns_by_the_dimensions_it_reduces():
     assert summed([32, 128, 4, 4], "") == ("aten::sum/rows", 1), "no dimensions named: all of them"
 
 
+def test_a_sum_reads_its_input_and_writes_its_output_at_their_element_size():
+    half = ["c10::Half", "ScalarList", "Scalar", ""]
+    assert work("aten::sum", [[64, 128], [], [], []], half, ["", "[1]", "False", ""])[1] == 2 * (64 * 128 + 64)
+
+
 def test_batch_norm_over_one_by_one_images_runs_its_channels_last_kernel():
     def path(shape):
         c = shape[1]
