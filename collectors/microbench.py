@@ -151,15 +151,15 @@ def _cases(torch, op: str, rng) -> Optional[Case]:
         if op == "aten::conv2d":
             dims = [[n, c, hw, hw], [o, c, k, k], [], [], [], [], []]
             types = [f, f, "", "ScalarList", "ScalarList", "ScalarList", "Scalar"]
-            args = ["", "", "", f"[{stride}, {stride}]", f"[{pad}, {pad}]", "[1, 1]", "1"]
+            args = ["", "", "", _recorded([stride] * 2), _recorded([pad] * 2), "[1, 1]", "1"]
             return Case(op, dims, types, lambda: F.conv2d(x, w, None, stride, pad), args)
         grad = rand(n, o, out, out)
         # a first layer, on the image's three channels, needs no gradient of its input
         mask = [c != 3, True, False]
         dims = [[n, o, out, out], [n, c, hw, hw], [o, c, k, k], [], [], [], [], [], [], [], []]
         types = [f, f, f, "ScalarList", "ScalarList", "ScalarList", "ScalarList", "Scalar", "ScalarList", "Scalar", "ScalarList"]
-        args = ["", "", "", "[0]", f"[{stride}, {stride}]", f"[{pad}, {pad}]", "[1, 1]", "False", "[0, 0]", "1",
-                "[" + ", ".join(map(str, mask)) + "]"]
+        args = ["", "", "", "[0]", _recorded([stride] * 2), _recorded([pad] * 2), "[1, 1]", "False", "[0, 0]", "1",
+                _recorded(mask)]
         return Case(op, dims, types, lambda: aten.convolution_backward(
             grad, x, w, [0], [stride, stride], [pad, pad], [1, 1], False, [0, 0], 1, mask), args)
 
@@ -207,6 +207,11 @@ def _cases(torch, op: str, rng) -> Optional[Case]:
         return Case(op, dims, types, lambda: aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad, q, k, v, out, lse, 0.0, False), ["", "", "", "", "", "", "0.", "False", "", ""])
     return None
+
+
+def _recorded(values: list) -> str:
+    """A list argument as the profiler's ``Concrete Inputs`` writes it: ``[2, 2]``, ``[False, True]``."""
+    return "[" + ", ".join(map(str, values)) + "]"
 
 
 def _activation_shape(rng) -> list:
@@ -307,7 +312,7 @@ def _layer_norm(torch, shape, rand, rng):
     d = shape[-1]
     x, w, b = rand(*shape), rand(d), rand(d)
     return Case("aten::layer_norm", [shape, [], [d], [d], [], []], ["float", "ScalarList", "float", "float", "Scalar", "Scalar"],
-                lambda: torch.nn.functional.layer_norm(x, (d,), w, b), ["", f"[{d}]", "", "", "1.0000000000000001e-05", "True"])
+                lambda: torch.nn.functional.layer_norm(x, (d,), w, b), ["", _recorded([d]), "", "", "1.0000000000000001e-05", "True"])
 
 
 def _layer_norm_backward(torch, shape, rand, rng):
@@ -320,7 +325,7 @@ def _layer_norm_backward(torch, shape, rand, rng):
     types = ["float", "float", "ScalarList", "float", "float", "float", "float", "ScalarList"]
     return Case("aten::native_layer_norm_backward", dims, types,
                 lambda: torch.ops.aten.native_layer_norm_backward(g, x, [d], mean, rstd, w, b, [True, True, True]),
-                ["", "", f"[{d}]", "", "", "", "", "[True, True, True]"])
+                ["", "", _recorded([d]), "", "", "", "", "[True, True, True]"])
 
 
 def _rows(shape) -> list:
@@ -336,7 +341,7 @@ def _reduce(op, fn):
         choices = [[-1], [0], [1]] + ([[-1, -2]] if len(shape) == 4 else [])
         dims = choices[int(rng.integers(len(choices)))]
         return Case(op, [shape, [], [], []], ["float", "ScalarList", "Scalar", ""], lambda: fn(torch, x, dims),
-                    ["", "[" + ", ".join(map(str, dims)) + "]", "False", ""])
+                    ["", _recorded(dims), "False", ""])
     return case
 
 

@@ -313,6 +313,10 @@ def _norm_path(op: str, x) -> str:
     return "channels_last" if "batch_norm" in op and len(x) > 1 and _numel(x[2:]) == 1 else ""
 
 
+def _norm_kernel(op: str, inputs, args: list) -> str:
+    return _norm_path(op, _tensor(inputs, 0) or ())
+
+
 _DIM_REDUCTIONS = frozenset({"aten::sum", "aten::mean", "aten::amax", "aten::max"})
 
 
@@ -392,6 +396,8 @@ _WORK = {
     "gemm": _gemm, "conv": _conv, "elementwise": _elementwise, "norm": _norm, "reduction": _reduction,
     "pooling": _pooling, "embedding": _embedding, "attention": _attention,
 }
+# Families whose operators run one of several kernels by their shapes or arguments: which one.
+_PATHS = {"norm": _norm_kernel, "reduction": _reduction_path}
 
 
 def work(op: str, dims, types, args=()) -> tuple[float, float, float]:
@@ -403,43 +409,36 @@ def work(op: str, dims, types, args=()) -> tuple[float, float, float]:
     return _work(op, dims, types, args)[:3]
 
 
-def _work(op: str, dims, types, args=()) -> tuple[float, float, float, list]:
-    """:func:`work`, and the family's shape parameters (GEMM: batch, M, K, N; convolution: N,
-    C, O, output pixels, kernel area; ...), the sizes its efficiency depends on."""
+def kernel_path(op: str, dims, types, args=()) -> str:
+    """The operator, and the kernel it runs where its arguments choose between kernels of
+    different cost (``aten::sum/columns``): the unit a roofline is fitted for."""
+    return _work(op, dims, types, args)[4]
+
+
+def _work(op: str, dims, types, args=()) -> tuple[float, float, float, list, str]:
+    """:func:`work`, the family's shape parameters (GEMM: batch, M, K, N; convolution: N, C,
+    O, output pixels, kernel area; ...), the sizes its efficiency depends on, and
+    :func:`kernel_path`: one reading of the recorded call for all three."""
     family = FAMILY_OF.get(op)
     if family is None:
         raise KeyError(op)
     try:
-        flops, bytes_, loops, params = _WORK[family](op, parse_shapes(dims, types), parse_args(args))
+        inputs, parsed = parse_shapes(dims, types), parse_args(args)
+        flops, bytes_, loops, params = _WORK[family](op, inputs, parsed)
+        path = _PATHS[family](op, inputs, parsed) if family in _PATHS else ""
     except (TypeError, IndexError, ValueError, ZeroDivisionError):
-        return math.nan, math.nan, math.nan, []
-    return max(flops, 1.0), max(bytes_, 1.0), float(loops), params
-
-
-def kernel_path(op: str, dims, types, args=()) -> str:
-    """The operator, and the kernel it runs where its arguments choose between kernels of
-    different cost (``aten::sum/columns``): the unit a roofline is fitted for."""
-    try:
-        inputs = parse_shapes(dims, types)
-        if FAMILY_OF.get(op) == "norm":
-            path = _norm_path(op, _tensor(inputs, 0) or ())
-        elif FAMILY_OF.get(op) == "reduction":
-            path = _reduction_path(op, inputs, parse_args(args))
-        else:
-            path = ""
-    except (TypeError, IndexError, ValueError, ZeroDivisionError):
-        path = ""
-    return f"{op}/{path}" if path else op
+        return math.nan, math.nan, math.nan, [], op
+    return max(flops, 1.0), max(bytes_, 1.0), float(loops), params, f"{op}/{path}" if path else op
 
 
 _PARAMS = 11  # shape parameters the trees see (padded)
 
 
-def _features(op_code: int, dims, types, op: str, args=()) -> list[float]:
-    """What the trees see: the operator's kernel path, its work, and its family's shape parameters."""
-    flops, bytes_, _, params = _work(op, dims, types, args)
+def _features(path_code: int, flops: float, bytes_: float, params: list) -> list[float]:
+    """What the trees see: the operator's kernel path, its work, and its family's shape
+    parameters (:func:`_work`'s)."""
     padded = (list(params) + [0] * _PARAMS)[:_PARAMS]
-    return [float(op_code), math.log2(flops + 1), math.log2(bytes_ + 1)] + [math.log2(abs(float(v)) + 1) for v in padded]
+    return [float(path_code), math.log2(flops + 1), math.log2(bytes_ + 1)] + [math.log2(float(v) + 1) for v in padded]
 
 
 # -- the models ------------------------------------------------------------------------------
@@ -520,9 +519,9 @@ class PerfModels:
             if model is None:
                 continue
             idx = rows.index.to_numpy()
-            work_ = np.array([work(ops[i], dims[i], types[i], args[i]) for i in idx], dtype=float).reshape(-1, 3)
-            flops, bytes_, loops = work_[:, 0], work_[:, 1], work_[:, 2]
-            keys = [kernel_path(ops[i], dims[i], types[i], args[i]) for i in idx]
+            done = [_work(ops[i], dims[i], types[i], args[i]) for i in idx]
+            flops, bytes_, loops = np.array([d[:3] for d in done], dtype=float).reshape(-1, 3).T
+            keys = [d[4] for d in done]
             roof = np.empty(len(idx))
             for key, positions in pd.Series(range(len(idx)), index=keys).groupby(level=0):
                 line = model.ops.get(key) or model.ops.get(key.split("/")[0], model.pooled)
@@ -530,7 +529,7 @@ class PerfModels:
                 roof[p] = line.predict_us(flops[p], bytes_[p], loops[p], self.peak_flops_per_us, self.bytes_per_us)
             if learned and model.trees:
                 codes = [model.op_codes.index(k) if k in model.op_codes else -1 for k in keys]
-                features = np.array([_features(c, dims[i], types[i], ops[i], args[i]) for c, i in zip(codes, idx)])
+                features = np.array([_features(c, *d[:2], d[3]) for c, d in zip(codes, done)])
                 finite = np.isfinite(roof)
                 if finite.any():
                     roof[finite] = roof[finite] * np.exp(model.booster().predict(features[finite]))
@@ -839,11 +838,11 @@ def fit_models(samples: pd.DataFrame, device: dict, sources: Iterable[str] = (),
     carries the measured ``peak_gflops`` and ``bandwidth_gbps`` the rooflines are drawn
     against."""
     samples = samples[samples["op"].isin(FAMILY_OF) & (samples["duration_us"] > 0)]
-    samples = _one_per_shape(_with_args(samples))
-    calls = list(zip(samples["op"], samples["dims"], samples["types"], samples["args"]))
-    work_ = np.array([work(*call) for call in calls], dtype=float).reshape(-1, 3)
-    samples = samples.assign(flops=work_[:, 0], bytes=work_[:, 1], loops=work_[:, 2], family=samples["op"].map(FAMILY_OF),
-                             path=[kernel_path(*call) for call in calls])
+    samples = _one_per_shape(samples.assign(args=_args_of(samples)))
+    done = [_work(*call) for call in zip(samples["op"], samples["dims"], samples["types"], samples["args"])]
+    flops, bytes_, loops = np.array([d[:3] for d in done], dtype=float).reshape(-1, 3).T
+    samples = samples.assign(flops=flops, bytes=bytes_, loops=loops, params=[d[3] for d in done],
+                             path=[d[4] for d in done], family=samples["op"].map(FAMILY_OF))
     samples = samples[np.isfinite(samples["flops"])].reset_index(drop=True)
     rng = np.random.default_rng(seed)
     held = np.zeros(len(samples), dtype=bool)
@@ -885,15 +884,15 @@ def shape_keys(samples: pd.DataFrame) -> pd.Series:
     """One string per sample naming its operator, input shapes and types, and scalar arguments
     where recorded: samples with the same key time the same call."""
     keys = [json.dumps([op, dims, types] + ([a] if a else []))
-            for op, dims, types, a in zip(samples["op"], samples["dims"], samples["types"], _with_args(samples)["args"])]
+            for op, dims, types, a in zip(samples["op"], samples["dims"], samples["types"], _args_of(samples))]
     return pd.Series(keys, index=samples.index, dtype=object)
 
 
-def _with_args(samples: pd.DataFrame) -> pd.DataFrame:
-    """``samples`` with an ``args`` list on every row: empty where none was recorded (a sweep
-    or trace from before they were, concatenated with one from after)."""
-    args = samples["args"] if "args" in samples else pd.Series([None] * len(samples), index=samples.index, dtype=object)
-    return samples.assign(args=[list(a) if isinstance(a, (list, tuple)) else [] for a in args])
+def _args_of(samples: pd.DataFrame) -> list:
+    """Every sample's ``args`` list: empty where none was recorded (a sweep or trace from before
+    they were, alone or concatenated with one from after)."""
+    args = samples["args"] if "args" in samples else [None] * len(samples)
+    return [list(a) if isinstance(a, (list, tuple)) else [] for a in args]
 
 
 def _fit_family(name: str, rows: pd.DataFrame, peak: float, bandwidth: float, seed: int) -> FamilyModel:
@@ -914,8 +913,7 @@ def _fit_family(name: str, rows: pd.DataFrame, peak: float, bandwidth: float, se
     if len(rows) >= 8:
         codes = sorted(rows["path"].unique())
         features = np.array([
-            _features(codes.index(key), d, t, op, a)
-            for key, op, d, t, a in zip(rows["path"], rows["op"], rows["dims"], rows["types"], rows["args"])
+            _features(codes.index(key), f, b, p) for key, f, b, p in zip(rows["path"], rows["flops"], rows["bytes"], rows["params"])
         ])
         if _trees_help(features, measured, roof, residual, seed):
             model.op_codes = codes
