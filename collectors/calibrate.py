@@ -14,6 +14,11 @@ backward is slower than on an idle worker, and backward is slower too. Their rat
 links' ``cpu_contention`` factors (``topology.Link``). Where Horovod is installed, a Horovod job
 also measures the CPU time its background loop takes per cycle on each worker's core
 (``collectors/horovod_loop_probe.py``): the links' ``horovod_loop``, the slowest worker's.
+
+Every worker of the lab runs on the one box, whatever machine the cluster puts it on, so the
+workers also share its memory: a last job streams memory and multiplies matrices on one worker
+alone, then on all of them at once (``collectors/memory_probe.py``), which gives the topology's
+``shared_memory`` (``topology.SharedMemory``, among the whole cluster).
 """
 
 from __future__ import annotations
@@ -72,6 +77,42 @@ def measure_horovod_loop(spec: LabSpec, out_dir: Path, cycle_ms: float) -> dict:
     return json.loads((out_dir / "horovod_loop.json").read_text())
 
 
+def measure_shared_memory(spec: LabSpec, out_dir: Path) -> dict:
+    argv = [sys.executable, "-m", "whatif.collectors.memory_probe"]
+    result = run_job(spec, "ddp", argv, out_dir, timeout_s=300)
+    if any(result.exit_codes):
+        raise LabError(f"the shared-memory probe failed; see the logs in {out_dir}")
+    return json.loads((out_dir / "shared_memory.json").read_text())
+
+
+def fit_shared_memory(measured: dict) -> dict:
+    """The lab's ``shared_memory``: one worker's streaming rate alone, all workers' rates
+    together while they all stream, and the slowest worker's matrix products beside the others
+    against alone (never below 1: a ratio under 1 is noise)."""
+    total = sum(measured["stream_bytes_per_s_shared"])
+    compute = measured["gemm_flops_per_s_alone"] / min(measured["gemm_flops_per_s_shared"])
+    return {
+        "among": "cluster",
+        "core_bandwidth": f"{measured['stream_bytes_per_s_alone'] / 1e9:.2f}GB/s",
+        "total_bandwidth": f"{total / 1e9:.2f}GB/s",
+        "compute": round(max(compute, 1.0), 4),
+    }
+
+
+def add_shared_memory(links_yaml: Path, bandwidth_mbit: float, work_dir: Path = None) -> dict:
+    """Measure the lab's shared memory into an existing topology YAML, keeping the rest of it;
+    the file is replaced only once the measurement is done."""
+    work_dir = Path(work_dir or tempfile.mkdtemp(prefix="whatif-calibrate-"))
+    doc = yaml.safe_load(links_yaml.read_text())
+    measured = measure_shared_memory(LabSpec(1, 2, bandwidth_mbit), work_dir / "shared_memory")
+    doc["shared_memory"] = fit_shared_memory(measured)
+    doc.setdefault("measured", {})["shared_memory"] = measured
+    written = links_yaml.with_name(links_yaml.name + ".new")
+    written.write_text(yaml.safe_dump(doc, sort_keys=False))
+    written.replace(links_yaml)
+    return doc
+
+
 def calibrate(bandwidth_mbit: float, out_yaml: Path, work_dir: Path = None, horovod_cycle_ms: float = 5.0) -> dict:
     """Measure across two machines and inside one; write the fitted topology to ``out_yaml``.
     Horovod's loop is measured at ``horovod_cycle_ms``, the cycle time of the jobs to predict."""
@@ -84,6 +125,7 @@ def calibrate(bandwidth_mbit: float, out_yaml: Path, work_dir: Path = None, horo
             loop = measure_horovod_loop(spec, work_dir / f"horovod_loop_{where}", horovod_cycle_ms)
             contention[where]["horovod_loop"] = f"{max(loop['cpu_us_per_cycle']):.1f}us"
             measured[where]["horovod_loop"] = loop
+    shared = measure_shared_memory(specs["inside_a_machine"], work_dir / "shared_memory")
     across, inside = measured["across_machines"], measured["inside_a_machine"]
     nic = fit_ring(across["sizes_bytes"], across["seconds"], 2, bandwidth_mbit * 1e6 / 8)
     # inside a machine the "link" is loopback, unshaped: fit its bandwidth with efficiency 1
@@ -103,7 +145,8 @@ def calibrate(bandwidth_mbit: float, out_yaml: Path, work_dir: Path = None, horo
             "efficiency": round(nic["efficiency"], 4),
             "cpu_contention": contention["across_machines"],
         },
-        "measured": measured,
+        "shared_memory": fit_shared_memory(shared),
+        "measured": {**measured, "shared_memory": shared},
     }
     out_yaml.write_text(yaml.safe_dump(doc, sort_keys=False))
     return doc

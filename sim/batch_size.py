@@ -51,6 +51,7 @@ import pandas as pd
 from .graph import GraphError, TaskGraph, TaskKind
 from .optimizations import DATA_LOADING
 from .perfmodels import FAMILY_OF, VIEW_OPS, PerfModels, operator_units
+from .shared_memory import MEMORY_BYTES
 
 _ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
 _OUTSIDE_MODEL = re.compile(DATA_LOADING + r"|Optimizer\.|whatif\.capture")
@@ -219,6 +220,8 @@ def change_batch_size(
     factors[loading] = to_batch / from_batch
     change.data_loading_tasks = int(loading.sum())
     graph.tasks["duration_us"] = duration * factors
+    if MEMORY_BYTES in graph.tasks:  # an operator's bytes scale with its time
+        graph.tasks[MEMORY_BYTES] = graph.tasks[MEMORY_BYTES].to_numpy() * factors
     graph.notes.append(change.describe())
     return change
 

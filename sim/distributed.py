@@ -40,6 +40,7 @@ from .graph import CPU_WORK_KINDS, GPU_TASK_KINDS, EdgeKind, GraphError, TaskGra
 from .framework_copies import add_ddp_copies, add_ddp_copy_back, horovod_copy_us
 from .optimizations import OPTIMIZER_STEP
 from .policies import Fifo, HorovodCycle, Priority
+from .shared_memory import shared_memory_factors
 
 POLICIES = ("fifo", "p3")
 _WEIGHT_OPS = re.compile(
@@ -138,6 +139,8 @@ def simulate_cluster(worker: TaskGraph, gradients: Gradients, iterations: pd.Dat
                 back = add_ddp_copy_back(worker, consumer, sent, rate)
                 if back is not None:
                     copy_back[it] = back
+    if config.cluster.workers_sharing_memory > 1:
+        worker = _with_shared_memory(worker, config.cluster)
     if config.framework == "horovod":
         worker = _with_horovod_loop(worker, _driving_link(config), config.options.cycle_time_us)
     n = len(worker.tasks)
@@ -228,6 +231,19 @@ def _cpu_work(tasks: pd.DataFrame) -> np.ndarray:
     on_cpu = np.char.startswith(resource, "cpu ") | (np.char.find(resource, ": cpu ") >= 0)
     busy = tasks["duration_us"].to_numpy(dtype=float) > 0
     return np.flatnonzero(np.isin(tasks["kind"].to_numpy(), CPU_WORK_KINDS) & on_cpu & busy)
+
+
+def _with_shared_memory(worker: TaskGraph, cluster: Cluster) -> TaskGraph:
+    """The worker with its CPU work slowed by its peers on the same memory system, who run the
+    same tasks at the same moments (``sim/shared_memory.py``)."""
+    shared = cluster.shared_memory
+    slowed = worker.copy()
+    cpu = _cpu_work(slowed.tasks)
+    factors = shared_memory_factors(slowed.tasks, cpu, shared.core_bandwidth_bytes_per_us,
+                                    shared.memory_slowdown(cluster.workers_sharing_memory), shared.compute_slowdown)
+    column = slowed.tasks.columns.get_loc("duration_us")
+    slowed.tasks.iloc[cpu, column] *= factors
+    return slowed
 
 
 def _with_horovod_loop(worker: TaskGraph, link, cycle_us: float) -> TaskGraph:

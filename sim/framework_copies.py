@@ -36,6 +36,7 @@ from whatif.collectors.kineto import KinetoTrace
 from .gradients import Gradients, first_input_bytes
 from .graph import TaskGraph, TaskKind
 from .optimizations import OPTIMIZER_STEP
+from .shared_memory import MEMORY_BYTES
 
 IN_PLACE_UPDATE = r"^aten::(add|mul|sub|div|addcmul|addcdiv|lerp|copy|_foreach_\w+)_$"
 MIN_UPDATE_BYTES = 256e3
@@ -74,6 +75,7 @@ def add_ddp_copies(worker: TaskGraph, gradients: Gradients, bytes_per_us: float)
                              kind=TaskKind.CPU)
         handed_over = worker.tasks.at[g.ready_task, "measured_end_us"]  # orders the buckets as before
         worker.tasks.loc[copy, ["measured_start_us", "measured_end_us"]] = handed_over
+        _streams(worker, copy, g.nbytes)
         copied.append(replace(g, ready_task=copy))
     return Gradients(copied, gradients.source)
 
@@ -88,8 +90,16 @@ def add_ddp_copy_back(worker: TaskGraph, consumer: int, nbytes: float, bytes_per
     if not len(same):
         return None
     before = int(same[np.argmax(key[same])])
-    return worker.insert(before, consumer, "DDP: copy buckets back into gradients", nbytes / bytes_per_us,
+    back = worker.insert(before, consumer, "DDP: copy buckets back into gradients", nbytes / bytes_per_us,
                          resource=resource[consumer], kind=TaskKind.CPU)
+    _streams(worker, back, nbytes)
+    return back
+
+
+def _streams(worker: TaskGraph, copy: int, nbytes: float) -> None:
+    """A copy reads and writes its bytes (``sim/shared_memory.py``), where the graph counts them."""
+    if MEMORY_BYTES in worker.tasks:
+        worker.tasks.at[copy, MEMORY_BYTES] = 2 * nbytes
 
 
 def horovod_copy_us(bytes_per_us: float):

@@ -190,3 +190,14 @@ def test_a_what_if_that_removes_every_task_is_an_error_not_an_empty_table(good_t
     status, out, err = run_cli(capsys, ["simulate", good_trace, "--remove", "ProfilerStep"])
     assert_one_line_error(status, err, "removed every task")
     assert out == ""
+
+
+@pytest.mark.parametrize("content", [None, b"machines: 2\n", b"intra_node: [\n"])
+def test_a_topology_to_add_shared_memory_to_must_be_a_calibrated_one(tmp_path, capsys, content):
+    path = tmp_path / "links.yaml"
+    if content is not None:
+        path.write_bytes(content)
+    status, out, err = run_cli(capsys, ["lab", "calibrate", "--shared-memory-into", path])
+    assert_one_line_error(status, err, path)
+    assert out == ""
+    assert (path.read_bytes() if path.exists() else None) == content

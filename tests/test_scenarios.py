@@ -95,6 +95,17 @@ def test_framework_options_take_units(tmp_path):
     assert scenario.gradient_total == 80e6
 
 
+def test_a_calibrated_links_file_brings_the_shared_memory_it_measured(tmp_path):
+    (tmp_path / "lab.yaml").write_text(
+        "intra_node: {bandwidth: 1GB/s, latency: 60us}\ninter_node: {bandwidth: 400Mbps, latency: 0us}\n"
+        "shared_memory: {among: cluster, core_bandwidth: 42GB/s, total_bandwidth: 50GB/s, compute: 1.02}\n"
+    )
+    path = write_scenario(tmp_path, GOOD_TRACE + "cluster: {machines: [1, 2], gpus_per_machine: 1, links: lab.yaml}\n")
+    points = load_scenario(path).points
+    assert [p.cluster.workers_sharing_memory for p in points] == [1, 2], "the lab's machines share one box"
+    assert all(p.cluster.shared_memory.compute_slowdown == 1.02 for p in points)
+
+
 def test_a_relative_trace_path_is_relative_to_the_scenario_file(tmp_path, monkeypatch):
     (tmp_path / "traces").mkdir()
     (tmp_path / "scenarios").mkdir()
@@ -140,6 +151,11 @@ BAD_SCENARIOS = {
         GOOD_TRACE + "cluster: {machines: 2, gpus_per_machine: 1, intra_node: nvlink2,"
         " inter_node: {bandwidth: '10', latency: 5us}}\n",
         "cluster.inter_node.bandwidth", "unit",
+    ),
+    "a negative memory bandwidth": (
+        GOOD_TRACE + "cluster: {machines: 1, gpus_per_machine: 2, intra_node: nvlink2, inter_node: 10gbe,"
+        " shared_memory: {among: machine, core_bandwidth: 40GB/s, total_bandwidth: -48GB/s}}\n",
+        "cluster.shared_memory.total_bandwidth", "-48GB/s",
     ),
     "a trace that is not there": ("trace: no_such_trace.json.gz\n" + CLUSTER, "trace", "no_such_trace.json.gz"),
     "unknown policy": (GOOD_TRACE + CLUSTER + "policy: [fifo, lifo]\n", "policy", "lifo"),

@@ -7,7 +7,7 @@
 * ``network``: a SimPy model of links shared max-min fairly, which times plans and transfers.
 """
 
-from .cluster import Cluster, Link, link_presets, load_cluster, preset_names
+from .cluster import Cluster, Link, SharedMemory, link_presets, load_cluster, preset_names
 from .collectives import (
     ALGORITHMS,
     allreduce_time_us,
@@ -39,6 +39,7 @@ __all__ = [
     "ALGORITHMS",
     "Cluster",
     "Link",
+    "SharedMemory",
     "Network",
     "NicTraffic",
     "Plan",

@@ -43,7 +43,8 @@ from .units import (
 
 LINK_KINDS = ("inter_node", "intra_node")
 _LINK_KEYS = ("preset", "bandwidth", "latency", "efficiency", "cpu_contention", "note")
-_CLUSTER_KEYS = ("machines", "gpus_per_machine", "intra_node", "inter_node", "server_machines", "name", "note")
+_CLUSTER_KEYS = ("machines", "gpus_per_machine", "intra_node", "inter_node", "server_machines", "shared_memory", "name", "note")
+_SHARED_MEMORY_KEYS = ("among", "core_bandwidth", "total_bandwidth", "compute", "note")
 
 
 def _join(key: str, sub: str) -> str:
@@ -201,6 +202,64 @@ def link_presets() -> dict:
     return presets
 
 
+@dataclass(frozen=True)
+class SharedMemory:
+    """CPU workers that share one memory system slow each other down where they stream memory
+    at the same time, as data-parallel workers do, running the same step in lockstep.
+
+    A worker alone streams at ``core_bandwidth_bytes_per_us``; all the workers that share the
+    memory stream ``total_bandwidth_bytes_per_us`` together, split evenly, so a worker's
+    memory traffic takes ``core / min(core, total / sharing)`` times as long, and the rest of its
+    CPU work ``compute_slowdown`` times as long (``whatif lab calibrate`` measures all three,
+    ``collectors/memory_probe.py``). ``among`` says who shares: the workers of a ``machine``
+    (CPU workers of a real cluster), or the whole ``cluster`` (the lab, whose machines are
+    network namespaces of one box). GPU workers stream from their own memory: leave it out.
+    YAML: ``shared_memory: {among: cluster, core_bandwidth: 40GB/s, total_bandwidth: 48GB/s,
+    compute: 1.0}``."""
+
+    among: str
+    core_bandwidth_bytes_per_us: float
+    total_bandwidth_bytes_per_us: float
+    compute_slowdown: float = 1.0
+
+    def __post_init__(self):
+        if self.among not in ("machine", "cluster"):
+            raise TopologyError("shared_memory.among", f"must be machine or cluster, got {self.among!r}")
+        for key, value in (("core_bandwidth", self.core_bandwidth_bytes_per_us), ("total_bandwidth", self.total_bandwidth_bytes_per_us)):
+            if not (np.isfinite(value) and value > 0):
+                raise TopologyError(f"shared_memory.{key}", f"must be positive, got {value}")
+        if not (np.isfinite(self.compute_slowdown) and self.compute_slowdown >= 1):
+            raise TopologyError("shared_memory.compute", f"must be a factor >= 1, got {self.compute_slowdown}")
+
+    def memory_slowdown(self, sharing: int) -> float:
+        """How much longer a worker's memory traffic takes while ``sharing`` workers stream."""
+        if sharing <= 1:
+            return 1.0
+        return self.core_bandwidth_bytes_per_us / min(self.core_bandwidth_bytes_per_us, self.total_bandwidth_bytes_per_us / sharing)
+
+    @classmethod
+    def from_config(cls, value: Any, key: str = "shared_memory") -> "SharedMemory":
+        if not isinstance(value, Mapping):
+            raise TopologyError(key, f"expected {{among: cluster, core_bandwidth: 40GB/s, total_bandwidth: 48GB/s}}, got {value!r}")
+        _check_keys(value, _SHARED_MEMORY_KEYS, key)
+        for required in ("among", "core_bandwidth", "total_bandwidth"):
+            if required not in value:
+                raise TopologyError(_join(key, required), "missing; whatif lab calibrate measures it")
+        raw = value.get("compute", 1.0)
+        try:
+            compute = float(raw)
+        except (TypeError, ValueError):
+            raise TopologyError(_join(key, "compute"), f"expected a number >= 1, got {raw!r}") from None
+        if not (np.isfinite(compute) and compute >= 1):
+            raise TopologyError(_join(key, "compute"), f"must be a factor >= 1, got {raw!r}")
+        return cls(
+            among=str(value["among"]),
+            core_bandwidth_bytes_per_us=parse_bandwidth(value["core_bandwidth"], _join(key, "core_bandwidth")),
+            total_bandwidth_bytes_per_us=parse_bandwidth(value["total_bandwidth"], _join(key, "total_bandwidth")),
+            compute_slowdown=compute,
+        )
+
+
 def preset_names(kind: str) -> list:
     """Names of the link presets of ``kind`` (``inter_node`` or ``intra_node``)."""
     return list(link_presets()[kind])
@@ -254,6 +313,7 @@ class Cluster:
     inter_node: Link
     server_machines: int = 0
     name: str = ""
+    shared_memory: Optional[SharedMemory] = None
 
     def __post_init__(self):
         _count(self.machines, "machines", 1)
@@ -262,6 +322,13 @@ class Cluster:
         for kind in LINK_KINDS:
             if not isinstance(getattr(self, kind), Link):
                 raise TopologyError(kind, f"expected a Link, got {getattr(self, kind)!r}")
+
+    @property
+    def workers_sharing_memory(self) -> int:
+        """How many workers share each worker's memory system (1: none, or no ``shared_memory``)."""
+        if self.shared_memory is None:
+            return 1
+        return self.n_gpus if self.shared_memory.among == "cluster" else self.gpus_per_machine
 
     # -- endpoints -------------------------------------------------------------------------------
 
@@ -337,6 +404,10 @@ class Cluster:
             inter_node=Link.from_config(config["inter_node"], _join(key, "inter_node"), "inter_node"),
             server_machines=_count(config.get("server_machines", 0), _join(key, "server_machines"), 0),
             name=str(config.get("name", "")),
+            shared_memory=(
+                SharedMemory.from_config(config["shared_memory"], _join(key, "shared_memory"))
+                if config.get("shared_memory") is not None else None
+            ),
         )
 
 

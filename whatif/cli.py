@@ -11,11 +11,12 @@ from typing import Optional, Sequence
 import msgspec
 import numpy as np
 import pandas as pd
+import yaml
 
 from whatif.analyses import run_critical_path, run_overheads
 from whatif.collectors.capture import CaptureError, collect
 from whatif.collectors.kineto import TraceError
-from whatif.collectors.calibrate import calibrate
+from whatif.collectors.calibrate import add_shared_memory, calibrate
 from whatif.collectors.lab import LabError, LabSpec, run_job
 from whatif.collectors.validate import as_record
 from whatif.collectors.validate import validate as validate_point
@@ -136,6 +137,8 @@ def _parser() -> argparse.ArgumentParser:
     lab_cal.add_argument("--bandwidth", default="200Mbps", help="the NIC rate to calibrate at")
     lab_cal.add_argument("--out", type=Path, default=Path("lab-topology.yaml"), help="topology YAML to write")
     lab_cal.add_argument("--horovod-cycle", default="5ms", help="Horovod's cycle time to measure its loop at (default: 5ms)")
+    lab_cal.add_argument("--shared-memory-into", type=Path, metavar="YAML",
+                         help="measure only the workers' shared memory, into this existing topology YAML")
     return parser
 
 
@@ -229,6 +232,8 @@ def _refuse_inputs(path: Path, inputs: tuple) -> None:
 def run_lab(args: argparse.Namespace) -> int:
     if args.lab_command == "calibrate":
         bandwidth_mbit = as_gbps(parse_bandwidth(args.bandwidth, "--bandwidth")) * 1e3
+        if args.shared_memory_into is not None:
+            return _calibrate_shared_memory(args.shared_memory_into, bandwidth_mbit)
         doc = calibrate(bandwidth_mbit, args.out, horovod_cycle_ms=parse_latency(args.horovod_cycle, "--horovod-cycle") / 1e3)
         nic, intra = doc["inter_node"], doc["intra_node"]
         print(f"NIC at {nic['bandwidth']}: latency {nic['latency']}, efficiency {nic['efficiency']}")
@@ -236,6 +241,7 @@ def run_lab(args: argparse.Namespace) -> int:
         if "horovod_loop" in nic["cpu_contention"]:
             loops = nic["cpu_contention"]["horovod_loop"], intra["cpu_contention"]["horovod_loop"]
             print(f"Horovod's loop per {args.horovod_cycle} cycle: {loops[0]} across machines, {loops[1]} inside one")
+        _print_shared_memory(doc["shared_memory"])
         print(f"written to {args.out}")
         return 0
     argv = args.script[1:] if args.script[:1] == ["--"] else args.script
@@ -255,6 +261,23 @@ def run_lab(args: argparse.Namespace) -> int:
     if failed:
         raise LabError(f"workers {failed} failed; see their logs in {args.out}")
     return 0
+
+
+def _calibrate_shared_memory(path: Path, bandwidth_mbit: float) -> int:
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as err:
+        raise UsageError(f"{path}: cannot read it as a topology YAML ({str(err).splitlines()[0]})") from None
+    if not isinstance(doc, dict) or not {"intra_node", "inter_node"} <= set(doc):
+        raise UsageError(f"{path}: has no intra_node and inter_node links; write one with whatif lab calibrate --out")
+    _print_shared_memory(add_shared_memory(path, bandwidth_mbit)["shared_memory"])
+    print(f"added to {path}")
+    return 0
+
+
+def _print_shared_memory(shared: dict) -> None:
+    print(f"memory: one worker streams {shared['core_bandwidth']} alone, all together {shared['total_bandwidth']}; "
+          f"compute beside them x{shared['compute']}")
 
 
 def run_collect(args: argparse.Namespace) -> int:

@@ -15,6 +15,7 @@ from whatif.sim.engine import simulate
 from whatif.sim.gradients import find_gradients
 from whatif.sim.graph import TaskKind
 from whatif.sim.profiler_overhead import ProfilerOverhead, remove_profiler_overhead
+from whatif.sim.shared_memory import add_memory_bytes
 from whatif.study import TraceStudy, WhatIf
 
 from .scenario import Scenario
@@ -36,6 +37,8 @@ def predict_scenario(scenario: Scenario) -> ScenarioResult:
     is a bundle that measured it (``sim/profiler_overhead.py``)."""
     study = TraceStudy.from_trace(scenario.trace, scenario.iteration)
     worker = WhatIf(optimizations=scenario.optimizations).apply(study.graph)
+    if any(point.cluster.workers_sharing_memory > 1 for point in scenario.points):
+        add_memory_bytes(worker, study.trace)
     overhead = None
     bundle = study.trace.bundle
     if scenario.remove_profiler_overhead and bundle is not None and bundle.unprofiled_step_ms:

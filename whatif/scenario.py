@@ -10,6 +10,7 @@ A scenario file looks like::
       intra_node: nvlink2                             # preset or {bandwidth, latency, efficiency}
       inter_node: {bandwidth: [10Gbps, 20Gbps, 40Gbps], latency: 5us}
       links: lab-topology.yaml                        # optional: links from whatif lab calibrate
+      shared_memory: {among: machine, core_bandwidth: 40GB/s, total_bandwidth: 60GB/s}  # CPU workers only
     framework: horovod                                # horovod | ddp | ps, or a list
     policy: fifo                                      # fifo | p3, or a list
     collective: ring                                  # ring | hierarchical (all-reduce algorithm)
@@ -49,7 +50,7 @@ _TOP_KEYS = (
     "gradients", "stragglers", "framework_options", "replicate", "network", "profiler_overhead", "batch_size",
     "perfmodel", "name", "description",
 )
-_CLUSTER_KEYS = ("machines", "gpus_per_machine", "intra_node", "inter_node", "server_machines", "name", "links")
+_CLUSTER_KEYS = ("machines", "gpus_per_machine", "intra_node", "inter_node", "server_machines", "shared_memory", "name", "links")
 _OPTION_KEYS = {
     "bucket_cap": "bucket_cap_bytes",
     "first_bucket": "first_bucket_bytes",
@@ -218,8 +219,8 @@ def _batch_size(path: Path, spec, scenario: Scenario) -> None:
 
 
 def _with_links_file(path: Path, cluster: dict) -> dict:
-    """``links: FILE`` (e.g. written by ``whatif lab calibrate``) supplies intra_node and
-    inter_node; keys the scenario gives itself win, so a bandwidth list can vary a calibrated
+    """``links: FILE`` (e.g. written by ``whatif lab calibrate``) supplies intra_node,
+    inter_node and shared_memory where it has one; keys the scenario gives itself win, so a bandwidth list can vary a calibrated
     link's rate while keeping its latency and efficiency."""
     if "links" not in cluster:
         return cluster
@@ -235,6 +236,8 @@ def _with_links_file(path: Path, cluster: dict) -> dict:
     if not isinstance(links, dict) or not {"intra_node", "inter_node"} <= set(links):
         raise ScenarioError(path, "cluster.links", f"{links_path} has no intra_node and inter_node links")
     merged = {k: v for k, v in cluster.items() if k != "links"}
+    if "shared_memory" in links and "shared_memory" not in merged:
+        merged["shared_memory"] = links["shared_memory"]
     for key in ("intra_node", "inter_node"):
         mine = merged.get(key)
         if mine is None:
