@@ -102,8 +102,13 @@ def fit_shared_memory(measured: dict) -> dict:
 def add_shared_memory(links_yaml: Path, bandwidth_mbit: float, work_dir: Path = None) -> dict:
     """Measure the lab's shared memory into an existing topology YAML, keeping the rest of it;
     the file is replaced only once the measurement is done."""
+    try:
+        doc = yaml.safe_load(links_yaml.read_text())
+    except (OSError, yaml.YAMLError) as err:
+        raise LabError(f"{links_yaml}: cannot read it as a topology YAML ({str(err).splitlines()[0]})") from None
+    if not isinstance(doc, dict) or not {"intra_node", "inter_node"} <= set(doc):
+        raise LabError(f"{links_yaml}: has no intra_node and inter_node links; write one with whatif lab calibrate --out")
     work_dir = Path(work_dir or tempfile.mkdtemp(prefix="whatif-calibrate-"))
-    doc = yaml.safe_load(links_yaml.read_text())
     measured = measure_shared_memory(LabSpec(1, 2, bandwidth_mbit), work_dir / "shared_memory")
     doc["shared_memory"] = fit_shared_memory(measured)
     doc.setdefault("measured", {})["shared_memory"] = measured

@@ -171,15 +171,19 @@ def _cpu_contention(value: Any, key: str) -> dict:
     if "horovod_loop" in value:
         factors["horovod_loop_us"] = parse_latency(value["horovod_loop"], _join(key, "horovod_loop"))
     for name in ("comm", "compute"):
-        raw = value.get(name, 1.0)
-        try:
-            factor = float(raw)
-        except (TypeError, ValueError):
-            raise TopologyError(_join(key, name), f"expected a number >= 1, got {raw!r}") from None
-        if not (np.isfinite(factor) and factor >= 1):
-            raise TopologyError(_join(key, name), f"must be a factor >= 1, got {raw!r}")
-        factors[f"{name}_slowdown"] = factor
+        factors[f"{name}_slowdown"] = _slowdown(value.get(name, 1.0), _join(key, name))
     return factors
+
+
+def _slowdown(raw: Any, key: str) -> float:
+    """A slowdown factor from YAML: a number, at least 1."""
+    try:
+        factor = float(raw)
+    except (TypeError, ValueError):
+        raise TopologyError(key, f"expected a number >= 1, got {raw!r}") from None
+    if not (np.isfinite(factor) and factor >= 1):
+        raise TopologyError(key, f"must be a factor >= 1, got {raw!r}")
+    return factor
 
 
 @functools.lru_cache(maxsize=None)
@@ -245,18 +249,11 @@ class SharedMemory:
         for required in ("among", "core_bandwidth", "total_bandwidth"):
             if required not in value:
                 raise TopologyError(_join(key, required), "missing; whatif lab calibrate measures it")
-        raw = value.get("compute", 1.0)
-        try:
-            compute = float(raw)
-        except (TypeError, ValueError):
-            raise TopologyError(_join(key, "compute"), f"expected a number >= 1, got {raw!r}") from None
-        if not (np.isfinite(compute) and compute >= 1):
-            raise TopologyError(_join(key, "compute"), f"must be a factor >= 1, got {raw!r}")
         return cls(
             among=str(value["among"]),
             core_bandwidth_bytes_per_us=parse_bandwidth(value["core_bandwidth"], _join(key, "core_bandwidth")),
             total_bandwidth_bytes_per_us=parse_bandwidth(value["total_bandwidth"], _join(key, "total_bandwidth")),
-            compute_slowdown=compute,
+            compute_slowdown=_slowdown(value.get("compute", 1.0), _join(key, "compute")),
         )
 
 
