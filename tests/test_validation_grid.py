@@ -131,23 +131,39 @@ def captures_timing(monkeypatch):
     return timings
 
 
-def test_a_capture_whose_plain_steps_disagree_is_taken_again(captures_timing, tmp_path):
+def test_the_capture_process_of_median_speed_is_kept(captures_timing, tmp_path):
+    import json
+    import statistics
+
+    from whatif.collectors.bundle import read_bundle
+    from whatif.collectors.validate import capture, captures_record
+
+    slow, fast, middle = ([ms * factor for ms in STEADY_MS] for factor in (1.3, 0.75, 1.0))
+    captures_timing += [slow, fast, middle]
+    bundle = capture("vgg", tmp_path)
+    assert read_bundle(bundle).unprofiled_step_ms == middle
+    assert not captures_timing, "every process is captured, a steady one does not end them"
+    assert json.loads(captures_record(bundle).read_text()) == pytest.approx([statistics.median(t) for t in (slow, fast, middle)])
+    assert sorted(p.name for p in bundle.parent.iterdir()) == sorted([bundle.name, captures_record(bundle).name]), \
+        "no other process's bundle is left behind"
+
+
+def test_an_unsteady_capture_is_passed_over_while_a_steady_one_exists(captures_timing, tmp_path):
     from whatif.collectors.bundle import read_bundle
     from whatif.collectors.validate import capture
 
     captures_timing += [UNSTEADY_MS, STEADY_MS, UNSTEADY_MS]
     bundle = capture("vgg", tmp_path)
     assert read_bundle(bundle).unprofiled_step_ms == STEADY_MS
-    assert captures_timing == [UNSTEADY_MS], "a steady capture ends the retries"
-    assert sorted(p.name for p in bundle.parent.iterdir()) == [bundle.name], "no attempt is left behind"
 
 
-def test_when_every_capture_is_unsteady_the_steadiest_is_kept(captures_timing, tmp_path):
+def test_when_every_capture_is_unsteady_the_one_of_median_speed_is_kept(captures_timing, tmp_path):
     from whatif.collectors.bundle import read_bundle
-    from whatif.collectors.validate import CAPTURE_ATTEMPTS, capture, plain_step_spread
+    from whatif.collectors.validate import capture, plain_step_spread
 
     wilder = [ms * (1 + 0.2 * (i % 2)) for i, ms in enumerate(UNSTEADY_MS)]
-    captures_timing += [wilder, UNSTEADY_MS, wilder][:CAPTURE_ATTEMPTS]
+    slower = [ms * 1.5 for ms in UNSTEADY_MS]
+    captures_timing += [slower, wilder, UNSTEADY_MS]
     bundle = capture("vgg", tmp_path)
-    assert read_bundle(bundle).unprofiled_step_ms == UNSTEADY_MS
+    assert read_bundle(bundle).unprofiled_step_ms == wilder
     assert plain_step_spread(read_bundle(bundle).unprofiled_step_ms) > 0.05 and not captures_timing
