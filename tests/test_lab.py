@@ -143,6 +143,18 @@ def test_contention_is_the_busy_to_idle_ratio_of_large_all_reduces_and_the_lost_
 
 @can_run
 @needs_torch
+def test_a_probe_run_several_times_gives_the_median_of_every_figure():
+    from whatif.collectors.calibrate import median_of_runs
+
+    runs = [
+        {"sizes_bytes": [1, 2], "seconds": [0.1, 1.0], "compute_rate_alone": 900.0, "world_size": 2},
+        {"sizes_bytes": [1, 2], "seconds": [0.3, 2.0], "compute_rate_alone": 3000.0, "world_size": 2},
+        {"sizes_bytes": [1, 2], "seconds": [0.2, 1.5], "compute_rate_alone": 1000.0, "world_size": 2},
+    ]
+    assert median_of_runs(runs) == {"sizes_bytes": [1, 2], "seconds": [0.2, 1.5], "compute_rate_alone": 1000.0,
+                                    "world_size": 2}
+
+
 def test_calibrate_writes_links_a_scenario_can_use(tmp_path):
     from whatif.collectors.calibrate import calibrate
     from whatif.scenario import load_scenario
