@@ -2,21 +2,20 @@
 
 Started by the lab as every worker of a job (``python -m whatif.collectors.allreduce_probe
 SIZE_BYTES ...``). Each size is timed twice: on an otherwise idle worker, and while a thread of
-the same process computes without pause (matrix products on the core the worker is pinned to,
-as a training step's backward pass would while its gradients are all-reduced). The computing
-thread also counts its products, during the all-reduces and in a window just before each of
-them, as long as that size's idle all-reduce, which says how much the communication slows the compute
+the same process computes without pause (matrix products on the core the worker is pinned to, as
+a training step's backward pass would while its gradients are all-reduced). The computing thread
+also counts its products, during the all-reduces and in a window just before each of them, as
+long as that size's idle all-reduce, which says how much the communication slows the compute
 down. The windows alternate with the all-reduces because this machine's speed drifts: with one
 half-second window before them all, the rate alone came out at 1 866 products a second in one
 calibration and 2 816 in the next, and the compute slowdown of two workers sharing a machine at
 1.0 and 1.55 (three calibrations with these windows: 1.50 to 1.53). The thread does not pause
 between them: the kernel favours a thread that has slept, and a compute thread paused for each
 idle all-reduce and woken for the busy one lost 1.16 to 1.22 times its rate and slowed the
-all-reduces 2.1 to 2.5 times, where a training step's backward pass computes without pause.
-Rank 0 writes ``$WHATIF_LAB_OUT/allreduce.json``:
-``sizes_bytes``, ``seconds`` (idle) and ``seconds_busy`` (medians of several repetitions), and
-``compute_rate_alone`` / ``compute_rate_during_comm`` (products per second, over all the
-windows of each kind).
+all-reduces 2.1 to 2.5 times, where a training step's backward pass computes without pause. Rank
+0 writes ``$WHATIF_LAB_OUT/allreduce.json``: ``sizes_bytes``, ``seconds`` (idle) and
+``seconds_busy`` (medians of several repetitions), and ``compute_rate_alone`` /
+``compute_rate_during_comm`` (products per second, over all the windows of each kind).
 """
 
 from __future__ import annotations

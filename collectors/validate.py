@@ -3,7 +3,8 @@
 For one example model (``examples/``) and one configuration:
 
 1. capture a single-worker bundle of the model on one core (``whatif collect``), which also
-   times steps without the profiler, so that its overhead can be taken out of the prediction;
+   times steps without the profiler, so that its overhead can be taken out of the prediction,
+   in three processes, keeping the one of median speed;
 2. predict the configuration from it with ``whatif predict``'s machinery, on links calibrated on
    the lab's own network (``whatif lab calibrate``), with the framework settings the real run
    uses (Horovod's fusion buffer and cycle time are set explicitly for both);
