@@ -239,10 +239,9 @@ def _with_shared_memory(worker: TaskGraph, cluster: Cluster) -> TaskGraph:
     shared = cluster.shared_memory
     slowed = worker.copy()
     cpu = _cpu_work(slowed.tasks)
-    factors = shared_memory_factors(slowed.tasks, cpu, shared.core_bandwidth_bytes_per_us,
-                                    shared.memory_slowdown(cluster.workers_sharing_memory), shared.compute_slowdown)
-    column = slowed.tasks.columns.get_loc("duration_us")
-    slowed.tasks.iloc[cpu, column] *= factors
+    slowed.scale(cpu, shared_memory_factors(slowed.tasks, cpu, shared.core_bandwidth_bytes_per_us,
+                                            shared.memory_slowdown(cluster.workers_sharing_memory),
+                                            shared.compute_slowdown))
     return slowed
 
 

@@ -114,12 +114,14 @@ class TaskGraph:
 
     # -- transformation primitives -------------------------------------------------------------
 
-    def scale(self, task_ids: np.ndarray, factor: float) -> None:
-        """Multiply the durations of ``task_ids`` by ``factor`` (0.5 = twice as fast)."""
-        if not np.isfinite(factor) or factor < 0:
+    def scale(self, task_ids: np.ndarray, factor) -> None:
+        """Multiply the durations of ``task_ids`` by ``factor`` (0.5 = twice as fast), one for
+        all of them or one per task."""
+        factors = np.asarray(factor, dtype=float)
+        if not (np.isfinite(factors).all() and (factors >= 0).all()):
             raise GraphError(f"scale factor must be a non-negative number, got {factor}")
         col = self.tasks.columns.get_loc("duration_us")
-        self.tasks.iloc[np.asarray(task_ids, dtype=np.int64), col] *= factor
+        self.tasks.iloc[np.asarray(task_ids, dtype=np.int64), col] *= factors
 
     def insert(
         self,

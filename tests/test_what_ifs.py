@@ -84,6 +84,16 @@ def test_scaling_by_a_pattern_halves_exactly_the_tasks_named_or_enclosed_by_it(t
     assert (matched & kernels & ~names.str.contains("conv").to_numpy()).any()
 
 
+def test_scaling_takes_one_factor_per_task_and_refuses_a_negative_one(traces):
+    graph = traces.study(RESNET50).graph.copy()
+    before = graph.tasks["duration_us"].to_numpy().copy()
+    ids, factors = np.array([3, 5, 8]), np.array([2.0, 0.5, 1.5])
+    graph.scale(ids, factors)
+    np.testing.assert_array_equal(graph.tasks["duration_us"].to_numpy()[ids], before[ids] * factors)
+    with pytest.raises(GraphError, match="non-negative"):
+        graph.scale(ids, np.array([1.0, -1.0, 1.0]))
+
+
 def test_scaling_conv_down_never_predicts_slower(traces):
     assert_never_slower(traces.study(RESNET50), WhatIf(scale=[("conv", 0.5)]))
 
