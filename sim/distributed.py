@@ -184,16 +184,17 @@ def simulate_cluster(worker: TaskGraph, gradients: Gradients, iterations: pd.Dat
     prio = {int(comm[i]): p for i, p in enumerate(priority)}
     size = {int(comm[i]): b for i, b in enumerate(nbytes)}
 
-    def policies_for(size: dict) -> dict:
+    def policies_for(priced: dict) -> dict:
+        """The network's policies, each transfer costing as much as ``priced`` bytes."""
         policies = {}
         networks: dict = {}  # one Network per simulation, shared by the push and pull queues
         for resource in sorted({r["resource"] for r in rows}):
             inner = Priority(prio, rank) if sliced else Fifo(rank)
             if config.framework == "horovod" and not sliced:
                 inner = HorovodCycle(inner, size, config.options.fusion_buffer_bytes, config.options.cycle_time_us, cost,
-                                     horovod_copy_us(rate) if rate else None)
+                                     horovod_copy_us(rate) if rate else None, priced)
             if config.on_shared_links:
-                inner = _OnSharedLinks(inner, size, _plan_maker(config, resource), networks)
+                inner = _OnSharedLinks(inner, priced, _plan_maker(config, resource), networks)
             policies[resource] = inner
         return policies
 
@@ -269,8 +270,10 @@ def _with_cpu_contention(graph: TaskGraph, schedule: Schedule, comm: np.ndarray,
     ``sched_yield`` until the all-reduce is done, so the transfers it waits for share the core
     as they would with compute (DDP's wait blocks). A transfer that overlaps a busy core for a
     fraction ``f`` of its time lasts
-    ``1 + (comm_slowdown - 1) f`` times as long (its bytes priced as that many more for a fused
-    batch); a CPU task overlapping communication for a fraction ``g`` lasts
+    ``1 + (comm_slowdown - 1) f`` times as long, with the link's slowdown at the size of the
+    all-reduce it went in (a fused batch's, whose bytes are priced as that many more; the
+    tensors still fuse by their own bytes); a CPU task overlapping communication for a fraction
+    ``g`` lasts
     ``1 + (compute_slowdown - 1) g`` times as long. The overlaps come from the previous
     schedule and the factors always apply to the uncontended durations, so the passes settle
     on a schedule consistent with its own overlaps (a few passes; the loop stops when the
@@ -278,7 +281,8 @@ def _with_cpu_contention(graph: TaskGraph, schedule: Schedule, comm: np.ndarray,
     """
     tasks = graph.tasks
     base = tasks["duration_us"].to_numpy(dtype=float).copy()
-    base_size = dict(size)
+    comm_bytes = np.array([size[t] for t in comm.tolist()], dtype=float)
+    comm_resource = tasks["resource"].astype(str).to_numpy()[comm]
     cpu = _cpu_work(tasks)
     worker0_cpu = cpu[cpu < n]
     waits = _CommWaits(graph, comm, polling_thread) if polling_thread else None
@@ -287,19 +291,26 @@ def _with_cpu_contention(graph: TaskGraph, schedule: Schedule, comm: np.ndarray,
         busy = _Union(np.concatenate([schedule.start_us[worker0_cpu], wait_start]),
                       np.concatenate([schedule.end_us[worker0_cpu], wait_end]))
         in_flight = _Union(schedule.start_us[comm], schedule.end_us[comm])
-        comm_factor = 1 + (link.comm_slowdown - 1) * busy.fraction_of(schedule.start_us[comm], schedule.end_us[comm])
+        batch_bytes = _batch_bytes(comm_resource, schedule.start_us[comm], schedule.end_us[comm], comm_bytes)
+        comm_factor = 1 + (link.comm_slowdown_at(batch_bytes) - 1) * busy.fraction_of(schedule.start_us[comm], schedule.end_us[comm])
         cpu_factor = 1 + (link.compute_slowdown - 1) * in_flight.fraction_of(schedule.start_us[cpu], schedule.end_us[cpu])
         duration = base.copy()
         duration[comm] *= comm_factor
         duration[cpu] *= cpu_factor
         tasks["duration_us"] = duration
-        for t, factor in zip(comm.tolist(), comm_factor.tolist()):
-            size[t] = base_size[t] * factor
+        priced = dict(zip(comm.tolist(), (comm_bytes * comm_factor).tolist()))
         previous = schedule.makespan_us
-        schedule = simulate(graph, policies_for(size))
+        schedule = simulate(graph, policies_for(priced))
         if abs(schedule.makespan_us - previous) <= 1e-3 * previous:
             break
     return schedule
+
+
+def _batch_bytes(resource: np.ndarray, start_us: np.ndarray, end_us: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
+    """The bytes of the all-reduce each transfer went in: transfers on one resource that start
+    and end together were fused into one."""
+    batches = pd.DataFrame({"resource": resource, "start": start_us, "end": end_us, "nbytes": nbytes})
+    return batches.groupby(["resource", "start", "end"])["nbytes"].transform("sum").to_numpy(dtype=float)
 
 
 class _CommWaits:

@@ -55,9 +55,12 @@ class HorovodCycle(Policy):
         cycle_us: float,
         cost_us: Callable[[float], float],
         copy_us: Optional[Callable[[float, int], float]] = None,
+        priced_bytes: Optional[Sequence[float]] = None,
     ):
         self.inner = inner
-        self.nbytes = nbytes
+        self.nbytes = nbytes  # what fuses: the tensors' own bytes
+        # what a batch costs: as many more bytes as CPU contention slows each tensor's transfer
+        self.priced_bytes = priced_bytes if priced_bytes is not None else nbytes
         self.fusion_bytes = fusion_bytes
         self.cycle_us = cycle_us
         self.cost_us = cost_us
@@ -79,5 +82,5 @@ class HorovodCycle(Policy):
         return batch
 
     def batch_duration_us(self, batch: list[int], durations_us: list[float]) -> float:
-        nbytes = sum(self.nbytes[t] for t in batch)
+        nbytes = sum(self.priced_bytes[t] for t in batch)
         return self.cost_us(nbytes) + (self.copy_us(nbytes, len(batch)) if self.copy_us else 0.0)

@@ -24,7 +24,7 @@ import pytest
 from whatif.predict import steady_median
 from whatif.report.cluster import cluster_breakdown
 from whatif.report.iterations import iteration_report
-from whatif.sim.distributed import ClusterConfig, simulate_cluster
+from whatif.sim.distributed import ClusterConfig, ClusterSchedule, simulate_cluster
 from whatif.sim.frameworks import FrameworkOptions
 from whatif.sim.graph import GraphError
 from whatif.topology import Cluster, TopologyError
@@ -32,13 +32,18 @@ from whatif.topology import Cluster, TopologyError
 SLACK_MS = {"horovod": FrameworkOptions().cycle_time_us / 1e3, "ddp": 0.0}
 
 
-def predict(wide_mlp, framework: str, comm: float = 1.0, compute: float = 1.0, machines: int = 2, gpus: int = 1,
-            horovod_loop: str = "0us"):
+def simulate(wide_mlp, framework: str, comm=1.0, compute: float = 1.0, machines: int = 2, gpus: int = 1,
+             horovod_loop: str = "0us", options: FrameworkOptions = FrameworkOptions()):
     study, worker, gradients = wide_mlp
     contention = {"comm": comm, "compute": compute, "horovod_loop": horovod_loop}
     link = {"bandwidth": "1Gbps", "latency": "100us", "cpu_contention": contention}
     cluster = Cluster.from_config({"machines": machines, "gpus_per_machine": gpus, "intra_node": link, "inter_node": link})
-    run = simulate_cluster(worker, gradients, study.iterations, ClusterConfig(cluster, framework))
+    return simulate_cluster(worker, gradients, study.iterations, ClusterConfig(cluster, framework, options=options))
+
+
+def predict(wide_mlp, framework: str, **kwargs):
+    study = wide_mlp[0]
+    run = simulate(wide_mlp, framework, **kwargs)
     report = iteration_report(run.schedule, study.iterations, run.worker0)
     breakdown = cluster_breakdown(run, report)
     return steady_median(report["predicted_ms"]), steady_median(breakdown["comm_ms"]), steady_median(breakdown["compute_ms"])
@@ -94,6 +99,10 @@ def test_a_loop_that_takes_the_whole_cycle_cannot_be_simulated(wide_mlp):
 @pytest.mark.parametrize("contention, key", [
     ({"horovod_loop": "-3us"}, "cpu_contention.horovod_loop"),
     ({"comm": 0.5}, "cpu_contention.comm"),
+    ({"comm": {"16MB": 1.5, "64MB": 0.9}}, "cpu_contention.comm.64MB"),
+    ({"comm": {"-16MB": 1.5}}, "cpu_contention.comm.-16MB"),
+    ({"comm": {"16 lbs": 1.5}}, "cpu_contention.comm.16 lbs"),
+    ({"comm": {}}, "cpu_contention.comm"),
     ({"compute": "fast"}, "cpu_contention.compute"),
     ({"comms": 1.2}, "cpu_contention"),
     (1.2, "cpu_contention"),
@@ -117,3 +126,40 @@ def test_a_ddp_worker_blocks_while_it_waits_so_only_transfers_under_backward_slo
     _, free_comm_ms, _ = predict(wide_mlp, "ddp")
     _, busy_comm_ms, _ = predict(wide_mlp, "ddp", comm=2.0)
     assert free_comm_ms < busy_comm_ms < 1.5 * free_comm_ms
+
+
+def fused_all_reduces(run: ClusterSchedule) -> list:
+    """The transfers of each all-reduce, in order: those that start and end together went as one."""
+    start, end = run.schedule.start_us[run.comm_tasks], run.schedule.end_us[run.comm_tasks]
+    batches: dict = {}
+    for task, key in zip(run.comm_tasks.tolist(), zip(start.tolist(), end.tolist())):
+        batches.setdefault(key, []).append(task)
+    return [batches[key] for key in sorted(batches)]
+
+
+def test_contention_makes_a_fused_all_reduce_slower_but_not_smaller(wide_mlp):
+    # Horovod fuses tensors by their own bytes: a busy core slows the all-reduce, not the buffer
+    free = simulate(wide_mlp, "horovod", machines=1, gpus=2)
+    busy = simulate(wide_mlp, "horovod", comm=2.5, compute=1.5, machines=1, gpus=2)
+    assert max(len(batch) for batch in fused_all_reduces(free)) > 1, "the wide MLP's tensors fuse"
+    assert fused_all_reduces(busy) == fused_all_reduces(free)
+    assert busy.schedule.makespan_us > free.schedule.makespan_us
+
+
+def test_a_transfer_is_slowed_as_much_as_the_all_reduce_it_went_in(wide_mlp):
+    # a slowdown only all-reduces longer than the largest tensor suffer (the lab measures one
+    # that grows with the size: the scheduler favours a short one that wakes on a busy core)
+    largest = max(g.nbytes for g in wide_mlp[2].of_iteration(0))
+    grows = {f"{largest:.0f}B": 1.0, "64MiB": 2.0}
+    unfused = FrameworkOptions(fusion_buffer_bytes=1)
+    assert predict(wide_mlp, "horovod", comm=grows, options=unfused) == predict(wide_mlp, "horovod", options=unfused)
+    free_ms = predict(wide_mlp, "horovod")[0]
+    assert predict(wide_mlp, "horovod", comm=grows)[0] > free_ms + SLACK_MS["horovod"], "fused into up to 64 MiB"
+    assert predict(wide_mlp, "horovod", comm=grows)[0] < predict(wide_mlp, "horovod", comm=2.0)[0]
+
+
+def test_a_slowdown_by_size_is_read_between_its_sizes_by_log_size_and_as_the_nearest_beyond_them():
+    link = {"bandwidth": "1Gbps", "latency": "1us", "cpu_contention": {"comm": {"16MB": 1.6, "4MB": 1.2}}}
+    cluster = Cluster.from_config({"machines": 2, "gpus_per_machine": 1, "intra_node": "pcie3", "inter_node": link})
+    assert cluster.inter_node.comm_slowdown_at([1e6, 4e6, 8e6, 16e6, 1e9]) == pytest.approx([1.2, 1.2, 1.4, 1.6, 1.6])
+    assert cluster.inter_node.has_cpu_contention

@@ -129,16 +129,17 @@ def test_calibration_recovers_the_latency_and_efficiency_of_a_ring():
     assert fit["efficiency"] == pytest.approx(0.9, rel=1e-6)
 
 
-def test_contention_is_the_busy_to_idle_ratio_of_large_all_reduces_and_the_lost_compute_rate():
+def test_contention_is_the_busy_to_idle_ratio_of_each_large_all_reduce_and_the_lost_compute_rate():
     """Sizes under 1 MB are latency and left out; a busy run measured faster than an idle one
     is noise, not a speed-up, and gives 1."""
     from whatif.collectors.calibrate import fit_contention
 
     measured = {"sizes_bytes": [64e3, 4e6, 16e6, 32e6], "seconds": [0.01, 0.1, 0.4, 0.8],
-                "seconds_busy": [0.05, 0.11, 0.46, 0.88], "compute_rate_alone": 1000.0, "compute_rate_during_comm": 800.0}
-    assert fit_contention(measured) == {"comm": pytest.approx(1.1), "compute": pytest.approx(1.25)}
+                "seconds_busy": [0.05, 0.09, 0.6, 1.6], "compute_rate_alone": 1000.0, "compute_rate_during_comm": 800.0}
+    assert fit_contention(measured) == {"comm": {"4MB": 1.0, "16MB": pytest.approx(1.5), "32MB": pytest.approx(2.0)},
+                                        "compute": pytest.approx(1.25)}
     quiet = {**measured, "seconds_busy": [0.01, 0.09, 0.39, 0.79], "compute_rate_during_comm": 1100.0}
-    assert fit_contention(quiet) == {"comm": 1.0, "compute": 1.0}
+    assert fit_contention(quiet) == {"comm": {"4MB": 1.0, "16MB": 1.0, "32MB": 1.0}, "compute": 1.0}
 
 
 @can_run
@@ -171,7 +172,11 @@ def test_calibrate_writes_links_a_scenario_can_use(tmp_path):
     assert [round(p.inter_node_gbps, 3) for p in points] == [0.1, 0.4]
     assert all(p.cluster.inter_node.efficiency == doc["inter_node"]["efficiency"] for p in points)
     contention = doc["inter_node"]["cpu_contention"]
-    assert all(p.cluster.inter_node.comm_slowdown == contention["comm"] >= 1 for p in points)
+    assert set(contention["comm"]) == {"1MB", "4MB", "16MB", "32MB", "64MB"}, "measured by size, above latency"
+    at_sizes = [1e6, 4e6, 16e6, 32e6, 64e6]
+    assert all(p.cluster.inter_node.comm_slowdown_at(at_sizes).tolist() == list(contention["comm"].values())
+               for p in points)
+    assert min(contention["comm"].values()) >= 1
     horovod = importlib.util.find_spec("horovod") is not None
     loop = {"horovod_loop"} if horovod else set()
     assert set(doc["intra_node"]["cpu_contention"]) == {"comm", "compute"} | loop, "loopback is calibrated busy too"

@@ -39,6 +39,7 @@ from .units import (
     parse_bandwidth,
     parse_fraction,
     parse_latency,
+    parse_size,
 )
 
 LINK_KINDS = ("inter_node", "intra_node")
@@ -78,6 +79,13 @@ class Link:
     worker's CPU computes, ``compute_slowdown`` how much longer CPU work takes while a transfer
     is in flight (YAML: ``cpu_contention: {comm: 1.1, compute: 1.2}``; ``whatif lab calibrate``
     measures both). GPU workers whose NICs and NCCL need no host CPU keep the default 1.
+
+    A transfer's slowdown may depend on its size (YAML: ``comm: {4MB: 1.2, 16MB: 1.6, 64MB:
+    2.5}``, read by :meth:`comm_slowdown_at` between the sizes by log-size, and as the nearest
+    one beyond them): Linux's scheduler places a thread that wakes from sleep ahead of one that
+    has been computing, so a short all-reduce on a busy core is hardly slowed, while a long one
+    uses up that credit and gets its fair half of the core. On loopback, where an all-reduce is
+    all CPU work, the lab measured 1.17 at 4 MB, 1.64 at 16 MB and 2.47 at 64 MB.
     ``horovod_loop_us`` is the CPU time Horovod's background loop takes from such a worker's
     core in every cycle while it coordinates with its peers over this link (YAML:
     ``cpu_contention: {horovod_loop: 130us}``), which slows all of the worker's CPU work.
@@ -87,7 +95,7 @@ class Link:
     latency_us: float = 0.0
     efficiency: float = 1.0
     name: str = ""
-    comm_slowdown: float = 1.0
+    comm_slowdown: Union[float, tuple] = 1.0  # a factor, or ((size_bytes, factor), ...) by size
     compute_slowdown: float = 1.0
     horovod_loop_us: float = 0.0
 
@@ -98,16 +106,32 @@ class Link:
             raise TopologyError("latency_us", f"must not be negative, got {self.latency_us}")
         if not (0 < self.efficiency <= 1):
             raise TopologyError("efficiency", f"must be in (0, 1], got {self.efficiency}")
-        for name in ("comm_slowdown", "compute_slowdown"):
-            value = getattr(self, name)
-            if not (np.isfinite(value) and value >= 1):
-                raise TopologyError(f"cpu_contention.{name.removesuffix('_slowdown')}", f"must be a factor >= 1, got {value}")
+        for name, factors in (("comm", self._comm_factors[1]), ("compute", [self.compute_slowdown])):
+            for value in factors:
+                if not (np.isfinite(value) and value >= 1):
+                    raise TopologyError(f"cpu_contention.{name}", f"must be a factor >= 1, got {value}")
+        sizes = self._comm_factors[0]
+        if not (np.all(sizes > 0) and np.all(np.diff(sizes) > 0)):
+            raise TopologyError("cpu_contention.comm", f"sizes must be positive and distinct, got {sizes.tolist()}")
         if not (np.isfinite(self.horovod_loop_us) and self.horovod_loop_us >= 0):
             raise TopologyError("cpu_contention.horovod_loop", f"must not be negative, got {self.horovod_loop_us}")
 
     @property
+    def _comm_factors(self) -> tuple[np.ndarray, np.ndarray]:
+        """Sizes (bytes) and the comm slowdown at each; one size for a single factor."""
+        if isinstance(self.comm_slowdown, tuple):
+            sizes, factors = zip(*sorted(self.comm_slowdown)) if self.comm_slowdown else ((1.0,), (1.0,))
+            return np.asarray(sizes, dtype=float), np.asarray(factors, dtype=float)
+        return np.array([1.0]), np.array([float(self.comm_slowdown)])
+
+    def comm_slowdown_at(self, nbytes) -> np.ndarray:
+        """The comm slowdown of transfers of ``nbytes`` each."""
+        sizes, factors = self._comm_factors
+        return np.interp(np.log(np.maximum(np.asarray(nbytes, dtype=float), 1.0)), np.log(sizes), factors)
+
+    @property
     def has_cpu_contention(self) -> bool:
-        return self.comm_slowdown > 1 or self.compute_slowdown > 1
+        return bool(self._comm_factors[1].max() > 1) or self.compute_slowdown > 1
 
     @property
     def effective_bandwidth_bytes_per_us(self) -> float:
@@ -161,7 +185,7 @@ class Link:
 
 
 def _cpu_contention(value: Any, key: str) -> dict:
-    """``{comm: F, compute: F, horovod_loop: DURATION}`` as Link's fields (absent: none)."""
+    """``{comm: F or {SIZE: F, ...}, compute: F, horovod_loop: DURATION}`` as Link's fields (absent: none)."""
     if value is None:
         return {}
     if not isinstance(value, Mapping):
@@ -170,8 +194,20 @@ def _cpu_contention(value: Any, key: str) -> dict:
     factors = {}
     if "horovod_loop" in value:
         factors["horovod_loop_us"] = parse_latency(value["horovod_loop"], _join(key, "horovod_loop"))
-    for name in ("comm", "compute"):
-        factors[f"{name}_slowdown"] = _slowdown(value.get(name, 1.0), _join(key, name))
+    factors["compute_slowdown"] = _slowdown(value.get("compute", 1.0), _join(key, "compute"))
+    comm = value.get("comm", 1.0)
+    if isinstance(comm, Mapping):
+        if not comm:
+            raise TopologyError(_join(key, "comm"), "expected a factor or {SIZE: FACTOR, ...}, got an empty mapping")
+        by_size = {}
+        for size, factor in comm.items():
+            nbytes = parse_size(size, _join(key, f"comm.{size}"))
+            if nbytes <= 0 or nbytes in by_size:
+                raise TopologyError(_join(key, f"comm.{size}"), "sizes must be positive and distinct")
+            by_size[nbytes] = _slowdown(factor, _join(key, f"comm.{size}"))
+        factors["comm_slowdown"] = tuple(sorted(by_size.items()))
+    else:
+        factors["comm_slowdown"] = _slowdown(comm, _join(key, "comm"))
     return factors
 
 
