@@ -89,7 +89,9 @@ def fit_contention(measured: dict, min_bytes: float = 1e6) -> dict:
     all-reduce time at each size of at least ``min_bytes`` (an idle all-reduce smaller than that
     waits on the virtual CPU waking up more than it moves bytes: 256 kB took 3 ms idle and 0.3 ms
     beside a computing thread), and ``compute``, the compute thread's rate alone over its rate
-    during the all-reduces. Never below 1: a ratio under 1 is noise.
+    during the all-reduces. Never below 1: a busy all-reduce that beats its idle twin (1 MB, at
+    times) shows the idle one waiting on a waking virtual CPU, not a computing core speeding
+    communication up.
 
     The slowdown grows with the size (``topology.Link``): on loopback 1.17 at 4 MB, 1.64 at 16 MB
     and 2.47 at 64 MB in one probe. One median over 1 to 32 MB, as this fit was before, took
