@@ -25,7 +25,8 @@ the runs: on the virtual machine this was built on, four calibrations at 400 Mbp
 after another fitted the loopback's bandwidth at 1.1 to 2.0 GB/s, its ``comm`` contention at 1.08
 to 2.31 and the total memory bandwidth at 52 to 82 GB/s, and the 1x2 predictions made from them
 moved by up to 35 points (the wide MLP with Horovod, from -21 % to +14 %). Two calibrations of
-three runs each agreed on ``comm`` (1.31 and 1.37) and the memory bandwidth (53.8 GB/s).
+three runs each agreed on ``comm`` (1.31 and 1.37, when it was one median over 1 to 32 MB) and
+the memory bandwidth (53.8 GB/s).
 """
 
 from __future__ import annotations
