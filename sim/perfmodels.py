@@ -8,9 +8,11 @@ grouped into families and each family gets a model from input shapes to duration
   with the device's peak compute and memory bandwidth measured by the microbenchmark sweep
   (``collectors/microbench.py``) and the overhead and the two efficiencies fitted per operator
   (per family where an operator has too few samples) by least squares in log space, so a 5 us
-  operator weighs as much as a 5 ms one. Normalisations, reductions, pooling and batched GEMMs
-  add ``loops * per_loop``: their kernels restart a loop per row, channel, image plane or
-  matrix, and a layer norm over rows of 32 values spends as long starting rows as reading them;
+  operator weighs as much as a 5 ms one. GEMMs and convolutions, which move their operands
+  before computing on them, add the two terms instead of taking their max. Normalisations,
+  reductions, pooling, batched GEMMs and PyTorch's own convolution kernel add
+  ``loops * per_loop``: their kernels restart a loop per row, channel, image plane, matrix or
+  image, and a layer norm over rows of 32 values spends as long starting rows as reading them;
 - then, in every family, gradient-boosted trees (LightGBM) learn the roofline's residual
   ``log(measured / roofline)`` from the shapes: what FLOPs and bytes do not say (a GEMM with a
   narrow side, a batch norm over 1 x 1 images, a working set larger than the last-level cache,
@@ -31,8 +33,9 @@ One operator can run different kernels by its arguments, and a roofline fitted a
 fits neither: a sum along rows reads memory in order, one down columns adds whole rows at a
 time, and a batch norm over 1 x 1 images runs PyTorch's channels-last kernel, which has no
 per-channel loop (models fitted across both kernels predicted such a batch norm up to 3 times
-its time, and its backward down to a quarter of it). So each operator's calls are split by
-kernel path (:func:`kernel_path`), and each path gets a roofline of its own.
+its time, and its backward down to a quarter of it); a convolution runs oneDNN's kernel or, on
+small inputs and 1 x 1 kernels, PyTorch's own, an image at a time. So each operator's calls are
+split by kernel path (:func:`kernel_path`), and each path gets a roofline of its own.
 
 Samples come from the microbenchmark sweep and from the durations already in CPU traces (the
 outermost operator of each family on the stack, its inclusive CPU time); the repeated calls of
@@ -63,14 +66,19 @@ import numpy as np
 import pandas as pd
 
 FORMAT = "whatif-perfmodels"
-VERSION = 5  # 5: scalar arguments, rooflines per kernel path; 4: a roofline may add compute and memory (GEMM); 3: matmul folds one-sided batch dimensions
+VERSION = 6  # 6: convolutions split by PyTorch's backend, their memory time added; embeddings' distinct rows; 5: scalar arguments, rooflines per kernel path; 4: a roofline may add compute and memory (GEMM); 3: matmul folds one-sided batch dimensions
 FOLDS = 5  # a fifth of the shapes held out; the five folds of a cross-validation
 _MIN_OP_SAMPLES = 4  # fewer than this and an operator shares its family's roofline
 # Families whose kernels move their operands before computing on them, so that memory time adds
 # to compute time rather than hiding under it. A CPU GEMM packs its weight into panels first: a
 # [32, 2048] x [2048, 2048] product took 0.61 to 0.64 of the [64, 2048] one in the wide MLP's
 # profiled steps, while compute bounds it at 0.5 and max(compute, memory) predicted 0.54.
-_ADDITIVE_FAMILIES = frozenset({"gemm"})
+# A CPU convolution does the same: oneDNN reorders a plain NCHW input and the weight into its
+# blocked layout and the output back, PyTorch's own kernel unfolds every image into columns
+# (im2col), and only then do they compute. On the 7120-shape sweep of bench/out, adding lowered
+# the convolutions' held-out error from 11.0 to 8.5 % (from 13.9 to 12.7 % without the split
+# by backend of :func:`_conv_backend`).
+_ADDITIVE_FAMILIES = frozenset({"gemm", "conv"})
 
 FAMILY_OPS: dict[str, tuple[str, ...]] = {
     "gemm": ("aten::linear", "aten::matmul", "aten::addmm", "aten::mm", "aten::bmm", "aten::baddbmm"),
@@ -243,8 +251,10 @@ def _gemm(op: str, inputs, args: list) -> tuple[float, float, float, list]:
     return flops, float(e * (batch * m * k + batch * k * n + batch * m * n)), loops, params
 
 
-def _conv(op: str, inputs, args: list) -> tuple[float, float, float, list]:
+def _conv(op: str, inputs, args: list, native: bool) -> tuple[float, float, float, list]:
+    """``native``: PyTorch's own kernel (:func:`_conv_backend`), which runs one image at a time."""
     e = _element_size(inputs)
+    loops = float(_tensor(inputs, 0)[0]) if native else 0.0
     if op == "aten::convolution_backward":
         grad, x, w = _tensor(inputs, 0), _tensor(inputs, 1), _tensor(inputs, 2)
         out_pixels = _numel(grad[2:])
@@ -254,7 +264,7 @@ def _conv(op: str, inputs, args: list) -> tuple[float, float, float, list]:
         flops = gradients * 2.0 * grad[0] * w[0] * out_pixels * _numel(w[1:])
         stride = _arg(args, 4, [1])[0]
         params = _conv_params(grad[0], x[1], w[0], out_pixels, _numel(w[2:]), stride, gradients)
-        return flops, float(gradients * e * (_numel(grad) + _numel(x) + _numel(w))), 0.0, params
+        return flops, float(gradients * e * (_numel(grad) + _numel(x) + _numel(w))), loops, params
     x, w = _tensor(inputs, 0), _tensor(inputs, 1)
     spatial, kernel = list(x[2:]), list(w[2:])
     at = (4, 3) if op == "aten::mkldnn_convolution" else (3, 4)  # where stride and padding are
@@ -265,7 +275,42 @@ def _conv(op: str, inputs, args: list) -> tuple[float, float, float, list]:
     out_pixels = _numel(tuple(max(o, 1) for o in out))
     flops = 2.0 * x[0] * w[0] * out_pixels * _numel(w[1:])  # w[1] is the channels of one group
     params = _conv_params(x[0], x[1], w[0], out_pixels, _numel(kernel), stride[0] if stride else 1, 1)
-    return flops, float(e * (_numel(x) + _numel(w) + x[0] * w[0] * out_pixels)), 0.0, params
+    return flops, float(e * (_numel(x) + _numel(w) + x[0] * w[0] * out_pixels)), loops, params
+
+
+# Where each convolution operator records its stride, dilation and groups (Concrete Inputs)
+_CONV_ARGS = {
+    "aten::convolution_backward": (4, 6, 9),
+    "aten::mkldnn_convolution": (4, 5, 6),
+    "aten::convolution": (3, 5, 8),
+    "aten::_convolution": (3, 5, 8),
+}
+
+
+def _conv_backend(op: str, inputs, args: list, threads: int) -> str:
+    """Which kernel PyTorch runs a CPU convolution with: oneDNN's, or its own ``slow_conv2d``
+    ("native": an im2col and a GEMM per image), by the rule of ``ConvParams::use_mkldnn`` (torch
+    2.x): single precision goes to oneDNN unless the kernel is 1 x 1, unstrided and undilated
+    with a batch under 16 on one thread, or the batch is one image of at most 20480 values with
+    a kernel no wider than 3 in one ungrouped convolution. Half and bfloat16 always go to
+    oneDNN, double never. The two cost differently at the same work: fitted as one roofline,
+    the native calls were predicted with 29 % error against 12 % for the rest."""
+    x, w = (_tensor(inputs, 1), _tensor(inputs, 2)) if op == "aten::convolution_backward" else (_tensor(inputs, 0), _tensor(inputs, 1))
+    e = _element_size(inputs)
+    if e != 4:
+        return "native" if e == 8 else ""
+    spatial = len(x) - 2
+    at_stride, at_dilation, at_groups = _CONV_ARGS.get(op, (3, 5, 6))
+    stride = _arg(args, at_stride, [1] * spatial)
+    dilation = _arg(args, at_dilation, [1] * spatial)
+    groups = _arg(args, at_groups, 1)
+    kh, kw = ([1, 1] + list(w[2:]))[-2:]  # a 1-d convolution runs as a 2-d one of height 1
+    batch = x[0]
+    one_by_one = kh == 1 and kw == 1
+    oneDNN_worth_it = (any(v != 1 for v in stride) or any(v != 1 for v in dilation) or batch >= 16
+                       or not one_by_one or threads > 1)
+    large_enough = groups > 1 or (kh > 3 and kw > 3) or batch > 1 or _numel(x[:4]) > 20480
+    return "" if oneDNN_worth_it and large_enough else "native"
 
 
 def _alignment(size: int) -> int:
@@ -368,17 +413,30 @@ def _pooling(op: str, inputs, args: list) -> tuple[float, float, float, list]:
 
 
 def _embedding(op: str, inputs, args: list) -> tuple[float, float, float, list]:
+    """Rows gathered from a table, each added into its bag or copied out. The memory moved is
+    the distinct rows read (a row drawn again is read from cache: of ``n`` draws from ``T``
+    rows, ``T (1 - exp(-n / T))`` on average are distinct), the output written (one row per
+    bag for a bag), and for the dense backward the table-sized gradient it zeroes before adding
+    rows into it. Counted as twice the rows gathered, the roofline was off by 28 % on the
+    sweep's held-out shapes; counted so, by 19 %."""
     e = 4
     if op in ("aten::embedding", "aten::embedding_bag", "aten::_embedding_bag"):
         w, idx = _tensor(inputs, 0), _tensor(inputs, 1)
         rows, width, table = _numel(idx), w[-1], w[0]
+        bags = _tensor(inputs, 2) if op != "aten::embedding" else None
+        written, zeroed = (_numel(bags) if bags else rows), 0
     elif op == "aten::index_select":
         w, idx = _tensor(inputs, 0), _tensor(inputs, 2)
         rows, width, table = _numel(idx), w[-1], w[0]
-    else:  # backward: gradient rows scattered into the weight's gradient (its size is not recorded)
+        written, zeroed = rows, 0
+    else:  # backward: gradient rows added into the weight's gradient, of the table's size
         grad, idx = _tensor(inputs, 0), _tensor(inputs, 1)
-        rows, width, table = _numel(idx), grad[-1], 0
-    return float(rows * width), float(2 * rows * width * e + 8 * rows), 0.0, [rows, width, table]
+        rows, width = _numel(idx), grad[-1]
+        table = int(_arg(args, 2, 0))  # num_weights; 0 where it was not recorded
+        written, zeroed = rows, table
+    distinct = table * -math.expm1(-rows / table) if table else rows
+    moved = (distinct + written + zeroed) * width * e + 8 * rows
+    return float(rows * width), float(moved), 0.0, [rows, width, table, distinct, table * width]
 
 
 def _attention(op: str, inputs, args: list) -> tuple[float, float, float, list]:
@@ -393,29 +451,32 @@ def _attention(op: str, inputs, args: list) -> tuple[float, float, float, list]:
 
 
 _WORK = {
-    "gemm": _gemm, "conv": _conv, "elementwise": _elementwise, "norm": _norm, "reduction": _reduction,
+    "gemm": _gemm, "elementwise": _elementwise, "norm": _norm, "reduction": _reduction,
     "pooling": _pooling, "embedding": _embedding, "attention": _attention,
 }
 # Families whose operators run one of several kernels by their shapes or arguments: which one.
 _PATHS = {"norm": _norm_kernel, "reduction": _reduction_path}
 
 
-def work(op: str, dims, types, args=()) -> tuple[float, float, float]:
+def work(op: str, dims, types, args=(), threads: int = 1) -> tuple[float, float, float]:
     """FLOPs, bytes moved and inner loops run by ``op`` on inputs of these recorded shapes and
     scalar arguments (the loops: rows, channels or image planes that a normalisation, reduction
     or pooling kernel starts afresh, the matrices of a batched GEMM, each at a cost of its own;
-    0 for the other families and plain GEMMs); NaNs when the shapes are not those the family
-    expects (a missing tensor, a vector where a matrix goes)."""
-    return _work(op, dims, types, args)[:3]
+    the images of a convolution that PyTorch's own kernel runs one by one; 0 for the other
+    families and plain GEMMs); NaNs when the shapes are not those the family expects (a missing
+    tensor, a vector where a matrix goes). ``threads``: torch's intra-op threads, by which
+    PyTorch chooses a convolution's kernel."""
+    return _work(op, dims, types, args, threads)[:3]
 
 
-def kernel_path(op: str, dims, types, args=()) -> str:
+def kernel_path(op: str, dims, types, args=(), threads: int = 1) -> str:
     """The operator, and the kernel it runs where its arguments choose between kernels of
-    different cost (``aten::sum/columns``): the unit a roofline is fitted for."""
-    return _work(op, dims, types, args)[4]
+    different cost (``aten::sum/columns``, ``aten::conv2d/native``): the unit a roofline is
+    fitted for."""
+    return _work(op, dims, types, args, threads)[4]
 
 
-def _work(op: str, dims, types, args=()) -> tuple[float, float, float, list, str]:
+def _work(op: str, dims, types, args=(), threads: int = 1) -> tuple[float, float, float, list, str]:
     """:func:`work`, the family's shape parameters (GEMM: batch, M, K, N; convolution: N, C,
     O, output pixels, kernel area; ...), the sizes its efficiency depends on, and
     :func:`kernel_path`: one reading of the recorded call for all three."""
@@ -424,8 +485,12 @@ def _work(op: str, dims, types, args=()) -> tuple[float, float, float, list, str
         raise KeyError(op)
     try:
         inputs, parsed = parse_shapes(dims, types), parse_args(args)
-        flops, bytes_, loops, params = _WORK[family](op, inputs, parsed)
-        path = _PATHS[family](op, inputs, parsed) if family in _PATHS else ""
+        if family == "conv":  # its kernel, and so its loops, also depend on the thread count
+            path = _conv_backend(op, inputs, parsed, threads)
+            flops, bytes_, loops, params = _conv(op, inputs, parsed, native=path == "native")
+        else:
+            flops, bytes_, loops, params = _WORK[family](op, inputs, parsed)
+            path = _PATHS[family](op, inputs, parsed) if family in _PATHS else ""
     except (TypeError, IndexError, ValueError, ZeroDivisionError):
         return math.nan, math.nan, math.nan, [], op
     return max(flops, 1.0), max(bytes_, 1.0), float(loops), params, f"{op}/{path}" if path else op
@@ -497,6 +562,11 @@ class PerfModels:
     created: str = ""
 
     @property
+    def threads(self) -> int:
+        """Torch's intra-op threads on the device measured: PyTorch picks convolution kernels by it."""
+        return int(self.device.get("threads", 1))
+
+    @property
     def peak_flops_per_us(self) -> float:
         return float(self.device["peak_gflops"]) * 1e3
 
@@ -519,7 +589,7 @@ class PerfModels:
             if model is None:
                 continue
             idx = rows.index.to_numpy()
-            done = [_work(ops[i], dims[i], types[i], args[i]) for i in idx]
+            done = [_work(ops[i], dims[i], types[i], args[i], self.threads) for i in idx]
             flops, bytes_, loops = np.array([d[:3] for d in done], dtype=float).reshape(-1, 3).T
             keys = [d[4] for d in done]
             roof = np.empty(len(idx))
@@ -839,7 +909,8 @@ def fit_models(samples: pd.DataFrame, device: dict, sources: Iterable[str] = (),
     against."""
     samples = samples[samples["op"].isin(FAMILY_OF) & (samples["duration_us"] > 0)]
     samples = _one_per_shape(samples.assign(args=_args_of(samples)))
-    done = [_work(*call) for call in zip(samples["op"], samples["dims"], samples["types"], samples["args"])]
+    threads = int(device.get("threads", 1))
+    done = [_work(*call, threads) for call in zip(samples["op"], samples["dims"], samples["types"], samples["args"])]
     flops, bytes_, loops = np.array([d[:3] for d in done], dtype=float).reshape(-1, 3).T
     samples = samples.assign(flops=flops, bytes=bytes_, loops=loops, params=[d[3] for d in done],
                              path=[d[4] for d in done], family=samples["op"].map(FAMILY_OF))

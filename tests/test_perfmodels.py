@@ -123,6 +123,72 @@ def test_a_first_layers_backward_computes_no_input_gradient_and_does_half_the_wo
         v / 2 for v in work("aten::convolution_backward", dims, types, both)[:2])
 
 
+CONV_BACKWARD_TYPES = ["float"] * 3 + ["ScalarList"] * 4 + ["Scalar", "ScalarList", "Scalar", "ScalarList"]
+
+
+def conv_calls(batch, channels, size, kernel, stride):
+    """A convolution of 8 filters and its backward, recorded as the profiler records them."""
+    out = (size + 2 * (kernel // 2) - kernel) // stride + 1
+    geometry = [f"[{stride}, {stride}]", f"[{kernel // 2}, {kernel // 2}]", "[1, 1]"]
+    forward = ("aten::conv2d", [[batch, channels, size, size], [8, channels, kernel, kernel], [], [], [], [], []],
+               CONV_TYPES, ["", "", ""] + geometry + ["1"])
+    backward = ("aten::convolution_backward",
+                [[batch, 8, out, out], [batch, channels, size, size], [8, channels, kernel, kernel]] + [[]] * 8,
+                CONV_BACKWARD_TYPES, ["", "", "", "[0]"] + geometry + ["False", "[0, 0]", "1", "[True, True, False]"])
+    return forward, backward
+
+
+#: batch, channels, image size, kernel, stride: on either side of every clause of PyTorch's rule
+CONV_SHAPES = [(8, 16, 8, 1, 1), (16, 16, 8, 1, 1), (4, 16, 8, 1, 2), (1, 3, 8, 3, 1), (1, 64, 32, 3, 1),
+               (1, 8, 8, 5, 1), (2, 8, 8, 3, 1)]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_convolution_runs_pytorchs_own_kernel_exactly_where_pytorch_chooses_it(threads):
+    """The installed torch is asked: the profiler records ``aten::_slow_conv2d_forward`` and
+    ``_backward`` under a convolution that runs PyTorch's own kernel, none under oneDNN's."""
+    torch = pytest.importorskip("torch")
+    F = torch.nn.functional
+    was = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for batch, channels, size, kernel, stride in CONV_SHAPES:
+            x = torch.randn(batch, channels, size, size, requires_grad=True)
+            w = torch.randn(8, channels, kernel, kernel, requires_grad=True)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                F.conv2d(x, w, None, stride, kernel // 2).sum().backward()
+            ran = {e.key for e in prof.key_averages()}
+            forward, backward = conv_calls(batch, channels, size, kernel, stride)
+            shape = f"batch {batch}, {channels} channels, {size}x{size}, kernel {kernel}, stride {stride}"
+            assert (kernel_path(*forward, threads=threads) == "aten::conv2d/native") == (
+                "aten::_slow_conv2d_forward" in ran), shape
+            assert (kernel_path(*backward, threads=threads) == "aten::convolution_backward/native") == (
+                "aten::_slow_conv2d_backward" in ran), shape
+    finally:
+        torch.set_num_threads(was)
+
+
+def test_pytorchs_own_convolution_kernel_restarts_for_every_image():
+    native, backward = conv_calls(8, 16, 8, 1, 1)
+    assert work(*native)[2] == work(*backward)[2] == 8
+    assert work(*native, threads=2)[2] == 0, "on two threads a 1 x 1 convolution goes to oneDNN"
+    assert work(*conv_calls(16, 16, 8, 1, 1)[0])[2] == 0
+
+
+def test_an_embedding_reads_each_distinct_row_once_and_writes_a_row_per_lookup_or_per_bag():
+    width, row = 128, 128 * 4
+    lookups = [[64, width], [64, 128], [], [], []], ["float", "long int", "Scalar", "Scalar", "Scalar"]
+    moved = work("aten::embedding", *lookups)[1] - 8 * 64 * 128  # less the indices read
+    assert moved == pytest.approx((64 + 64 * 128) * row, rel=1e-6), "8192 draws from 64 rows read all 64"
+    bags = [[64, width], [8192], [64], [], [], [], [], [], []], ["float", "long int", "long int"] + ["Scalar"] * 6
+    assert work("aten::embedding_bag", *bags)[1] - 8 * 8192 == pytest.approx((64 + 64) * row, rel=1e-6)
+    backward = ([[64, 128, width], [64, 128], [], [], [], []], ["float", "long int"] + ["Scalar"] * 4)
+    zeroing = work("aten::embedding_backward", *backward, ["", "", "100000", "-1", "False", "False"])[1] - 8 * 8192
+    distinct = 100000 * (1 - math.exp(-8192 / 100000))
+    assert zeroing == pytest.approx((distinct + 8192 + 100000) * row, rel=1e-6), \
+        "the dense backward zeroes a gradient of the table's size, then adds every gradient row into it"
+
+
 def test_a_sum_runs_along_rows_or_down_columns_by_the_dimensions_it_reduces():
     def summed(shape, dims):
         args = ["", dims, "False", ""]
@@ -223,10 +289,11 @@ def test_a_malformed_models_file_is_a_one_line_error(quick_models_file, tmp_path
     assert err.startswith(f"whatif: error: {bad}: ") and field in err and "Traceback" not in err
 
 
-def test_a_gemm_moves_its_operands_before_computing_so_the_two_times_add():
+def test_gemms_and_convolutions_move_their_operands_before_computing_so_the_two_times_add():
     models = fit_models(trace_samples(BUNDLED_TRACE), {"peak_gflops": 90, "bandwidth_gbps": 20})
-    assert models.families["gemm"].pooled.additive
-    assert not any(f.pooled.additive for name, f in models.families.items() if name != "gemm")
+    moving = {"gemm", "conv"}
+    assert all(models.families[name].pooled.additive for name in moving)
+    assert not any(f.pooled.additive for name, f in models.families.items() if name not in moving)
     one_us_of_each = (np.array([90e3]), np.array([20e3]), np.array([0.0]), 90e3, 20e3)
     roof = Roofline(overhead_us=1.0, compute_efficiency=1.0, memory_efficiency=1.0, additive=True)
     assert roof.predict_us(*one_us_of_each)[0] == pytest.approx(3.0)
