@@ -307,10 +307,11 @@ def _conv_backend(op: str, inputs, args: list, threads: int) -> str:
     kh, kw = ([1, 1] + list(w[2:]))[-2:]  # a 1-d convolution runs as a 2-d one of height 1
     batch = x[0]
     one_by_one = kh == 1 and kw == 1
-    oneDNN_worth_it = (any(v != 1 for v in stride) or any(v != 1 for v in dilation) or batch >= 16
+    # "for 1x1 filters, MKLDNN is faster than THNN when multi-threaded" (PyTorch's comment)
+    not_a_plain_1x1 = (any(v != 1 for v in stride) or any(v != 1 for v in dilation) or batch >= 16
                        or not one_by_one or threads > 1)
     large_enough = groups > 1 or (kh > 3 and kw > 3) or batch > 1 or _numel(x[:4]) > 20480
-    return "" if oneDNN_worth_it and large_enough else "native"
+    return "" if not_a_plain_1x1 and large_enough else "native"
 
 
 def _alignment(size: int) -> int:
