@@ -10,7 +10,8 @@ Configurations with more workers than the machine has cores are listed as not ru
 Writes, under ``--out`` (default ``bench/out/validation``): ``validation.csv`` (one row per
 point, appended as each finishes, so an interrupted grid keeps what it measured and ``--resume``
 goes on from there, running failed points again; ``runs_ms`` holds every run's median and ``spread_pct`` their range over the
-median, ``captures_ms`` every 1x1 capture process's median plain step), ``predicted_vs_measured.png`` (the runs' range as error bars) and ``table.md`` (the
+median, ``captures_ms`` every 1x1 capture process's median plain step, ``calibrated_at_mbps`` the
+lab calibration the point was run and predicted with), ``predicted_vs_measured.png`` (the runs' range as error bars) and ``table.md`` (the
 README's table, headed by the commit measured); prints the mean absolute error and the worst
 point against the targets (MAE <= 5 %, none above 10 %), and the mean absolute error of the same
 predictions made with the profiler's overhead left in the trace (``predicted_with_profiler_ms``),
@@ -50,7 +51,7 @@ COLUMNS = [
     "model", "machines", "gpus_per_machine", "bandwidth_mbps", "framework", "status",
     "measured_ms", "predicted_ms", "error_pct", "predicted_with_profiler_ms", "capture_profiled_ms",
     "capture_unprofiled_ms", "runs_ms", "spread_pct", "capture_page_faults_per_step", "run_page_faults_per_step",
-    "run_other_threads_cpu_ms_per_step", "capture_plain_spread_pct", "captures_ms",
+    "run_other_threads_cpu_ms_per_step", "capture_plain_spread_pct", "captures_ms", "calibrated_at_mbps",
 ]
 MAE_TARGET_PCT = 5.0
 WORST_TARGET_PCT = 10.0
@@ -78,11 +79,11 @@ def run_point(model, machines, gpus, bandwidth, framework, work: Path, steps: in
               steady_allocator: bool = False) -> dict:
     cores = os.cpu_count() or 1
     row = {"model": model, "machines": machines, "gpus_per_machine": gpus, "bandwidth_mbps": bandwidth,
-           "framework": framework}
+           "framework": framework, "calibrated_at_mbps": bandwidth or default_mbps}
     if machines * gpus > cores:
         return {**row, "status": f"not run: {machines * gpus} workers need {machines * gpus} cores, this machine has {cores}"}
     try:
-        point = validate(model, machines, gpus, bandwidth or default_mbps,
+        point = validate(model, machines, gpus, row["calibrated_at_mbps"],
                          run_as(framework), work, steps=steps, repeats=repeats,
                          steady_allocator=steady_allocator)
     except LabError as err:
@@ -105,7 +106,12 @@ def csv_row(row: dict) -> dict:
 
 
 def repredict(rows: list[dict], work: Path, default_mbps: float) -> list[dict]:
-    """The measured rows with their predictions made again from the kept captures and links."""
+    """The measured rows with their predictions made again from the kept captures and links:
+    each from the calibration it was run with (``calibrated_at_mbps``; a point inside one
+    machine takes the one of the middle bandwidth its grid was run with), ``default_mbps``'s
+    for rows from before that was recorded. A loopback point of a grid run over several
+    sessions is predicted from its own session's calibration, since the box's speed drifts
+    between sessions (a calibration taken two hours later moved one point from +3.0 to +9.8 %)."""
     work = work.resolve()  # the scenario file lives elsewhere and names the capture by path
     out = []
     for row in rows:
@@ -113,7 +119,8 @@ def repredict(rows: list[dict], work: Path, default_mbps: float) -> list[dict]:
             out.append(row)
             continue
         machines, gpus = int(row["machines"]), int(row["gpus_per_machine"])
-        bandwidth = float(row["bandwidth_mbps"]) if row["bandwidth_mbps"] not in (None, "") else default_mbps
+        bandwidth = next(float(v) for v in (row.get("calibrated_at_mbps"), row["bandwidth_mbps"], default_mbps)
+                         if v not in (None, ""))
         bundle = capture_path(row["model"], work)
         links_file = links_path(bandwidth, work)
         for needed in (bundle, links_file):

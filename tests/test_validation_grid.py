@@ -79,6 +79,28 @@ def test_repredicting_without_the_kept_capture_says_which_file_is_missing(grid_s
         grid_script.repredict([measured_row([99.0])], tmp_path / "work", 200.0)
 
 
+def test_a_point_is_predicted_again_from_the_calibration_it_was_run_with(grid_script, tmp_path, monkeypatch):
+    """A grid run over several sessions calibrates in each; its loopback points were run in
+    the first, and the box's speed drifts between sessions."""
+    work = tmp_path / "work"
+    for path in (grid_script.capture_path("vgg", work), grid_script.links_path(400, work), grid_script.links_path(200, work)):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch()
+    used = []
+    monkeypatch.setattr(grid_script, "predict", lambda bundle, links, *args, **kwargs: (used.append(links.name) or 99.0, None))
+    from_its_session = {**measured_row([99.0]), "calibrated_at_mbps": "400.0"}
+    from_before_it_was_recorded = measured_row([99.0])
+    grid_script.repredict([from_its_session, from_before_it_was_recorded], work, default_mbps=200.0)
+    assert used == ["links_400mbps.yaml"] * 2 + ["links_200mbps.yaml"] * 2  # with and without the profiler
+
+
+def test_a_point_records_the_calibration_it_is_run_with(grid_script, tmp_path, monkeypatch):
+    monkeypatch.setattr(grid_script, "validate", lambda *args, **kwargs: (_ for _ in ()).throw(LabError("no lab here")))
+    loopback = grid_script.run_point("vgg", 1, 2, None, "ddp", tmp_path, steps=20, repeats=3, default_mbps=200.0)
+    across = grid_script.run_point("vgg", 2, 1, 100.0, "ddp", tmp_path, steps=20, repeats=3, default_mbps=200.0)
+    assert (loopback["calibrated_at_mbps"], across["calibrated_at_mbps"]) == (200.0, 100.0)
+
+
 def test_a_csv_written_before_repeats_existed_still_reads_as_one_run(grid_script):
     row = measured_row([99.0])
     del row["runs_ms"]
