@@ -251,40 +251,47 @@ def _gemm(op: str, inputs, args: list) -> tuple[float, float, float, list]:
     return flops, float(e * (batch * m * k + batch * k * n + batch * m * n)), loops, params
 
 
+# Where each convolution operator records its stride, padding, dilation and groups (Concrete
+# Inputs); conv1d, conv2d and conv3d at (3, 4, 5, 6)
+_CONV_ARGS = {
+    "aten::convolution_backward": (4, 5, 6, 9),
+    "aten::mkldnn_convolution": (4, 3, 5, 6),
+    "aten::convolution": (3, 4, 5, 8),
+    "aten::_convolution": (3, 4, 5, 8),
+}
+
+
+def _conv_operands(op: str, inputs) -> tuple:
+    """A convolution's input and weight shapes (a backward's follow its output gradient)."""
+    first = 1 if op == "aten::convolution_backward" else 0
+    return _tensor(inputs, first), _tensor(inputs, first + 1)
+
+
 def _conv(op: str, inputs, args: list, native: bool) -> tuple[float, float, float, list]:
     """``native``: PyTorch's own kernel (:func:`_conv_backend`), which runs one image at a time."""
     e = _element_size(inputs)
     loops = float(_tensor(inputs, 0)[0]) if native else 0.0
+    x, w = _conv_operands(op, inputs)
+    at_stride, at_padding, at_dilation, _ = _CONV_ARGS.get(op, (3, 4, 5, 6))
     if op == "aten::convolution_backward":
-        grad, x, w = _tensor(inputs, 0), _tensor(inputs, 1), _tensor(inputs, 2)
+        grad = _tensor(inputs, 0)
         out_pixels = _numel(grad[2:])
         # the first layer's backward computes no input gradient: half the work
         wanted = _arg(args, 10, [True, True, False])
         gradients = int(bool(wanted[0])) + int(bool(wanted[1]))
         flops = gradients * 2.0 * grad[0] * w[0] * out_pixels * _numel(w[1:])
-        stride = _arg(args, 4, [1])[0]
+        stride = _arg(args, at_stride, [1])[0]
         params = _conv_params(grad[0], x[1], w[0], out_pixels, _numel(w[2:]), stride, gradients)
         return flops, float(gradients * e * (_numel(grad) + _numel(x) + _numel(w))), loops, params
-    x, w = _tensor(inputs, 0), _tensor(inputs, 1)
     spatial, kernel = list(x[2:]), list(w[2:])
-    at = (4, 3) if op == "aten::mkldnn_convolution" else (3, 4)  # where stride and padding are
-    stride = _arg(args, at[0], [1] * len(spatial))
-    padding = _arg(args, at[1], [k // 2 for k in kernel])  # unrecorded: "same"
-    dilation = _arg(args, 5, [1] * len(spatial))
+    stride = _arg(args, at_stride, [1] * len(spatial))
+    padding = _arg(args, at_padding, [k // 2 for k in kernel])  # unrecorded: "same"
+    dilation = _arg(args, at_dilation, [1] * len(spatial))
     out = [(size + 2 * p - d * (k - 1) - 1) // s + 1 for size, k, s, p, d in zip(spatial, kernel, stride, padding, dilation)]
     out_pixels = _numel(tuple(max(o, 1) for o in out))
     flops = 2.0 * x[0] * w[0] * out_pixels * _numel(w[1:])  # w[1] is the channels of one group
     params = _conv_params(x[0], x[1], w[0], out_pixels, _numel(kernel), stride[0] if stride else 1, 1)
     return flops, float(e * (_numel(x) + _numel(w) + x[0] * w[0] * out_pixels)), loops, params
-
-
-# Where each convolution operator records its stride, dilation and groups (Concrete Inputs)
-_CONV_ARGS = {
-    "aten::convolution_backward": (4, 6, 9),
-    "aten::mkldnn_convolution": (4, 5, 6),
-    "aten::convolution": (3, 5, 8),
-    "aten::_convolution": (3, 5, 8),
-}
 
 
 def _conv_backend(op: str, inputs, args: list, threads: int) -> str:
@@ -295,12 +302,12 @@ def _conv_backend(op: str, inputs, args: list, threads: int) -> str:
     a kernel no wider than 3 in one ungrouped convolution. Half and bfloat16 always go to
     oneDNN, double never. The two cost differently at the same work: fitted as one roofline,
     the native calls were predicted with 29 % error against 12 % for the rest."""
-    x, w = (_tensor(inputs, 1), _tensor(inputs, 2)) if op == "aten::convolution_backward" else (_tensor(inputs, 0), _tensor(inputs, 1))
+    x, w = _conv_operands(op, inputs)
     e = _element_size(inputs)
     if e != 4:
         return "native" if e == 8 else ""
     spatial = len(x) - 2
-    at_stride, at_dilation, at_groups = _CONV_ARGS.get(op, (3, 5, 6))
+    at_stride, _, at_dilation, at_groups = _CONV_ARGS.get(op, (3, 4, 5, 6))
     stride = _arg(args, at_stride, [1] * spatial)
     dilation = _arg(args, at_dilation, [1] * spatial)
     groups = _arg(args, at_groups, 1)
