@@ -20,7 +20,7 @@ from whatif.predict import predict_scenario
 from whatif.report.iterations import iteration_report, steady_median
 from whatif.scenario import load_scenario
 from whatif.sim.engine import simulate
-from whatif.sim.profiler_overhead import remove_profiler_overhead, water_level
+from whatif.sim.profiler_overhead import PROFILER_COST_CAP_US, remove_profiler_overhead, water_level
 from whatif.study import TraceStudy
 
 torch = pytest.importorskip("torch", reason="torch is not importable: pip install -e '.[test]' to capture")
@@ -29,16 +29,15 @@ from whatif.collectors.capture import Capture  # noqa: E402
 WARMUP, STEPS = 8, 5
 
 
-@pytest.fixture(scope="module")
-def bundle(tmp_path_factory):
+def capture_mlp(tmp_path_factory, width: int, depth: int, batch: int):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         torch.manual_seed(0)
-        model = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU()) for _ in range(8)))
+        model = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU()) for _ in range(depth)))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         out = tmp_path_factory.mktemp("overhead") / "mlp.bundle"
-        x, y = torch.randn(8, 32), torch.randn(8, 32)
+        x, y = torch.randn(batch, width), torch.randn(batch, width)
         with Capture(out, model=model, warmup=WARMUP, steps=STEPS) as capture:
             while True:
                 optimizer.zero_grad()
@@ -49,6 +48,18 @@ def bundle(tmp_path_factory):
         return out
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
+    """Short operators: the profiler's worst case."""
+    return capture_mlp(tmp_path_factory, width=32, depth=8, batch=8)
+
+
+@pytest.fixture(scope="module")
+def long_operators(tmp_path_factory):
+    """GEMMs of milliseconds, as in the wide MLP whose faulting steps the cap is for."""
+    return capture_mlp(tmp_path_factory, width=1024, depth=3, batch=256)
 
 
 def scenario(tmp_path, bundle, **extra):
@@ -109,20 +120,46 @@ def test_predicting_one_worker_from_a_bundle_gives_the_plain_steps_time(bundle, 
     assert outcome.baseline_ms == pytest.approx(plain_ms, rel=0.05)
 
 
-def test_profiled_steps_faster_than_plain_ones_stretch_every_cpu_task_to_the_plain_time(bundle):
-    # on CPU the plain run's heap can page-fault where the profiled one's did not (sim/profiler_overhead.py)
+def corrected_to_plain(bundle, plain_share: float):
+    """The bundle's graph corrected as if its plain steps took ``plain_share`` of the profiled
+    ones: what was removed, the tasks' durations before and after, and the predicted and
+    profiled iteration times."""
     study = TraceStudy.from_trace(bundle)
     graph = study.graph.copy()
     profiled_ms = steady_median(iteration_report(study.replay, study.iterations)["measured_ms"])
     before = graph.tasks["duration_us"].to_numpy().copy()
-    added = remove_profiler_overhead(graph, study.iterations, [1.25 * profiled_ms] * 6)
+    removed = remove_profiler_overhead(graph, study.iterations, [plain_share * profiled_ms] * 6)
+    predicted_ms = steady_median(iteration_report(simulate(graph), study.iterations)["predicted_ms"])
+    return removed, before, graph.tasks["duration_us"].to_numpy(), predicted_ms, profiled_ms
+
+
+def test_profiled_steps_faster_than_plain_ones_stretch_every_cpu_task_to_the_plain_time(bundle):
+    # on CPU the plain run's heap can page-fault where the profiled one's did not (sim/profiler_overhead.py)
+    added, before, after, predicted, profiled_ms = corrected_to_plain(bundle, 1.25)
     assert added.removed_ms == pytest.approx(-0.25 * profiled_ms) and added.stretch > 1.0
     assert "faster than plain ones" in added.describe()
-    predicted = steady_median(iteration_report(simulate(graph), study.iterations)["predicted_ms"])
     assert predicted == pytest.approx(1.25 * profiled_ms, rel=0.02)
-    changed = graph.tasks["duration_us"].to_numpy() != before
-    ratios = graph.tasks["duration_us"].to_numpy()[changed] / before[changed]
+    changed = after != before
+    ratios = after[changed] / before[changed]
     assert ratios.min() > 1.0 and ratios.max() / ratios.min() < 1.5, "every iteration's tasks stretch by one factor"
+
+
+def test_the_profilers_own_cost_stays_under_the_cap_per_task_even_for_the_shortest_operators(bundle):
+    study = TraceStudy.from_trace(bundle)
+    removed = remove_profiler_overhead(study.graph.copy(), study.iterations, read_bundle(bundle).unprofiled_step_ms)
+    assert 0 < removed.per_task_us < PROFILER_COST_CAP_US
+    assert removed.stretch == 1.0 and "shrunk" not in removed.describe()
+
+
+def test_a_difference_beyond_what_the_profiler_costs_shrinks_every_task_by_one_factor(long_operators):
+    # time the profiled steps lost to page faults lies in the operators that faulted, not at events
+    removed, before, after, predicted, profiled_ms = corrected_to_plain(long_operators, 0.5)
+    assert removed.per_task_us == PROFILER_COST_CAP_US and 0 < removed.stretch < 1
+    assert "shrunk" in removed.describe()
+    assert predicted == pytest.approx(0.5 * profiled_ms, rel=0.05)
+    long = (before > 2 * PROFILER_COST_CAP_US) & (after != before)  # the iterations' long CPU tasks
+    kept = after[long] / (before[long] - PROFILER_COST_CAP_US)
+    assert kept.min() > 0 and kept.max() / kept.min() < 1.5, "past the cap, every iteration's tasks shrink by one factor"
 
 
 def test_keeping_the_overhead_predicts_the_trace_as_replayed(bundle, tmp_path):
