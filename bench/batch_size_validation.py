@@ -66,10 +66,10 @@ PROFILED_STEPS = 7
 TIMED_STEPS = 20  # per batch size, in BLOCKS blocks
 # Blocks of two steps: this box slows by a third for seconds at a time, and with four blocks of
 # five steps a slow spell could take half of one batch size's steps and fewer of another's (in
-# a round of the record at 793f936 the wide MLP's third block ran 95 to 102 ms a step at batch 32
-# and 115 to 140 at 64, against about 72 and 108 in the others). The shorter the blocks, the more evenly a spell
-# lands on the three batch sizes: on the traced batch's plain steps, which the prediction is
-# fitted to, as on the batch sizes it is compared with.
+# a round of the record at 793f936 the wide MLP's third block ran 95 to 102 ms a step at batch
+# 32 and 115 to 140 at 64, against about 72 and 108 in the others). The shorter the blocks, the
+# more evenly a spell lands on the three batch sizes: on the traced batch's plain steps, which
+# the prediction is fitted to, as on the batch sizes it is compared with.
 BLOCKS = 10
 WARMUP_STEPS = 5  # per batch size, before the first block
 HOST_PROBES = 6  # fresh processes probed at the start, to find the host's fast state

@@ -82,32 +82,32 @@ class ProfilerOverhead:
 
 
 def remove_profiler_overhead(graph: TaskGraph, iterations: pd.DataFrame, unprofiled_ms: Sequence[float]) -> ProfilerOverhead:
-    """Shorten the CPU tasks of every iteration of ``graph`` (in place) by the measured overhead
-    (per event up to :data:`PROFILER_COST_CAP_US`, the rest by one factor), or stretch them
-    where the profiled steps were the faster ones."""
+    """Shorten the CPU tasks of every iteration of ``graph`` (in place) by the measured overhead:
+    per event up to :data:`PROFILER_COST_CAP_US`, the rest by one factor; where the profiled
+    steps were the faster ones, that factor stretches them instead."""
     # summarised as predictions are (steady_median), so that the 1x1 prediction is the plain step
     profiled_ms = steady_median((iterations["end_us"] - iterations["start_us"]) / 1e3)
     plain_ms = float(np.median(np.asarray(unprofiled_ms, dtype=float)))
     overhead_us = (profiled_ms - plain_ms) * 1e3
     if overhead_us == 0.0:
         return ProfilerOverhead(profiled_ms, plain_ms, 0.0, 0.0)
-    if overhead_us < 0:
-        return _stretch_to_plain(graph, iterations, profiled_ms, plain_ms)
     duration = graph.tasks["duration_us"].to_numpy(dtype=float).copy()
     levels, factors = [], []
-    for ids in _iteration_cpu_work(graph, iterations):
-        level = min(water_level(duration[ids], overhead_us), PROFILER_COST_CAP_US)
+    for ids in _iteration_cpu_work(graph, iterations):  # iterations hold disjoint tasks
+        # the profiler's part per event (none where the plain steps were the slower), the rest by one factor
+        level = min(water_level(duration[ids], overhead_us), PROFILER_COST_CAP_US) if overhead_us > 0 else 0.0
         given = np.minimum(duration[ids], level)
         duration[ids] -= given
         left, held = overhead_us - given.sum(), duration[ids].sum()
-        factors.append(max(0.0, 1.0 - left / held) if left > _TOLERANCE_US and held > 0 else 1.0)
-        duration[ids] *= factors[-1]
+        if held > 0:
+            factors.append(max(0.0, 1.0 - left / held) if abs(left) > _TOLERANCE_US else 1.0)
+            duration[ids] *= factors[-1]
         levels.append(level)
     graph.tasks["duration_us"] = duration
-    removed = ProfilerOverhead(profiled_ms, plain_ms, overhead_us / 1e3, float(np.median(levels)) if levels else 0.0,
-                               float(np.median(factors)) if factors else 1.0)
-    graph.notes.append(removed.describe())
-    return removed
+    corrected = ProfilerOverhead(profiled_ms, plain_ms, overhead_us / 1e3, float(np.median(levels)) if levels else 0.0,
+                                 float(np.median(factors)) if factors else 1.0)
+    graph.notes.append(corrected.describe())
+    return corrected
 
 
 def _iteration_cpu_work(graph: TaskGraph, iterations: pd.DataFrame):
@@ -119,19 +119,6 @@ def _iteration_cpu_work(graph: TaskGraph, iterations: pd.DataFrame):
         ids = np.flatnonzero(cpu_work & (m_start >= it.start_us - _TOLERANCE_US) & (m_end <= it.end_us + _TOLERANCE_US))
         if len(ids):
             yield ids
-
-
-def _stretch_to_plain(graph: TaskGraph, iterations: pd.DataFrame, profiled_ms: float, plain_ms: float) -> ProfilerOverhead:
-    added_us = (plain_ms - profiled_ms) * 1e3
-    factors = []
-    for ids in _iteration_cpu_work(graph, iterations):  # iterations hold disjoint tasks
-        held = graph.tasks["duration_us"].to_numpy()[ids].sum()
-        if held > 0:
-            factors.append(1.0 + added_us / held)
-            graph.scale(ids, factors[-1])
-    added = ProfilerOverhead(profiled_ms, plain_ms, -added_us / 1e3, 0.0, float(np.median(factors)) if factors else 1.0)
-    graph.notes.append(added.describe())
-    return added
 
 
 def water_level(durations_us: np.ndarray, total_us: float) -> float:
