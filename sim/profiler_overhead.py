@@ -62,7 +62,7 @@ class ProfilerOverhead:
     """What the correction found and took out, per iteration."""
 
     profiled_ms: float  # steady-state median profiled iteration, as the trace measured it
-    unprofiled_ms: float  # median unprofiled warm-up step
+    unprofiled_ms: float  # steady-state median unprofiled warm-up step
     removed_ms: float  # taken out of every iteration; negative: added, the profiled steps were the faster
     per_task_us: float  # the largest amount one CPU task gave up (median over iterations)
     stretch: float = 1.0  # the factor CPU tasks were stretched by: over 1 where time was added, under 1 past the cap
@@ -85,9 +85,10 @@ def remove_profiler_overhead(graph: TaskGraph, iterations: pd.DataFrame, unprofi
     """Shorten the CPU tasks of every iteration of ``graph`` (in place) by the measured overhead:
     per event up to :data:`PROFILER_COST_CAP_US`, the rest by one factor; where the profiled
     steps were the faster ones, that factor stretches them instead."""
-    # summarised as predictions are (steady_median), so that the 1x1 prediction is the plain step
+    # both summarised as predictions and runs are (steady_median), so that the 1x1 prediction is
+    # the plain step a run is held to
     profiled_ms = steady_median((iterations["end_us"] - iterations["start_us"]) / 1e3)
-    plain_ms = float(np.median(np.asarray(unprofiled_ms, dtype=float)))
+    plain_ms = steady_median(pd.Series(unprofiled_ms, dtype=float))
     overhead_us = (profiled_ms - plain_ms) * 1e3
     if overhead_us == 0.0:
         return ProfilerOverhead(profiled_ms, plain_ms, 0.0, 0.0)
