@@ -9,6 +9,19 @@ cache state, its allocator, the profiler's share) to the new shapes, which a mod
 prediction would not. Everything else, the Python and dispatch time between operators, the
 autograd engine's bookkeeping, the optimizer's per-parameter work, is kept as measured.
 
+The ratio is the roofline's, without the family's learned correction. That correction is what
+the roofline misses at one shape, and the traced call has already measured it at the old shape;
+what the ratio needs is how the time moves between two shapes, and a tree ensemble's correction
+jumps from one leaf to the next where the roofline is smooth. The wide MLP's weight-gradient
+GEMMs (``[2048, B] x [B, 2048]``) took 0.59 and 1.84 times their batch-64 time at 32 and 128
+in one round's traces; the roofline's ratios are 0.61 and 1.78, with the correction 0.54 and
+1.97, and with it the predicted steps were 3 to 4 % short at 32 and over at 128 in the
+batch-size records. Against the traces at the other batch sizes, over five records
+(``bench/batch_size_ratios.py``), roofline ratios were the closer for GEMMs (6.3 against 12.0 %
+mean error per family and point), attention (5.7 against 7.1) and reductions (11.7 against
+14.8), a point or two worse for element-wise work and norms, and on a par for convolutions and
+pooling.
+
 Which dimensions are the batch: the outermost operator of a modelled family on the stack (the
 unit a model times, see ``operator_units``) is rescaled input by input. A tensor input whose
 shape is a parameter's (from the bundle, else from the trace's ``AccumulateGrad`` shapes, either
@@ -196,8 +209,8 @@ def change_batch_size(
     picked_ops, picked_types, picked_args = [ops[i] for i in picked], [types[i] for i in picked], [args[i] for i in picked]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        before = models.predict_us(picked_ops, [dims[i] for i in picked], picked_types, picked_args)
-        after = models.predict_us(picked_ops, [new_dims[i] for i in picked], picked_types, picked_args)
+        before = models.predict_us(picked_ops, [dims[i] for i in picked], picked_types, picked_args, learned=False)
+        after = models.predict_us(picked_ops, [new_dims[i] for i in picked], picked_types, picked_args, learned=False)
     ratio[picked] = after / before
     modelled = np.isfinite(ratio) & (ratio > 0)
     change.scaled_units = int(modelled.sum())

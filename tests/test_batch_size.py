@@ -3,6 +3,7 @@ compute rescaled by the performance models and everything between operators kept
 
 from __future__ import annotations
 
+import copy
 import json
 
 import numpy as np
@@ -86,8 +87,8 @@ def test_a_modelled_operator_takes_its_models_ratio_of_its_whole_traced_time_its
     linear = units[(units["op"] == "aten::linear") & (units["unit"] == units["row"])]
     weights = parameter_shapes(trace)
     new_dims = [rescale_dims("aten::linear", d, 64, 32, weights) for d in linear["dims"]]
-    ratio = models.predict_us(["aten::linear"] * len(linear), new_dims, linear["types"].tolist()) / models.predict_us(
-        ["aten::linear"] * len(linear), linear["dims"].tolist(), linear["types"].tolist())
+    ratio = models.predict_us(["aten::linear"] * len(linear), new_dims, linear["types"].tolist(), learned=False) / models.predict_us(
+        ["aten::linear"] * len(linear), linear["dims"].tolist(), linear["types"].tolist(), learned=False)
     unit_of_event = units.set_index("row")["unit"]
     op_of_event = units.set_index("row")["op"]
     events = graph.tasks["event"].to_numpy()
@@ -101,6 +102,39 @@ def test_a_modelled_operator_takes_its_models_ratio_of_its_whole_traced_time_its
     for row, r in zip(linear["row"].to_numpy(), ratio):
         mine = in_unit == row
         assert after[mine].sum() == pytest.approx(r * before[mine].sum(), rel=1e-9)
+
+
+def with_trees(models, trees):
+    """``models`` with every family's learned correction replaced by ``trees`` (None: roofline only)."""
+    changed = copy.deepcopy(models)
+    for family in changed.families.values():
+        family.trees, family._booster = trees, None
+    return changed
+
+
+def test_a_call_moves_by_its_rooflines_ratio_whatever_the_learned_correction_says(models):
+    """The traced call has measured what the roofline misses at its own shape; a tree
+    ensemble's correction jumps from leaf to leaf between two shapes where the roofline is
+    smooth, and its ratios were the further from the traces at other batch sizes
+    (``bench/batch_size_ratios.py``)."""
+    lightgbm = pytest.importorskip("lightgbm")
+    features = np.random.default_rng(0).uniform(0, 30, size=(400, 14))
+    booster = lightgbm.train({"objective": "regression", "verbose": -1, "min_data_in_leaf": 5},
+                             lightgbm.Dataset(features, features[:, 1] / 5), num_boost_round=20)
+    roofline, learned = with_trees(models, None), with_trees(models, booster.model_to_string())
+    trace = load_trace(WIDE_MLP)
+    linear = operator_units(trace).query("op == 'aten::linear' and unit == row")
+    new_dims = [rescale_dims("aten::linear", d, 64, 32, parameter_shapes(trace)) for d in linear["dims"]]
+    calls = (["aten::linear"] * len(linear), linear["types"].tolist())
+    ratios = [m.predict_us(calls[0], new_dims, calls[1]) / m.predict_us(calls[0], linear["dims"].tolist(), calls[1])
+              for m in (roofline, learned)]
+    assert not np.allclose(*ratios), "the learned correction must move the model's ratio for the test to tell"
+    rescaled = []
+    for m in (roofline, learned):
+        graph = build_graph(trace)
+        change_batch_size(graph, trace, m, 32)
+        rescaled.append(graph.tasks["duration_us"].to_numpy())
+    np.testing.assert_array_equal(*rescaled)
 
 
 def test_the_same_batch_size_changes_nothing(models):
