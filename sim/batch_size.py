@@ -162,7 +162,7 @@ def infer_batch_size(trace, parameters: set) -> tuple[int, str]:
         if any(t == thread and lo <= ts < hi for t, lo, hi in spans):
             continue
         for d in dims:
-            if _is_shape(d) and tuple(d) not in parameters:
+            if _is_shape(d) and d[0] > 0 and tuple(d) not in parameters:  # not a factory's empty out=
                 return int(d[0]), f"the first input of the first layer, {op} {d}"
     raise GraphError(f"{trace.path}: cannot tell the batch size it was traced at; give it (--from-batch-size)")
 

@@ -44,6 +44,28 @@ def test_the_traced_batch_size_comes_from_the_bundle_or_the_first_layer():
         assert found == batch and first_op in source
 
 
+def test_a_factorys_empty_output_is_not_taken_for_the_batch(tmp_path):
+    """A transformer numbers its positions first (``torch.arange``, whose ``out=`` tensor is
+    recorded with shape ``[0]``); the batch is its tokens' leading dimension."""
+    torch = pytest.importorskip("torch", reason="captures a trace: pip install -e '.[test]'")
+
+    class Tokens(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.token, self.position, self.head = torch.nn.Embedding(100, 16), torch.nn.Embedding(10, 16), torch.nn.Linear(16, 4)
+
+        def forward(self, tokens):
+            positions = torch.arange(tokens.shape[1])
+            return self.head(self.token(tokens) + self.position(positions)).mean(1)
+
+    model, tokens, path = Tokens(), torch.randint(0, 100, (6, 10)), tmp_path / "tokens.pt.trace.json"
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as profiler:
+        model(tokens).sum().backward()
+    profiler.export_chrome_trace(str(path))
+    trace = load_trace(path)
+    assert infer_batch_size(trace, parameter_shapes(trace)) == (6, "the first input of the first layer, aten::embedding [6, 10]")
+
+
 @pytest.fixture(scope="module")
 def models(quick_models_file):
     return load_models(quick_models_file)
