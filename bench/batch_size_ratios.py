@@ -5,7 +5,8 @@ family's model at the new and the old shapes. The kept records of
 ``bench/batch_size_validation.py`` hold, per round, a profiled trace of each example model at
 B0 / 2, B0 and 2 B0 from one process, so the ratio can be checked call family by call family:
 the calls of the B0 trace, each rescaled by its ratio, against the same calls (operator and
-rescaled shapes) in the trace at B. This is the operator models' share of a batch-size
+rescaled shapes) in the trace at B; calls inside data loading, which the prediction scales
+with the batch, are left out. This is the operator models' share of a batch-size
 prediction, without the CPU time around the operators or the profiler correction.
 
 For each family and point (model, batch size, round) the script prints the error of the
@@ -35,12 +36,21 @@ RATIOS = {"roofline": False, "roofline x learned": True}
 
 
 def modelled_calls(trace) -> tuple[pd.DataFrame, np.ndarray]:
-    """The outermost modelled operator calls of ``trace`` and their inclusive times (us)."""
+    """The outermost modelled operator calls of ``trace`` outside data loading (which the
+    prediction scales with the batch instead) and their inclusive times (us)."""
+    from whatif.sim.optimizations import DATA_LOADING
     from whatif.sim.perfmodels import operator_units
 
     units = operator_units(trace)
     units = units[units["unit"] == units["row"]]
-    return units, trace.events["dur_us"].reindex(units["row"]).to_numpy(dtype=float)
+    events = trace.events
+    loading = events[events["name"].astype(str).str.contains(DATA_LOADING)]
+    start, thread = events["ts_us"].reindex(units["row"]).to_numpy(), events["thread"].reindex(units["row"]).to_numpy()
+    inside = np.zeros(len(units), dtype=bool)
+    for span in loading.itertuples():
+        inside |= (thread == span.thread) & (start >= span.ts_us) & (start < span.ts_us + span.dur_us)
+    units = units[~inside]
+    return units, events["dur_us"].reindex(units["row"]).to_numpy(dtype=float)
 
 
 def record_errors(record: Path, models) -> tuple[list[dict], int]:
