@@ -38,19 +38,15 @@ RATIOS = {"roofline": False, "roofline x learned": True}
 def modelled_calls(trace) -> tuple[pd.DataFrame, np.ndarray]:
     """The outermost modelled operator calls of ``trace`` outside data loading (which the
     prediction scales with the batch instead) and their inclusive times (us)."""
-    from whatif.sim.optimizations import DATA_LOADING
+    from whatif.sim.batch_size import data_loading_tasks
+    from whatif.sim.build import build_graph
     from whatif.sim.perfmodels import operator_units
 
+    graph = build_graph(trace)
+    loading_events = graph.tasks["event"].to_numpy()[data_loading_tasks(graph)]
     units = operator_units(trace)
-    units = units[units["unit"] == units["row"]]
-    events = trace.events
-    loading = events[events["name"].astype(str).str.contains(DATA_LOADING)]
-    start, thread = events["ts_us"].reindex(units["row"]).to_numpy(), events["thread"].reindex(units["row"]).to_numpy()
-    inside = np.zeros(len(units), dtype=bool)
-    for span in loading.itertuples():
-        inside |= (thread == span.thread) & (start >= span.ts_us) & (start < span.ts_us + span.dur_us)
-    units = units[~inside]
-    return units, events["dur_us"].reindex(units["row"]).to_numpy(dtype=float)
+    units = units[(units["unit"] == units["row"]) & ~units["row"].isin(loading_events)]
+    return units, trace.events["dur_us"].reindex(units["row"]).to_numpy(dtype=float)
 
 
 def record_errors(record: Path, models) -> tuple[list[dict], int]:
@@ -71,6 +67,7 @@ def record_errors(record: Path, models) -> tuple[list[dict], int]:
             types, args = units["types"].tolist(), units["args"].tolist()
             family = np.array([FAMILY_OF.get(op) for op in ops])
             parameters = parameter_shapes(traced)
+            at_base = {kind: models.predict_us(ops, dims, types, args, learned=learned) for kind, learned in RATIOS.items()}
             for batch in batch_sizes(model):
                 if batch == base:
                     continue
@@ -80,8 +77,7 @@ def record_errors(record: Path, models) -> tuple[list[dict], int]:
                 there_keys = np.array([json.dumps([op, d]) for op, d in zip(there["op"], there["dims"])])
                 keys = np.array([json.dumps([op, d]) for op, d in zip(ops, new_dims)])
                 for kind, learned in RATIOS.items():
-                    ratio = models.predict_us(ops, new_dims, types, args, learned=learned) / models.predict_us(
-                        ops, dims, types, args, learned=learned)
+                    ratio = models.predict_us(ops, new_dims, types, args, learned=learned) / at_base[kind]
                     rescaled = carries & np.isfinite(ratio)
                     for name in sorted(set(family[rescaled])):
                         mine = rescaled & (family == name)

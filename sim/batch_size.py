@@ -193,8 +193,7 @@ def change_batch_size(
     if from_batch == to_batch:
         return change
 
-    loading = np.zeros(len(graph.tasks), dtype=bool)
-    loading[graph.select(pattern=DATA_LOADING)] = True
+    loading = data_loading_tasks(graph)
     loading_events = set(graph.tasks["event"].to_numpy()[loading].tolist())
 
     units = operator_units(trace)
@@ -237,6 +236,13 @@ def change_batch_size(
         graph.tasks[MEMORY_BYTES] = graph.tasks[MEMORY_BYTES].to_numpy() * factors
     graph.notes.append(change.describe())
     return change
+
+
+def data_loading_tasks(graph: TaskGraph) -> np.ndarray:
+    """Which tasks load data: they scale with the batch as a whole, not by an operator model."""
+    loading = np.zeros(len(graph.tasks), dtype=bool)
+    loading[graph.select(pattern=DATA_LOADING)] = True
+    return loading
 
 
 def _task_factors(in_units: pd.DataFrame, events: np.ndarray, duration_us: np.ndarray) -> np.ndarray:
