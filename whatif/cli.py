@@ -15,10 +15,10 @@ import pandas as pd
 from whatif.analyses import run_critical_path, run_overheads
 from whatif.collectors.capture import CaptureError, collect
 from whatif.collectors.kineto import TraceError
-from whatif.collectors.calibrate import add_shared_memory, calibrate
-from whatif.collectors.lab import LabError, LabSpec, run_job
-from whatif.collectors.validate import as_record
-from whatif.collectors.validate import validate as validate_point
+from whatif.lab.calibrate import add_shared_memory, calibrate
+from whatif.lab.cluster import LabError, LabSpec, run_job
+from whatif.lab.validate import as_record
+from whatif.lab.validate import validate as validate_point
 from whatif.perfmodel_cli import add_batch_size_options, rebatch, run_perfmodel
 from whatif.perfmodel_cli import add_parser as add_perfmodel_parser
 from whatif.predict import predict_scenario
