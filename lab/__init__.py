@@ -14,6 +14,7 @@ compares their iteration times with what ``whatif predict`` says for the same co
   ``horovodrun``; ``horovod_build.sh`` builds Horovod for the lab (``make horovod``).
 * ``validate``: one point held against a real run: capture 1x1, predict, run, compare
   (``whatif validate``; ``bench/validation_grid.py`` runs a grid of them).
+* ``cli``: the ``whatif lab`` and ``whatif validate`` commands.
 
 The lab imports the simulator (``whatif.collectors``, ``whatif.sim``, ``whatif.topology``, the
 facade); the simulator never imports the lab. It needs root, network namespaces and, for
