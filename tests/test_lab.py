@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
 import os
@@ -10,6 +11,7 @@ import sys
 
 import pytest
 
+from trace_corpus import REPO
 from whatif.lab import cluster
 from whatif.lab.cluster import EmulatedCluster, LabError, LabSpec, run_job
 
@@ -39,7 +41,7 @@ dist.destroy_process_group()
 """
 
 
-BUNDLED = __import__("pathlib").Path(__file__).resolve().parents[1] / "data" / "convnet_cpu.pt.trace.json.gz"
+BUNDLED = REPO / "data" / "convnet_cpu.pt.trace.json.gz"
 
 
 def namespaces() -> set:
@@ -184,3 +186,28 @@ def test_calibrate_writes_links_a_scenario_can_use(tmp_path):
         assert all(0 < p.cluster.inter_node.horovod_loop_us < 5000 for p in points), "a part of every 5 ms cycle"
     assert all(p.cluster.workers_sharing_memory == 2 for p in points), "the lab's machines share one box's memory"
     assert all(p.cluster.shared_memory.memory_slowdown(2) >= 1 for p in points)
+
+
+def imported_modules(path, package: str) -> set:
+    """Every module ``path`` (a module of ``package``) imports, relative imports resolved."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            parts = package.split(".")
+            base = ".".join(parts[: len(parts) - node.level + 1] if node.level else [])
+            module = ".".join(p for p in (base, node.module) if p)
+            names |= {module} | {f"{module}.{alias.name}" for alias in node.names}
+    return names
+
+
+def test_the_simulator_never_imports_the_lab():
+    """The lab holds predictions against real runs; the simulator stands without it."""
+    importers = []
+    for folder in ("collectors", "sim", "topology", "report"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            package = ".".join(["whatif", folder, *path.relative_to(REPO / folder).parent.parts])
+            if any(name.split(".")[:2] == ["whatif", "lab"] for name in imported_modules(path, package)):
+                importers.append(str(path.relative_to(REPO)))
+    assert importers == []
