@@ -3,7 +3,7 @@
 # need no reinstall.
 #
 # `make horovod` installs what the real multi-worker runs need (the `lab` extra: torch) and builds
-# Horovod 0.28.1 with PyTorch and Gloo into .venv (collectors/horovod_build.sh): about 5 minutes
+# Horovod 0.28.1 with PyTorch and Gloo into .venv (lab/horovod_build.sh): about 5 minutes
 # on two cores the first time, then seconds, from the wheel it caches in ~/.cache/whatif-wheels.
 # Only the lab and its tests need it (`make test` runs it); the simulator never does.
 
@@ -22,7 +22,7 @@ test: $(VENV)/.installed-test horovod
 	$(BIN)/python -m pytest -q tests
 
 horovod: $(VENV)/.installed-lab
-	collectors/horovod_build.sh $(BIN)/python
+	lab/horovod_build.sh $(BIN)/python
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)

@@ -1,7 +1,7 @@
 """Validation grid: predictions against real Horovod and DDP runs on the emulated cluster.
 
 For every example model, every configuration and every bandwidth, ``whatif validate``'s loop
-(``collectors/validate.py``): capture a 1x1 bundle, predict the configuration on the lab's
+(``lab/validate.py``): capture a 1x1 bundle, predict the configuration on the lab's
 calibrated links, run it for real ``--repeats`` times (default 3) and compare with the median
 run, since whole runs on a shared box differ by more than one run's sampling error. One-machine configurations talk over loopback, so
 they are run once per framework, not once per bandwidth; 1x1 is run once per model.
@@ -44,8 +44,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from measured_code import code_version  # noqa: E402
-from whatif.collectors.lab import LabError  # noqa: E402
-from whatif.collectors.validate import as_record, capture_path, links_path, predict, validate  # noqa: E402
+from whatif.lab.cluster import LabError  # noqa: E402
+from whatif.lab.validate import as_record, capture_path, links_path, predict, validate  # noqa: E402
 
 COLUMNS = [
     "model", "machines", "gpus_per_machine", "bandwidth_mbps", "framework", "status",

@@ -248,7 +248,7 @@ def _with_shared_memory(worker: TaskGraph, cluster: Cluster) -> TaskGraph:
 
 def _with_horovod_loop(worker: TaskGraph, link, cycle_us: float) -> TaskGraph:
     """The worker with its CPU work slowed by Horovod's background loop, which takes
-    ``link.horovod_loop_us`` of the worker's core every cycle (``collectors/horovod_loop_probe.py``)
+    ``link.horovod_loop_us`` of the worker's core every cycle (``lab/probes/horovod_loop.py``)
     and so leaves the training step ``1 - loop / cycle`` of it."""
     if not link.horovod_loop_us:
         return worker

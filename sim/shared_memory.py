@@ -4,7 +4,7 @@ A single-worker trace times every operator with the memory system to itself. On 
 that share one (the workers of a machine, or, in the lab, every worker of the box), the
 data-parallel workers run the same step in lockstep, so their optimizer steps, element-wise
 passes and weight reads stream at the same moment and split the bandwidth, while work that
-stays in a core's caches does not notice (``collectors/memory_probe.py``, ``topology.SharedMemory``).
+stays in a core's caches does not notice (``lab/probes/memory.py``, ``topology.SharedMemory``).
 
 So each CPU task is split into the time its bytes take at one core's streaming rate and the
 rest, and only the first is slowed by the sharing: a task of ``d`` microseconds that moves ``b``

@@ -165,7 +165,7 @@ def test_two_horovod_workers_over_gloo_average_their_gradients(model, tmp_path):
 
 
 def test_an_example_under_whatif_collect_runs_at_the_batch_size_the_validation_asks_for(tmp_path):
-    from whatif.collectors.validate import BATCH_SIZE_ENV
+    from whatif.lab.validate import BATCH_SIZE_ENV
 
     bundle = tmp_path / "convnet.bundle"
     completed = subprocess.run(

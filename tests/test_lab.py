@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
 import os
@@ -10,8 +11,9 @@ import sys
 
 import pytest
 
-from whatif.collectors import lab
-from whatif.collectors.lab import EmulatedCluster, LabError, LabSpec, run_job
+from trace_corpus import REPO
+from whatif.lab import cluster
+from whatif.lab.cluster import EmulatedCluster, LabError, LabSpec, run_job
 
 can_run = pytest.mark.skipif(
     os.geteuid() != 0 or subprocess.run(["ip", "netns", "list"], capture_output=True).returncode != 0,
@@ -39,7 +41,7 @@ dist.destroy_process_group()
 """
 
 
-BUNDLED = __import__("pathlib").Path(__file__).resolve().parents[1] / "data" / "convnet_cpu.pt.trace.json.gz"
+BUNDLED = REPO / "data" / "convnet_cpu.pt.trace.json.gz"
 
 
 def namespaces() -> set:
@@ -95,7 +97,7 @@ def test_the_lab_cleans_up_after_a_timeout(tmp_path):
 
 
 def test_without_root_the_lab_refuses_with_a_clear_message(monkeypatch):
-    monkeypatch.setattr(lab.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(cluster.os, "geteuid", lambda: 1000)
     with pytest.raises(LabError, match="needs root"):
         with EmulatedCluster(LabSpec(2, 1, 100.0)):
             pass
@@ -103,7 +105,7 @@ def test_without_root_the_lab_refuses_with_a_clear_message(monkeypatch):
 
 @can_run
 def test_a_latency_without_netem_is_refused_not_ignored(monkeypatch):
-    monkeypatch.setattr(lab, "_netem_available", lambda: False)
+    monkeypatch.setattr(cluster, "_netem_available", lambda: False)
     with pytest.raises(LabError, match="sch_netem"):
         with EmulatedCluster(LabSpec(2, 1, 100.0, latency_ms=1.0)):
             pass
@@ -118,7 +120,7 @@ def _etc_netns():
 
 def test_calibration_recovers_the_latency_and_efficiency_of_a_ring():
     """Times made from the ring's cost with L = 150 us and e = 0.9 at 200 Mbps fit back to them."""
-    from whatif.collectors.calibrate import fit_ring
+    from whatif.lab.calibrate import fit_ring
 
     bandwidth = 200e6 / 8
     sizes = [64e3, 1e6, 4e6, 16e6, 32e6]
@@ -132,7 +134,7 @@ def test_calibration_recovers_the_latency_and_efficiency_of_a_ring():
 def test_contention_is_the_busy_to_idle_ratio_of_each_large_all_reduce_and_the_lost_compute_rate():
     """Sizes under 1 MB are latency and left out; a busy run measured faster than an idle one
     is noise, not a speed-up, and gives 1."""
-    from whatif.collectors.calibrate import fit_contention
+    from whatif.lab.calibrate import fit_contention
 
     measured = {"sizes_bytes": [64e3, 4e6, 16e6, 32e6], "seconds": [0.01, 0.1, 0.4, 0.8],
                 "seconds_busy": [0.05, 0.09, 0.6, 1.6], "compute_rate_alone": 1000.0, "compute_rate_during_comm": 800.0}
@@ -145,7 +147,7 @@ def test_contention_is_the_busy_to_idle_ratio_of_each_large_all_reduce_and_the_l
 @can_run
 @needs_torch
 def test_a_probe_run_several_times_gives_the_median_of_every_figure():
-    from whatif.collectors.calibrate import median_of_runs
+    from whatif.lab.calibrate import median_of_runs
 
     runs = [
         {"sizes_bytes": [1, 2], "seconds": [0.1, 1.0], "compute_rate_alone": 900.0, "world_size": 2},
@@ -157,7 +159,7 @@ def test_a_probe_run_several_times_gives_the_median_of_every_figure():
 
 
 def test_calibrate_writes_links_a_scenario_can_use(tmp_path):
-    from whatif.collectors.calibrate import calibrate
+    from whatif.lab.calibrate import calibrate
     from whatif.scenario import load_scenario
 
     links = tmp_path / "lab.yaml"
@@ -184,3 +186,28 @@ def test_calibrate_writes_links_a_scenario_can_use(tmp_path):
         assert all(0 < p.cluster.inter_node.horovod_loop_us < 5000 for p in points), "a part of every 5 ms cycle"
     assert all(p.cluster.workers_sharing_memory == 2 for p in points), "the lab's machines share one box's memory"
     assert all(p.cluster.shared_memory.memory_slowdown(2) >= 1 for p in points)
+
+
+def imported_modules(path, package: str) -> set:
+    """Every module ``path`` (a module of ``package``) imports, relative imports resolved."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            parts = package.split(".")
+            base = ".".join(parts[: len(parts) - node.level + 1] if node.level else [])
+            module = ".".join(p for p in (base, node.module) if p)
+            names |= {module} | {f"{module}.{alias.name}" for alias in node.names}
+    return names
+
+
+def test_the_simulator_never_imports_the_lab():
+    """The lab holds predictions against real runs; the simulator stands without it."""
+    importers = []
+    for folder in ("collectors", "sim", "topology", "report"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            package = ".".join(["whatif", folder, *path.relative_to(REPO / folder).parent.parts])
+            if any(name.split(".")[:2] == ["whatif", "lab"] for name in imported_modules(path, package)):
+                importers.append(str(path.relative_to(REPO)))
+    assert importers == []

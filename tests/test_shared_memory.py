@@ -119,7 +119,7 @@ def test_a_wrong_shared_memory_names_its_key(config, key):
 
 
 def test_calibration_fits_the_rates_it_measured():
-    from whatif.collectors.calibrate import fit_shared_memory
+    from whatif.lab.calibrate import fit_shared_memory
 
     measured = {"stream_bytes_per_s_alone": 42e9, "stream_bytes_per_s_shared": [25e9, 24e9],
                 "gemm_flops_per_s_alone": 100e9, "gemm_flops_per_s_shared": [101e9, 95e9], "world_size": 2}

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from whatif.collectors.lab import LabError
-from whatif.collectors.validate import validate
+from whatif.lab.cluster import LabError
+from whatif.lab.validate import validate
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
@@ -139,7 +139,7 @@ def captures_timing(monkeypatch):
     import json
     import shutil
 
-    import whatif.collectors.validate as validation
+    import whatif.lab.validate as validation
 
     timings = []
 
@@ -158,7 +158,7 @@ def test_the_capture_process_of_median_speed_is_kept(captures_timing, tmp_path):
     import statistics
 
     from whatif.collectors.bundle import read_bundle
-    from whatif.collectors.validate import capture, captures_record
+    from whatif.lab.validate import capture, captures_record
 
     slow, fast, middle = ([ms * factor for ms in STEADY_MS] for factor in (1.3, 0.75, 1.0))
     captures_timing += [slow, fast, middle]
@@ -172,7 +172,7 @@ def test_the_capture_process_of_median_speed_is_kept(captures_timing, tmp_path):
 
 def test_an_unsteady_capture_is_passed_over_while_a_steady_one_exists(captures_timing, tmp_path):
     from whatif.collectors.bundle import read_bundle
-    from whatif.collectors.validate import capture
+    from whatif.lab.validate import capture
 
     captures_timing += [UNSTEADY_MS, STEADY_MS, UNSTEADY_MS]
     bundle = capture("vgg", tmp_path)
@@ -181,7 +181,7 @@ def test_an_unsteady_capture_is_passed_over_while_a_steady_one_exists(captures_t
 
 def test_when_every_capture_is_unsteady_the_one_of_median_speed_is_kept(captures_timing, tmp_path):
     from whatif.collectors.bundle import read_bundle
-    from whatif.collectors.validate import capture, plain_step_spread
+    from whatif.lab.validate import capture, plain_step_spread
 
     wilder = [ms * (1 + 0.2 * (i % 2)) for i, ms in enumerate(UNSTEADY_MS)]
     slower = [ms * 1.5 for ms in UNSTEADY_MS]

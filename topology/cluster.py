@@ -251,7 +251,7 @@ class SharedMemory:
     memory stream ``total_bandwidth_bytes_per_us`` together, split evenly, so a worker's
     memory traffic takes ``core / min(core, total / sharing)`` times as long, and the rest of its
     CPU work ``compute_slowdown`` times as long (``whatif lab calibrate`` measures all three,
-    ``collectors/memory_probe.py``). ``among`` says who shares: the workers of a ``machine``
+    ``lab/probes/memory.py``). ``among`` says who shares: the workers of a ``machine``
     (CPU workers of a real cluster), or the whole ``cluster`` (the lab, whose machines are
     network namespaces of one box). GPU workers stream from their own memory: leave it out.
     YAML: ``shared_memory: {among: cluster, core_bandwidth: 40GB/s, total_bandwidth: 48GB/s,

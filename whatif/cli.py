@@ -15,10 +15,8 @@ import pandas as pd
 from whatif.analyses import run_critical_path, run_overheads
 from whatif.collectors.capture import CaptureError, collect
 from whatif.collectors.kineto import TraceError
-from whatif.collectors.calibrate import add_shared_memory, calibrate
-from whatif.collectors.lab import LabError, LabSpec, run_job
-from whatif.collectors.validate import as_record
-from whatif.collectors.validate import validate as validate_point
+from whatif.lab import cli as lab_cli
+from whatif.lab.cluster import LabError
 from whatif.perfmodel_cli import add_batch_size_options, rebatch, run_perfmodel
 from whatif.perfmodel_cli import add_parser as add_perfmodel_parser
 from whatif.predict import predict_scenario
@@ -31,7 +29,7 @@ from whatif.scenario import ScenarioError, load_scenario
 from whatif.sim.graph import GraphError
 from whatif.sim.optimizations import OPTIMIZATIONS
 from whatif.sim.perfmodels import PerfModelError
-from whatif.topology import TopologyError, as_gbps, parse_bandwidth, parse_latency
+from whatif.topology import TopologyError
 from whatif.study import TraceStudy, WhatIf
 
 
@@ -106,38 +104,7 @@ def _parser() -> argparse.ArgumentParser:
     capture.add_argument("--warmup", type=int, metavar="N", help="steps before them (default: the script's, else 3)")
     capture.add_argument("argv", nargs=argparse.REMAINDER, metavar="COMMAND", help="the training command, after --")
     add_profile_parser(sub)
-    lab = sub.add_parser("lab", help="real multi-machine runs on an emulated cluster (root, network namespaces)")
-    lab_sub = lab.add_subparsers(dest="lab_command", required=True)
-    lab_run = lab_sub.add_parser("run", help="run a training script as every worker of an emulated cluster")
-    lab_run.add_argument("--machines", type=int, default=1)
-    lab_run.add_argument("--gpus-per-machine", type=int, default=1, help="workers per machine")
-    lab_run.add_argument("--bandwidth", default="200Mbps", help="each machine's NIC, both directions (e.g. 200Mbps)")
-    lab_run.add_argument("--latency", default="0", help="added one-way latency (needs sch_netem)")
-    lab_run.add_argument("--framework", choices=("horovod", "ddp"), default="horovod")
-    lab_run.add_argument("--threads", type=int, default=1, help="torch threads (and cores) per worker")
-    lab_run.add_argument("--out", type=Path, default=Path("lab-out"), help="folder for logs and per-rank reports")
-    lab_run.add_argument("--timeout", type=float, default=900.0, help="seconds before the workers are stopped")
-    lab_run.add_argument("script", nargs=argparse.REMAINDER, help="-- python SCRIPT.py ARGS...")
-    validate = sub.add_parser("validate", help="capture 1x1, predict, run for real on the lab, compare (root)")
-    validate.add_argument("--model", required=True, help="an example model: convnet, vgg, wide_mlp, transformer")
-    validate.add_argument("--machines", type=int, default=2)
-    validate.add_argument("--gpus-per-machine", type=int, default=1, help="workers per machine")
-    validate.add_argument("--bandwidth", default="200Mbps")
-    validate.add_argument("--latency", default="0")
-    validate.add_argument("--framework", choices=("horovod", "ddp"), default="horovod")
-    validate.add_argument("--steps", type=int, default=20, help="timed iterations of the real run")
-    validate.add_argument("--repeats", type=int, default=3, help="real runs; the median run is compared (default: 3)")
-    validate.add_argument("--steady-allocator", action="store_true", help="capture and run with glibc's allocator fixed")
-    validate.add_argument("--batch-size", type=int, metavar="B", help="predict and run at this batch size")
-    validate.add_argument("--predict-from", type=int, metavar="B0", help="capture at this batch size (with --batch-size)")
-    validate.add_argument("--work", type=Path, default=Path("lab-validate"), help="captures, calibrations and logs")
-    validate.add_argument("--json", action="store_true")
-    lab_cal = lab_sub.add_parser("calibrate", help="fit latency and bandwidth efficiency of the lab's network")
-    lab_cal.add_argument("--bandwidth", default="200Mbps", help="the NIC rate to calibrate at")
-    lab_cal.add_argument("--out", type=Path, default=Path("lab-topology.yaml"), help="topology YAML to write")
-    lab_cal.add_argument("--horovod-cycle", default="5ms", help="Horovod's cycle time to measure its loop at (default: 5ms)")
-    lab_cal.add_argument("--shared-memory-into", type=Path, metavar="YAML",
-                         help="measure only the workers' shared memory, into this existing topology YAML")
+    lab_cli.add_parsers(sub)
     return parser
 
 
@@ -228,51 +195,6 @@ def _refuse_inputs(path: Path, inputs: tuple) -> None:
         raise UsageError(f"{path}: refusing to overwrite an input file")
 
 
-def run_lab(args: argparse.Namespace) -> int:
-    if args.lab_command == "calibrate":
-        bandwidth_mbit = as_gbps(parse_bandwidth(args.bandwidth, "--bandwidth")) * 1e3
-        if args.shared_memory_into is not None:
-            return _calibrate_shared_memory(args.shared_memory_into, bandwidth_mbit)
-        doc = calibrate(bandwidth_mbit, args.out, horovod_cycle_ms=parse_latency(args.horovod_cycle, "--horovod-cycle") / 1e3)
-        nic, intra = doc["inter_node"], doc["intra_node"]
-        print(f"NIC at {nic['bandwidth']}: latency {nic['latency']}, efficiency {nic['efficiency']}")
-        print(f"inside a machine: {intra['bandwidth']}, latency {intra['latency']}")
-        if "horovod_loop" in nic["cpu_contention"]:
-            loops = nic["cpu_contention"]["horovod_loop"], intra["cpu_contention"]["horovod_loop"]
-            print(f"Horovod's loop per {args.horovod_cycle} cycle: {loops[0]} across machines, {loops[1]} inside one")
-        _print_shared_memory(doc["shared_memory"])
-        print(f"written to {args.out}")
-        return 0
-    argv = args.script[1:] if args.script[:1] == ["--"] else args.script
-    if not argv:
-        raise UsageError("lab run: give the command after --, e.g. -- python examples/run_distributed.py ...")
-    spec = LabSpec(
-        machines=args.machines,
-        gpus_per_machine=args.gpus_per_machine,
-        bandwidth_mbit=as_gbps(parse_bandwidth(args.bandwidth, "--bandwidth")) * 1e3,
-        latency_ms=parse_latency(args.latency, "--latency") / 1e3,
-        threads_per_worker=args.threads,
-    )
-    result = run_job(spec, args.framework, argv, args.out, args.timeout)
-    for rank, (code, log) in enumerate(zip(result.exit_codes, result.logs)):
-        print(f"rank {rank}: exit {code}, log {log}")
-    failed = [r for r, code in enumerate(result.exit_codes) if code != 0]
-    if failed:
-        raise LabError(f"workers {failed} failed; see their logs in {args.out}")
-    return 0
-
-
-def _calibrate_shared_memory(path: Path, bandwidth_mbit: float) -> int:
-    _print_shared_memory(add_shared_memory(path, bandwidth_mbit)["shared_memory"])
-    print(f"added to {path}")
-    return 0
-
-
-def _print_shared_memory(shared: dict) -> None:
-    print(f"memory: one worker streams {shared['core_bandwidth']} alone, all together {shared['total_bandwidth']}; "
-          f"compute beside them x{shared['compute']}")
-
-
 def run_collect(args: argparse.Namespace) -> int:
     bundle = collect(args.argv, args.out, args.steps, args.warmup)
     grads = bundle.parameters[bundle.parameters["requires_grad"]]
@@ -287,45 +209,15 @@ def run_collect(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_validate(args: argparse.Namespace) -> int:
-    point = validate_point(
-        args.model,
-        args.machines,
-        args.gpus_per_machine,
-        as_gbps(parse_bandwidth(args.bandwidth, "--bandwidth")) * 1e3,
-        args.framework,
-        args.work,
-        latency_ms=parse_latency(args.latency, "--latency") / 1e3,
-        steps=args.steps,
-        batch_size=args.batch_size,
-        predict_from=args.predict_from,
-        repeats=args.repeats,
-        steady_allocator=args.steady_allocator,
-    )
-    record = as_record(point)
-    if args.json:
-        sys.stdout.write(msgspec.json.encode({"results": [record]}).decode() + "\n")
-    else:
-        print(
-            f"{point.model} {point.framework} {point.machines}x{point.gpus_per_machine} at {point.bandwidth_mbps:g} Mbps: "
-            f"measured {point.measured_ms:.1f} ms (median of runs {', '.join(f'{ms:.1f}' for ms in point.runs_measured_ms)}), "
-            f"predicted {point.predicted_ms:.1f} ms, error {point.error_pct:+.1f} % "
-            f"(1x1 capture {point.capture_profiled_ms:.1f} ms profiled, {point.capture_unprofiled_ms:.1f} ms without the profiler)"
-        )
-    return 0
-
-
 def run(args: argparse.Namespace) -> int:
     if args.command == "predict":
         return run_predict(args)
-    if args.command == "validate":
-        return run_validate(args)
     if args.command == "collect":
         return run_collect(args)
     if args.command == "profile":
         return run_profile(args)
-    if args.command == "lab":
-        return run_lab(args)
+    if args.command in lab_cli.COMMANDS:
+        return lab_cli.run(args)
     if args.command == "overheads":
         return run_overheads(args)
     if args.command == "critical-path":

@@ -8,7 +8,7 @@ part of the bandwidth. A wide MLP's SGD step took 14.8 ms of CPU time on a worke
 phase), while its forward pass, matrix products, went from 33.9 to 36.7 and 38.3 ms. A
 single-worker trace sees none of it.
 
-Started by the lab as every worker of a job (``python -m whatif.collectors.memory_probe``).
+Started by the lab as every worker of a job (``python -m whatif.lab.probes.memory``).
 Each measurement runs twice: on rank 0 while the others wait, then on every rank at once,
 for ``SECONDS`` each. Streaming is an SGD momentum update over tensors far larger than the
 caches (read the gradient, the momentum and the weight, write the momentum and the weight:

@@ -22,6 +22,7 @@ leftovers can be recognised.
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -233,8 +234,6 @@ def _run(argv: list) -> None:
 
 
 def _quote(arg: str) -> str:
-    import shlex
-
     return shlex.quote(str(arg))
 
 
@@ -334,7 +333,7 @@ def _horovod_environment(cluster: EmulatedCluster, workers: list, out_dir: Path)
     port_file.unlink(missing_ok=True)
     server = cluster.start(
         Worker(-1, 0, -1),
-        [sys.executable, "-m", "whatif.collectors.horovod_rendezvous", hosts, str(spec.workers), str(port_file)],
+        [sys.executable, "-m", "whatif.lab.horovod_rendezvous", hosts, str(spec.workers), str(port_file)],
         dict(os.environ),
         out_dir / "rendezvous.log",
     )

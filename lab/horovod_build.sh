@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build Horovod 0.28.1 with PyTorch and Gloo (no MPI, no GPU) and install it into a venv.
 #
-#   collectors/horovod_build.sh [PYTHON]        (default .venv/bin/python; `make horovod` runs it)
+#   lab/horovod_build.sh [PYTHON]        (default .venv/bin/python; `make horovod` runs it)
 #
 # Horovod is only needed for the real multi-worker runs that validate predictions, so it is an
 # optional install, not a dependency. There is no Horovod wheel on PyPI, and its 0.28.1 sdist

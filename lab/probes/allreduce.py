@@ -1,6 +1,6 @@
 """A worker that times Gloo all-reduces of several sizes, for calibrating the lab's network.
 
-Started by the lab as every worker of a job (``python -m whatif.collectors.allreduce_probe
+Started by the lab as every worker of a job (``python -m whatif.lab.probes.allreduce
 SIZE_BYTES ...``). Each size is timed twice: on an otherwise idle worker, and while a thread of
 the same process computes without pause (matrix products on the core the worker is pinned to, as
 a training step's backward pass would while its gradients are all-reduced). The computing thread

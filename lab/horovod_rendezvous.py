@@ -1,6 +1,6 @@
 """Horovod's Gloo rendezvous server for workers the lab starts itself (no ssh, no horovodrun).
 
-Run inside the namespace of machine 0: ``python -m whatif.collectors.horovod_rendezvous HOSTS NP
+Run inside the namespace of machine 0: ``python -m whatif.lab.horovod_rendezvous HOSTS NP
 PORT_FILE``, with HOSTS as horovodrun's ``-H`` (``m0:2,m1:2``). It writes the port it listens on
 to PORT_FILE and serves until it is terminated.
 """

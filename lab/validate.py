@@ -8,7 +8,7 @@ For one example model (``examples/``) and one configuration:
 2. predict the configuration from it with ``whatif predict``'s machinery, on links calibrated on
    the lab's own network (``whatif lab calibrate``), with the framework settings the real run
    uses (Horovod's fusion buffer and cycle time are set explicitly for both);
-3. run the model for real as every worker of an emulated cluster (``collectors/lab.py``), each
+3. run the model for real as every worker of an emulated cluster (``lab/cluster.py``), each
    worker with the same CPU share as the capture (one thread, its own core where the box has
    enough; with ``steady_allocator`` both it and the capture run with glibc's allocator fixed,
    ``capture.STEADY_ALLOCATOR``), and take the median iteration after warm-up; do that ``repeats`` times and take the
@@ -36,10 +36,13 @@ from typing import Optional
 
 import yaml
 
-from .bundle import is_bundle, read_bundle
+from whatif.collectors.bundle import is_bundle, read_bundle
+from whatif.collectors.capture import STEADY_ALLOCATOR, CaptureError, collect
+from whatif.predict import predict_scenario
+from whatif.scenario import load_scenario
+
 from .calibrate import calibrate
-from .capture import STEADY_ALLOCATOR, CaptureError, collect
-from .lab import LabError, LabSpec, run_job
+from .cluster import LabError, LabSpec, run_job
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
@@ -174,9 +177,6 @@ def predict(trace: Path, links_file: Path, machines: int, gpus: int, bandwidth_m
             batch_sizes: Optional[tuple[int, int]] = None, profiler_overhead: str = "remove"):
     """The predicted iteration (ms) and what the prediction removed as profiler overhead
     (``profiler_overhead="keep"``: predicted from the profiled times as they are)."""
-    from whatif.predict import predict_scenario
-    from whatif.scenario import load_scenario
-
     doc = {
         "trace": str(trace),
         "cluster": {

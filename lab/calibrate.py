@@ -8,16 +8,16 @@ NICs) and once inside one machine (loopback between its workers). They are writt
 topology YAML that scenarios can use, so predictions for the lab use the lab's own network.
 
 The probe also times the all-reduces while the worker's core computes, and the compute while
-the all-reduces run (``collectors/allreduce_probe.py``): on CPU workers the TCP stack and
+the all-reduces run (``lab/probes/allreduce.py``): on CPU workers the TCP stack and
 Gloo's reductions share the core with the training step, so communication that overlaps
 backward is slower than on an idle worker, and backward is slower too. Their ratios are the
 links' ``cpu_contention`` factors (``topology.Link``). Where Horovod is installed, a Horovod job
 also measures the CPU time its background loop takes per cycle on each worker's core
-(``collectors/horovod_loop_probe.py``): the links' ``horovod_loop``, the slowest worker's.
+(``lab/probes/horovod_loop.py``): the links' ``horovod_loop``, the slowest worker's.
 
 Every worker of the lab runs on the one box, whatever machine the cluster puts it on, so the
 workers also share its memory: a last job streams memory and multiplies matrices on one worker
-alone, then on all of them at once (``collectors/memory_probe.py``), which gives the topology's
+alone, then on all of them at once (``lab/probes/memory.py``), which gives the topology's
 ``shared_memory`` (``topology.SharedMemory``, among the whole cluster).
 
 Every probe job runs ``runs`` times (default ``RUNS``) and each of its figures is the median of
@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from .lab import LabError, LabSpec, run_job
+from .cluster import LabError, LabSpec, run_job
 
 SIZES_BYTES = (64e3, 256e3, 1e6, 4e6, 16e6, 32e6, 64e6)  # up to Horovod's fusion buffer
 RUNS = 3
@@ -108,18 +108,18 @@ def fit_contention(measured: dict, min_bytes: float = 1e6) -> dict:
 
 
 def measure(spec: LabSpec, out_dir: Path, sizes=SIZES_BYTES, runs: int = RUNS) -> dict:
-    argv = [sys.executable, "-m", "whatif.collectors.allreduce_probe", *[str(int(s)) for s in sizes]]
+    argv = [sys.executable, "-m", "whatif.lab.probes.allreduce", *[str(int(s)) for s in sizes]]
     return run_probe(spec, "ddp", argv, out_dir, "allreduce.json", runs, "calibration workers", 600)
 
 
 def measure_horovod_loop(spec: LabSpec, out_dir: Path, cycle_ms: float, runs: int = RUNS) -> dict:
-    argv = [sys.executable, "-m", "whatif.collectors.horovod_loop_probe"]
+    argv = [sys.executable, "-m", "whatif.lab.probes.horovod_loop"]
     return run_probe(spec, "horovod", argv, out_dir, "horovod_loop.json", runs, "the Horovod loop probe", 300,
                      env={"HOROVOD_CYCLE_TIME": f"{cycle_ms:g}"})
 
 
 def measure_shared_memory(spec: LabSpec, out_dir: Path, runs: int = RUNS) -> dict:
-    argv = [sys.executable, "-m", "whatif.collectors.memory_probe"]
+    argv = [sys.executable, "-m", "whatif.lab.probes.memory"]
     return run_probe(spec, "ddp", argv, out_dir, "shared_memory.json", runs, "the shared-memory probe", 300)
 
 

@@ -8,7 +8,7 @@ over the cycle. A 1x2 vgg run in the lab showed it: its forward took 70 to 72 ms
 for 66 ms of the training thread's CPU.
 
 Started by the lab as every worker of a Horovod job (``python -m
-whatif.collectors.horovod_loop_probe``). Each worker multiplies matrices on its training thread
+whatif.lab.probes.horovod_loop``). Each worker multiplies matrices on its training thread
 for ``LOOP_S`` seconds after ``hvd.init()`` and counts the CPU time the process's other threads
 took meanwhile. Rank 0 writes ``$WHATIF_LAB_OUT/horovod_loop.json``: the cycle time and, per
 rank, the other threads' CPU time per cycle in microseconds.
