@@ -18,7 +18,7 @@ from trace_corpus import REPO, SHARED_TRACES, V100_1GPU
 from whatif.cli import main
 from whatif.collectors.iterations import find_iterations
 from whatif.collectors.kineto import load_trace
-from whatif.collectors.leveled import (
+from whatif.collectors.xsp.measure import (
     LEVELS,
     RUN_FORMAT,
     VERSION,

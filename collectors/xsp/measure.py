@@ -60,9 +60,9 @@ from typing import Callable, Iterable, Optional, Sequence, Union
 import numpy as np
 import pandas as pd
 
-from .capture import CaptureError, count_setting, cpu_model, script_of
-from .iterations import find_iterations
-from .kineto import EventKind, TraceError, load_trace
+from ..capture import CaptureError, count_setting, cpu_model, script_of
+from ..iterations import find_iterations
+from ..kineto import EventKind, TraceError, load_trace
 
 LEVELS = ("model", "layer", "operator", "kernel")  # least to most intrusive
 LEVEL_ENV = "WHATIF_PROFILE_LEVEL"
@@ -784,7 +784,7 @@ def profile_command(
             raise ProfileError(f"`{shown}` {status} at the {level} level{why}")
         if not record.is_file():
             raise ProfileError(
-                f"`{shown}` wrote no {record.name} to {out}: does it use whatif.collectors.leveled.LeveledProfile "
+                f"`{shown}` wrote no {record.name} to {out}: does it use whatif.collectors.xsp.measure.LeveledProfile "
                 "and call profile.step() every step?"
             )
     return _write_view(out)

@@ -1,0 +1,1 @@
+"""XSP leveled profiling (Li et al., IPDPS 2020)."""
