@@ -32,8 +32,8 @@ from pathlib import Path
 import pandas as pd
 
 from measured_code import REPO, code_version  # noqa: E402  (bench/ is the script's folder)
-from whatif.collectors.microbench import run_sweep
-from whatif.sim.perfmodels import (
+from whatif.sim.perfmodels.sweep import run_sweep
+from whatif.sim.perfmodels.models import (
     FAMILY_OF, FOLDS, fit_models, geomean_abs_error, held_out_report, shape_keys, trace_samples,
 )
 

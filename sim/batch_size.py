@@ -63,7 +63,7 @@ import pandas as pd
 
 from .graph import GraphError, TaskGraph, TaskKind
 from .optimizations import DATA_LOADING
-from .perfmodels import FAMILY_OF, VIEW_OPS, PerfModels, operator_units
+from .perfmodels.models import FAMILY_OF, VIEW_OPS, PerfModels, operator_units
 from .shared_memory import MEMORY_BYTES
 
 _ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
@@ -327,7 +327,7 @@ def predict_iterations_at_batch_size(
 
     from .build import build_graph
     from .engine import simulate
-    from .perfmodels import default_models, load_models
+    from .perfmodels.models import default_models, load_models
     from .profiler_overhead import remove_profiler_overhead
 
     if models is None:

@@ -24,7 +24,7 @@ import numpy as np
 import pandas as pd
 
 from .graph import TaskGraph
-from .perfmodels import FAMILY_OF, VIEW_OPS, operator_units, parse_shapes, work
+from .perfmodels.models import FAMILY_OF, VIEW_OPS, operator_units, parse_shapes, work
 
 MEMORY_BYTES = "memory_bytes"
 

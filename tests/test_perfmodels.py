@@ -13,9 +13,9 @@ import pytest
 
 from trace_corpus import BUNDLED_TRACE
 from whatif.cli import main
-from whatif.collectors import microbench
-from whatif.collectors.microbench import SWEEP_OPS, recorded_as
-from whatif.sim.perfmodels import (
+from whatif.sim.perfmodels import sweep
+from whatif.sim.perfmodels.sweep import SWEEP_OPS, recorded_as
+from whatif.sim.perfmodels.models import (
     FAMILY_OF,
     FOLDS,
     DeviceMismatchWarning,
@@ -51,8 +51,8 @@ def test_an_operator_is_timed_with_its_caches_emptied_and_its_code_warmed_in_tha
     that follows warms the code again. Run the other way round, the code would be cold too."""
     import torch
 
-    cold = microbench._ColdCaches(torch)
-    assert cold.buffer.numel() * cold.buffer.element_size() == 2 * microbench._largest_cache_bytes()
+    cold = sweep._ColdCaches(torch)
+    assert cold.buffer.numel() * cold.buffer.element_size() == 2 * sweep._largest_cache_bytes()
     cold.buffer.zero_()
     buffer_written_when_the_twin_ran = []
     cold(then=lambda: buffer_written_when_the_twin_ran.append(bool((cold.buffer == 1.0).all())))
@@ -61,14 +61,14 @@ def test_an_operator_is_timed_with_its_caches_emptied_and_its_code_warmed_in_tha
 
 def test_a_shape_is_timed_at_its_fastest_pass_and_every_pass_is_kept(quick_sweep):
     samples, _ = quick_sweep
-    assert samples["pass_us"].map(len).eq(microbench.QUICK.passes).all()
+    assert samples["pass_us"].map(len).eq(sweep.QUICK.passes).all()
     assert samples["duration_us"].tolist() == samples["pass_us"].map(min).tolist()
 
 
 def test_a_sweep_can_be_asked_for_more_passes(monkeypatch):
-    monkeypatch.setattr(microbench, "SWEEP_OPS", {"gemm": ("aten::mm",)})
-    samples, _ = microbench.run_sweep(quick=True, passes=4)
-    assert len(samples) == microbench.QUICK.shapes_per_op * dict(microbench.QUICK.more)["gemm"]
+    monkeypatch.setattr(sweep, "SWEEP_OPS", {"gemm": ("aten::mm",)})
+    samples, _ = sweep.run_sweep(quick=True, passes=4)
+    assert len(samples) == sweep.QUICK.shapes_per_op * dict(sweep.QUICK.more)["gemm"]
     assert samples["pass_us"].map(len).eq(4).all()
 
 

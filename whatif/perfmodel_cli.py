@@ -13,7 +13,7 @@ from pathlib import Path
 import msgspec
 import pandas as pd
 
-from whatif.sim.perfmodels import (
+from whatif.sim.perfmodels.models import (
     DeviceMismatchWarning,
     PerfModelError,
     PerfModels,
@@ -111,13 +111,13 @@ def _fit(args: argparse.Namespace) -> int:
     if args.no_sweep:
         if args.peak_gflops is None or args.bandwidth_gbps is None:
             raise PerfModelError("perfmodel fit --no-sweep: give the device's --peak-gflops and --bandwidth-gbps")
-        from whatif.sim.perfmodels import current_device
+        from whatif.sim.perfmodels.models import current_device
 
         device = {**current_device(), "threads": args.threads,
                   "peak_gflops": args.peak_gflops, "bandwidth_gbps": args.bandwidth_gbps}
     else:
         try:
-            from whatif.collectors.microbench import run_sweep
+            from whatif.sim.perfmodels.sweep import run_sweep
         except ImportError as err:
             raise PerfModelError(f"perfmodel fit: the microbenchmark sweep needs torch ({err}); or use --no-sweep") from None
         samples, device = run_sweep(quick=args.quick, threads=args.threads,

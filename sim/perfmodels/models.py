@@ -6,7 +6,7 @@ grouped into families and each family gets a model from input shapes to duration
 - a heuristic roofline for the regular ones (GEMM-like, convolution, element-wise, normalisation,
   attention): ``t = overhead + max(FLOPs / (peak * e_compute), bytes / (bandwidth * e_memory))``,
   with the device's peak compute and memory bandwidth measured by the microbenchmark sweep
-  (``collectors/microbench.py``) and the overhead and the two efficiencies fitted per operator
+  (``sim/perfmodels/sweep.py``) and the overhead and the two efficiencies fitted per operator
   (per family where an operator has too few samples) by least squares in log space, so a 5 us
   operator weighs as much as a 5 ms one. GEMMs and convolutions, which move their operands
   before computing on them, add the two terms instead of taking their max. Normalisations,
@@ -802,7 +802,7 @@ def default_models(progress=None) -> PerfModels:
     if path.is_file():
         return load_models(path)
     try:
-        from whatif.collectors.microbench import run_sweep
+        from whatif.sim.perfmodels.sweep import run_sweep
 
         samples, measured = run_sweep(quick=True)
     except ImportError as err:
@@ -817,10 +817,10 @@ def default_models(progress=None) -> PerfModels:
 
 
 def _code_fingerprint() -> str:
-    from whatif.collectors import microbench
+    from . import sweep
 
     digest = hashlib.sha1()
-    for source in (__file__, microbench.__file__):
+    for source in (__file__, sweep.__file__):
         digest.update(Path(source).read_bytes())
     return digest.hexdigest()[:12]
 

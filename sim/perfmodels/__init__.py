@@ -1,0 +1,1 @@
+"""Operator performance models: how long an operator takes at shapes never traced."""
