@@ -32,10 +32,16 @@ from pathlib import Path
 import pandas as pd
 
 from measured_code import REPO, code_version  # noqa: E402  (bench/ is the script's folder)
-from whatif.sim.perfmodels.sweep import run_sweep
-from whatif.sim.perfmodels.models import (
-    FAMILY_OF, FOLDS, fit_models, geomean_abs_error, held_out_report, shape_keys, trace_samples,
+from whatif.sim.perfmodels.families import FAMILY_OF
+from whatif.sim.perfmodels.fit import (
+    FOLDS,
+    fit_models,
+    geomean_abs_error,
+    held_out_report,
+    shape_keys,
+    trace_samples,
 )
+from whatif.sim.perfmodels.sweep import run_sweep
 
 TRACES = (REPO / "data" / "convnet_cpu.bundle", REPO / "data" / "wide_mlp_cpu.pt.trace.json.gz")
 TARGET_PCT = 10.0

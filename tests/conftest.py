@@ -54,7 +54,7 @@ def quick_sweep():
 @pytest.fixture(scope="session")
 def quick_models_file(quick_sweep, tmp_path_factory) -> Path:
     """Operator performance models fitted on this machine's quick sweep, once per session."""
-    from whatif.sim.perfmodels.models import fit_models
+    from whatif.sim.perfmodels.fit import fit_models
 
     samples, device = quick_sweep
     path = tmp_path_factory.mktemp("perfmodels") / "quick.json"

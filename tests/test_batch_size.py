@@ -15,7 +15,8 @@ from whatif.collectors.kineto import load_trace
 from whatif.sim.batch_size import change_batch_size, infer_batch_size, parameter_shapes, predict_at_batch_size, rescale_dims
 from whatif.sim.build import build_graph
 from whatif.sim.graph import TaskKind
-from whatif.sim.perfmodels.models import load_models, operator_units
+from whatif.sim.perfmodels.models import load_models
+from whatif.sim.perfmodels.shapes import operator_units
 from whatif.study import TraceStudy
 
 BUNDLE = BUNDLED_TRACE.parent / "convnet_cpu.bundle"

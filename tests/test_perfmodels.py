@@ -14,20 +14,11 @@ import pytest
 from trace_corpus import BUNDLED_TRACE
 from whatif.cli import main
 from whatif.sim.perfmodels import sweep
+from whatif.sim.perfmodels.families import FAMILY_OF
+from whatif.sim.perfmodels.fit import FOLDS, fit_models, geomean_abs_error, held_out_report, trace_samples
+from whatif.sim.perfmodels.models import DeviceMismatchWarning, Roofline, load_models
+from whatif.sim.perfmodels.work import kernel_path, work
 from whatif.sim.perfmodels.sweep import SWEEP_OPS, recorded_as
-from whatif.sim.perfmodels.models import (
-    FAMILY_OF,
-    FOLDS,
-    DeviceMismatchWarning,
-    Roofline,
-    fit_models,
-    geomean_abs_error,
-    held_out_report,
-    kernel_path,
-    load_models,
-    trace_samples,
-    work,
-)
 
 #: Held-out geometric-mean error a model fitted on the quick sweep must stay under in every
 #: family. Ten shapes per operator make a coarse model (40 to 60 % in the worst families on this

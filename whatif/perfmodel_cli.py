@@ -13,16 +13,9 @@ from pathlib import Path
 import msgspec
 import pandas as pd
 
-from whatif.sim.perfmodels.models import (
-    DeviceMismatchWarning,
-    PerfModelError,
-    PerfModels,
-    default_models,
-    fit_models,
-    held_out_report,
-    load_models,
-    trace_samples,
-)
+from whatif.sim.perfmodels.cache import default_models
+from whatif.sim.perfmodels.fit import fit_models, held_out_report, trace_samples
+from whatif.sim.perfmodels.models import DeviceMismatchWarning, PerfModelError, PerfModels, load_models
 
 
 def add_parser(sub) -> None:
@@ -111,7 +104,7 @@ def _fit(args: argparse.Namespace) -> int:
     if args.no_sweep:
         if args.peak_gflops is None or args.bandwidth_gbps is None:
             raise PerfModelError("perfmodel fit --no-sweep: give the device's --peak-gflops and --bandwidth-gbps")
-        from whatif.sim.perfmodels.models import current_device
+        from whatif.sim.perfmodels.device import current_device
 
         device = {**current_device(), "threads": args.threads,
                   "peak_gflops": args.peak_gflops, "bandwidth_gbps": args.bandwidth_gbps}

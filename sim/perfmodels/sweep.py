@@ -1,6 +1,6 @@
 """The microbenchmark sweep that operator performance models are fitted from.
 
-Each operator family of ``sim/perfmodels/models.py`` is timed at many shapes on the device at hand,
+Each operator family (``sim/perfmodels/families.py``) is timed at many shapes on the device at hand,
 the way our traces run it: one torch intra-op thread (``examples/profiled_training.py``), fresh
 outputs allocated by every call, the caches emptied before every call but for the operator's
 own code (:class:`_ColdCaches`), the fastest of a few repeats after one untimed warm-up call.
@@ -65,6 +65,11 @@ from typing import Callable, Optional
 
 import numpy as np
 import pandas as pd
+
+from whatif.collectors.kineto import EventKind, load_trace
+
+from .device import current_device
+from .work import work
 
 
 @dataclass(frozen=True)
@@ -463,8 +468,6 @@ SWEEP_OPS: dict[str, tuple[str, ...]] = {
 
 
 def _estimated_ms(op: str, dims, types) -> float:
-    from whatif.sim.perfmodels.models import work
-
     flops, bytes_, _ = work(op, dims, types)
     return 1e3 * (flops / _EST_FLOPS_PER_S + bytes_ / _EST_BYTES_PER_S)
 
@@ -574,8 +577,6 @@ def run_sweep(quick: bool = False, threads: int = 1, seed: int = 0,
     ``passes`` overrides the sweep size's number of passes."""
     import torch
 
-    from whatif.sim.perfmodels.models import current_device
-
     size = QUICK if quick else DEFAULT
     if passes is not None:
         size = replace(size, passes=passes)
@@ -634,8 +635,6 @@ def recorded_as(op: str, seed: int = 0) -> tuple[Case, str, list, list]:
     and ``args``."""
     import torch
     from torch.profiler import ProfilerActivity, profile
-
-    from whatif.collectors.kineto import EventKind, load_trace
 
     with torch.no_grad():
         case = _cases(torch, op, np.random.default_rng(seed))
