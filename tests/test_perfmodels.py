@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 import warnings
 from dataclasses import replace
 
@@ -337,6 +339,30 @@ def test_fit_from_a_trace_alone_and_report(tmp_path, capsys):
     doc = json.loads(capsys.readouterr().out)
     assert {row["family"] for row in doc["families"]} <= set(models.families)
     assert all(row["from_traces"] == row["held_out"] for row in doc["families"])
+
+
+def test_fit_cache_makes_the_models_this_machines_default(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("WHATIF_CACHE_DIR", str(tmp_path / "cache"))
+    fit = ["perfmodel", "fit", "--no-sweep", "--from-trace", str(BUNDLED_TRACE), "--peak-gflops", "90", "--bandwidth-gbps", "20"]
+    assert main(fit) == 2
+    assert "give --out MODELS.json, --cache" in capsys.readouterr().err
+    assert main(fit + ["--cache"]) == 0
+    (cached,) = (tmp_path / "cache").iterdir()
+    assert str(cached) in capsys.readouterr().out
+    simulate = ["simulate", str(BUNDLED_TRACE), "--batch-size", "16", "--json"]
+    assert main(simulate) == 0
+    by_default = json.loads(capsys.readouterr().out)
+    assert main(simulate + ["--perfmodel", str(cached)]) == 0
+    assert json.loads(capsys.readouterr().out) == by_default
+
+
+def test_importing_the_models_starts_no_benchmark_and_no_torch():
+    modules = ["cache", "device", "families", "fit", "models", "shapes", "sweep", "work"]
+    code = "import sys\n" + "".join(f"import whatif.sim.perfmodels.{m}\n" for m in modules) + \
+        "print(sorted(m for m in ('torch', 'lightgbm', 'scipy.optimize') if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
 
 
 def test_geomean_error_counts_over_and_under_prediction_alike():

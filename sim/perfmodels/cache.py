@@ -1,7 +1,10 @@
-"""This machine's default operator models, fitted once and cached.
+"""This machine's default operator models: fitted once by ``whatif perfmodel fit --cache``, then found here.
 
-``whatif simulate --batch-size`` and a scenario's ``batch_size`` without a models file use
-them. Where they live: :func:`cache_dir`.
+``whatif simulate --batch-size`` without ``--perfmodel``, and a scenario's ``batch_size``
+without ``perfmodel``, use them (:func:`default_models`). Nothing fits them silently: where
+none are cached, :class:`~whatif.sim.perfmodels.models.PerfModelError` names the command that
+does. They are cached per device and per version of the code that measures and fits them
+(:func:`cached_models_path`), in :func:`cache_dir`.
 """
 
 from __future__ import annotations
@@ -10,9 +13,9 @@ import hashlib
 import os
 import re
 from pathlib import Path
+from typing import Optional
 
-from .device import current_device
-from .fit import fit_models
+from .device import current_device, device_mismatch
 from .models import PerfModelError, PerfModels, load_models
 
 
@@ -23,30 +26,44 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "whatif"
 
 
-def default_models(progress=None) -> PerfModels:
-    """This machine's models from the quick sweep, fitted once (a few seconds) and then cached.
+def cached_models_path(device: Optional[dict] = None) -> Path:
+    """The file of the default models of ``device`` (default: this machine's).
 
     The cache is keyed by the device and by the code that measures and fits (a hash of this
     package's modules): models cached by an older whatif, whose features differ, are refitted
     rather than fed features they were not trained on."""
+    return cache_dir() / f"perfmodels-{_device_slug(device or current_device())}-{_code_fingerprint()}.json"
+
+
+def default_models() -> PerfModels:
+    """This machine's default models, as ``whatif perfmodel fit --cache`` left them; raises
+    :class:`~whatif.sim.perfmodels.models.PerfModelError` naming the command that fits them
+    where there are none."""
     device = current_device()
-    slug = re.sub(r"[^A-Za-z0-9]+", "-", device["name"]).strip("-").lower() or "cpu"
-    path = cache_dir() / f"perfmodels-quick-{slug}-{_code_fingerprint()}.json"
+    path = cached_models_path(device)
     if path.is_file():
         return load_models(path)
-    try:
-        from whatif.sim.perfmodels.sweep import run_sweep
+    older = [p for p in path.parent.glob(f"perfmodels-{_device_slug(device)}-*.json") if p != path]
+    why = f"none cached in {path.parent}" + (" for this version of whatif" if older else "")
+    raise PerfModelError(
+        f"no operator models for this device ({device['name']}): {why}; fit them with `whatif perfmodel fit "
+        "--quick --out models.json` (a minute or two) and pass --perfmodel models.json (in a scenario, "
+        "`perfmodel: models.json`), or run `whatif perfmodel fit --quick --cache` to make them this machine's default"
+    )
 
-        samples, measured = run_sweep(quick=True)
-    except ImportError as err:
-        raise PerfModelError(
-            f"no operator models given (--perfmodel) and none cached in {path.parent}; fitting them needs torch ({err})"
-        ) from None
-    models = fit_models(samples, measured, sources=["sweep quick"])
+
+def cache_models(models: PerfModels) -> Path:
+    """Make ``models``, measured on this machine, its default models; the file written."""
+    mismatch = device_mismatch(models.device)
+    if mismatch:
+        raise PerfModelError(f"cannot make these models this machine's default: {mismatch}")
+    path = cached_models_path()
     models.save(path)
-    if progress:
-        progress(f"fitted operator models on the quick sweep; cached in {path}")
-    return models
+    return path
+
+
+def _device_slug(device: dict) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "-", device["name"]).strip("-").lower() or "cpu"
 
 
 def _code_fingerprint() -> str:
