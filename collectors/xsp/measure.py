@@ -22,7 +22,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
-from ..capture import count_setting, cpu_model
+from ..capture import count_setting
+from ..host import cpu_model
 from .levels import (
     LAYER_RANGE,
     LEVEL_ENV,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from whatif.collectors.capture import cpu_model
+from whatif.collectors.host import cpu_model
 
 
 def current_device() -> dict:
