@@ -20,7 +20,7 @@ from whatif.sim.perfmodels.families import FAMILY_OF
 from whatif.sim.perfmodels.fit import FOLDS, fit_models, geomean_abs_error, held_out_report, trace_samples
 from whatif.sim.perfmodels.models import DeviceMismatchWarning, Roofline, load_models
 from whatif.sim.perfmodels.work import kernel_path, work
-from whatif.sim.perfmodels.sweep import SWEEP_OPS, recorded_as
+from whatif.sim.perfmodels.sweep_cases import SWEEP_OPS, recorded_as
 
 #: Held-out geometric-mean error a model fitted on the quick sweep must stay under in every
 #: family. Ten shapes per operator make a coarse model (40 to 60 % in the worst families on this
@@ -357,7 +357,7 @@ def test_fit_cache_makes_the_models_this_machines_default(tmp_path, monkeypatch,
 
 
 def test_importing_the_models_starts_no_benchmark_and_no_torch():
-    modules = ["cache", "device", "families", "fit", "models", "shapes", "sweep", "work"]
+    modules = ["cache", "device", "families", "fit", "models", "shapes", "sweep", "sweep_cases", "work"]
     code = "import sys\n" + "".join(f"import whatif.sim.perfmodels.{m}\n" for m in modules) + \
         "print(sorted(m for m in ('torch', 'lightgbm', 'scipy.optimize') if m in sys.modules))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -37,5 +37,6 @@ starts a benchmark when imported):
   held-out evaluation;
 - :mod:`~whatif.sim.perfmodels.cache`: this machine's default models, cached;
 - :mod:`~whatif.sim.perfmodels.sweep`: the torch microbenchmarks the models are fitted from,
-  layered on top: only the commands that fit (``whatif perfmodel fit``) import it.
+  layered on top: only the commands that fit (``whatif perfmodel fit``) import it;
+  :mod:`~whatif.sim.perfmodels.sweep_cases` draws the calls it times.
 """
