@@ -1,8 +1,8 @@
 """Operator performance models: per-family error on held-out shapes, and what the sweep costs.
 
-Runs the microbenchmark sweep on this machine (``collectors/microbench.py``; ``--quick`` for the
+Runs the microbenchmark sweep on this machine (``sim/perfmodels/sweep.py``; ``--quick`` for the
 short one), adds the operator calls of the bundled CPU traces (``--no-traces`` leaves them out),
-fits the models (``sim/perfmodels.py``) five times, each time holding out another fifth of every
+fits the models (``sim/perfmodels/fit.py``) five times, each time holding out another fifth of every
 family's shapes (a cross-validation: every shape is predicted once by a model that did not see
 it), and prints per family the geometric-mean absolute error (GMAE) on the held-out shapes, with
 the roofline alone and with the family's full model. ``--out`` keeps the first fold's models.

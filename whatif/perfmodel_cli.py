@@ -1,5 +1,5 @@
 """``whatif perfmodel fit|report`` and ``whatif simulate --batch-size``: the command-line side of
-the operator performance models (``sim/perfmodels.py``) and of the batch-size what-if
+the operator performance models (``sim/perfmodels/``) and of the batch-size what-if
 (``sim/batch_size.py``)."""
 
 from __future__ import annotations
