@@ -40,7 +40,7 @@ def modelled_calls(trace) -> tuple[pd.DataFrame, np.ndarray]:
     prediction scales with the batch instead) and their inclusive times (us)."""
     from whatif.sim.batch_size import data_loading_tasks
     from whatif.sim.build import build_graph
-    from whatif.sim.perfmodels import operator_units
+    from whatif.sim.perfmodels.shapes import operator_units
 
     graph = build_graph(trace)
     loading_events = graph.tasks["event"].to_numpy()[data_loading_tasks(graph)]
@@ -53,7 +53,7 @@ def record_errors(record: Path, models) -> tuple[list[dict], int]:
     """Per family, point and kind of ratio, the rescaled B0 calls' total against the B trace's."""
     from whatif.collectors.kineto import load_trace
     from whatif.sim.batch_size import parameter_shapes, rescale_dims
-    from whatif.sim.perfmodels import FAMILY_OF
+    from whatif.sim.perfmodels.families import FAMILY_OF
 
     kept = json.loads((record / "results.json").read_text())
     rows, unmatched = [], 0
@@ -103,7 +103,7 @@ def main(argv=None) -> int:
     if missing:
         parser.error(f"not a kept batch-size record (no results.json): {', '.join(missing)}")
 
-    from whatif.sim.perfmodels import load_models
+    from whatif.sim.perfmodels.models import load_models
 
     models = load_models(args.perfmodel, check_device=False)
     print(f"code:   {code_version()}\nmodels: {args.perfmodel}")

@@ -158,8 +158,9 @@ def profiled_ms(trace: Path) -> list[float]:
 
 
 def models_for(args):
-    from whatif.sim.perfmodels import fit_models, load_models
-    from whatif.collectors.microbench import run_sweep
+    from whatif.sim.perfmodels.fit import fit_models
+    from whatif.sim.perfmodels.models import load_models
+    from whatif.sim.perfmodels.sweep import run_sweep
 
     if args.perfmodel:
         return load_models(args.perfmodel), str(args.perfmodel)

@@ -35,7 +35,7 @@ from whatif.predict import ScenarioResult, predict_scenario
 from whatif.scenario import Scenario, load_scenario
 
 from measured_code import code_version
-from whatif.collectors.capture import cpu_model
+from whatif.collectors.host import cpu_model
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "kineto-resnet50-v100" / "resnet50_bs32_workers0.pt.trace.json.gz"

@@ -37,7 +37,7 @@ from typing import Optional
 
 import numpy as np
 
-from whatif.collectors.microbench import fastest_call_us
+from whatif.sim.perfmodels.sweep import fastest_call_us
 
 CALLS = 30
 

@@ -1,8 +1,8 @@
 """Operator performance models: per-family error on held-out shapes, and what the sweep costs.
 
-Runs the microbenchmark sweep on this machine (``collectors/microbench.py``; ``--quick`` for the
+Runs the microbenchmark sweep on this machine (``sim/perfmodels/sweep.py``; ``--quick`` for the
 short one), adds the operator calls of the bundled CPU traces (``--no-traces`` leaves them out),
-fits the models (``sim/perfmodels.py``) five times, each time holding out another fifth of every
+fits the models (``sim/perfmodels/fit.py``) five times, each time holding out another fifth of every
 family's shapes (a cross-validation: every shape is predicted once by a model that did not see
 it), and prints per family the geometric-mean absolute error (GMAE) on the held-out shapes, with
 the roofline alone and with the family's full model. ``--out`` keeps the first fold's models.
@@ -32,10 +32,16 @@ from pathlib import Path
 import pandas as pd
 
 from measured_code import REPO, code_version  # noqa: E402  (bench/ is the script's folder)
-from whatif.collectors.microbench import run_sweep
-from whatif.sim.perfmodels import (
-    FAMILY_OF, FOLDS, fit_models, geomean_abs_error, held_out_report, shape_keys, trace_samples,
+from whatif.sim.perfmodels.families import FAMILY_OF
+from whatif.sim.perfmodels.fit import (
+    FOLDS,
+    fit_models,
+    geomean_abs_error,
+    held_out_report,
+    shape_keys,
+    trace_samples,
 )
+from whatif.sim.perfmodels.sweep import run_sweep
 
 TRACES = (REPO / "data" / "convnet_cpu.bundle", REPO / "data" / "wide_mlp_cpu.pt.trace.json.gz")
 TARGET_PCT = 10.0

@@ -37,7 +37,7 @@ import msgspec
 import numpy as np
 
 from whatif.collectors.iterations import find_iterations
-from whatif.collectors.capture import cpu_model
+from whatif.collectors.host import cpu_model
 from whatif.collectors.kineto import load_trace
 from whatif.report.iterations import iteration_report
 from whatif.sim.build import build_graph

@@ -53,8 +53,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from measured_code import REPO, code_version  # noqa: E402  (bench/ is the script's folder)
-from whatif.collectors.capture import cpu_model  # noqa: E402
-from whatif.collectors.leveled import LEVELS, VIEW_FILE, flat_table  # noqa: E402
+from whatif.collectors.host import cpu_model  # noqa: E402
+from whatif.collectors.xsp.levels import LEVELS  # noqa: E402
+from whatif.collectors.xsp.view import VIEW_FILE, flat_table  # noqa: E402
 
 sys.path.insert(0, str(REPO / "examples"))
 import torch  # noqa: E402

@@ -69,6 +69,7 @@ from typing import Optional, Sequence, Union
 import numpy as np
 
 from .bundle import TRACE_FILE, Bundle, BundleError, check_writable, is_bundle, read_bundle, write_bundle
+from .host import cpu_model
 from .kineto import TraceError, load_trace
 
 #: glibc's malloc without its moving mmap threshold and without trimming, as environment
@@ -489,16 +490,6 @@ def _environment(torch, model, batch_size: Optional[int]) -> dict:
         if device.type == "cuda":
             env["device_name"] = torch.cuda.get_device_name(device)
     return env
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def count_setting(env: str, what: str, given: int, minimum: int) -> int:

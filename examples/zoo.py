@@ -11,9 +11,9 @@ arithmetic does; the sizes were picked so that on one core of the 2-CPU developm
 every step takes between about 5 and 300 ms.
 
 Each model trains with ``profiled_training.train_step`` (SGD with momentum, cross-entropy)
-under :class:`whatif.collectors.leveled.LeveledProfile`, so ``whatif profile`` runs it once
+under :class:`whatif.collectors.xsp.measure.LeveledProfile`, so ``whatif profile`` runs it once
 per level; ``--levels`` runs every level in this one process instead
-(:func:`~whatif.collectors.leveled.run_levels`), as ``bench/xsp_zoo.py`` does::
+(:func:`~whatif.collectors.xsp.session.run_levels`), as ``bench/xsp_zoo.py`` does::
 
     python examples/zoo.py --list
     python examples/zoo.py cnn-medium                   # the model level: median step time
@@ -230,7 +230,8 @@ def trainer(entry: ZooModel) -> tuple[nn.Module, Callable[[], float]]:
 
 
 def main(argv=None) -> int:
-    from whatif.collectors.leveled import LeveledProfile, run_levels
+    from whatif.collectors.xsp.measure import LeveledProfile
+    from whatif.collectors.xsp.session import run_levels
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", nargs="?", choices=list(ZOO), metavar="MODEL", help="a zoo model (--list names them)")

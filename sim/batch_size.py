@@ -63,7 +63,9 @@ import pandas as pd
 
 from .graph import GraphError, TaskGraph, TaskKind
 from .optimizations import DATA_LOADING
-from .perfmodels import FAMILY_OF, VIEW_OPS, PerfModels, operator_units
+from .perfmodels.families import FAMILY_OF, VIEW_OPS
+from .perfmodels.models import PerfModels
+from .perfmodels.shapes import operator_units
 from .shared_memory import MEMORY_BYTES
 
 _ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
@@ -327,7 +329,8 @@ def predict_iterations_at_batch_size(
 
     from .build import build_graph
     from .engine import simulate
-    from .perfmodels import default_models, load_models
+    from .perfmodels.cache import default_models
+    from .perfmodels.models import load_models
     from .profiler_overhead import remove_profiler_overhead
 
     if models is None:

@@ -24,7 +24,9 @@ import numpy as np
 import pandas as pd
 
 from .graph import TaskGraph
-from .perfmodels import FAMILY_OF, VIEW_OPS, operator_units, parse_shapes, work
+from .perfmodels.families import FAMILY_OF, VIEW_OPS
+from .perfmodels.shapes import operator_units, parse_shapes
+from .perfmodels.work import work
 
 MEMORY_BYTES = "memory_bytes"
 

@@ -46,7 +46,7 @@ def shared_traces() -> Path:
 @pytest.fixture(scope="session")
 def quick_sweep():
     """This machine's quick sweep (samples, device), once per session."""
-    from whatif.collectors.microbench import run_sweep
+    from whatif.sim.perfmodels.sweep import run_sweep
 
     return run_sweep(quick=True)
 
@@ -54,7 +54,7 @@ def quick_sweep():
 @pytest.fixture(scope="session")
 def quick_models_file(quick_sweep, tmp_path_factory) -> Path:
     """Operator performance models fitted on this machine's quick sweep, once per session."""
-    from whatif.sim.perfmodels import fit_models
+    from whatif.sim.perfmodels.fit import fit_models
 
     samples, device = quick_sweep
     path = tmp_path_factory.mktemp("perfmodels") / "quick.json"

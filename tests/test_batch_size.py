@@ -15,7 +15,8 @@ from whatif.collectors.kineto import load_trace
 from whatif.sim.batch_size import change_batch_size, infer_batch_size, parameter_shapes, predict_at_batch_size, rescale_dims
 from whatif.sim.build import build_graph
 from whatif.sim.graph import TaskKind
-from whatif.sim.perfmodels import load_models, operator_units
+from whatif.sim.perfmodels.models import load_models
+from whatif.sim.perfmodels.shapes import operator_units
 from whatif.study import TraceStudy
 
 BUNDLE = BUNDLED_TRACE.parent / "convnet_cpu.bundle"
@@ -165,6 +166,18 @@ def test_the_same_batch_size_changes_nothing(models):
     before = graph.tasks["duration_us"].to_numpy().copy()
     change_batch_size(graph, trace, models, 32)
     np.testing.assert_array_equal(graph.tasks["duration_us"].to_numpy(), before)
+
+
+def test_without_operator_models_a_batch_size_is_a_one_line_error_naming_the_command_that_fits_them(
+        tmp_path, monkeypatch, capsys):
+    """Nothing is fitted behind the user's back: no sweep runs, nothing is cached."""
+    monkeypatch.setenv("WHATIF_CACHE_DIR", str(tmp_path / "cache"))
+    assert main(["simulate", str(BUNDLED_TRACE), "--batch-size", "64"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("whatif: error: no operator models for this device (")
+    assert "`whatif perfmodel fit --quick --out models.json`" in err and "--perfmodel models.json" in err
+    assert "`whatif perfmodel fit --quick --cache`" in err
+    assert not (tmp_path / "cache").exists()
 
 
 def test_simulate_batch_size_on_the_command_line(quick_models_file, capsys):

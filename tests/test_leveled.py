@@ -18,18 +18,10 @@ from trace_corpus import REPO, SHARED_TRACES, V100_1GPU
 from whatif.cli import main
 from whatif.collectors.iterations import find_iterations
 from whatif.collectors.kineto import load_trace
-from whatif.collectors.leveled import (
-    LEVELS,
-    RUN_FORMAT,
-    VERSION,
-    LeveledProfile,
-    ProfileError,
-    build_view,
-    flat_table,
-    parse_levels,
-    profiler_overhead,
-    run_levels,
-)
+from whatif.collectors.xsp.levels import LEVELS, RUN_FORMAT, VERSION, ProfileError, parse_levels
+from whatif.collectors.xsp.measure import LeveledProfile
+from whatif.collectors.xsp.session import run_levels
+from whatif.collectors.xsp.view import build_view, flat_table, profiler_overhead
 
 torch = pytest.importorskip("torch", reason="leveled profiling runs torch: pip install -e '.[test]'")
 from torch import nn  # noqa: E402

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 import warnings
 from dataclasses import replace
 
@@ -13,21 +15,12 @@ import pytest
 
 from trace_corpus import BUNDLED_TRACE
 from whatif.cli import main
-from whatif.collectors import microbench
-from whatif.collectors.microbench import SWEEP_OPS, recorded_as
-from whatif.sim.perfmodels import (
-    FAMILY_OF,
-    FOLDS,
-    DeviceMismatchWarning,
-    Roofline,
-    fit_models,
-    geomean_abs_error,
-    held_out_report,
-    kernel_path,
-    load_models,
-    trace_samples,
-    work,
-)
+from whatif.sim.perfmodels import sweep
+from whatif.sim.perfmodels.families import FAMILY_OF
+from whatif.sim.perfmodels.fit import FOLDS, fit_models, geomean_abs_error, held_out_report, trace_samples
+from whatif.sim.perfmodels.models import DeviceMismatchWarning, Roofline, load_models
+from whatif.sim.perfmodels.work import kernel_path, work
+from whatif.sim.perfmodels.sweep_cases import SWEEP_OPS, recorded_as
 
 #: Held-out geometric-mean error a model fitted on the quick sweep must stay under in every
 #: family. Ten shapes per operator make a coarse model (40 to 60 % in the worst families on this
@@ -51,8 +44,8 @@ def test_an_operator_is_timed_with_its_caches_emptied_and_its_code_warmed_in_tha
     that follows warms the code again. Run the other way round, the code would be cold too."""
     import torch
 
-    cold = microbench._ColdCaches(torch)
-    assert cold.buffer.numel() * cold.buffer.element_size() == 2 * microbench._largest_cache_bytes()
+    cold = sweep._ColdCaches(torch)
+    assert cold.buffer.numel() * cold.buffer.element_size() == 2 * sweep._largest_cache_bytes()
     cold.buffer.zero_()
     buffer_written_when_the_twin_ran = []
     cold(then=lambda: buffer_written_when_the_twin_ran.append(bool((cold.buffer == 1.0).all())))
@@ -61,14 +54,14 @@ def test_an_operator_is_timed_with_its_caches_emptied_and_its_code_warmed_in_tha
 
 def test_a_shape_is_timed_at_its_fastest_pass_and_every_pass_is_kept(quick_sweep):
     samples, _ = quick_sweep
-    assert samples["pass_us"].map(len).eq(microbench.QUICK.passes).all()
+    assert samples["pass_us"].map(len).eq(sweep.QUICK.passes).all()
     assert samples["duration_us"].tolist() == samples["pass_us"].map(min).tolist()
 
 
 def test_a_sweep_can_be_asked_for_more_passes(monkeypatch):
-    monkeypatch.setattr(microbench, "SWEEP_OPS", {"gemm": ("aten::mm",)})
-    samples, _ = microbench.run_sweep(quick=True, passes=4)
-    assert len(samples) == microbench.QUICK.shapes_per_op * dict(microbench.QUICK.more)["gemm"]
+    monkeypatch.setattr(sweep, "SWEEP_OPS", {"gemm": ("aten::mm",)})
+    samples, _ = sweep.run_sweep(quick=True, passes=4)
+    assert len(samples) == sweep.QUICK.shapes_per_op * dict(sweep.QUICK.more)["gemm"]
     assert samples["pass_us"].map(len).eq(4).all()
 
 
@@ -346,6 +339,30 @@ def test_fit_from_a_trace_alone_and_report(tmp_path, capsys):
     doc = json.loads(capsys.readouterr().out)
     assert {row["family"] for row in doc["families"]} <= set(models.families)
     assert all(row["from_traces"] == row["held_out"] for row in doc["families"])
+
+
+def test_fit_cache_makes_the_models_this_machines_default(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("WHATIF_CACHE_DIR", str(tmp_path / "cache"))
+    fit = ["perfmodel", "fit", "--no-sweep", "--from-trace", str(BUNDLED_TRACE), "--peak-gflops", "90", "--bandwidth-gbps", "20"]
+    assert main(fit) == 2
+    assert "give --out MODELS.json, --cache" in capsys.readouterr().err
+    assert main(fit + ["--cache"]) == 0
+    (cached,) = (tmp_path / "cache").iterdir()
+    assert str(cached) in capsys.readouterr().out
+    simulate = ["simulate", str(BUNDLED_TRACE), "--batch-size", "16", "--json"]
+    assert main(simulate) == 0
+    by_default = json.loads(capsys.readouterr().out)
+    assert main(simulate + ["--perfmodel", str(cached)]) == 0
+    assert json.loads(capsys.readouterr().out) == by_default
+
+
+def test_importing_the_models_starts_no_benchmark_and_no_torch():
+    modules = ["cache", "device", "families", "fit", "models", "shapes", "sweep", "sweep_cases", "work"]
+    code = "import sys\n" + "".join(f"import whatif.sim.perfmodels.{m}\n" for m in modules) + \
+        "print(sorted(m for m in ('torch', 'lightgbm', 'scipy.optimize') if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
 
 
 def test_geomean_error_counts_over_and_under_prediction_alike():

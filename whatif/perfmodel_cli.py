@@ -1,5 +1,5 @@
 """``whatif perfmodel fit|report`` and ``whatif simulate --batch-size``: the command-line side of
-the operator performance models (``sim/perfmodels.py``) and of the batch-size what-if
+the operator performance models (``sim/perfmodels/``) and of the batch-size what-if
 (``sim/batch_size.py``)."""
 
 from __future__ import annotations
@@ -13,16 +13,11 @@ from pathlib import Path
 import msgspec
 import pandas as pd
 
-from whatif.sim.perfmodels import (
-    DeviceMismatchWarning,
-    PerfModelError,
-    PerfModels,
-    default_models,
-    fit_models,
-    held_out_report,
-    load_models,
-    trace_samples,
-)
+from whatif.sim.perfmodels.cache import cache_models, default_models
+from whatif.sim.perfmodels.device import current_device
+from whatif.sim.perfmodels.fit import fit_models, held_out_report, trace_samples
+from whatif.sim.perfmodels.models import DeviceMismatchWarning, PerfModelError, PerfModels, load_models
+from whatif.sim.perfmodels.sweep import run_sweep
 
 
 def add_parser(sub) -> None:
@@ -30,7 +25,9 @@ def add_parser(sub) -> None:
     perfmodel = sub.add_parser("perfmodel", help="operator performance models: fit them on this device, report their accuracy")
     commands = perfmodel.add_subparsers(dest="perfmodel_command", required=True)
     fit = commands.add_parser("fit", help="run the microbenchmark sweep (and read traces) and fit the models")
-    fit.add_argument("--out", type=Path, required=True, metavar="MODELS.json", help="the models file to write")
+    fit.add_argument("--out", type=Path, metavar="MODELS.json", help="the models file to write")
+    fit.add_argument("--cache", action="store_true",
+                     help="make the models this machine's default, for --batch-size without --perfmodel")
     fit.add_argument("--quick", action="store_true", help="a sweep of seconds instead of minutes (coarser models)")
     fit.add_argument("--from-trace", action="append", default=[], type=Path, metavar="TRACE",
                      help="also fit from the operator times of this CPU trace or bundle (repeatable)")
@@ -48,7 +45,7 @@ def add_batch_size_options(simulate: argparse.ArgumentParser) -> None:
     simulate.add_argument("--from-batch-size", "--predict-from", dest="from_batch_size", type=int, metavar="B0",
                           help="the batch size the trace was captured at (default: the bundle's, else inferred)")
     simulate.add_argument("--perfmodel", type=Path, metavar="MODELS.json",
-                          help="operator models for --batch-size (default: this machine's quick fit, cached)")
+                          help="operator models for --batch-size (default: this machine's, `whatif perfmodel fit --cache`)")
 
 
 def _warn(message: str) -> None:
@@ -59,7 +56,7 @@ def load_for_cli(path: Path) -> PerfModels:
     """Load a models file, telling the user on stderr when it was measured on another device."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", DeviceMismatchWarning)
-        models = load_models(path) if path is not None else default_models(progress=_warn)
+        models = load_models(path) if path is not None else default_models()
     for warning in caught:
         if issubclass(warning.category, DeviceMismatchWarning):
             _warn(str(warning.message))
@@ -104,6 +101,8 @@ def run_perfmodel(args: argparse.Namespace) -> int:
 
 
 def _fit(args: argparse.Namespace) -> int:
+    if args.out is None and not args.cache:
+        raise PerfModelError("perfmodel fit: give --out MODELS.json, --cache (this machine's default models), or both")
     if args.no_sweep and not args.from_trace:
         raise PerfModelError("perfmodel fit --no-sweep: give at least one --from-trace TRACE")
     started = time.perf_counter()
@@ -111,17 +110,14 @@ def _fit(args: argparse.Namespace) -> int:
     if args.no_sweep:
         if args.peak_gflops is None or args.bandwidth_gbps is None:
             raise PerfModelError("perfmodel fit --no-sweep: give the device's --peak-gflops and --bandwidth-gbps")
-        from whatif.sim.perfmodels import current_device
-
         device = {**current_device(), "threads": args.threads,
                   "peak_gflops": args.peak_gflops, "bandwidth_gbps": args.bandwidth_gbps}
     else:
         try:
-            from whatif.collectors.microbench import run_sweep
+            samples, device = run_sweep(quick=args.quick, threads=args.threads,
+                                        progress=lambda line: print(f"  {line}", file=sys.stderr))
         except ImportError as err:
             raise PerfModelError(f"perfmodel fit: the microbenchmark sweep needs torch ({err}); or use --no-sweep") from None
-        samples, device = run_sweep(quick=args.quick, threads=args.threads,
-                                    progress=lambda line: print(f"  {line}", file=sys.stderr))
         parts.append(samples)
         sources.append("sweep quick" if args.quick else "sweep")
     for trace in args.from_trace:
@@ -129,8 +125,13 @@ def _fit(args: argparse.Namespace) -> int:
         parts.append(samples)
         sources.append(f"trace {trace} ({len(samples)} operator calls)")
     models = fit_models(pd.concat(parts, ignore_index=True), device, sources)
-    models.save(args.out)
-    print(f"wrote {args.out}: {len(models.families)} families from {sum(len(p) for p in parts)} samples "
+    written = []
+    if args.out is not None:
+        models.save(args.out)
+        written.append(str(args.out))
+    if args.cache:
+        written.append(f"{cache_models(models)} (this machine's default models)")
+    print(f"wrote {' and '.join(written)}: {len(models.families)} families from {sum(len(p) for p in parts)} samples "
           f"({', '.join(sources)}) in {time.perf_counter() - started:.0f} s; peak {device['peak_gflops']:g} GFLOP/s, "
           f"memory {device['bandwidth_gbps']:g} GB/s")
     print(held_out_report(models)[["family", "kind", "held_out", "gmae_pct"]].to_string(

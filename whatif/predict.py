@@ -100,7 +100,8 @@ def _change_batch_size(worker, study: TraceStudy, scenario: Scenario) -> None:
     """Rebuild the worker's iteration at the scenario's batch size (operator models; the CPU
     overheads between operators stay), from the batch size the trace was taken at."""
     from whatif.sim.batch_size import change_batch_size
-    from whatif.sim.perfmodels import default_models, load_models
+    from whatif.sim.perfmodels.cache import default_models
+    from whatif.sim.perfmodels.models import load_models
 
     bundle = study.trace.bundle
     traced = scenario.traced_batch_size or (bundle.environment.get("batch_size") if bundle is not None else None)

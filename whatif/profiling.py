@@ -1,6 +1,6 @@
 """``whatif profile``: a training script run once per level of intrusion, and the view built from the runs.
 
-The measuring and the hierarchy live in :mod:`whatif.collectors.leveled`; this module is the
+The measuring and the hierarchy live in :mod:`whatif.collectors.xsp`; this module is the
 command line over them: its arguments, and the summary it prints.
 """
 
@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from whatif.collectors.leveled import LEVELS, TABLE_FILE, VIEW_FILE, flat_table, profile_command
+from whatif.collectors.xsp.levels import LEVELS
+from whatif.collectors.xsp.session import profile_command
+from whatif.collectors.xsp.view import TABLE_FILE, VIEW_FILE, flat_table
 
 TOP_OPERATORS = 10
 

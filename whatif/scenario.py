@@ -20,7 +20,7 @@ A scenario file looks like::
     network: auto                                     # closed_form | shared_links (see sim.distributed)
     profiler_overhead: remove                         # keep: predict from the profiled times as they are
     batch_size: {from: 32, to: 64}                    # or just 64 (traced at the bundle's batch size)
-    perfmodel: models.json                            # operator models for batch_size (default: fitted here)
+    perfmodel: models.json                            # operator models for batch_size (default: perfmodel fit --cache)
     framework_options: {fusion_buffer: 64MB, cycle_time: 5ms, bucket_cap: 25MB,
                         first_bucket: 1MB, partition: 4MB, slice: 1MB}
 
