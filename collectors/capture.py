@@ -69,7 +69,8 @@ from typing import Optional, Sequence, Union
 import numpy as np
 
 from .bundle import TRACE_FILE, Bundle, BundleError, check_writable, is_bundle, read_bundle, write_bundle
-from .kineto import TraceError, load_trace
+from .kineto import TraceError
+from .load import load_trace
 
 #: glibc's malloc without its moving mmap threshold and without trimming, as environment
 #: variables for a process about to start. With glibc's defaults whether a step's large tensors

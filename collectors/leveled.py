@@ -62,7 +62,8 @@ import pandas as pd
 
 from .capture import CaptureError, count_setting, cpu_model, script_of
 from .iterations import find_iterations
-from .kineto import EventKind, TraceError, load_trace
+from .kineto import EventKind, TraceError
+from .load import load_trace
 
 LEVELS = ("model", "layer", "operator", "kernel")  # least to most intrusive
 LEVEL_ENV = "WHATIF_PROFILE_LEVEL"

@@ -635,7 +635,8 @@ def recorded_as(op: str, seed: int = 0) -> tuple[Case, str, list, list]:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from .kineto import EventKind, load_trace
+    from .kineto import EventKind
+    from .load import load_trace
 
     with torch.no_grad():
         case = _cases(torch, op, np.random.default_rng(seed))

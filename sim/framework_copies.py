@@ -31,12 +31,11 @@ from typing import Optional
 
 import numpy as np
 
-from whatif.collectors.kineto import KinetoTrace
-
-from .gradients import Gradients, first_input_bytes
+from .gradients import Gradients
 from .graph import TaskGraph, TaskKind
 from .optimizations import OPTIMIZER_STEP
 from .shared_memory import MEMORY_BYTES
+from .workload import first_input_bytes
 
 IN_PLACE_UPDATE = r"^aten::(add|mul|sub|div|addcmul|addcdiv|lerp|copy|_foreach_\w+)_$"
 MIN_UPDATE_BYTES = 256e3
@@ -44,24 +43,24 @@ HOROVOD_FUSED_PASSES = 3  # copy in, scale, copy out
 HOROVOD_LONE_PASSES = 1  # scale in place
 
 
-def pass_rate_bytes_per_us(trace: KinetoTrace, graph: TaskGraph) -> Optional[float]:
-    """Bytes per microsecond at which the optimizer of a CPU trace (``graph`` built from it)
-    updates its parameters in place; None for a GPU trace (its updates are kernels) or a trace
-    without such updates."""
-    if trace.has_gpu:
+def pass_rate_bytes_per_us(graph: TaskGraph) -> Optional[float]:
+    """Bytes per microsecond at which the optimizer of a CPU trace's graph updates its
+    parameters in place; None for a GPU trace (its updates are kernels) or a trace without such
+    updates."""
+    if graph.workload.has_gpu:
         return None
     tasks = graph.tasks
     outermost = tasks["name"].astype(str).to_numpy() == tasks["operator"].astype(str).to_numpy()
     update = graph.match(OPTIMIZER_STEP) & graph.match(IN_PLACE_UPDATE) & outermost
     events = np.unique(tasks["event"].to_numpy()[update])
-    duration_us = trace.events["dur_us"].to_numpy(dtype=float)
+    duration_us = graph.ops["dur_us"]
     updated_bytes = spent_us = 0.0
     for row in events[events >= 0].tolist():
-        nbytes = first_input_bytes(trace, row)
+        nbytes = first_input_bytes(graph.ops, row)
         if nbytes is None or nbytes < MIN_UPDATE_BYTES:
             continue
         updated_bytes += nbytes
-        spent_us += duration_us[row]
+        spent_us += float(duration_us.at[row])
     return updated_bytes / spent_us if spent_us > 0 else None
 
 

@@ -886,7 +886,8 @@ def _decode(raw) -> list:
 
 def trace_samples(path: Union[str, Path]) -> pd.DataFrame:
     """Every modelled unit of a CPU-only trace with its shapes and inclusive CPU time."""
-    from whatif.collectors.kineto import TraceError, load_trace
+    from whatif.collectors.kineto import TraceError
+    from whatif.collectors.load import load_trace
 
     trace = load_trace(path)
     if trace.has_gpu:

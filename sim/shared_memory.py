@@ -24,7 +24,8 @@ import numpy as np
 import pandas as pd
 
 from .graph import TaskGraph
-from .perfmodels import FAMILY_OF, VIEW_OPS, operator_units, parse_shapes, work
+from .operator_units import operator_units
+from .perfmodels import FAMILY_OF, VIEW_OPS, parse_shapes, work
 
 MEMORY_BYTES = "memory_bytes"
 
@@ -52,10 +53,10 @@ def operator_bytes(op: str, dims, types, args=()) -> float:
     return sum(sizes) + sizes[0]
 
 
-def add_memory_bytes(graph: TaskGraph, trace) -> None:
-    """Give ``graph`` (built from ``trace``) a ``memory_bytes`` column: each task's share of
-    the bytes its operator moves itself."""
-    units = operator_units(trace)
+def add_memory_bytes(graph: TaskGraph) -> None:
+    """Give ``graph`` a ``memory_bytes`` column: each task's share of the bytes its operator
+    moves itself."""
+    units = operator_units(graph.ops)
     moved = np.array([operator_bytes(op, d, t, a) for op, d, t, a in
                       zip(units["op"], units["dims"], units["types"], units["args"])])
     callees = pd.Series(moved, index=units["parent"].to_numpy()).groupby(level=0).sum()

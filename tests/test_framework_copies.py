@@ -34,20 +34,20 @@ def run(wide_mlp, framework: str, rate):
 
 def test_the_pass_rate_is_what_the_cpu_optimizer_streams_in_place(wide_mlp):
     study, _, _ = wide_mlp
-    rate = pass_rate_bytes_per_us(study.trace, study.graph)
+    rate = pass_rate_bytes_per_us(study.graph)
     assert rate is not None and 1e3 < rate < 1e5  # between 1 and 100 GB/s on one CPU core
 
 
 def test_a_gpu_trace_has_no_pass_rate(traces):
     study = traces.study(V100_1GPU)
     assert study.trace.has_gpu
-    assert pass_rate_bytes_per_us(study.trace, study.graph) is None
+    assert pass_rate_bytes_per_us(study.graph) is None
 
 
 @pytest.mark.parametrize("framework, passes, slack_ms", [("ddp", 2, 0.0), ("horovod", HOROVOD_FUSED_PASSES, CYCLE_MS)])
 def test_the_copies_slow_an_iteration_by_at_most_their_passes(wide_mlp, framework, passes, slack_ms):
     study, _, gradients = wide_mlp
-    rate = pass_rate_bytes_per_us(study.trace, study.graph)
+    rate = pass_rate_bytes_per_us(study.graph)
     _, free_ms = run(wide_mlp, framework, None)
     _, copied_ms = run(wide_mlp, framework, rate)
     passes_ms = passes * gradients.bytes_per_iteration() / rate / 1e3
@@ -56,12 +56,12 @@ def test_the_copies_slow_an_iteration_by_at_most_their_passes(wide_mlp, framewor
 
 def test_ddps_copy_back_is_never_hidden(wide_mlp):
     study, _, _ = wide_mlp
-    assert run(wide_mlp, "ddp", pass_rate_bytes_per_us(study.trace, study.graph))[1] > run(wide_mlp, "ddp", None)[1]
+    assert run(wide_mlp, "ddp", pass_rate_bytes_per_us(study.graph))[1] > run(wide_mlp, "ddp", None)[1]
 
 
 def test_ddp_copies_its_buckets_back_after_every_all_reduce_and_before_the_optimizer(wide_mlp):
     study, _, _ = wide_mlp
-    result, _ = run(wide_mlp, "ddp", pass_rate_bytes_per_us(study.trace, study.graph))
+    result, _ = run(wide_mlp, "ddp", pass_rate_bytes_per_us(study.graph))
     tasks, schedule = result.schedule.graph.tasks, result.schedule
     names = tasks["name"].astype(str).to_numpy()
     backs = np.flatnonzero(names == "DDP: copy buckets back into gradients")

@@ -40,7 +40,7 @@ def worker_graph(traces, name):
 
 def gradients_of(traces, name, **given):
     study = traces.study(name)
-    return find_gradients(study.trace, worker_graph(traces, name), study.iterations, **given)
+    return find_gradients(worker_graph(traces, name), study.iterations, **given)
 
 
 def per_iteration(gradients, iterations: int) -> list[list]:

@@ -29,7 +29,7 @@ def counted(wide_mlp):
     """The wide MLP's worker graph with each task's bytes counted."""
     study, worker, gradients = wide_mlp
     worker = worker.copy()
-    add_memory_bytes(worker, study.trace)
+    add_memory_bytes(worker)
     return study, worker, gradients
 
 

@@ -73,7 +73,7 @@ def rebatch(study, args: argparse.Namespace) -> dict:
 
     models = load_for_cli(args.perfmodel)
     graph = study.graph.copy()
-    change = change_batch_size(graph, study.trace, models, args.batch_size, args.from_batch_size)
+    change = change_batch_size(graph, models, args.batch_size, args.from_batch_size)
     study.graph = graph
     if not args.json:
         print(change.describe(), file=sys.stderr)

@@ -38,21 +38,19 @@ def predict_scenario(scenario: Scenario) -> ScenarioResult:
     study = TraceStudy.from_trace(scenario.trace, scenario.iteration)
     worker = WhatIf(optimizations=scenario.optimizations).apply(study.graph)
     if any(point.cluster.workers_sharing_memory > 1 for point in scenario.points):
-        add_memory_bytes(worker, study.trace)
+        add_memory_bytes(worker)
     overhead = None
-    bundle = study.trace.bundle
-    if scenario.remove_profiler_overhead and bundle is not None and bundle.unprofiled_step_ms:
-        overhead = remove_profiler_overhead(worker, study.iterations, bundle.unprofiled_step_ms)
+    unprofiled_ms = worker.workload.unprofiled_step_ms
+    if scenario.remove_profiler_overhead and unprofiled_ms:
+        overhead = remove_profiler_overhead(worker, study.iterations, unprofiled_ms)
     if scenario.batch_size is not None:
         _change_batch_size(worker, study, scenario)
     baseline = iteration_report(simulate(worker), study.iterations)
     baseline_ms = steady_median(baseline["predicted_ms"])
     without_comm = worker.copy()
     without_comm.remove(without_comm.select(kinds=[TaskKind.COMM]))  # replaced by simulated ones
-    gradients = find_gradients(
-        study.trace, without_comm, study.iterations, scenario.gradient_sizes, scenario.gradient_total
-    )
-    pass_rate = pass_rate_bytes_per_us(study.trace, study.graph)
+    gradients = find_gradients(without_comm, study.iterations, scenario.gradient_sizes, scenario.gradient_total)
+    pass_rate = pass_rate_bytes_per_us(study.graph)
     rows, runs = [], {}
     for point in scenario.points:
         config = ClusterConfig(
@@ -102,10 +100,9 @@ def _change_batch_size(worker, study: TraceStudy, scenario: Scenario) -> None:
     from whatif.sim.batch_size import change_batch_size
     from whatif.sim.perfmodels import default_models, load_models
 
-    bundle = study.trace.bundle
-    traced = scenario.traced_batch_size or (bundle.environment.get("batch_size") if bundle is not None else None)
+    traced = scenario.traced_batch_size or worker.workload.environment.get("batch_size")
     models = load_models(scenario.perfmodel) if scenario.perfmodel is not None else default_models()
-    change_batch_size(worker, study.trace, models, scenario.batch_size, traced)
+    change_batch_size(worker, models, scenario.batch_size, traced)
 
 
 def _label(row: dict) -> str:

@@ -9,7 +9,8 @@ from typing import Optional, Sequence
 import pandas as pd
 
 from whatif.collectors.iterations import find_iterations
-from whatif.collectors.kineto import KinetoTrace, load_trace
+from whatif.collectors.kineto import KinetoTrace
+from whatif.collectors.load import load_trace
 from whatif.report.iterations import iteration_report
 from whatif.sim.build import build_graph
 from whatif.sim.engine import Schedule, simulate
