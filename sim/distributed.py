@@ -31,7 +31,7 @@ import pandas as pd
 
 import simpy
 
-from whatif.topology import Cluster, Network, Plan, allreduce_time_us, parameter_server_time_us, plan_allreduce
+from whatif.topology import Cluster, Network, Plan, collective_cost, collective_plan
 
 from .engine import Policy, Schedule, simulate
 from .frameworks import FrameworkOptions, Message, plan_messages
@@ -97,19 +97,16 @@ class ClusterSchedule:
     bytes_per_iteration: float
 
 
-def collective_cost(config: ClusterConfig):
+def _message_cost(config: ClusterConfig):
     """Time (us) of one message of ``nbytes`` on the cluster, for each phase of the framework."""
     cluster = config.cluster
+    op, algorithm = ("push", None) if config.framework == "ps" else ("all_reduce", config.algorithm)
 
     @lru_cache(maxsize=None)
-    def allreduce(nbytes: float) -> float:
-        return allreduce_time_us(cluster, nbytes, config.algorithm)
+    def cost(nbytes: float) -> float:
+        return collective_cost(cluster, op, nbytes, algorithm=algorithm).time_us
 
-    @lru_cache(maxsize=None)
-    def half_ps(nbytes: float) -> float:
-        return parameter_server_time_us(cluster, nbytes) / 2
-
-    return half_ps if config.framework == "ps" else allreduce
+    return cost
 
 
 def simulate_cluster(worker: TaskGraph, gradients: Gradients, iterations: pd.DataFrame, config: ClusterConfig) -> ClusterSchedule:
@@ -123,7 +120,7 @@ def simulate_cluster(worker: TaskGraph, gradients: Gradients, iterations: pd.Dat
     copies = config.workers if replicate else 1
     thread = _iteration_thread(worker, iterations)
     sync = _SyncPoints(worker, iterations, thread)
-    cost = collective_cost(config)
+    cost = _message_cost(config)
 
     sliced = config.policy == "p3"
     layerwise = sliced or config.framework == "ps"
@@ -386,20 +383,17 @@ class _OnSharedLinks(Policy):
 
 
 class _PlanMaker:
-    def __init__(self, cluster: Cluster, algorithm: str, phase: Optional[int]):
-        self.cluster, self.algorithm, self.phase = cluster, algorithm, phase
+    def __init__(self, cluster: Cluster, op: str, algorithm: Optional[str]):
+        self.cluster, self.op, self.algorithm = cluster, op, algorithm
 
     def __call__(self, nbytes: float) -> Plan:
-        plan = plan_allreduce(self.cluster, nbytes, self.algorithm)
-        if self.phase is None:
-            return plan
-        return Plan(plan.algorithm, plan.size_bytes, plan.steps[self.phase : self.phase + 1])
+        return collective_plan(self.cluster, self.op, nbytes, algorithm=self.algorithm)
 
 
 def _plan_maker(config: ClusterConfig, resource: str) -> _PlanMaker:
     if config.framework != "ps":
-        return _PlanMaker(config.cluster, config.algorithm, None)
-    return _PlanMaker(config.cluster, "parameter_server", 0 if resource.endswith("push") else 1)
+        return _PlanMaker(config.cluster, "all_reduce", config.algorithm)
+    return _PlanMaker(config.cluster, "push" if resource.endswith("push") else "pull", None)
 
 
 def _comm_row(m: Message, resource: str, duration_us: float, ready_us: float) -> dict:
