@@ -1,6 +1,6 @@
 """Which model ratio moves a traced operator call to another batch size: roofline or full model.
 
-``sim/batch_size.py`` rescales every batch-carrying operator call of a trace by a ratio of its
+``sim/passes/batch_size.py`` rescales every batch-carrying operator call of a trace by a ratio of its
 family's model at the new and the old shapes. The kept records of
 ``bench/batch_size_validation.py`` hold, per round, a profiled trace of each example model at
 B0 / 2, B0 and 2 B0 from one process, so the ratio can be checked call family by call family:
@@ -38,8 +38,8 @@ RATIOS = {"roofline": False, "roofline x learned": True}
 def modelled_calls(graph) -> tuple[pd.DataFrame, np.ndarray]:
     """The outermost modelled operator calls of a trace's ``graph`` outside data loading (which
     the prediction scales with the batch instead) and their inclusive times (us)."""
-    from whatif.sim.batch_size import data_loading_tasks
-    from whatif.sim.operator_units import operator_units
+    from whatif.sim.passes.batch_size import data_loading_tasks
+    from whatif.sim.passes.operator_units import operator_units
 
     loading_events = graph.tasks["event"].to_numpy()[data_loading_tasks(graph)]
     units = operator_units(graph.ops)
@@ -50,7 +50,7 @@ def modelled_calls(graph) -> tuple[pd.DataFrame, np.ndarray]:
 def record_errors(record: Path, models) -> tuple[list[dict], int]:
     """Per family, point and kind of ratio, the rescaled B0 calls' total against the B trace's."""
     from whatif.collectors.load import load_trace
-    from whatif.sim.batch_size import parameter_shapes, rescale_dims
+    from whatif.sim.passes.batch_size import parameter_shapes, rescale_dims
     from whatif.sim.build import build_graph
     from whatif.sim.perfmodels import FAMILY_OF
 

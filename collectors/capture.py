@@ -109,7 +109,7 @@ class Capture:
     the hooks, and their wall-clock times are kept in the manifest (``step_wall_ms``) beside
     those of the profiled steps: the least intrusive measurement of the same iteration (XSP's
     model level), from which the profiler's overhead in the trace can be removed
-    (``sim/profiler_overhead.py``).
+    (``sim/passes/profiler_overhead.py``).
     """
 
     def __init__(

@@ -38,9 +38,9 @@ from .frameworks import FrameworkOptions, Message, plan_messages
 from .gradients import Gradients
 from .graph import CPU_WORK_KINDS, GPU_TASK_KINDS, EdgeKind, GraphError, TaskGraph, TaskKind
 from .framework_copies import add_ddp_copies, add_ddp_copy_back, horovod_copy_us
-from .optimizations import OPTIMIZER_STEP
+from .passes.optimizations import OPTIMIZER_STEP
 from .policies import Fifo, HorovodCycle, Priority
-from .shared_memory import shared_memory_factors
+from .passes.shared_memory import shared_memory_factors
 
 POLICIES = ("fifo", "p3")
 _WEIGHT_OPS = re.compile(
@@ -233,7 +233,7 @@ def _cpu_work(tasks: pd.DataFrame) -> np.ndarray:
 
 def _with_shared_memory(worker: TaskGraph, cluster: Cluster) -> TaskGraph:
     """The worker with its CPU work slowed by its peers on the same memory system, who run the
-    same tasks at the same moments (``sim/shared_memory.py``)."""
+    same tasks at the same moments (``sim/passes/shared_memory.py``)."""
     shared = cluster.shared_memory
     slowed = worker.copy()
     cpu = _cpu_work(slowed.tasks)

@@ -33,8 +33,8 @@ import numpy as np
 
 from .gradients import Gradients
 from .graph import TaskGraph, TaskKind
-from .optimizations import OPTIMIZER_STEP
-from .shared_memory import MEMORY_BYTES
+from .passes.optimizations import OPTIMIZER_STEP
+from .passes.shared_memory import MEMORY_BYTES
 from .workload import first_input_bytes
 
 IN_PLACE_UPDATE = r"^aten::(add|mul|sub|div|addcmul|addcdiv|lerp|copy|_foreach_\w+)_$"
@@ -96,7 +96,7 @@ def add_ddp_copy_back(worker: TaskGraph, consumer: int, nbytes: float, bytes_per
 
 
 def _streams(worker: TaskGraph, copy: int, nbytes: float) -> None:
-    """A copy reads and writes its bytes (``sim/shared_memory.py``), where the graph counts them."""
+    """A copy reads and writes its bytes (``sim/passes/shared_memory.py``), where the graph counts them."""
     if MEMORY_BYTES in worker.tasks:
         worker.tasks.at[copy, MEMORY_BYTES] = 2 * nbytes
 

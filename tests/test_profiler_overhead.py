@@ -1,4 +1,4 @@
-"""Removing the profiler's own cost from a prediction (``sim/profiler_overhead.py``).
+"""Removing the profiler's own cost from a prediction (``sim/passes/profiler_overhead.py``).
 
 A capture times warm-up steps that run without profiler or hooks; ``whatif predict`` takes the
 difference between the profiled iterations and those out of the trace's CPU tasks, so that a
@@ -21,7 +21,7 @@ from whatif.predict import predict_scenario
 from whatif.report.iterations import iteration_report, steady_median
 from whatif.scenario import load_scenario
 from whatif.sim.engine import simulate
-from whatif.sim.profiler_overhead import PROFILER_COST_CAP_US, remove_profiler_overhead, water_level
+from whatif.sim.passes.profiler_overhead import PROFILER_COST_CAP_US, remove_profiler_overhead, water_level
 from whatif.study import TraceStudy
 
 torch = pytest.importorskip("torch", reason="torch is not importable: pip install -e '.[test]' to capture")
@@ -144,7 +144,7 @@ def corrected_to_plain(bundle, plain_share: float):
 
 
 def test_profiled_steps_faster_than_plain_ones_stretch_every_cpu_task_to_the_plain_time(bundle):
-    # on CPU the plain run's heap can page-fault where the profiled one's did not (sim/profiler_overhead.py)
+    # on CPU the plain run's heap can page-fault where the profiled one's did not (sim/passes/profiler_overhead.py)
     added, before, after, predicted, profiled_ms = corrected_to_plain(bundle, 1.25)
     assert added.removed_ms == pytest.approx(-0.25 * profiled_ms) and added.stretch > 1.0
     assert "faster than plain ones" in added.describe()

@@ -1,6 +1,6 @@
 """``whatif perfmodel fit|report`` and ``whatif simulate --batch-size``: the command-line side of
 the operator performance models (``sim/perfmodels.py``) and of the batch-size what-if
-(``sim/batch_size.py``)."""
+(``sim/passes/batch_size.py``)."""
 
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def load_for_cli(path: Path) -> PerfModels:
 def rebatch(study, args: argparse.Namespace) -> dict:
     """Replace ``study.graph`` by its rebuild at ``--batch-size`` (the replay stays the measured
     one, so the report's speed-up compares the two batch sizes); what was done, for the output."""
-    from whatif.sim.batch_size import change_batch_size
+    from whatif.sim.passes.batch_size import change_batch_size
 
     models = load_for_cli(args.perfmodel)
     graph = study.graph.copy()

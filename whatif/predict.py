@@ -14,8 +14,8 @@ from whatif.sim.framework_copies import pass_rate_bytes_per_us
 from whatif.sim.engine import simulate
 from whatif.sim.gradients import find_gradients
 from whatif.sim.graph import TaskKind
-from whatif.sim.profiler_overhead import ProfilerOverhead, remove_profiler_overhead
-from whatif.sim.shared_memory import add_memory_bytes
+from whatif.sim.passes.profiler_overhead import ProfilerOverhead, remove_profiler_overhead
+from whatif.sim.passes.shared_memory import add_memory_bytes
 from whatif.study import TraceStudy, WhatIf
 
 from .scenario import Scenario
@@ -34,7 +34,7 @@ class ScenarioResult:
 def predict_scenario(scenario: Scenario) -> ScenarioResult:
     """Simulate every configuration of ``scenario``; speed-ups are against one worker (1x1),
     which is the replay of the (optimized) trace, less the profiler's overhead where the trace
-    is a bundle that measured it (``sim/profiler_overhead.py``)."""
+    is a bundle that measured it (``sim/passes/profiler_overhead.py``)."""
     study = TraceStudy.from_trace(scenario.trace, scenario.iteration)
     worker = WhatIf(optimizations=scenario.optimizations).apply(study.graph)
     if any(point.cluster.workers_sharing_memory > 1 for point in scenario.points):
@@ -97,7 +97,7 @@ def predict_scenario(scenario: Scenario) -> ScenarioResult:
 def _change_batch_size(worker, study: TraceStudy, scenario: Scenario) -> None:
     """Rebuild the worker's iteration at the scenario's batch size (operator models; the CPU
     overheads between operators stay), from the batch size the trace was taken at."""
-    from whatif.sim.batch_size import change_batch_size
+    from whatif.sim.passes.batch_size import change_batch_size
     from whatif.sim.perfmodels import default_models, load_models
 
     traced = scenario.traced_batch_size or worker.workload.environment.get("batch_size")

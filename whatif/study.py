@@ -15,7 +15,7 @@ from whatif.report.iterations import iteration_report
 from whatif.sim.build import build_graph
 from whatif.sim.engine import Schedule, simulate
 from whatif.sim.graph import GraphError, TaskGraph
-from whatif.sim.optimizations import apply_optimization
+from whatif.sim.passes.optimizations import apply_optimization
 
 
 @dataclass

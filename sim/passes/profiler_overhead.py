@@ -47,7 +47,7 @@ import pandas as pd
 
 from whatif.report.iterations import steady_median
 
-from .graph import CPU_WORK_KINDS, TaskGraph
+from ..graph import CPU_WORK_KINDS, TaskGraph
 
 _TOLERANCE_US = 1e-6
 #: The most the profiler is taken to cost one CPU task. The water level of the overhead came to

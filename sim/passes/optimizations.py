@@ -12,7 +12,7 @@ from typing import Callable
 import numpy as np
 import pandas as pd
 
-from .graph import GPU_TASK_KINDS, EdgeKind, GraphError, TaskGraph, TaskKind
+from ..graph import GPU_TASK_KINDS, EdgeKind, GraphError, TaskGraph, TaskKind
 
 #: Kernels that run on Tensor Cores under mixed precision: GEMMs and convolutions (cuDNN, CUTLASS,
 #: cuBLAS naming), including the data- and weight-gradient convolutions of the backward pass.

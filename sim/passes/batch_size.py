@@ -60,12 +60,12 @@ from typing import Optional, Sequence, Union
 import numpy as np
 import pandas as pd
 
-from .graph import GraphError, TaskGraph, TaskKind
+from ..graph import GraphError, TaskGraph, TaskKind
 from .operator_units import operator_units
 from .optimizations import DATA_LOADING
-from .perfmodels import FAMILY_OF, VIEW_OPS, PerfModels
+from ..perfmodels import FAMILY_OF, VIEW_OPS, PerfModels
 from .shared_memory import MEMORY_BYTES
-from .workload import decode_inputs
+from ..workload import decode_inputs
 
 _ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
 _OUTSIDE_MODEL = re.compile(DATA_LOADING + r"|Optimizer\.|whatif\.capture")
@@ -297,7 +297,7 @@ def predict_at_batch_size(
     :class:`PerfModels`, a models file, or None for this machine's cached quick fit. Where the
     unprofiled iteration times at ``from_batch`` are known (``unprofiled_ms``, else a capture
     bundle's unprofiled warm-up steps), the profiler's overhead is taken out of the trace first
-    (``sim/profiler_overhead.py``): the job predicted runs without the profiler, and the
+    (``sim/passes/profiler_overhead.py``): the job predicted runs without the profiler, and the
     overhead, paid per operator call, does not grow with the batch."""
     from whatif.report.iterations import steady_median
 
@@ -317,9 +317,9 @@ def predict_iterations_at_batch_size(
     from whatif.collectors.load import load_trace
     from whatif.report.iterations import iteration_report
 
-    from .build import build_graph
-    from .engine import simulate
-    from .perfmodels import default_models, load_models
+    from ..build import build_graph
+    from ..engine import simulate
+    from ..perfmodels import default_models, load_models
     from .profiler_overhead import remove_profiler_overhead
 
     if models is None:

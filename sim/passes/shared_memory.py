@@ -23,9 +23,9 @@ import math
 import numpy as np
 import pandas as pd
 
-from .graph import TaskGraph
+from ..graph import TaskGraph
 from .operator_units import operator_units
-from .perfmodels import FAMILY_OF, VIEW_OPS, parse_shapes, work
+from ..perfmodels import FAMILY_OF, VIEW_OPS, parse_shapes, work
 
 MEMORY_BYTES = "memory_bytes"
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from .perfmodels import FAMILY_OF
-from .workload import decode_inputs
+from ..perfmodels import FAMILY_OF
+from ..workload import decode_inputs
 
 
 def operator_units(ops: pd.DataFrame) -> pd.DataFrame:
