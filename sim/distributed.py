@@ -36,11 +36,11 @@ from whatif.topology import Cluster, Network, Plan, collective_cost, collective_
 from .engine import Policy, Schedule, simulate
 from .frameworks import FrameworkOptions, Message, plan_messages
 from .gradients import Gradients
-from .graph import CPU_WORK_KINDS, GPU_TASK_KINDS, EdgeKind, GraphError, TaskGraph, TaskKind
+from .graph import GPU_TASK_KINDS, EdgeKind, GraphError, TaskGraph, TaskKind, cpu_work
 from .framework_copies import add_ddp_copies, add_ddp_copy_back, horovod_copy_us
 from .passes.optimizations import OPTIMIZER_STEP
 from .policies import Fifo, HorovodCycle, Priority
-from .passes.shared_memory import shared_memory_factors
+from .passes.shared_memory import slow_beside_peers
 
 POLICIES = ("fifo", "p3")
 _WEIGHT_OPS = re.compile(
@@ -137,7 +137,7 @@ def simulate_cluster(worker: TaskGraph, gradients: Gradients, iterations: pd.Dat
                 if back is not None:
                     copy_back[it] = back
     if config.cluster.workers_sharing_memory > 1:
-        worker = _with_shared_memory(worker, config.cluster)
+        worker = slow_beside_peers(worker, config.cluster)
     if config.framework == "horovod":
         worker = _with_horovod_loop(worker, _driving_link(config), config.options.cycle_time_us)
     n = len(worker.tasks)
@@ -223,26 +223,6 @@ def _driving_link(config: ClusterConfig):
 _CONTENTION_PASSES = 4
 
 
-def _cpu_work(tasks: pd.DataFrame) -> np.ndarray:
-    """Ids of the tasks that take time on a CPU thread: operators, the gaps between them, runtime calls."""
-    resource = tasks["resource"].astype(str).to_numpy().astype(str)
-    on_cpu = np.char.startswith(resource, "cpu ") | (np.char.find(resource, ": cpu ") >= 0)
-    busy = tasks["duration_us"].to_numpy(dtype=float) > 0
-    return np.flatnonzero(np.isin(tasks["kind"].to_numpy(), CPU_WORK_KINDS) & on_cpu & busy)
-
-
-def _with_shared_memory(worker: TaskGraph, cluster: Cluster) -> TaskGraph:
-    """The worker with its CPU work slowed by its peers on the same memory system, who run the
-    same tasks at the same moments (``sim/passes/shared_memory.py``)."""
-    shared = cluster.shared_memory
-    slowed = worker.copy()
-    cpu = _cpu_work(slowed.tasks)
-    slowed.scale(cpu, shared_memory_factors(slowed.tasks, cpu, shared.core_bandwidth_bytes_per_us,
-                                            shared.memory_slowdown(cluster.workers_sharing_memory),
-                                            shared.compute_slowdown))
-    return slowed
-
-
 def _with_horovod_loop(worker: TaskGraph, link, cycle_us: float) -> TaskGraph:
     """The worker with its CPU work slowed by Horovod's background loop, which takes
     ``link.horovod_loop_us`` of the worker's core every cycle (``collectors/horovod_loop_probe.py``)
@@ -254,7 +234,7 @@ def _with_horovod_loop(worker: TaskGraph, link, cycle_us: float) -> TaskGraph:
             f"Horovod's loop takes {link.horovod_loop_us:g} us of every {cycle_us:g} us cycle: the worker would never compute"
         )
     slowed = worker.copy()
-    slowed.scale(_cpu_work(slowed.tasks), 1.0 / (1.0 - link.horovod_loop_us / cycle_us))
+    slowed.scale(cpu_work(slowed.tasks), 1.0 / (1.0 - link.horovod_loop_us / cycle_us))
     return slowed
 
 
@@ -280,7 +260,7 @@ def _with_cpu_contention(graph: TaskGraph, schedule: Schedule, comm: np.ndarray,
     base = tasks["duration_us"].to_numpy(dtype=float).copy()
     comm_bytes = np.array([size[t] for t in comm.tolist()], dtype=float)
     comm_resource = tasks["resource"].astype(str).to_numpy()[comm]
-    cpu = _cpu_work(tasks)
+    cpu = cpu_work(tasks)
     worker0_cpu = cpu[cpu < n]
     waits = _CommWaits(graph, comm, polling_thread) if polling_thread else None
     for _ in range(_CONTENTION_PASSES):

@@ -279,6 +279,15 @@ class TaskGraph:
         return [seq for seq in np.split(order, bounds) if len(seq)]
 
 
+def cpu_work(tasks: pd.DataFrame) -> np.ndarray:
+    """Ids of the tasks that take time on a CPU thread (any worker's, in a cluster graph):
+    operators, the gaps between them, runtime calls."""
+    resource = tasks["resource"].astype(str).to_numpy().astype(str)
+    on_cpu = np.char.startswith(resource, "cpu ") | (np.char.find(resource, ": cpu ") >= 0)
+    busy = tasks["duration_us"].to_numpy(dtype=float) > 0
+    return np.flatnonzero(np.isin(tasks["kind"].to_numpy(), CPU_WORK_KINDS) & on_cpu & busy)
+
+
 def _append_rows(tasks: pd.DataFrame, rows: pd.DataFrame) -> pd.DataFrame:
     combined = pd.concat([tasks.astype({c: object for c in _CATEGORICAL}), rows], ignore_index=True)
     return combined.astype({c: "category" for c in _CATEGORICAL})

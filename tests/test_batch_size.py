@@ -12,7 +12,7 @@ import pytest
 from trace_corpus import BUNDLED_TRACE
 from whatif.cli import main
 from whatif.collectors.load import load_trace
-from whatif.sim.passes.batch_size import change_batch_size, infer_batch_size, parameter_shapes, predict_at_batch_size, rescale_dims
+from whatif.sim.passes.batch_size import BatchSizeChange, change_batch_size, infer_batch_size, parameter_shapes, predict_at_batch_size, rescale_dims
 from whatif.sim.build import build_graph
 from whatif.sim.graph import TaskKind
 from whatif.sim.passes.operator_units import operator_units
@@ -85,7 +85,8 @@ def test_only_batch_carrying_operators_and_data_loading_change(models):
     trace = load_trace(BUNDLE)
     graph = build_graph(trace)
     before = graph.tasks["duration_us"].to_numpy().copy()
-    change = change_batch_size(graph, models, 64)
+    graph = change_batch_size(graph, models, 64)
+    change = graph.last_note(BatchSizeChange)
     after = graph.tasks["duration_us"].to_numpy()
     assert change.from_batch == 32 and change.scaled_units > 0 and not change.unmodelled
     changed = after != before
@@ -119,8 +120,7 @@ def test_a_modelled_operator_takes_its_models_ratio_of_its_whole_traced_time_its
     transposes = (op_of_event.reindex(events) == "aten::t").to_numpy() & np.isin(in_unit, linear["row"].to_numpy())
     assert transposes.any()
     before = graph.tasks["duration_us"].to_numpy().copy()
-    change_batch_size(graph, models, 32)
-    after = graph.tasks["duration_us"].to_numpy()
+    after = change_batch_size(graph, models, 32).tasks["duration_us"].to_numpy()
     np.testing.assert_array_equal(after[transposes], before[transposes])
     for row, r in zip(linear["row"].to_numpy(), ratio):
         mine = in_unit == row
@@ -155,9 +155,7 @@ def test_a_call_moves_by_its_rooflines_ratio_whatever_the_learned_correction_say
     assert not np.allclose(*ratios), "the learned correction must move the model's ratio for the test to tell"
     rescaled = []
     for m in (roofline, learned):
-        graph = build_graph(trace)
-        change_batch_size(graph, m, 32)
-        rescaled.append(graph.tasks["duration_us"].to_numpy())
+        rescaled.append(change_batch_size(build_graph(trace), m, 32).tasks["duration_us"].to_numpy())
     np.testing.assert_array_equal(*rescaled)
 
 
@@ -165,8 +163,7 @@ def test_the_same_batch_size_changes_nothing(models):
     trace = load_trace(BUNDLE)
     graph = build_graph(trace)
     before = graph.tasks["duration_us"].to_numpy().copy()
-    change_batch_size(graph, models, 32)
-    np.testing.assert_array_equal(graph.tasks["duration_us"].to_numpy(), before)
+    np.testing.assert_array_equal(change_batch_size(graph, models, 32).tasks["duration_us"].to_numpy(), before)
 
 
 def test_simulate_batch_size_on_the_command_line(quick_models_file, capsys):

@@ -13,6 +13,7 @@ from pathlib import Path
 import msgspec
 import pandas as pd
 
+from whatif.sim.passes.batch_size import BatchSizeChange, change_batch_size
 from whatif.sim.perfmodels import (
     DeviceMismatchWarning,
     PerfModelError,
@@ -69,12 +70,9 @@ def load_for_cli(path: Path) -> PerfModels:
 def rebatch(study, args: argparse.Namespace) -> dict:
     """Replace ``study.graph`` by its rebuild at ``--batch-size`` (the replay stays the measured
     one, so the report's speed-up compares the two batch sizes); what was done, for the output."""
-    from whatif.sim.passes.batch_size import change_batch_size
-
     models = load_for_cli(args.perfmodel)
-    graph = study.graph.copy()
-    change = change_batch_size(graph, models, args.batch_size, args.from_batch_size)
-    study.graph = graph
+    study.graph = change_batch_size(study.graph, models, args.batch_size, args.from_batch_size)
+    change = study.graph.last_note(BatchSizeChange)
     if not args.json:
         print(change.describe(), file=sys.stderr)
     return {"from": change.from_batch, "to": change.to_batch, "from_source": change.batch_source,

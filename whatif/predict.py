@@ -13,9 +13,11 @@ from whatif.sim.distributed import ClusterConfig, simulate_cluster
 from whatif.sim.framework_copies import pass_rate_bytes_per_us
 from whatif.sim.engine import simulate
 from whatif.sim.gradients import find_gradients
-from whatif.sim.graph import TaskKind
+from whatif.sim.graph import TaskGraph, TaskKind
+from whatif.sim.passes.batch_size import change_batch_size
 from whatif.sim.passes.profiler_overhead import ProfilerOverhead, remove_profiler_overhead
 from whatif.sim.passes.shared_memory import add_memory_bytes
+from whatif.sim.perfmodels import default_models, load_models
 from whatif.study import TraceStudy, WhatIf
 
 from .scenario import Scenario
@@ -38,13 +40,12 @@ def predict_scenario(scenario: Scenario) -> ScenarioResult:
     study = TraceStudy.from_trace(scenario.trace, scenario.iteration)
     worker = WhatIf(optimizations=scenario.optimizations).apply(study.graph)
     if any(point.cluster.workers_sharing_memory > 1 for point in scenario.points):
-        add_memory_bytes(worker)
-    overhead = None
+        worker = add_memory_bytes(worker)
     unprofiled_ms = worker.workload.unprofiled_step_ms
     if scenario.remove_profiler_overhead and unprofiled_ms:
-        overhead = remove_profiler_overhead(worker, study.iterations, unprofiled_ms)
+        worker = remove_profiler_overhead(worker, study.iterations, unprofiled_ms)
     if scenario.batch_size is not None:
-        _change_batch_size(worker, study, scenario)
+        worker = _change_batch_size(worker, scenario)
     baseline = iteration_report(simulate(worker), study.iterations)
     baseline_ms = steady_median(baseline["predicted_ms"])
     without_comm = worker.copy()
@@ -90,19 +91,17 @@ def predict_scenario(scenario: Scenario) -> ScenarioResult:
         rows.append(row)
         runs[_label(row)] = run
     return ScenarioResult(
-        pd.DataFrame(rows), runs, gradients.source, gradients.bytes_per_iteration(), baseline_ms, overhead
+        pd.DataFrame(rows), runs, gradients.source, gradients.bytes_per_iteration(), baseline_ms,
+        worker.last_note(ProfilerOverhead),
     )
 
 
-def _change_batch_size(worker, study: TraceStudy, scenario: Scenario) -> None:
-    """Rebuild the worker's iteration at the scenario's batch size (operator models; the CPU
+def _change_batch_size(worker: TaskGraph, scenario: Scenario) -> TaskGraph:
+    """The worker's iteration rebuilt at the scenario's batch size (operator models; the CPU
     overheads between operators stay), from the batch size the trace was taken at."""
-    from whatif.sim.passes.batch_size import change_batch_size
-    from whatif.sim.perfmodels import default_models, load_models
-
     traced = scenario.traced_batch_size or worker.workload.environment.get("batch_size")
     models = load_models(scenario.perfmodel) if scenario.perfmodel is not None else default_models()
-    change_batch_size(worker, models, scenario.batch_size, traced)
+    return change_batch_size(worker, models, scenario.batch_size, traced)
 
 
 def _label(row: dict) -> str:

@@ -31,9 +31,9 @@ class WhatIf:
     remove: Sequence[str] = ()
 
     def apply(self, graph: TaskGraph) -> TaskGraph:
-        graph = graph.copy()
         for spec in self.optimizations:
-            apply_optimization(graph, spec)
+            graph = apply_optimization(graph, spec)
+        graph = graph.copy()
         for pattern, factor in self.scale:
             graph.scale(graph.select(pattern=pattern), factor)
         for pattern in self.remove:

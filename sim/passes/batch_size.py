@@ -165,8 +165,9 @@ def change_batch_size(
     models: PerfModels,
     to_batch: int,
     from_batch: Optional[int] = None,
-) -> BatchSizeChange:
-    """Rescale ``graph`` (in place) from its batch size to ``to_batch``."""
+) -> TaskGraph:
+    """``graph`` rescaled from its batch size to ``to_batch``; what was done is the new graph's
+    last note, a :class:`BatchSizeChange`."""
     if graph.workload.has_gpu:
         raise GraphError(
             f"{graph.workload.source}: has GPU kernels; --batch-size rebuilds CPU-only traces for now "
@@ -182,8 +183,10 @@ def change_batch_size(
     if from_batch < 1:
         raise GraphError(f"the traced batch size must be a positive integer, got {from_batch}")
     change = BatchSizeChange(from_batch, to_batch, source)
+    graph = graph.copy()
+    graph.notes.append(change)
     if from_batch == to_batch:
-        return change
+        return graph
 
     loading = data_loading_tasks(graph)
     loading_events = set(graph.tasks["event"].to_numpy()[loading].tolist())
@@ -226,8 +229,7 @@ def change_batch_size(
     graph.tasks["duration_us"] = duration * factors
     if MEMORY_BYTES in graph.tasks:  # an operator's bytes scale with its time
         graph.tasks[MEMORY_BYTES] = graph.tasks[MEMORY_BYTES].to_numpy() * factors
-    graph.notes.append(change.describe())
-    return change
+    return graph
 
 
 def data_loading_tasks(graph: TaskGraph) -> np.ndarray:
@@ -332,6 +334,6 @@ def predict_iterations_at_batch_size(
     if unprofiled_ms is None:
         unprofiled_ms = graph.workload.unprofiled_step_ms or None
     if unprofiled_ms is not None:
-        remove_profiler_overhead(graph, iterations, unprofiled_ms)
-    change_batch_size(graph, models, to_batch, from_batch)
+        graph = remove_profiler_overhead(graph, iterations, unprofiled_ms)
+    graph = change_batch_size(graph, models, to_batch, from_batch)
     return iteration_report(simulate(graph), iterations)

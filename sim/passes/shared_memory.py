@@ -23,7 +23,9 @@ import math
 import numpy as np
 import pandas as pd
 
-from ..graph import TaskGraph
+from whatif.topology import Cluster
+
+from ..graph import TaskGraph, cpu_work
 from .operator_units import operator_units
 from ..perfmodels import FAMILY_OF, VIEW_OPS, parse_shapes, work
 
@@ -53,9 +55,10 @@ def operator_bytes(op: str, dims, types, args=()) -> float:
     return sum(sizes) + sizes[0]
 
 
-def add_memory_bytes(graph: TaskGraph) -> None:
-    """Give ``graph`` a ``memory_bytes`` column: each task's share of the bytes its operator
+def add_memory_bytes(graph: TaskGraph) -> TaskGraph:
+    """``graph`` with a ``memory_bytes`` column: each task's share of the bytes its operator
     moves itself."""
+    graph = graph.copy()
     units = operator_units(graph.ops)
     moved = np.array([operator_bytes(op, d, t, a) for op, d, t, a in
                       zip(units["op"], units["dims"], units["types"], units["args"])])
@@ -70,6 +73,19 @@ def add_memory_bytes(graph: TaskGraph) -> None:
         per_us = (own / of_event.reindex(own.index)).replace([np.inf, -np.inf], 0.0).fillna(0.0)
     rate = per_us.reindex(events).fillna(0.0).to_numpy()
     tasks[MEMORY_BYTES] = np.where(events >= 0, rate * duration, 0.0)
+    return graph
+
+
+def slow_beside_peers(graph: TaskGraph, cluster: Cluster) -> TaskGraph:
+    """A worker's graph with its CPU work slowed by its peers on the same memory system
+    (``cluster.shared_memory``), who run the same tasks at the same moments."""
+    shared = cluster.shared_memory
+    graph = graph.copy()
+    cpu = cpu_work(graph.tasks)
+    graph.scale(cpu, shared_memory_factors(graph.tasks, cpu, shared.core_bandwidth_bytes_per_us,
+                                           shared.memory_slowdown(cluster.workers_sharing_memory),
+                                           shared.compute_slowdown))
+    return graph
 
 
 def shared_memory_factors(tasks: pd.DataFrame, task_ids: np.ndarray, core_bytes_per_us: float,
