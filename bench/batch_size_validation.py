@@ -196,7 +196,7 @@ def main(argv=None) -> int:
         parser.error(f"--repredict: no kept runs in {args.out} (results.json)")
 
     from whatif.collectors.capture import STEADY_ALLOCATOR
-    from whatif.sim.passes.batch_size import predict_at_batch_size, predict_iterations_at_batch_size
+    from whatif.predict import predict_at_batch_size, predict_iterations_at_batch_size
 
     allocator = STEADY_ALLOCATOR if args.steady_allocator else {}
     args.out = args.out.resolve()  # the workers run in examples/

@@ -12,9 +12,10 @@ import pytest
 from trace_corpus import BUNDLED_TRACE
 from whatif.cli import main
 from whatif.collectors.load import load_trace
-from whatif.sim.passes.batch_size import BatchSizeChange, change_batch_size, infer_batch_size, parameter_shapes, predict_at_batch_size, rescale_dims
+from whatif.predict import predict_at_batch_size
 from whatif.sim.build import build_graph
 from whatif.sim.graph import TaskKind
+from whatif.sim.passes.batch_size import BatchSizeChange, change_batch_size, infer_batch_size, parameter_shapes, rescale_dims
 from whatif.sim.passes.operator_units import operator_units
 from whatif.sim.perfmodels import load_models
 from whatif.study import TraceStudy

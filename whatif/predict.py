@@ -1,14 +1,19 @@
-"""Answering a scenario: the grid of cluster configurations, each simulated, against 1x1."""
+"""Answering a scenario: the grid of cluster configurations, each simulated, against 1x1; and
+a trace's job predicted at another batch size."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from pathlib import Path
+from typing import Optional, Sequence, Union
 
 import pandas as pd
 
+from whatif.collectors.iterations import find_iterations
+from whatif.collectors.load import load_trace
 from whatif.report.cluster import cluster_breakdown
 from whatif.report.iterations import iteration_report, steady_median
+from whatif.sim.build import build_graph
 from whatif.sim.distributed import ClusterConfig, simulate_cluster
 from whatif.sim.framework_copies import pass_rate_bytes_per_us
 from whatif.sim.engine import simulate
@@ -17,7 +22,7 @@ from whatif.sim.graph import TaskGraph, TaskKind
 from whatif.sim.passes.batch_size import change_batch_size
 from whatif.sim.passes.profiler_overhead import ProfilerOverhead, remove_profiler_overhead
 from whatif.sim.passes.shared_memory import add_memory_bytes
-from whatif.sim.perfmodels import default_models, load_models
+from whatif.sim.perfmodels import PerfModels, default_models, load_models
 from whatif.study import TraceStudy, WhatIf
 
 from .scenario import Scenario
@@ -106,3 +111,45 @@ def _change_batch_size(worker: TaskGraph, scenario: Scenario) -> TaskGraph:
 
 def _label(row: dict) -> str:
     return f"{row['machines']}x{row['gpus_per_machine']} {row['inter_node_gbps']:g}Gbps {row['framework']} {row['policy']}"
+
+
+def predict_at_batch_size(
+    trace_path: Union[str, Path],
+    from_batch: Optional[int],
+    to_batch: int,
+    models: Union[PerfModels, str, Path, None] = None,
+    unprofiled_ms: Optional[Sequence[float]] = None,
+) -> float:
+    """The steady-state median iteration (ms) the trace's job would take at ``to_batch``.
+
+    ``from_batch`` is the batch size the trace was captured at (None: inferred); ``models`` a
+    :class:`PerfModels`, a models file, or None for this machine's cached quick fit. Where the
+    unprofiled iteration times at ``from_batch`` are known (``unprofiled_ms``, else a capture
+    bundle's unprofiled warm-up steps), the profiler's overhead is taken out of the trace first
+    (``sim/passes/profiler_overhead.py``): the job predicted runs without the profiler, and the
+    overhead, paid per operator call, does not grow with the batch."""
+    report = predict_iterations_at_batch_size(trace_path, from_batch, to_batch, models, unprofiled_ms)
+    return steady_median(report["predicted_ms"])
+
+
+def predict_iterations_at_batch_size(
+    trace_path: Union[str, Path],
+    from_batch: Optional[int],
+    to_batch: int,
+    models: Union[PerfModels, str, Path, None] = None,
+    unprofiled_ms: Optional[Sequence[float]] = None,
+) -> pd.DataFrame:
+    """Every iteration of :func:`predict_at_batch_size`'s prediction (``iteration_report``)."""
+    if models is None:
+        models = default_models()
+    elif not isinstance(models, PerfModels):
+        models = load_models(models)
+    trace = load_trace(trace_path)
+    graph = build_graph(trace)
+    iterations = find_iterations(trace)
+    if unprofiled_ms is None:
+        unprofiled_ms = graph.workload.unprofiled_step_ms or None
+    if unprofiled_ms is not None:
+        graph = remove_profiler_overhead(graph, iterations, unprofiled_ms)
+    graph = change_batch_size(graph, models, to_batch, from_batch)
+    return iteration_report(simulate(graph), iterations)

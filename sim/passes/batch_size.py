@@ -54,8 +54,7 @@ import re
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Optional
 
 import numpy as np
 import pandas as pd
@@ -285,55 +284,3 @@ def _events_in_units(units: pd.DataFrame, ratio: np.ndarray, modelled: np.ndarra
             scaled[i] = p is not None and scaled[p] and carries[i] and ops[i] not in VIEW_OPS
     return pd.DataFrame({"unit": unit[inside], "ratio": unit_ratio[inside], "scales": scaled[inside]}, index=rows[inside])
 
-
-def predict_at_batch_size(
-    trace_path: Union[str, Path],
-    from_batch: Optional[int],
-    to_batch: int,
-    models: Union[PerfModels, str, Path, None] = None,
-    unprofiled_ms: Optional[Sequence[float]] = None,
-) -> float:
-    """The steady-state median iteration (ms) the trace's job would take at ``to_batch``.
-
-    ``from_batch`` is the batch size the trace was captured at (None: inferred); ``models`` a
-    :class:`PerfModels`, a models file, or None for this machine's cached quick fit. Where the
-    unprofiled iteration times at ``from_batch`` are known (``unprofiled_ms``, else a capture
-    bundle's unprofiled warm-up steps), the profiler's overhead is taken out of the trace first
-    (``sim/passes/profiler_overhead.py``): the job predicted runs without the profiler, and the
-    overhead, paid per operator call, does not grow with the batch."""
-    from whatif.report.iterations import steady_median
-
-    report = predict_iterations_at_batch_size(trace_path, from_batch, to_batch, models, unprofiled_ms)
-    return steady_median(report["predicted_ms"])
-
-
-def predict_iterations_at_batch_size(
-    trace_path: Union[str, Path],
-    from_batch: Optional[int],
-    to_batch: int,
-    models: Union[PerfModels, str, Path, None] = None,
-    unprofiled_ms: Optional[Sequence[float]] = None,
-) -> pd.DataFrame:
-    """Every iteration of :func:`predict_at_batch_size`'s prediction (``iteration_report``)."""
-    from whatif.collectors.iterations import find_iterations
-    from whatif.collectors.load import load_trace
-    from whatif.report.iterations import iteration_report
-
-    from ..build import build_graph
-    from ..engine import simulate
-    from ..perfmodels import default_models, load_models
-    from .profiler_overhead import remove_profiler_overhead
-
-    if models is None:
-        models = default_models()
-    elif not isinstance(models, PerfModels):
-        models = load_models(models)
-    trace = load_trace(trace_path)
-    graph = build_graph(trace)
-    iterations = find_iterations(trace)
-    if unprofiled_ms is None:
-        unprofiled_ms = graph.workload.unprofiled_step_ms or None
-    if unprofiled_ms is not None:
-        graph = remove_profiler_overhead(graph, iterations, unprofiled_ms)
-    graph = change_batch_size(graph, models, to_batch, from_batch)
-    return iteration_report(simulate(graph), iterations)
