@@ -1,4 +1,4 @@
-"""DDP and Horovod copy the gradients on a CPU worker's core (``sim/framework_copies.py``): the
+"""DDP and Horovod copy the gradients on a CPU worker's core (``sim/frameworks/copies.py``): the
 copies make an iteration slower by at most the passes they add, DDP's copies back wait for
 every all-reduce of their iteration and the optimizer waits for them, and a GPU trace, whose
 copies are kernels, gets none.
@@ -17,8 +17,9 @@ from trace_corpus import V100_1GPU
 from whatif.predict import steady_median
 from whatif.report.iterations import iteration_report
 from whatif.sim.distributed import ClusterConfig, simulate_cluster
-from whatif.sim.framework_copies import HOROVOD_FUSED_PASSES, pass_rate_bytes_per_us
 from whatif.sim.frameworks import FrameworkOptions
+from whatif.sim.frameworks.copies import pass_rate_bytes_per_us
+from whatif.sim.frameworks.horovod import FUSED_PASSES
 from whatif.topology import Cluster
 
 CYCLE_MS = FrameworkOptions().cycle_time_us / 1e3
@@ -44,7 +45,7 @@ def test_a_gpu_trace_has_no_pass_rate(traces):
     assert pass_rate_bytes_per_us(study.graph) is None
 
 
-@pytest.mark.parametrize("framework, passes, slack_ms", [("ddp", 2, 0.0), ("horovod", HOROVOD_FUSED_PASSES, CYCLE_MS)])
+@pytest.mark.parametrize("framework, passes, slack_ms", [("ddp", 2, 0.0), ("horovod", FUSED_PASSES, CYCLE_MS)])
 def test_the_copies_slow_an_iteration_by_at_most_their_passes(wide_mlp, framework, passes, slack_ms):
     study, _, gradients = wide_mlp
     rate = pass_rate_bytes_per_us(study.graph)

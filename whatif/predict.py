@@ -15,8 +15,8 @@ from whatif.report.cluster import cluster_breakdown
 from whatif.report.iterations import iteration_report, steady_median
 from whatif.sim.build import build_graph
 from whatif.sim.distributed import ClusterConfig, simulate_cluster
-from whatif.sim.framework_copies import pass_rate_bytes_per_us
 from whatif.sim.engine import simulate
+from whatif.sim.frameworks.copies import pass_rate_bytes_per_us
 from whatif.sim.gradients import find_gradients
 from whatif.sim.graph import TaskGraph, TaskKind
 from whatif.sim.passes.batch_size import change_batch_size

@@ -1,6 +1,7 @@
-"""The memory passes data-parallel frameworks make over a CPU worker's gradients.
+"""The memory passes data-parallel frameworks make over a CPU worker's gradients, and their price.
 
-Neither framework all-reduces a gradient where autograd left it:
+Neither framework all-reduces a gradient where autograd left it (each framework's module adds
+its own passes to the worker graph):
 
 * DDP's reducer copies each gradient, scaled by 1/workers, into its bucket as soon as the
   gradient is ready, on the thread running backward (``torch::distributed::reducer::mul_out``
@@ -26,21 +27,17 @@ just touched: on the VGG run above the optimizer updated 20 GB/s and the reducer
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Optional
 
 import numpy as np
 
-from .gradients import Gradients
-from .graph import TaskGraph, TaskKind
-from .passes.optimizations import OPTIMIZER_STEP
-from .passes.shared_memory import MEMORY_BYTES
-from .workload import first_input_bytes
+from ..graph import TaskGraph
+from ..passes.optimizations import OPTIMIZER_STEP
+from ..passes.shared_memory import MEMORY_BYTES
+from ..workload import first_input_bytes
 
 IN_PLACE_UPDATE = r"^aten::(add|mul|sub|div|addcmul|addcdiv|lerp|copy|_foreach_\w+)_$"
 MIN_UPDATE_BYTES = 256e3
-HOROVOD_FUSED_PASSES = 3  # copy in, scale, copy out
-HOROVOD_LONE_PASSES = 1  # scale in place
 
 
 def pass_rate_bytes_per_us(graph: TaskGraph) -> Optional[float]:
@@ -64,48 +61,7 @@ def pass_rate_bytes_per_us(graph: TaskGraph) -> Optional[float]:
     return updated_bytes / spent_us if spent_us > 0 else None
 
 
-def add_ddp_copies(worker: TaskGraph, gradients: Gradients, bytes_per_us: float) -> Gradients:
-    """Put DDP's copy of each gradient into its bucket on the thread that made the gradient
-    ready, right after it, and hand the gradient over once copied; the copies back are added by
-    :func:`add_ddp_copy_back` once the communication they wait for exists."""
-    copied = []
-    for g in gradients.gradients:
-        copy = worker.insert(g.ready_task, None, "DDP: copy gradient into bucket", g.nbytes / bytes_per_us,
-                             kind=TaskKind.CPU)
-        handed_over = worker.tasks.at[g.ready_task, "measured_end_us"]  # orders the buckets as before
-        worker.tasks.loc[copy, ["measured_start_us", "measured_end_us"]] = handed_over
-        _streams(worker, copy, g.nbytes)
-        copied.append(replace(g, ready_task=copy))
-    return Gradients(copied, gradients.source)
-
-
-def add_ddp_copy_back(worker: TaskGraph, consumer: int, nbytes: float, bytes_per_us: float) -> Optional[int]:
-    """The copy of an iteration's buckets back into its gradients, on the consumer's thread just
-    before the consumer (the optimizer), which waits for it; the caller makes it wait for the
-    iteration's all-reduces. None where nothing runs on that thread before the consumer."""
-    resource = worker.tasks["resource"].astype(str).to_numpy()
-    key = worker.tasks["order_key"].to_numpy()
-    same = np.flatnonzero((resource == resource[consumer]) & (key < key[consumer]))
-    if not len(same):
-        return None
-    before = int(same[np.argmax(key[same])])
-    back = worker.insert(before, consumer, "DDP: copy buckets back into gradients", nbytes / bytes_per_us,
-                         resource=resource[consumer], kind=TaskKind.CPU)
-    _streams(worker, back, nbytes)
-    return back
-
-
-def _streams(worker: TaskGraph, copy: int, nbytes: float) -> None:
+def count_streamed_bytes(worker: TaskGraph, copy: int, nbytes: float) -> None:
     """A copy reads and writes its bytes (``sim/passes/shared_memory.py``), where the graph counts them."""
     if MEMORY_BYTES in worker.tasks:
         worker.tasks.at[copy, MEMORY_BYTES] = 2 * nbytes
-
-
-def horovod_copy_us(bytes_per_us: float):
-    """Time of Horovod's passes over an all-reduce of ``nbytes`` made of ``tensors`` tensors."""
-
-    def copy_us(nbytes: float, tensors: int) -> float:
-        passes = HOROVOD_FUSED_PASSES if tensors > 1 else HOROVOD_LONE_PASSES
-        return passes * nbytes / bytes_per_us
-
-    return copy_us
