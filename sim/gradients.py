@@ -19,7 +19,8 @@ long it takes depend on exactly this. The sources, most precise first:
    sets the bytes sent.
 
 A scenario's sizes or total win over the bundle, as over the other sources. The chosen source is
-reported with the prediction, so a user knows what it rests on.
+reported with the prediction, so a user knows what it rests on. Everything is read from the
+graph: its tasks, its operator table and the capture's record it carries (``sim/workload.py``).
 """
 
 from __future__ import annotations
