@@ -1,6 +1,6 @@
 """Which model ratio moves a traced operator call to another batch size: roofline or full model.
 
-``sim/batch_size.py`` rescales every batch-carrying operator call of a trace by a ratio of its
+``sim/passes/batch_size.py`` rescales every batch-carrying operator call of a trace by a ratio of its
 family's model at the new and the old shapes. The kept records of
 ``bench/batch_size_validation.py`` hold, per round, a profiled trace of each example model at
 B0 / 2, B0 and 2 B0 from one process, so the ratio can be checked call family by call family:
@@ -35,24 +35,23 @@ from measured_code import code_version  # noqa: E402
 RATIOS = {"roofline": False, "roofline x learned": True}
 
 
-def modelled_calls(trace) -> tuple[pd.DataFrame, np.ndarray]:
-    """The outermost modelled operator calls of ``trace`` outside data loading (which the
-    prediction scales with the batch instead) and their inclusive times (us)."""
-    from whatif.sim.batch_size import data_loading_tasks
-    from whatif.sim.build import build_graph
+def modelled_calls(graph) -> tuple[pd.DataFrame, np.ndarray]:
+    """The outermost modelled operator calls of a trace's ``graph`` outside data loading (which
+    the prediction scales with the batch instead) and their inclusive times (us)."""
+    from whatif.sim.passes.batch_size import data_loading_tasks
     from whatif.sim.perfmodels.shapes import operator_units
 
-    graph = build_graph(trace)
     loading_events = graph.tasks["event"].to_numpy()[data_loading_tasks(graph)]
-    units = operator_units(trace)
+    units = operator_units(graph.ops)
     units = units[(units["unit"] == units["row"]) & ~units["row"].isin(loading_events)]
-    return units, trace.events["dur_us"].reindex(units["row"]).to_numpy(dtype=float)
+    return units, graph.ops["dur_us"].reindex(units["row"]).to_numpy(dtype=float)
 
 
 def record_errors(record: Path, models) -> tuple[list[dict], int]:
     """Per family, point and kind of ratio, the rescaled B0 calls' total against the B trace's."""
-    from whatif.collectors.kineto import load_trace
-    from whatif.sim.batch_size import parameter_shapes, rescale_dims
+    from whatif.collectors.load import load_trace
+    from whatif.sim.passes.batch_size import parameter_shapes, rescale_dims
+    from whatif.sim.build import build_graph
     from whatif.sim.perfmodels.families import FAMILY_OF
 
     kept = json.loads((record / "results.json").read_text())
@@ -61,7 +60,7 @@ def record_errors(record: Path, models) -> tuple[list[dict], int]:
         for round_ in range(kept["rounds"]):
             if not trace_path(record, model, base, round_).exists():
                 continue
-            traced = load_trace(trace_path(record, model, base, round_))
+            traced = build_graph(load_trace(trace_path(record, model, base, round_)))
             units, duration = modelled_calls(traced)
             ops, dims = units["op"].tolist(), units["dims"].tolist()
             types, args = units["types"].tolist(), units["args"].tolist()
@@ -73,7 +72,7 @@ def record_errors(record: Path, models) -> tuple[list[dict], int]:
                     continue
                 new_dims = [rescale_dims(op, d, base, batch, parameters) if d else d for op, d in zip(ops, dims)]
                 carries = np.array([n != d for n, d in zip(new_dims, dims)])
-                there, there_duration = modelled_calls(load_trace(trace_path(record, model, batch, round_)))
+                there, there_duration = modelled_calls(build_graph(load_trace(trace_path(record, model, batch, round_))))
                 there_keys = np.array([json.dumps([op, d]) for op, d in zip(there["op"], there["dims"])])
                 keys = np.array([json.dumps([op, d]) for op, d in zip(ops, new_dims)])
                 for kind, learned in RATIOS.items():

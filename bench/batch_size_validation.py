@@ -14,7 +14,7 @@ every batch-carrying operator rescaled by its performance model, overheads kept)
 operator models of ``--perfmodel`` (default: the default sweep, fitted once into the output
 folder), after taking the profiler's overhead out of the trace with the round's own plain B0
 steps, as a capture bundle's unprofiled warm-up steps would give them
-(``sim/profiler_overhead.py``). Each round's prediction is compared with the same round's real
+(``sim/passes/profiler_overhead.py``). Each round's prediction is compared with the same round's real
 run; a point's error is the median over rounds (the target: at most 5 %; the seed paper reached
 7.96 %). As a check of the operator models alone, the prediction from the trace as it is is
 compared with the round's profiled run at that batch size.
@@ -197,7 +197,7 @@ def main(argv=None) -> int:
         parser.error(f"--repredict: no kept runs in {args.out} (results.json)")
 
     from whatif.collectors.capture import STEADY_ALLOCATOR
-    from whatif.sim.batch_size import predict_at_batch_size, predict_iterations_at_batch_size
+    from whatif.predict import predict_at_batch_size, predict_iterations_at_batch_size
 
     allocator = STEADY_ALLOCATOR if args.steady_allocator else {}
     args.out = args.out.resolve()  # the workers run in examples/

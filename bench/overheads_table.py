@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from whatif.collectors.kineto import load_trace
+from whatif.collectors.load import load_trace
 from whatif.report.overheads import measure_overheads
 
 from measured_code import REPO, code_version  # noqa: E402  (bench/ is the script's folder)

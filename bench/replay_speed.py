@@ -38,7 +38,7 @@ import numpy as np
 
 from whatif.collectors.iterations import find_iterations
 from whatif.collectors.host import cpu_model
-from whatif.collectors.kineto import load_trace
+from whatif.collectors.load import load_trace
 from whatif.report.iterations import iteration_report
 from whatif.sim.build import build_graph
 from whatif.sim.engine import Schedule, simulate, simulate_event_per_task

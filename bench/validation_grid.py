@@ -15,7 +15,7 @@ lab calibration the point was run and predicted with), ``predicted_vs_measured.p
 README's table, headed by the commit measured); prints the mean absolute error and the worst
 point against the targets (MAE <= 5 %, none above 10 %), and the mean absolute error of the same
 predictions made with the profiler's overhead left in the trace (``predicted_with_profiler_ms``),
-which is what the correction of ``sim/profiler_overhead.py`` gains.
+which is what the correction of ``sim/passes/profiler_overhead.py`` gains.
 
 Measuring takes an hour of quiet machine; predicting takes seconds. ``--repredict`` keeps the
 CSV's measurements and predicts every point again from the captures and calibrations kept under

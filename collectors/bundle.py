@@ -48,13 +48,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Union
 
 import pandas as pd
 
-from .kineto import TraceError
+from .kineto import KinetoTrace, TraceError, read_kineto
 
 FORMAT = "whatif-trace-bundle"
 VERSION = 1
@@ -109,13 +109,27 @@ class Bundle:
         return [int(f) for f in faults if isinstance(f, (int, float)) and f >= 0]
 
 
+@dataclass
+class BundledTrace(KinetoTrace):
+    """A bundle's Kineto trace, with the bundle it came in."""
+
+    bundle: Bundle = field(kw_only=True)
+
+
 def is_bundle(path: Union[str, Path]) -> bool:
     """Whether ``path`` is a bundle folder (it holds a ``bundle.json``)."""
     return (Path(path) / MANIFEST).is_file()
 
 
+def read_bundled_trace(path: Union[str, Path]) -> BundledTrace:
+    """Read a bundle and its trace."""
+    bundle = read_bundle(path)
+    trace = read_kineto(bundle.trace_path)
+    return BundledTrace(**{f.name: getattr(trace, f.name) for f in fields(trace)}, bundle=bundle)
+
+
 def read_bundle(path: Union[str, Path]) -> Bundle:
-    """Read a bundle's manifest and tables (not its trace: ``load_trace`` reads that)."""
+    """Read a bundle's manifest and tables (not its trace: :func:`read_bundled_trace` reads both)."""
     path = Path(path)
     manifest = _read_json(path, MANIFEST)
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:

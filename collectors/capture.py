@@ -70,7 +70,8 @@ import numpy as np
 
 from .bundle import TRACE_FILE, Bundle, BundleError, check_writable, is_bundle, read_bundle, write_bundle
 from .host import cpu_model
-from .kineto import TraceError, load_trace
+from .kineto import TraceError
+from .load import load_trace
 
 #: glibc's malloc without its moving mmap threshold and without trimming, as environment
 #: variables for a process about to start. With glibc's defaults whether a step's large tensors
@@ -109,7 +110,7 @@ class Capture:
     the hooks, and their wall-clock times are kept in the manifest (``step_wall_ms``) beside
     those of the profiled steps: the least intrusive measurement of the same iteration (XSP's
     model level), from which the profiler's overhead in the trace can be removed
-    (``sim/profiler_overhead.py``).
+    (``sim/passes/profiler_overhead.py``).
     """
 
     def __init__(

@@ -19,14 +19,11 @@ import gzip
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional, Union
+from typing import Optional, Union
 
 import msgspec
 import numpy as np
 import pandas as pd
-
-if TYPE_CHECKING:
-    from .bundle import Bundle
 
 
 class TraceError(Exception):
@@ -135,7 +132,6 @@ class KinetoTrace:
     # stride, the dimensions a sum reduces), recorded by torch 2.1 and later
     concrete_inputs: dict = field(default_factory=dict)
     base_time_ns: Optional[int] = None  # an event's ts (us) + this / 1000 is Unix time; newer torch only
-    bundle: Optional["Bundle"] = None  # the capture bundle the trace came in, if it did
 
     @property
     def has_gpu(self) -> bool:
@@ -230,21 +226,13 @@ class _ThreadLabels:
         return label
 
 
-def load_trace(path: Union[str, Path]) -> KinetoTrace:
-    """Read a Kineto trace (plain or gzipped JSON) into a :class:`KinetoTrace`; or, given a
-    capture bundle folder (:mod:`whatif.collectors.bundle`), its trace, with the bundle as ``bundle``.
+def read_kineto(path: Union[str, Path]) -> KinetoTrace:
+    """Read a Kineto trace file (plain or gzipped JSON) into a :class:`KinetoTrace`
+    (``collectors/load.py`` also reads capture bundles).
 
     Raises :class:`TraceError` with a one-line reason for anything that is not a usable trace.
     """
     path = Path(path)
-    if path.is_dir():
-        from .bundle import is_bundle, read_bundle
-
-        if is_bundle(path):
-            bundle = read_bundle(path)
-            trace = load_trace(bundle.trace_path)
-            trace.bundle = bundle
-            return trace
     raw = _read_bytes(path)
     doc, decoded = _decode(path, raw)
 

@@ -22,6 +22,10 @@ edge is *binding* (the one that explains when the task started) and takes the ex
 latency; the others take the smaller of their measured slack and the typical latency of their
 kind. Replaying the unmodified graph therefore reproduces the trace, and a transformation moves
 each task only as far as its causes move.
+
+The graph also carries what passes need from the trace (``sim/workload.py``): the operator
+table (names, threads, times, recorded shapes, types and scalar arguments, message sizes) and
+the job's record from a capture bundle. Nothing after this module reads the trace.
 """
 
 from __future__ import annotations
@@ -29,9 +33,11 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from whatif.collectors.bundle import BundledTrace
 from whatif.collectors.kineto import CPU_KINDS, EventKind, KinetoTrace
 
 from .graph import EdgeKind, GraphError, TaskGraph, TaskKind
+from .workload import GRADIENT_READY_COLUMNS, OPERATOR_KINDS, PARAMETER_COLUMNS, Workload, element_bytes
 
 #: A thread that was idle this long was waiting for something, not computing (microseconds).
 IDLE_GAP_US = 50.0
@@ -453,13 +459,67 @@ class _Builder:
                 "event": np.concatenate([self.owner, self.gpu_rows]),
             }
         )
-        graph = TaskGraph(tasks, pd.DataFrame({"src": src, "dst": dst, "lag_us": lag, "kind": ekind}), self.trace.path)
+        edges = pd.DataFrame({"src": src, "dst": dst, "lag_us": lag, "kind": ekind})
+        graph = TaskGraph(tasks, edges, _operator_table(self.trace, resource_label), _workload(self.trace))
         # the first task of a resource that no edge explains is released when it started in the
         # trace; one with an edge (a stream's first kernel, a thread woken by another) follows it
         firsts = np.array([seq[0] for seq in graph.resource_order()], dtype=np.int64)
         firsts = firsts[~np.isin(firsts, dst)]
         tasks.iloc[firsts, tasks.columns.get_loc("release_us")] = effective_start[firsts]
         return graph
+
+
+def _operator_table(trace: KinetoTrace, resource_label: np.ndarray) -> pd.DataFrame:
+    """The operators, annotations and Python frames of the trace (``sim/workload.py``)."""
+    ev = trace.events
+    kinds = [EventKind.CPU_OP, EventKind.ANNOTATION, EventKind.PYTHON]
+    rows = np.flatnonzero(ev["kind"].isin([int(k) for k in kinds]).to_numpy())
+    kind_name = np.empty(len(EventKind), dtype=object)
+    kind_name[[int(k) for k in kinds]] = OPERATOR_KINDS
+    elements = ev["message_elements"].to_numpy()[rows]
+    sized = np.flatnonzero(elements > 0)
+    message_bytes = np.full(len(rows), np.nan)
+    dtypes = ev["message_dtype"].to_numpy()[rows[sized]]
+    message_bytes[sized] = elements[sized].astype(float) * np.array([element_bytes(d) for d in dtypes], dtype=float)
+    recorded = [
+        [bytes(inputs[r]) if r in inputs else None for r in rows.tolist()]
+        for inputs in (trace.input_dims, trace.input_types, trace.concrete_inputs)
+    ]
+    thread = ev["thread"].cat.codes.to_numpy()[rows]
+    return pd.DataFrame(
+        {
+            "name": pd.Categorical(ev["name"].to_numpy()[rows]),
+            "kind": pd.Categorical(kind_name[ev["kind"].to_numpy()[rows]], categories=OPERATOR_KINDS),
+            "thread": pd.Categorical(resource_label[thread]),
+            "start_us": ev["ts_us"].to_numpy()[rows],
+            "dur_us": ev["dur_us"].to_numpy()[rows],
+            "input_dims": recorded[0],
+            "input_types": recorded[1],
+            "concrete_inputs": recorded[2],
+            "message_bytes": message_bytes,
+        },
+        index=pd.Index(rows, dtype=np.int64),
+    )
+
+
+def _workload(trace: KinetoTrace) -> Workload:
+    """The job's record: from the trace, and from the capture bundle it came in, if it did."""
+    has_gpu = trace.has_gpu
+    if not isinstance(trace, BundledTrace):
+        return Workload(trace.path, has_gpu)
+    bundle = trace.bundle
+    ready = bundle.ready
+    gradient_ready = pd.DataFrame(
+        {
+            "step": ready["step"].to_numpy(),
+            "parameter": ready["parameter"].to_numpy(),
+            "at_us": ready["ts_us"].to_numpy(dtype=np.float64) - trace.origin_us,
+            "thread": [f"cpu {bundle.pid}/{tid}" for tid in ready["tid"].tolist()],
+        },
+        columns=GRADIENT_READY_COLUMNS,
+    )
+    parameters = bundle.parameters if len(bundle.parameters.columns) else pd.DataFrame(columns=PARAMETER_COLUMNS)
+    return Workload(trace.path, has_gpu, parameters, gradient_ready, dict(bundle.environment), bundle.unprofiled_step_ms)
 
 
 def _launch_queue_edges(gpu_id, gpu_corr, launching_seg, finish, seg_start, seg_end) -> tuple[np.ndarray, np.ndarray]:

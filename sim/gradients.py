@@ -19,7 +19,8 @@ long it takes depend on exactly this. The sources, most precise first:
    sets the bytes sent.
 
 A scenario's sizes or total win over the bundle, as over the other sources. The chosen source is
-reported with the prediction, so a user knows what it rests on.
+reported with the prediction, so a user knows what it rests on. Everything is read from the
+graph: its tasks, its operator table and the capture's record it carries (``sim/workload.py``).
 """
 
 from __future__ import annotations
@@ -28,20 +29,14 @@ import re
 from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
-import msgspec
 import numpy as np
 import pandas as pd
 
-from whatif.collectors.kineto import KinetoTrace
-
 from .graph import EdgeKind, GraphError, TaskGraph, TaskKind
+from .workload import first_input_bytes
 
 ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
 BUNDLE_SOURCE = "capture bundle: per-parameter gradient hooks"
-_BYTES_PER_ELEMENT = {
-    "float": 4, "float32": 4, "c10::half": 2, "half": 2, "c10::bfloat16": 2, "bfloat16": 2,
-    "double": 8, "float64": 8, "int": 4, "long int": 8, "int64": 8, "bool": 1,
-}
 
 
 @dataclass(frozen=True)
@@ -78,7 +73,6 @@ class Gradients:
 
 
 def find_gradients(
-    trace: KinetoTrace,
     graph: TaskGraph,
     iterations: pd.DataFrame,
     sizes: Optional[Sequence[float]] = None,
@@ -87,11 +81,11 @@ def find_gradients(
     """The gradients of each iteration of ``iterations`` (a frame from ``find_iterations``)."""
     tasks = graph.tasks
     event = tasks["event"].to_numpy()
-    names = trace.events["name"].to_numpy()
-    accumulate, rows = _last_task_of_events(trace, graph, np.flatnonzero(names == ACCUMULATE_GRAD))
+    ops = graph.ops
+    accumulate, rows = _last_task_of_events(graph, ops.index.to_numpy()[(ops["name"] == ACCUMULATE_GRAD).to_numpy()])
     span = _iteration_of(tasks, iterations)
 
-    found = _find(trace, graph, iterations, sizes, total_bytes, event, accumulate, rows, span)
+    found = _find(graph, iterations, sizes, total_bytes, event, accumulate, rows, span)
     if total_bytes is not None and sizes is None and not found.source.startswith("scenario"):
         found = _scaled_to(found, total_bytes)
     kernel = _last_kernel_launched_before(graph, np.asarray([g.ready_task for g in found.gradients], dtype=np.int64))
@@ -99,15 +93,15 @@ def find_gradients(
     return found
 
 
-def _find(trace, graph, iterations, sizes, total_bytes, event, accumulate, rows, span) -> Gradients:
+def _find(graph, iterations, sizes, total_bytes, event, accumulate, rows, span) -> Gradients:
     tasks = graph.tasks
     if sizes is not None:
         return _spread(tasks, span, accumulate, list(sizes), f"scenario: {len(sizes)} sizes")
-    bundled = _bundle_gradients(trace, graph, span)
+    bundled = _bundle_gradients(graph, span)
     if bundled is not None:
         return bundled
     if len(accumulate):
-        shapes = [first_input_bytes(trace, r) for r in rows.tolist()]
+        shapes = [first_input_bytes(graph.ops, r) for r in rows.tolist()]
         known = [b is not None and b > 0 for b in shapes]
         if any(known):
             grads = [
@@ -118,7 +112,7 @@ def _find(trace, graph, iterations, sizes, total_bytes, event, accumulate, rows,
             missing = len(known) - sum(known)
             note = f" ({missing} without a recorded shape, e.g. sparse embedding gradients, left out)" if missing else ""
             return Gradients(grads, "AccumulateGrad input shapes in the trace" + note)
-    messages = _ddp_messages(trace, tasks, event)
+    messages = _ddp_messages(graph.ops, tasks, event)
     if messages:
         grads = [
             Gradient(f"bucket {i}", nbytes, t, int(span[t])) for i, (t, nbytes) in enumerate(messages) if span[t] >= 0
@@ -129,30 +123,30 @@ def _find(trace, graph, iterations, sizes, total_bytes, event, accumulate, rows,
         per = [total_bytes / n] * n
         return _spread(tasks, span, accumulate, per, f"scenario: total {total_bytes / 1e6:.1f} MB spread evenly")
     raise GraphError(
-        f"{trace.path}: cannot tell the gradient sizes (no AccumulateGrad shapes, no DDP messages); "
+        f"{graph.workload.source}: cannot tell the gradient sizes (no AccumulateGrad shapes, no DDP messages); "
         "give gradients.total or gradients.sizes in the scenario"
     )
 
 
-def _bundle_gradients(trace: KinetoTrace, graph: TaskGraph, span: np.ndarray) -> Optional[Gradients]:
+def _bundle_gradients(graph: TaskGraph, span: np.ndarray) -> Optional[Gradients]:
     """Source 0: each parameter's gradient, with its exact size, ready at the task its hook fired in."""
-    bundle = trace.bundle
-    if bundle is None or bundle.ready.empty:
+    workload = graph.workload
+    if workload.gradient_ready.empty:
         return None
-    params = bundle.parameters.set_index("name")
-    ready = bundle.ready.groupby(["step", "parameter"], sort=False).tail(1)  # the last accumulation
+    params = workload.parameters.set_index("name")
+    ready = workload.gradient_ready.groupby(["step", "parameter"], sort=False).tail(1)  # the last accumulation
     ready = ready[ready["parameter"].isin(params.index)]
     tasks = graph.tasks
     resource = tasks["resource"].astype(str).to_numpy()
     start = tasks["measured_start_us"].to_numpy()
     cpu = np.flatnonzero(tasks["resource"].astype(str).str.startswith("cpu ").to_numpy())
-    at = ready["ts_us"].to_numpy(dtype=np.float64) - trace.origin_us
+    at = ready["at_us"].to_numpy(dtype=np.float64)
     task = np.full(len(ready), -1, dtype=np.int64)
-    threads = ready["tid"].to_numpy()
-    for tid in np.unique(threads).tolist():
-        ids = _hook_thread_tasks(cpu, resource, f"cpu {bundle.pid}/{tid}", tasks)
+    threads = ready["thread"].to_numpy()
+    for thread in np.unique(threads).tolist():
+        ids = _hook_thread_tasks(cpu, resource, thread, tasks)
         ids = ids[np.argsort(start[ids], kind="stable")]
-        asking = np.flatnonzero(threads == tid)
+        asking = np.flatnonzero(threads == thread)
         pos = np.searchsorted(start[ids], at[asking] + 1e-6, side="right") - 1
         task[asking] = np.where(pos >= 0, ids[np.maximum(pos, 0)], -1)
     nbytes = (params["numel"] * params["element_size"]).reindex(ready["parameter"]).to_numpy(dtype=np.float64)
@@ -212,17 +206,17 @@ def _last_kernel_launched_before(graph: TaskGraph, cpu_tasks: np.ndarray) -> np.
     return out
 
 
-def _last_task_of_events(trace: KinetoTrace, graph: TaskGraph, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """For each event row, the last task on its thread within its span: the event's own last
-    segment, or its last child's where the children cover all of it. Returns the tasks in
-    ascending order and, beside each, the event row it stands for."""
+def _last_task_of_events(graph: TaskGraph, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For each operator (row of ``graph.ops``), the last task on its thread within its span: the
+    operator's own last segment, or its last child's where the children cover all of it. Returns
+    the tasks in ascending order and, beside each, the operator it stands for."""
     if not len(rows):
         return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
     tasks = graph.tasks
-    ev = trace.events
-    start = ev["ts_us"].to_numpy()[rows]
-    end = start + ev["dur_us"].to_numpy()[rows]
-    thread = ("cpu " + ev["thread"].astype(str)).to_numpy()[rows]
+    ops = graph.ops.loc[rows]
+    start = ops["start_us"].to_numpy()
+    end = start + ops["dur_us"].to_numpy()
+    thread = ops["thread"].astype(str).to_numpy()
     resource = tasks["resource"].astype(str).to_numpy()
     t_start = tasks["measured_start_us"].to_numpy()
     t_end = tasks["measured_end_us"].to_numpy()
@@ -249,45 +243,16 @@ def _iteration_of(tasks: pd.DataFrame, iterations: pd.DataFrame) -> np.ndarray:
     return which
 
 
-def first_input_bytes(trace: KinetoTrace, row: int) -> Optional[float]:
-    """Bytes of the first input an event recorded (its "Input Dims" and "Input type"); None
-    where the trace recorded no shape."""
-    raw = trace.input_dims.get(row)
-    if raw is None:
-        return None
-    try:
-        dims = msgspec.json.decode(raw)
-    except msgspec.DecodeError:
-        return None
-    if not dims or not isinstance(dims[0], list) or not dims[0]:
-        return None
-    elements = float(np.prod(dims[0]))
-    element_bytes = 4
-    raw_types = trace.input_types.get(row)
-    if raw_types is not None:
-        try:
-            types = msgspec.json.decode(raw_types)
-            element_bytes = _BYTES_PER_ELEMENT.get(str(types[0]).lower(), 4)
-        except (msgspec.DecodeError, IndexError, TypeError):
-            pass
-    return elements * element_bytes
-
-
-def _ddp_messages(trace: KinetoTrace, tasks: pd.DataFrame, event: np.ndarray) -> list[tuple[int, float]]:
+def _ddp_messages(ops: pd.DataFrame, tasks: pd.DataFrame, event: np.ndarray) -> list[tuple[int, float]]:
     """DDP all-reduce buckets: (task just before the bucket's launch, bytes)."""
-    ev = trace.events
-    rows = np.flatnonzero(
-        (ev["message_elements"].to_numpy() > 0) & (ev["name"].astype(str).to_numpy() == "record_param_comms")
-    )
+    messages = ops[(ops["message_bytes"].to_numpy() > 0) & (ops["name"] == "record_param_comms").to_numpy()]
     out = []
     context = tasks["context"].astype(str).to_numpy()
-    for row in rows.tolist():
+    for row, nbytes in zip(messages.index.tolist(), messages["message_bytes"].tolist()):
         ids = np.flatnonzero(event == row)
         if not len(ids) or not re.search(r"all_?reduce", context[ids[0]]):
             continue
-        dtype = str(ev["message_dtype"].iat[row]).lower()
-        nbytes = float(ev["message_elements"].iat[row]) * _BYTES_PER_ELEMENT.get(dtype, 4)
-        out.append((int(max(ids[0] - 1, 0)), nbytes))
+        out.append((int(max(ids[0] - 1, 0)), float(nbytes)))
     return out
 
 

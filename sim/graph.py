@@ -22,6 +22,8 @@ from typing import Callable, Optional, Sequence, Union
 import numpy as np
 import pandas as pd
 
+from .workload import Workload, empty_operators
+
 
 class TaskKind(enum.IntEnum):
     CPU = 0  # self time of an operator, annotation or Python frame
@@ -63,19 +65,29 @@ class TaskGraph:
     measured_start_us, measured_end_us, context (the enclosing operators and annotations,
     outermost first, joined by `` > ``), operator (outermost operator), layer (innermost module
     or user annotation), event (the row of the trace event the task belongs to, -1 for gaps and
-    inserted tasks). ``edges`` columns: src, dst, lag_us, kind.
+    inserted tasks; for a CPU task, its row in ``ops``). ``edges`` columns: src, dst, lag_us, kind.
+
+    ``ops`` (the traced operators: shapes, arguments, message sizes) and ``workload`` (the job's
+    record: parameters, gradient-ready times, environment) are what passes read instead of the
+    trace (``sim/workload.py``); no pass changes them, so copies share them. ``notes`` are the
+    records of the passes applied, in order (each has a ``describe()``).
     """
 
     tasks: pd.DataFrame
     edges: pd.DataFrame
-    source: str = ""
+    ops: pd.DataFrame = field(default_factory=empty_operators)
+    workload: Workload = field(default_factory=Workload)
     notes: list = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.tasks)
 
     def copy(self) -> "TaskGraph":
-        return TaskGraph(self.tasks.copy(), self.edges.copy(), self.source, list(self.notes))
+        return TaskGraph(self.tasks.copy(), self.edges.copy(), self.ops, self.workload, list(self.notes))
+
+    def last_note(self, kind: type):
+        """The record of the last pass of type ``kind`` applied to the graph (None: none was)."""
+        return next((note for note in reversed(self.notes) if isinstance(note, kind)), None)
 
     # -- selection -----------------------------------------------------------------------------
 
@@ -265,6 +277,15 @@ class TaskGraph:
         sorted_codes = codes[order]
         bounds = np.flatnonzero(np.diff(sorted_codes)) + 1
         return [seq for seq in np.split(order, bounds) if len(seq)]
+
+
+def cpu_work(tasks: pd.DataFrame) -> np.ndarray:
+    """Ids of the tasks that take time on a CPU thread (any worker's, in a cluster graph):
+    operators, the gaps between them, runtime calls."""
+    resource = tasks["resource"].astype(str).to_numpy().astype(str)
+    on_cpu = np.char.startswith(resource, "cpu ") | (np.char.find(resource, ": cpu ") >= 0)
+    busy = tasks["duration_us"].to_numpy(dtype=float) > 0
+    return np.flatnonzero(np.isin(tasks["kind"].to_numpy(), CPU_WORK_KINDS) & on_cpu & busy)
 
 
 def _append_rows(tasks: pd.DataFrame, rows: pd.DataFrame) -> pd.DataFrame:

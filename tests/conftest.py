@@ -69,4 +69,4 @@ def wide_mlp():
     study = TraceStudy.from_trace(WIDE_MLP)
     worker = study.graph.copy()
     worker.remove(worker.select(kinds=[TaskKind.COMM]))
-    return study, worker, find_gradients(study.trace, worker, study.iterations)
+    return study, worker, find_gradients(worker, study.iterations)

@@ -11,10 +11,11 @@ import pytest
 
 from trace_corpus import BUNDLED_TRACE
 from whatif.cli import main
-from whatif.collectors.kineto import load_trace
-from whatif.sim.batch_size import change_batch_size, infer_batch_size, parameter_shapes, predict_at_batch_size, rescale_dims
+from whatif.collectors.load import load_trace
+from whatif.predict import predict_at_batch_size
 from whatif.sim.build import build_graph
 from whatif.sim.graph import TaskKind
+from whatif.sim.passes.batch_size import BatchSizeChange, change_batch_size, infer_batch_size, parameter_shapes, rescale_dims
 from whatif.sim.perfmodels.models import load_models
 from whatif.sim.perfmodels.shapes import operator_units
 from whatif.study import TraceStudy
@@ -37,11 +38,11 @@ def test_the_batch_dimension_is_rescaled_in_activations_not_weights():
 
 
 def test_the_traced_batch_size_comes_from_the_bundle_or_the_first_layer():
-    bundle = load_trace(BUNDLE)
+    bundle = build_graph(load_trace(BUNDLE))
     assert infer_batch_size(bundle, parameter_shapes(bundle)) == (32, "the bundle's environment")
     for path, batch, first_op in ((BUNDLED_TRACE, 32, "aten::conv2d"), (WIDE_MLP, 64, "aten::linear")):
-        trace = load_trace(path)
-        found, source = infer_batch_size(trace, parameter_shapes(trace))
+        graph = build_graph(load_trace(path))
+        found, source = infer_batch_size(graph, parameter_shapes(graph))
         assert found == batch and first_op in source
 
 
@@ -63,8 +64,8 @@ def test_a_factorys_empty_output_is_not_taken_for_the_batch(tmp_path):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as profiler:
         model(tokens).sum().backward()
     profiler.export_chrome_trace(str(path))
-    trace = load_trace(path)
-    assert infer_batch_size(trace, parameter_shapes(trace)) == (6, "the first input of the first layer, aten::embedding [6, 10]")
+    graph = build_graph(load_trace(path))
+    assert infer_batch_size(graph, parameter_shapes(graph)) == (6, "the first input of the first layer, aten::embedding [6, 10]")
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +86,8 @@ def test_only_batch_carrying_operators_and_data_loading_change(models):
     trace = load_trace(BUNDLE)
     graph = build_graph(trace)
     before = graph.tasks["duration_us"].to_numpy().copy()
-    change = change_batch_size(graph, trace, models, 64)
+    graph = change_batch_size(graph, models, 64)
+    change = graph.last_note(BatchSizeChange)
     after = graph.tasks["duration_us"].to_numpy()
     assert change.from_batch == 32 and change.scaled_units > 0 and not change.unmodelled
     changed = after != before
@@ -106,9 +108,9 @@ def test_a_modelled_operator_takes_its_models_ratio_of_its_whole_traced_time_its
     whole changes by the model's ratio, as the microbenchmark that fitted the model timed it."""
     trace = load_trace(WIDE_MLP)
     graph = build_graph(trace)
-    units = operator_units(trace)
+    units = operator_units(graph.ops)
     linear = units[(units["op"] == "aten::linear") & (units["unit"] == units["row"])]
-    weights = parameter_shapes(trace)
+    weights = parameter_shapes(graph)
     new_dims = [rescale_dims("aten::linear", d, 64, 32, weights) for d in linear["dims"]]
     ratio = models.predict_us(["aten::linear"] * len(linear), new_dims, linear["types"].tolist(), learned=False) / models.predict_us(
         ["aten::linear"] * len(linear), linear["dims"].tolist(), linear["types"].tolist(), learned=False)
@@ -119,8 +121,7 @@ def test_a_modelled_operator_takes_its_models_ratio_of_its_whole_traced_time_its
     transposes = (op_of_event.reindex(events) == "aten::t").to_numpy() & np.isin(in_unit, linear["row"].to_numpy())
     assert transposes.any()
     before = graph.tasks["duration_us"].to_numpy().copy()
-    change_batch_size(graph, trace, models, 32)
-    after = graph.tasks["duration_us"].to_numpy()
+    after = change_batch_size(graph, models, 32).tasks["duration_us"].to_numpy()
     np.testing.assert_array_equal(after[transposes], before[transposes])
     for row, r in zip(linear["row"].to_numpy(), ratio):
         mine = in_unit == row
@@ -146,17 +147,16 @@ def test_a_call_moves_by_its_rooflines_ratio_whatever_the_learned_correction_say
                              lightgbm.Dataset(features, features[:, 1] / 5), num_boost_round=20)
     roofline, learned = with_trees(models, None), with_trees(models, booster.model_to_string())
     trace = load_trace(WIDE_MLP)
-    linear = operator_units(trace).query("op == 'aten::linear' and unit == row")
-    new_dims = [rescale_dims("aten::linear", d, 64, 32, parameter_shapes(trace)) for d in linear["dims"]]
+    traced = build_graph(trace)
+    linear = operator_units(traced.ops).query("op == 'aten::linear' and unit == row")
+    new_dims = [rescale_dims("aten::linear", d, 64, 32, parameter_shapes(traced)) for d in linear["dims"]]
     calls = (["aten::linear"] * len(linear), linear["types"].tolist())
     ratios = [m.predict_us(calls[0], new_dims, calls[1]) / m.predict_us(calls[0], linear["dims"].tolist(), calls[1])
               for m in (roofline, learned)]
     assert not np.allclose(*ratios), "the learned correction must move the model's ratio for the test to tell"
     rescaled = []
     for m in (roofline, learned):
-        graph = build_graph(trace)
-        change_batch_size(graph, trace, m, 32)
-        rescaled.append(graph.tasks["duration_us"].to_numpy())
+        rescaled.append(change_batch_size(build_graph(trace), m, 32).tasks["duration_us"].to_numpy())
     np.testing.assert_array_equal(*rescaled)
 
 
@@ -164,8 +164,7 @@ def test_the_same_batch_size_changes_nothing(models):
     trace = load_trace(BUNDLE)
     graph = build_graph(trace)
     before = graph.tasks["duration_us"].to_numpy().copy()
-    change_batch_size(graph, trace, models, 32)
-    np.testing.assert_array_equal(graph.tasks["duration_us"].to_numpy(), before)
+    np.testing.assert_array_equal(change_batch_size(graph, models, 32).tasks["duration_us"].to_numpy(), before)
 
 
 def test_without_operator_models_a_batch_size_is_a_one_line_error_naming_the_command_that_fits_them(

@@ -25,9 +25,10 @@ from whatif import TraceStudy
 from whatif.cli import main
 from whatif.collectors.bundle import MANIFEST, BundleError, is_bundle, read_bundle
 from whatif.collectors.iterations import find_iterations
-from whatif.collectors.kineto import load_trace
+from whatif.collectors.load import load_trace
 from whatif.scenario import load_scenario
 from whatif.sim.gradients import BUNDLE_SOURCE, find_gradients
+from whatif.sim.workload import Workload
 
 try:
     import torch
@@ -262,7 +263,7 @@ def test_layers_are_leaf_modules_and_backward_runs_in_reverse_forward_order(capt
 def test_gradients_from_a_bundle_have_the_parameters_exact_sizes_and_win_over_accumulate_grad_shapes(captured):
     model, out, _ = captured
     study = TraceStudy.from_trace(out)
-    found = find_gradients(study.trace, study.graph, study.iterations)
+    found = find_gradients(study.graph, study.iterations)
     assert found.source == BUNDLE_SOURCE
     sizes = {n: p.numel() * p.element_size() for n, p in model.named_parameters() if p.requires_grad}
     for i in range(STEPS):
@@ -274,17 +275,17 @@ def test_gradients_from_a_bundle_have_the_parameters_exact_sizes_and_win_over_ac
         "torch::autograd::AccumulateGrad"
     }
     alone = TraceStudy.from_trace(out / "trace.pt.trace.json.gz")
-    assert find_gradients(alone.trace, alone.graph, alone.iterations).source.startswith("AccumulateGrad")
+    assert find_gradients(alone.graph, alone.iterations).source.startswith("AccumulateGrad")
 
 
 @needs_torch
 def test_a_scenarios_sizes_or_total_still_win_over_the_bundle(captured):
     _, out, _ = captured
     study = TraceStudy.from_trace(out)
-    total = find_gradients(study.trace, study.graph, study.iterations, total_bytes=1e6)
+    total = find_gradients(study.graph, study.iterations, total_bytes=1e6)
     assert total.source.startswith("scenario: total 1.0 MB, divided as the capture bundle")
     assert total.bytes_per_iteration() == pytest.approx(1e6)
-    sized = find_gradients(study.trace, study.graph, study.iterations, sizes=[100.0, 200.0])
+    sized = find_gradients(study.graph, study.iterations, sizes=[100.0, 200.0])
     assert sized.source.startswith("scenario: 2 sizes")
 
 
@@ -409,15 +410,13 @@ def test_the_bundled_convnet_bundle_reads_and_its_gradients_come_from_its_hooks(
     study = TraceStudy.from_trace(BUNDLED)
     bundle = study.trace.bundle
     assert len(study.iterations) == len(bundle.steps) == 5
-    found = find_gradients(study.trace, study.graph, study.iterations)
+    found = find_gradients(study.graph, study.iterations)
     assert found.source == BUNDLE_SOURCE
     trained = bundle.parameters[bundle.parameters["requires_grad"]]
     assert found.bytes_per_iteration() == float((trained["numel"] * trained["element_size"]).sum())
-    study.trace.bundle = None
-    try:
-        from_shapes = find_gradients(study.trace, study.graph, study.iterations)
-    finally:
-        study.trace.bundle = bundle
+    without_bundle = study.graph.copy()
+    without_bundle.workload = Workload(without_bundle.workload.source, without_bundle.workload.has_gpu)
+    from_shapes = find_gradients(without_bundle, study.iterations)
     assert from_shapes.bytes_per_iteration() == found.bytes_per_iteration(), "the shapes in the trace agree"
 
 

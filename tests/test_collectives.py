@@ -14,6 +14,8 @@ from whatif.topology import (
     Step,
     TopologyError,
     allreduce_time_us,
+    collective_cost,
+    collective_plan,
     fair_rates,
     gbps,
     gigabytes_per_s,
@@ -159,6 +161,49 @@ def test_algorithms_by_name():
         plan_allreduce(c, MB, "hierarchichal")
     with pytest.raises(TopologyError, match="^size_bytes: "):
         plan_allreduce(c, -1.0)
+
+
+# -- the interface the simulation prices communication through -----------------------------------
+
+
+@pytest.mark.parametrize("machines, gpus", SHAPES)
+@pytest.mark.parametrize("algorithm", ["ring", "hierarchical"])
+def test_an_all_reduce_costs_its_algorithms_closed_form_and_runs_its_plan(machines, gpus, algorithm):
+    c = cluster(machines, gpus)
+    cost = collective_cost(c, "all_reduce", 10 * MB, algorithm=algorithm)
+    assert (cost.op, cost.nbytes, cost.algorithm, cost.protocol, cost.channels) == ("all_reduce", 10 * MB, algorithm, "simple", 1)
+    assert cost.time_us == allreduce_time_us(c, 10 * MB, algorithm)
+    plan = collective_plan(c, "all_reduce", 10 * MB, algorithm=algorithm)
+    assert [s.transfers() for s in plan.steps] == [s.transfers() for s in plan_allreduce(c, 10 * MB, algorithm).steps]
+    assert collective_cost(c, "all_reduce", 10 * MB).time_us == ring_allreduce_time_us(c, 10 * MB), "ring by default"
+
+
+@pytest.mark.parametrize("machines, gpus", SHAPES)
+@pytest.mark.parametrize("placement, server_machines", [("colocated", 0), ("dedicated", 2)])
+def test_a_push_and_a_pull_are_the_two_halves_of_a_parameter_server(machines, gpus, placement, server_machines):
+    c = cluster(machines, gpus, server_machines=server_machines)
+    algorithm = f"parameter_server/{placement}"
+    push, pull = (collective_cost(c, op, 10 * MB, algorithm=algorithm) for op in ("push", "pull"))
+    assert push.time_us == pull.time_us == parameter_server_time_us(c, 10 * MB, placement=placement) / 2
+    whole = plan_parameter_server(c, 10 * MB, placement=placement)
+    for step, op in enumerate(("push", "pull")):
+        plan = collective_plan(c, op, 10 * MB, algorithm=algorithm)
+        assert plan.algorithm == whole.algorithm and plan.steps[0].transfers() == whole.steps[step].transfers()
+    assert collective_cost(c, "push", MB).algorithm == "parameter_server", "servers on the worker machines by default"
+    assert collective_cost(c, "push", MB).time_us == parameter_server_time_us(c, MB) / 2
+
+
+@pytest.mark.parametrize("call, key", [
+    (lambda c: collective_cost(c, "allreduce", MB), "op: .*did you mean 'all_reduce'"),
+    (lambda c: collective_cost(c, "all_reduce", MB, algorithm="parameter_server"), "algorithm: "),
+    (lambda c: collective_plan(c, "push", MB, algorithm="ring"), "algorithm: "),
+    (lambda c: collective_cost(c, "all_reduce", MB, protocol="LL128"), "protocol: "),
+    (lambda c: collective_cost(c, "all_reduce", MB, ranks=[0, 1]), "ranks: "),
+])
+def test_a_collective_that_is_not_modelled_is_refused_naming_the_argument(call, key):
+    with pytest.raises(TopologyError, match=f"^{key}"):
+        call(cluster(2, 4))
+    assert collective_cost(cluster(2, 4), "all_reduce", MB, ranks=range(8)).time_us > 0, "all the GPUs are fine"
 
 
 # -- simulated plans agree with the closed forms ------------------------------------------------

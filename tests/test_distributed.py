@@ -57,7 +57,7 @@ class Predictor:
         self.study = study
         self.worker = study.graph.copy()
         self.worker.remove(self.worker.select(kinds=[TaskKind.COMM]))
-        self.gradients = find_gradients(study.trace, self.worker, study.iterations)
+        self.gradients = find_gradients(self.worker, study.iterations)
         self.cache: dict = {}
 
     def __call__(self, machines, gpus, gbps, framework="horovod", policy="fifo", **config) -> Prediction:

@@ -11,6 +11,7 @@ from trace_corpus import BUNDLED, DLRM_RANK0, EVENT_SYNC_MULTISTREAM, RECSYS, RE
 from whatif import GraphError, Policy, WhatIf, simulate
 from whatif.sim.engine import simulate_event_per_task
 from whatif.sim.graph import EdgeKind, TaskGraph, TaskKind
+from whatif.sim.workload import Workload
 
 ENGINES = [simulate, simulate_event_per_task]
 ENGINE_IDS = ["fast", "event-per-task"]
@@ -48,7 +49,7 @@ def make_graph(tasks: list[tuple], edges: list[tuple] = ()) -> TaskGraph:
             "kind": np.full(len(edges), int(EdgeKind.USER), dtype=np.int8),
         }
     )
-    return TaskGraph(frame, edge_frame, "synthetic")
+    return TaskGraph(frame, edge_frame, workload=Workload("synthetic"))
 
 
 def starts(schedule) -> list:

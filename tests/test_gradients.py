@@ -1,5 +1,5 @@
 """What a training step communicates: the gradients found in a trace (``find_gradients``) and the
-messages each data-parallel framework makes of them (``plan_messages``).
+messages each data-parallel framework makes of them (``Framework.messages``).
 
 ResNet-50 has 25,557,032 parameters (torchvision); as float32 that is 102,228,128 bytes of
 gradients per iteration, which two independent traces record in two different ways: the
@@ -15,7 +15,7 @@ import pytest
 
 from trace_corpus import A100_DDP2, BUNDLED, DLRM_RANK0, EVENT_SYNC, RESNET18, RESNET50, V100_1GPU
 from whatif import GraphError
-from whatif.sim.frameworks import FrameworkOptions, plan_messages
+from whatif.sim.frameworks import FrameworkOptions, framework
 from whatif.sim.gradients import ACCUMULATE_GRAD, find_gradients
 from whatif.sim.graph import TaskKind
 
@@ -40,7 +40,7 @@ def worker_graph(traces, name):
 
 def gradients_of(traces, name, **given):
     study = traces.study(name)
-    return find_gradients(study.trace, worker_graph(traces, name), study.iterations, **given)
+    return find_gradients(worker_graph(traces, name), study.iterations, **given)
 
 
 def per_iteration(gradients, iterations: int) -> list[list]:
@@ -172,7 +172,7 @@ def test_the_bundled_cpu_trace_has_its_gradients_too(traces):
 
 def test_ddp_buckets_hold_every_gradient_once_in_ready_order(resnet50_gradients):
     grads = resnet50_gradients.of_iteration(0)
-    buckets = plan_messages(grads, "ddp", FrameworkOptions(), sliced=False)
+    buckets = framework("ddp").messages(grads, FrameworkOptions(), sliced=False)
     assert sum(b.nbytes for b in buckets) == RESNET50_GRADIENT_BYTES
     # forward positions count down in ready order: buckets are contiguous runs of the gradients
     assert [p for b in buckets for p in b.layers] == list(range(len(grads) - 1, -1, -1))
@@ -198,27 +198,27 @@ def _pytorch_bucket_rule_holds(buckets, grads, options):
 def test_ddp_closes_a_bucket_once_it_reaches_its_cap(resnet50_gradients):
     options = FrameworkOptions()
     grads = resnet50_gradients.of_iteration(0)
-    assert _pytorch_bucket_rule_holds(plan_messages(grads, "ddp", options, sliced=False), grads, options)
+    assert _pytorch_bucket_rule_holds(framework("ddp").messages(grads, options, sliced=False), grads, options)
 
 
 def test_ddp_buckets_of_resnet50_are_those_pytorch_used(resnet50_gradients):
     """The kineto ResNet-50's 161 gradients, bucketed as DDP does, give the five buckets that the
     real DDP run of ResNet-50 all-reduced (hta-ddp-resnet50, SOURCES.md)."""
-    buckets = plan_messages(resnet50_gradients.of_iteration(0), "ddp", FrameworkOptions(), sliced=False)
+    buckets = framework("ddp").messages(resnet50_gradients.of_iteration(0), FrameworkOptions(), sliced=False)
     assert [b.nbytes / 4 for b in buckets] == DDP_BUCKET_ELEMENTS
 
 
 def test_a_smaller_bucket_cap_makes_more_buckets(resnet50_gradients):
     grads = resnet50_gradients.of_iteration(0)
-    default = plan_messages(grads, "ddp", FrameworkOptions(), sliced=False)
-    small = plan_messages(grads, "ddp", FrameworkOptions(bucket_cap_bytes=5 * MiB), sliced=False)
+    default = framework("ddp").messages(grads, FrameworkOptions(), sliced=False)
+    small = framework("ddp").messages(grads, FrameworkOptions(bucket_cap_bytes=5 * MiB), sliced=False)
     assert len(small) > len(default)
     assert sum(b.nbytes for b in small) == RESNET50_GRADIENT_BYTES
 
 
 def test_horovod_sends_every_gradient_as_its_own_message(resnet50_gradients):
     grads = resnet50_gradients.of_iteration(0)
-    messages = plan_messages(grads, "horovod", FrameworkOptions(), sliced=False)
+    messages = framework("horovod").messages(grads, FrameworkOptions(), sliced=False)
     assert [m.nbytes for m in messages] == [g.nbytes for g in grads]
     assert all(g.ready_task in m.ready_after for m, g in zip(messages, grads))
 
@@ -226,14 +226,14 @@ def test_horovod_sends_every_gradient_as_its_own_message(resnet50_gradients):
 def test_messages_are_prioritised_by_forward_position(resnet50_gradients):
     """The last gradient ready (the stem) is the first the next forward pass needs: priority 0."""
     grads = resnet50_gradients.of_iteration(0)
-    messages = plan_messages(grads, "horovod", FrameworkOptions(), sliced=False)
+    messages = framework("horovod").messages(grads, FrameworkOptions(), sliced=False)
     assert [m.priority for m in messages] == list(range(len(grads) - 1, -1, -1))
 
 
 def test_parameter_server_messages_are_push_then_pull_pairs(resnet50_gradients):
     options = FrameworkOptions()
     grads = resnet50_gradients.of_iteration(0)
-    messages = plan_messages(grads, "ps", options, sliced=False)
+    messages = framework("ps").messages(grads, options, sliced=False)
     assert len(messages) % 2 == 0
     pushes, pulls = messages[0::2], messages[1::2]
     assert all(m.phase == "push" and m.follows is None for m in pushes)
@@ -247,12 +247,12 @@ def test_parameter_server_messages_are_push_then_pull_pairs(resnet50_gradients):
     assert len(pushes) > len(grads), "large gradients are partitioned"
 
 
-@pytest.mark.parametrize("framework", ["horovod", "ddp", "ps"])
+@pytest.mark.parametrize("name", ["horovod", "ddp", "ps"])
 @pytest.mark.parametrize("slice_bytes", [1 * MiB, 256 * 1024])
-def test_p3_slices_are_at_most_the_slice_size(resnet50_gradients, framework, slice_bytes):
+def test_p3_slices_are_at_most_the_slice_size(resnet50_gradients, name, slice_bytes):
     options = FrameworkOptions(slice_bytes=slice_bytes)
     grads = resnet50_gradients.of_iteration(0)
-    slices = plan_messages(grads, framework, options, sliced=True)
+    slices = framework(name).messages(grads, options, sliced=True)
     sent = [m for m in slices if m.phase in ("allreduce", "push")]
     assert max(m.nbytes for m in sent) <= slice_bytes
     assert sum(m.nbytes for m in sent) == pytest.approx(RESNET50_GRADIENT_BYTES, rel=1e-12)
@@ -261,4 +261,4 @@ def test_p3_slices_are_at_most_the_slice_size(resnet50_gradients, framework, sli
 
 def test_a_framework_nobody_knows_is_refused(resnet50_gradients):
     with pytest.raises(ValueError, match="horovod"):
-        plan_messages(resnet50_gradients.of_iteration(0), "mpi", FrameworkOptions(), sliced=False)
+        framework("mpi").messages(resnet50_gradients.of_iteration(0), FrameworkOptions(), sliced=False)

@@ -183,7 +183,7 @@ def test_calibrate_writes_links_a_scenario_can_use(tmp_path):
     loop = {"horovod_loop"} if horovod else set()
     assert set(doc["intra_node"]["cpu_contention"]) == {"comm", "compute"} | loop, "loopback is calibrated busy too"
     if horovod:
-        assert all(0 < p.cluster.inter_node.horovod_loop_us < 5000 for p in points), "a part of every 5 ms cycle"
+        assert all(0 < p.cluster.inter_node.framework_loop_us("horovod") < 5000 for p in points), "a part of every 5 ms cycle"
     assert all(p.cluster.workers_sharing_memory == 2 for p in points), "the lab's machines share one box's memory"
     assert all(p.cluster.shared_memory.memory_slowdown(2) >= 1 for p in points)
 

@@ -17,7 +17,7 @@ import pytest
 from trace_corpus import REPO, SHARED_TRACES, V100_1GPU
 from whatif.cli import main
 from whatif.collectors.iterations import find_iterations
-from whatif.collectors.kineto import load_trace
+from whatif.collectors.load import load_trace
 from whatif.collectors.xsp.levels import LEVELS, RUN_FORMAT, VERSION, ProfileError, parse_levels
 from whatif.collectors.xsp.measure import LeveledProfile
 from whatif.collectors.xsp.session import run_levels

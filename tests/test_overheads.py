@@ -13,7 +13,8 @@ import pytest
 
 from test_bad_input import assert_one_line_error, broken_traces, run_cli
 from trace_corpus import BUNDLED, BUNDLED_TRACE, REPO, RESNET50
-from whatif.collectors.kineto import GPU_KINDS, EventKind, load_trace
+from whatif.collectors.kineto import GPU_KINDS, EventKind
+from whatif.collectors.load import load_trace
 from whatif.report.overheads import LAUNCH_TYPES, NO_OPERATOR, OVERHEAD_TYPES, measure_overheads
 from whatif.sim.build import IDLE_GAP_US
 

@@ -1,5 +1,5 @@
 """A scenario at another batch size (``batch_size:``): the worker's iteration is rebuilt with the
-operator models (``sim/batch_size.py``) before the cluster is simulated, so a cluster what-if
+operator models (``sim/passes/batch_size.py``) before the cluster is simulated, so a cluster what-if
 and a batch-size what-if combine. On the bundled convnet bundle, captured at batch 32, with the
 operator models fitted on this machine's quick sweep (``quick_models_file``)."""
 

@@ -1,4 +1,4 @@
-"""Removing the profiler's own cost from a prediction (``sim/profiler_overhead.py``).
+"""Removing the profiler's own cost from a prediction (``sim/passes/profiler_overhead.py``).
 
 A capture times warm-up steps that run without profiler or hooks; ``whatif predict`` takes the
 difference between the profiled iterations and those out of the trace's CPU tasks, so that a
@@ -21,7 +21,7 @@ from whatif.predict import predict_scenario
 from whatif.report.iterations import iteration_report, steady_median
 from whatif.scenario import load_scenario
 from whatif.sim.engine import simulate
-from whatif.sim.profiler_overhead import PROFILER_COST_CAP_US, remove_profiler_overhead, water_level
+from whatif.sim.passes.profiler_overhead import PROFILER_COST_CAP_US, ProfilerOverhead, remove_profiler_overhead, water_level
 from whatif.study import TraceStudy
 
 torch = pytest.importorskip("torch", reason="torch is not importable: pip install -e '.[test]' to capture")
@@ -126,7 +126,7 @@ def test_the_plain_steps_are_summarised_as_runs_are_without_their_first_and_last
     # batch 5.6 % off its own run in one round of the batch-size validation
     study = TraceStudy.from_trace(bundle)
     plain_ms = [50.0, 10.0, 11.0, 12.0, 13.0, 40.0]  # median 12.5; without the first and last 11.5
-    removed = remove_profiler_overhead(study.graph.copy(), study.iterations, plain_ms)
+    removed = remove_profiler_overhead(study.graph, study.iterations, plain_ms).last_note(ProfilerOverhead)
     assert removed.unprofiled_ms == 11.5
 
 
@@ -135,16 +135,16 @@ def corrected_to_plain(bundle, plain_share: float):
     ones: what was removed, the tasks' durations before and after, and the predicted and
     profiled iteration times."""
     study = TraceStudy.from_trace(bundle)
-    graph = study.graph.copy()
     profiled_ms = steady_median(iteration_report(study.replay, study.iterations)["measured_ms"])
-    before = graph.tasks["duration_us"].to_numpy().copy()
-    removed = remove_profiler_overhead(graph, study.iterations, [plain_share * profiled_ms] * 6)
+    before = study.graph.tasks["duration_us"].to_numpy().copy()
+    graph = remove_profiler_overhead(study.graph, study.iterations, [plain_share * profiled_ms] * 6)
+    removed = graph.last_note(ProfilerOverhead)
     predicted_ms = steady_median(iteration_report(simulate(graph), study.iterations)["predicted_ms"])
     return removed, before, graph.tasks["duration_us"].to_numpy(), predicted_ms, profiled_ms
 
 
 def test_profiled_steps_faster_than_plain_ones_stretch_every_cpu_task_to_the_plain_time(bundle):
-    # on CPU the plain run's heap can page-fault where the profiled one's did not (sim/profiler_overhead.py)
+    # on CPU the plain run's heap can page-fault where the profiled one's did not (sim/passes/profiler_overhead.py)
     added, before, after, predicted, profiled_ms = corrected_to_plain(bundle, 1.25)
     assert added.removed_ms == pytest.approx(-0.25 * profiled_ms) and added.stretch > 1.0
     assert "faster than plain ones" in added.describe()
@@ -156,7 +156,8 @@ def test_profiled_steps_faster_than_plain_ones_stretch_every_cpu_task_to_the_pla
 
 def test_the_profilers_own_cost_stays_under_the_cap_per_task_even_for_the_shortest_operators(bundle):
     study = TraceStudy.from_trace(bundle)
-    removed = remove_profiler_overhead(study.graph.copy(), study.iterations, read_bundle(bundle).unprofiled_step_ms)
+    corrected = remove_profiler_overhead(study.graph, study.iterations, read_bundle(bundle).unprofiled_step_ms)
+    removed = corrected.last_note(ProfilerOverhead)
     assert 0 < removed.per_task_us < PROFILER_COST_CAP_US
     assert removed.stretch == 1.0 and "shrunk" not in removed.describe()
 

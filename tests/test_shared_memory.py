@@ -1,5 +1,5 @@
 """CPU workers that share a memory system slow each other's streaming, not their cached compute
-(``sim/shared_memory.py``, ``topology.SharedMemory``, measured by ``whatif lab calibrate``).
+(``sim/passes/shared_memory.py``, ``topology.SharedMemory``, measured by ``whatif lab calibrate``).
 
 Data-parallel workers run the same step in lockstep, so where one streams memory (the optimizer
 updating every parameter) its peers on the same memory system stream at the same moment, and
@@ -16,8 +16,8 @@ import pytest
 from whatif.predict import steady_median
 from whatif.report.iterations import iteration_report
 from whatif.sim.distributed import ClusterConfig, simulate_cluster
-from whatif.sim.optimizations import OPTIMIZER_STEP
-from whatif.sim.shared_memory import MEMORY_BYTES, add_memory_bytes, operator_bytes, shared_memory_factors
+from whatif.sim.passes.optimizations import OPTIMIZER_STEP
+from whatif.sim.passes.shared_memory import MEMORY_BYTES, add_memory_bytes, operator_bytes, shared_memory_factors
 from whatif.topology import Cluster, SharedMemory, TopologyError
 
 LINK = {"bandwidth": "1Gbps", "latency": "100us"}
@@ -28,9 +28,7 @@ SHARED = {"core_bandwidth": "40GB/s", "total_bandwidth": "48GB/s"}
 def counted(wide_mlp):
     """The wide MLP's worker graph with each task's bytes counted."""
     study, worker, gradients = wide_mlp
-    worker = worker.copy()
-    add_memory_bytes(worker, study.trace)
-    return study, worker, gradients
+    return study, add_memory_bytes(worker), gradients
 
 
 def cluster(machines: int, gpus: int, among=None) -> Cluster:

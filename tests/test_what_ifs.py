@@ -21,7 +21,7 @@ from trace_corpus import (
 )
 from whatif import GraphError, WhatIf, simulate
 from whatif.sim.graph import GPU_TASK_KINDS, EdgeKind, TaskKind
-from whatif.sim.optimizations import OPTIMIZER_STEP, TENSOR_CORE_ELIGIBLE
+from whatif.sim.passes.optimizations import OPTIMIZER_STEP, TENSOR_CORE_ELIGIBLE
 
 TOLERANCE_US = 1e-6
 

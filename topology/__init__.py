@@ -5,9 +5,12 @@
 * ``plan``: a collective as steps of concurrent transfers.
 * ``collectives``: ring, hierarchical and parameter-server all-reduce, as plans and closed forms.
 * ``network``: a SimPy model of links shared max-min fairly, which times plans and transfers.
+* ``cost``: what a collective costs and the plan it runs, by op: the interface ``sim`` prices
+  communication through (with ``Network`` for links shared among collectives).
 """
 
 from .cluster import Cluster, Link, SharedMemory, link_presets, load_cluster, preset_names
+from .cost import COLLECTIVE_OPS, CollectiveCost, collective_cost, collective_plan
 from .collectives import (
     ALGORITHMS,
     allreduce_time_us,
@@ -37,7 +40,9 @@ from .units import (
 
 __all__ = [
     "ALGORITHMS",
+    "COLLECTIVE_OPS",
     "Cluster",
+    "CollectiveCost",
     "Link",
     "SharedMemory",
     "Network",
@@ -48,6 +53,8 @@ __all__ = [
     "allreduce_time_us",
     "as_gbps",
     "as_gigabytes_per_s",
+    "collective_cost",
+    "collective_plan",
     "fair_rates",
     "gbps",
     "gigabytes_per_s",

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import re
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -43,6 +44,8 @@ from .units import (
 )
 
 LINK_KINDS = ("inter_node", "intra_node")
+_LOOP = "_loop"
+_FRAMEWORK_LOOP = re.compile(r"[a-z][a-z0-9]*_loop")  # a framework's background loop: horovod_loop
 _LINK_KEYS = ("preset", "bandwidth", "latency", "efficiency", "cpu_contention", "note")
 _CLUSTER_KEYS = ("machines", "gpus_per_machine", "intra_node", "inter_node", "server_machines", "shared_memory", "name", "note")
 _SHARED_MEMORY_KEYS = ("among", "core_bandwidth", "total_bandwidth", "compute", "note")
@@ -86,9 +89,13 @@ class Link:
     has been computing, so a short all-reduce on a busy core is hardly slowed, while a long one
     uses up that credit and gets its fair half of the core. On loopback, where an all-reduce is
     all CPU work, the lab measured 1.17 at 4 MB, 1.64 at 16 MB and 2.47 at 64 MB.
-    ``horovod_loop_us`` is the CPU time Horovod's background loop takes from such a worker's
-    core in every cycle while it coordinates with its peers over this link (YAML:
-    ``cpu_contention: {horovod_loop: 130us}``), which slows all of the worker's CPU work.
+
+    ``framework_loops_us`` holds, by framework name, the CPU time a framework's background loop
+    takes from such a worker's core in every cycle while it coordinates with its peers over this
+    link (YAML: ``cpu_contention: {NAME_loop: DURATION}``, e.g. ``{horovod_loop: 130us}``, as
+    ``whatif lab calibrate`` writes it). It is a measurement of the worker's CPU and this link,
+    taken beside the link's other contention factors (it differs across machines and inside
+    one); what it does to the worker is the framework's model (``sim/frameworks/horovod.py``).
     """
 
     bandwidth_bytes_per_us: float
@@ -97,7 +104,7 @@ class Link:
     name: str = ""
     comm_slowdown: Union[float, tuple] = 1.0  # a factor, or ((size_bytes, factor), ...) by size
     compute_slowdown: float = 1.0
-    horovod_loop_us: float = 0.0
+    framework_loops_us: tuple = ()  # ((framework name, us per cycle), ...)
 
     def __post_init__(self):
         if not (np.isfinite(self.bandwidth_bytes_per_us) and self.bandwidth_bytes_per_us > 0):
@@ -113,8 +120,9 @@ class Link:
         sizes = self._comm_factors[0]
         if not (np.all(sizes > 0) and np.all(np.diff(sizes) > 0)):
             raise TopologyError("cpu_contention.comm", f"sizes must be positive and distinct, got {sizes.tolist()}")
-        if not (np.isfinite(self.horovod_loop_us) and self.horovod_loop_us >= 0):
-            raise TopologyError("cpu_contention.horovod_loop", f"must not be negative, got {self.horovod_loop_us}")
+        for framework, loop_us in self.framework_loops_us:
+            if not (np.isfinite(loop_us) and loop_us >= 0):
+                raise TopologyError(f"cpu_contention.{framework}{_LOOP}", f"must not be negative, got {loop_us}")
 
     @property
     def _comm_factors(self) -> tuple[np.ndarray, np.ndarray]:
@@ -128,6 +136,11 @@ class Link:
         """The comm slowdown of transfers of ``nbytes`` each."""
         sizes, factors = self._comm_factors
         return np.interp(np.log(np.maximum(np.asarray(nbytes, dtype=float), 1.0)), np.log(sizes), factors)
+
+    def framework_loop_us(self, framework: str) -> float:
+        """CPU time per cycle that ``framework``'s background loop takes from a worker's core
+        while it coordinates over this link (0: none measured)."""
+        return dict(self.framework_loops_us).get(framework, 0.0)
 
     @property
     def has_cpu_contention(self) -> bool:
@@ -185,15 +198,18 @@ class Link:
 
 
 def _cpu_contention(value: Any, key: str) -> dict:
-    """``{comm: F or {SIZE: F, ...}, compute: F, horovod_loop: DURATION}`` as Link's fields (absent: none)."""
+    """``{comm: F or {SIZE: F, ...}, compute: F, NAME_loop: DURATION, ...}`` as Link's fields (absent: none)."""
     if value is None:
         return {}
     if not isinstance(value, Mapping):
         raise TopologyError(key, f"expected {{comm: FACTOR, compute: FACTOR}}, got {value!r}")
-    _check_keys(value, ("comm", "compute", "horovod_loop"), key)
+    loops = [k for k in value if isinstance(k, str) and _FRAMEWORK_LOOP.fullmatch(k)]
+    _check_keys({k: v for k, v in value.items() if k not in loops}, ("comm", "compute", f"NAME{_LOOP}"), key)
     factors = {}
-    if "horovod_loop" in value:
-        factors["horovod_loop_us"] = parse_latency(value["horovod_loop"], _join(key, "horovod_loop"))
+    if loops:
+        factors["framework_loops_us"] = tuple(
+            (k[: -len(_LOOP)], parse_latency(value[k], _join(key, k))) for k in sorted(loops)
+        )
     factors["compute_slowdown"] = _slowdown(value.get("compute", 1.0), _join(key, "compute"))
     comm = value.get("comm", 1.0)
     if isinstance(comm, Mapping):

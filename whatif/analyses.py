@@ -12,7 +12,7 @@ import msgspec
 import numpy as np
 import pandas as pd
 
-from whatif.collectors.kineto import load_trace
+from whatif.collectors.load import load_trace
 from whatif.report.overheads import LAUNCH_TYPES, OVERHEAD_TYPES, Overheads, measure_overheads
 from whatif.report.timeline import write_atomically, write_timeline
 from whatif.sim.critical_path import PATH_KINDS, CriticalPath, iteration_critical_paths

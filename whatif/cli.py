@@ -27,7 +27,7 @@ from whatif.report.plots import plot_scenario
 from whatif.report.timeline import write_atomically, write_timeline
 from whatif.scenario import ScenarioError, load_scenario
 from whatif.sim.graph import GraphError
-from whatif.sim.optimizations import OPTIMIZATIONS
+from whatif.sim.passes.optimizations import OPTIMIZATIONS
 from whatif.sim.perfmodels.models import PerfModelError
 from whatif.topology import TopologyError
 from whatif.study import TraceStudy, WhatIf

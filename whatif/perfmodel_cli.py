@@ -1,6 +1,6 @@
 """``whatif perfmodel fit|report`` and ``whatif simulate --batch-size``: the command-line side of
 the operator performance models (``sim/perfmodels/``) and of the batch-size what-if
-(``sim/batch_size.py``)."""
+(``sim/passes/batch_size.py``)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 import msgspec
 import pandas as pd
 
+from whatif.sim.passes.batch_size import BatchSizeChange, change_batch_size
 from whatif.sim.perfmodels.cache import cache_models, default_models
 from whatif.sim.perfmodels.device import current_device
 from whatif.sim.perfmodels.fit import fit_models, held_out_report, trace_samples
@@ -66,12 +67,9 @@ def load_for_cli(path: Path) -> PerfModels:
 def rebatch(study, args: argparse.Namespace) -> dict:
     """Replace ``study.graph`` by its rebuild at ``--batch-size`` (the replay stays the measured
     one, so the report's speed-up compares the two batch sizes); what was done, for the output."""
-    from whatif.sim.batch_size import change_batch_size
-
     models = load_for_cli(args.perfmodel)
-    graph = study.graph.copy()
-    change = change_batch_size(graph, study.trace, models, args.batch_size, args.from_batch_size)
-    study.graph = graph
+    study.graph = change_batch_size(study.graph, models, args.batch_size, args.from_batch_size)
+    change = study.graph.last_note(BatchSizeChange)
     if not args.json:
         print(change.describe(), file=sys.stderr)
     return {"from": change.from_batch, "to": change.to_batch, "from_source": change.batch_source,

@@ -1,21 +1,29 @@
-"""Answering a scenario: the grid of cluster configurations, each simulated, against 1x1."""
+"""Answering a scenario: the grid of cluster configurations, each simulated, against 1x1; and
+a trace's job predicted at another batch size."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from pathlib import Path
+from typing import Optional, Sequence, Union
 
 import pandas as pd
 
+from whatif.collectors.iterations import find_iterations
+from whatif.collectors.load import load_trace
 from whatif.report.cluster import cluster_breakdown
 from whatif.report.iterations import iteration_report, steady_median
+from whatif.sim.build import build_graph
 from whatif.sim.distributed import ClusterConfig, simulate_cluster
-from whatif.sim.framework_copies import pass_rate_bytes_per_us
 from whatif.sim.engine import simulate
+from whatif.sim.frameworks.copies import pass_rate_bytes_per_us
 from whatif.sim.gradients import find_gradients
-from whatif.sim.graph import TaskKind
-from whatif.sim.profiler_overhead import ProfilerOverhead, remove_profiler_overhead
-from whatif.sim.shared_memory import add_memory_bytes
+from whatif.sim.graph import TaskGraph, TaskKind
+from whatif.sim.passes.batch_size import change_batch_size
+from whatif.sim.passes.profiler_overhead import ProfilerOverhead, remove_profiler_overhead
+from whatif.sim.passes.shared_memory import add_memory_bytes
+from whatif.sim.perfmodels.cache import default_models
+from whatif.sim.perfmodels.models import PerfModels, load_models
 from whatif.study import TraceStudy, WhatIf
 
 from .scenario import Scenario
@@ -34,25 +42,22 @@ class ScenarioResult:
 def predict_scenario(scenario: Scenario) -> ScenarioResult:
     """Simulate every configuration of ``scenario``; speed-ups are against one worker (1x1),
     which is the replay of the (optimized) trace, less the profiler's overhead where the trace
-    is a bundle that measured it (``sim/profiler_overhead.py``)."""
+    is a bundle that measured it (``sim/passes/profiler_overhead.py``)."""
     study = TraceStudy.from_trace(scenario.trace, scenario.iteration)
     worker = WhatIf(optimizations=scenario.optimizations).apply(study.graph)
     if any(point.cluster.workers_sharing_memory > 1 for point in scenario.points):
-        add_memory_bytes(worker, study.trace)
-    overhead = None
-    bundle = study.trace.bundle
-    if scenario.remove_profiler_overhead and bundle is not None and bundle.unprofiled_step_ms:
-        overhead = remove_profiler_overhead(worker, study.iterations, bundle.unprofiled_step_ms)
+        worker = add_memory_bytes(worker)
+    unprofiled_ms = worker.workload.unprofiled_step_ms
+    if scenario.remove_profiler_overhead and unprofiled_ms:
+        worker = remove_profiler_overhead(worker, study.iterations, unprofiled_ms)
     if scenario.batch_size is not None:
-        _change_batch_size(worker, study, scenario)
+        worker = _change_batch_size(worker, scenario)
     baseline = iteration_report(simulate(worker), study.iterations)
     baseline_ms = steady_median(baseline["predicted_ms"])
     without_comm = worker.copy()
     without_comm.remove(without_comm.select(kinds=[TaskKind.COMM]))  # replaced by simulated ones
-    gradients = find_gradients(
-        study.trace, without_comm, study.iterations, scenario.gradient_sizes, scenario.gradient_total
-    )
-    pass_rate = pass_rate_bytes_per_us(study.trace, study.graph)
+    gradients = find_gradients(without_comm, study.iterations, scenario.gradient_sizes, scenario.gradient_total)
+    pass_rate = pass_rate_bytes_per_us(study.graph)
     rows, runs = [], {}
     for point in scenario.points:
         config = ClusterConfig(
@@ -92,22 +97,60 @@ def predict_scenario(scenario: Scenario) -> ScenarioResult:
         rows.append(row)
         runs[_label(row)] = run
     return ScenarioResult(
-        pd.DataFrame(rows), runs, gradients.source, gradients.bytes_per_iteration(), baseline_ms, overhead
+        pd.DataFrame(rows), runs, gradients.source, gradients.bytes_per_iteration(), baseline_ms,
+        worker.last_note(ProfilerOverhead),
     )
 
 
-def _change_batch_size(worker, study: TraceStudy, scenario: Scenario) -> None:
-    """Rebuild the worker's iteration at the scenario's batch size (operator models; the CPU
+def _change_batch_size(worker: TaskGraph, scenario: Scenario) -> TaskGraph:
+    """The worker's iteration rebuilt at the scenario's batch size (operator models; the CPU
     overheads between operators stay), from the batch size the trace was taken at."""
-    from whatif.sim.batch_size import change_batch_size
-    from whatif.sim.perfmodels.cache import default_models
-    from whatif.sim.perfmodels.models import load_models
-
-    bundle = study.trace.bundle
-    traced = scenario.traced_batch_size or (bundle.environment.get("batch_size") if bundle is not None else None)
+    traced = scenario.traced_batch_size or worker.workload.environment.get("batch_size")
     models = load_models(scenario.perfmodel) if scenario.perfmodel is not None else default_models()
-    change_batch_size(worker, study.trace, models, scenario.batch_size, traced)
+    return change_batch_size(worker, models, scenario.batch_size, traced)
 
 
 def _label(row: dict) -> str:
     return f"{row['machines']}x{row['gpus_per_machine']} {row['inter_node_gbps']:g}Gbps {row['framework']} {row['policy']}"
+
+
+def predict_at_batch_size(
+    trace_path: Union[str, Path],
+    from_batch: Optional[int],
+    to_batch: int,
+    models: Union[PerfModels, str, Path, None] = None,
+    unprofiled_ms: Optional[Sequence[float]] = None,
+) -> float:
+    """The steady-state median iteration (ms) the trace's job would take at ``to_batch``.
+
+    ``from_batch`` is the batch size the trace was captured at (None: inferred); ``models`` a
+    :class:`PerfModels`, a models file, or None for this machine's cached quick fit. Where the
+    unprofiled iteration times at ``from_batch`` are known (``unprofiled_ms``, else a capture
+    bundle's unprofiled warm-up steps), the profiler's overhead is taken out of the trace first
+    (``sim/passes/profiler_overhead.py``): the job predicted runs without the profiler, and the
+    overhead, paid per operator call, does not grow with the batch."""
+    report = predict_iterations_at_batch_size(trace_path, from_batch, to_batch, models, unprofiled_ms)
+    return steady_median(report["predicted_ms"])
+
+
+def predict_iterations_at_batch_size(
+    trace_path: Union[str, Path],
+    from_batch: Optional[int],
+    to_batch: int,
+    models: Union[PerfModels, str, Path, None] = None,
+    unprofiled_ms: Optional[Sequence[float]] = None,
+) -> pd.DataFrame:
+    """Every iteration of :func:`predict_at_batch_size`'s prediction (``iteration_report``)."""
+    if models is None:
+        models = default_models()
+    elif not isinstance(models, PerfModels):
+        models = load_models(models)
+    trace = load_trace(trace_path)
+    graph = build_graph(trace)
+    iterations = find_iterations(trace)
+    if unprofiled_ms is None:
+        unprofiled_ms = graph.workload.unprofiled_step_ms or None
+    if unprofiled_ms is not None:
+        graph = remove_profiler_overhead(graph, iterations, unprofiled_ms)
+    graph = change_batch_size(graph, models, to_batch, from_batch)
+    return iteration_report(simulate(graph), iterations)

@@ -42,7 +42,7 @@ import yaml
 from whatif.collectors.bundle import is_bundle
 from whatif.sim.distributed import POLICIES, Straggler
 from whatif.sim.frameworks import FRAMEWORKS, FrameworkOptions
-from whatif.sim.optimizations import OPTIMIZATIONS
+from whatif.sim.passes.optimizations import OPTIMIZATIONS
 from whatif.topology import Cluster, TopologyError, as_gbps, parse_latency, parse_size
 
 _TOP_KEYS = (
@@ -95,7 +95,7 @@ class Scenario:
     replicate: Optional[bool] = None
     shared_links: Optional[bool] = None
     remove_profiler_overhead: bool = True  # where the trace is a bundle that timed unprofiled steps
-    batch_size: Optional[int] = None  # predict at this batch size (sim/batch_size.py)
+    batch_size: Optional[int] = None  # predict at this batch size (sim/passes/batch_size.py)
     traced_batch_size: Optional[int] = None  # the trace's (None: the bundle's, else inferred)
     perfmodel: Optional[Path] = None
 

@@ -9,12 +9,13 @@ from typing import Optional, Sequence
 import pandas as pd
 
 from whatif.collectors.iterations import find_iterations
-from whatif.collectors.kineto import KinetoTrace, load_trace
+from whatif.collectors.kineto import KinetoTrace
+from whatif.collectors.load import load_trace
 from whatif.report.iterations import iteration_report
 from whatif.sim.build import build_graph
 from whatif.sim.engine import Schedule, simulate
 from whatif.sim.graph import GraphError, TaskGraph
-from whatif.sim.optimizations import apply_optimization
+from whatif.sim.passes.optimizations import apply_optimization
 
 
 @dataclass
@@ -30,9 +31,9 @@ class WhatIf:
     remove: Sequence[str] = ()
 
     def apply(self, graph: TaskGraph) -> TaskGraph:
-        graph = graph.copy()
         for spec in self.optimizations:
-            apply_optimization(graph, spec)
+            graph = apply_optimization(graph, spec)
+        graph = graph.copy()
         for pattern, factor in self.scale:
             graph.scale(graph.select(pattern=pattern), factor)
         for pattern in self.remove:

@@ -23,7 +23,8 @@ import numpy as np
 import pandas as pd
 
 from ..iterations import find_iterations
-from ..kineto import EventKind, TraceError, load_trace
+from ..kineto import EventKind, TraceError
+from ..load import load_trace
 from .levels import LAYER_RANGE, LEVELS, PROFILER_LEVELS, VERSION, ProfileError, read_runs
 
 VIEW_FORMAT = "whatif-leveled-view"

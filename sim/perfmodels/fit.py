@@ -25,7 +25,10 @@ from typing import Iterable, Union
 import numpy as np
 import pandas as pd
 
-from whatif.collectors.kineto import TraceError, load_trace
+from whatif.collectors.kineto import TraceError
+from whatif.collectors.load import load_trace
+
+from ..build import build_graph
 
 from .families import ADDITIVE_FAMILIES, FAMILY_OF
 from .models import FamilyModel, PerfModels, Roofline, tree_features
@@ -38,10 +41,10 @@ _MIN_OP_SAMPLES = 4  # fewer than this and an operator shares its family's roofl
 
 def trace_samples(path: Union[str, Path]) -> pd.DataFrame:
     """Every modelled unit of a CPU-only trace with its shapes and inclusive CPU time."""
-    trace = load_trace(path)
-    if trace.has_gpu:
+    graph = build_graph(load_trace(path))
+    if graph.workload.has_gpu:
         raise TraceError(path, "has GPU kernels: fitting from a GPU trace's operator times is not supported (its CPU times are launch overhead)")
-    units = operator_units(trace)
+    units = operator_units(graph.ops)
     own = units[(units["unit"] == units["row"]) & units["dims"].map(bool)]
     return pd.DataFrame(
         {

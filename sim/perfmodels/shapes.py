@@ -7,8 +7,8 @@ the scalar arguments, here ``args``: a convolution's stride, padding and which g
 backward computes, the dimensions a sum or mean reduces. Without them (older traces),
 convolutions are taken as stride 1 with "same" padding and reductions as over every dimension.
 
-:func:`operator_units` finds in a trace the calls the models time: the outermost operator of a
-modelled family on each CPU stack (the DLRM performance model's unit, Lin et al., 2022;
+:func:`operator_units` finds in a graph's operator table (``graph.ops``) the calls the models
+time: the outermost operator of a modelled family on each CPU stack (the DLRM performance model's unit, Lin et al., 2022;
 ``shared/seeds/002``), with what was recorded of it.
 """
 
@@ -19,8 +19,7 @@ import json
 import numpy as np
 import pandas as pd
 
-from whatif.collectors.kineto import EventKind
-
+from ..workload import decode_inputs
 from .families import FAMILY_OF
 
 _ELEMENT_BYTES = {
@@ -64,22 +63,20 @@ def parse_args(args) -> list:
     return values
 
 
-def operator_units(trace) -> pd.DataFrame:
-    """The outermost operator of a modelled family on every CPU stack: the unit a model times.
+def operator_units(ops: pd.DataFrame) -> pd.DataFrame:
+    """Every operator of ``ops`` (a graph's operator table) with its unit and decoded inputs.
 
-    Columns: row (the event's row in ``trace.events``), unit (the row of the outermost modelled
-    operator around or at it, -1 for none), op, dims, types, args (decoded ``Input Dims`` /
-    ``Input type`` / ``Concrete Inputs``). One row per CPU event; a unit's inclusive time holds its dispatch and the helper
-    operators it calls, as a microbenchmark of the same call does.
+    Columns: row (the operator's row in ``ops``, which the tasks' ``event`` names), unit (the
+    row of the outermost modelled operator around or at it, -1 for none), parent (the row of the
+    operator around it on its thread, -1 for none), op, dims, types, args (the decoded recorded
+    inputs, ``sim/workload.py``) and dur_us, sorted by thread, start and outermost first.
     """
-    ev = trace.events
-    cpu = ev[ev["kind"].isin([int(EventKind.CPU_OP), int(EventKind.ANNOTATION), int(EventKind.PYTHON)])]
-    order = cpu.assign(neg_dur=-cpu["dur_us"]).sort_values(["thread", "ts_us", "neg_dur"], kind="stable")
+    order = ops.assign(neg_dur=-ops["dur_us"]).sort_values(["thread", "start_us", "neg_dur"], kind="stable")
     rows = order.index.to_numpy()
     names = order["name"].astype(str).to_numpy()
     threads = order["thread"].astype(str).to_numpy()
-    starts = order["ts_us"].to_numpy()
-    ends = (order["ts_us"] + order["dur_us"]).to_numpy()
+    starts = order["start_us"].to_numpy()
+    ends = (order["start_us"] + order["dur_us"]).to_numpy()
     unit = np.full(len(rows), -1, dtype=np.int64)
     parent = np.full(len(rows), -1, dtype=np.int64)
     stack: list[int] = []
@@ -95,25 +92,16 @@ def operator_units(trace) -> pd.DataFrame:
         if unit[i] < 0 and names[i] in FAMILY_OF:
             unit[i] = i
         stack.append(i)
-    dims = [_decode(trace.input_dims.get(r)) for r in rows]
-    types = [_decode(trace.input_types.get(r)) for r in rows]
-    args = [_decode(trace.concrete_inputs.get(r)) for r in rows]
     return pd.DataFrame(
         {
             "row": rows,
             "unit": np.where(unit >= 0, rows[np.maximum(unit, 0)], -1),
             "parent": np.where(parent >= 0, rows[np.maximum(parent, 0)], -1),
             "op": names,
-            "dims": dims,
-            "types": types,
-            "args": args,
+            "dims": [decode_inputs(d) for d in order["input_dims"].tolist()],
+            "types": [decode_inputs(t) for t in order["input_types"].tolist()],
+            "args": [decode_inputs(a) for a in order["concrete_inputs"].tolist()],
             "dur_us": order["dur_us"].to_numpy(),
         }
     )
 
-
-def _decode(raw) -> list:
-    if raw is None or not len(raw):
-        return []
-    value = json.loads(bytes(raw))
-    return value if isinstance(value, list) else []

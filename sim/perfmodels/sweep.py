@@ -29,7 +29,7 @@ returns a large freed tensor's pages to the kernel and the next call page-faults
 at a cost that varied twofold between two timings of the same call (a [1552, 19] x [19, 1956]
 GEMM: 4.4 and 7.8 ms) and that depends on what the heap held before, not on the operator. The
 models therefore describe an operator's compute; how a training step's allocator behaves is
-the trace's to tell (``sim/batch_size.py`` rescales each traced call by a ratio of rooflines,
+the trace's to tell (``sim/passes/batch_size.py`` rescales each traced call by a ratio of rooflines,
 which keeps that call's own allocator cost), and a run that should match them is run with
 ``capture.STEADY_ALLOCATOR``. (The sweep used to trim glibc's free memory before every call so
 that outputs page-faulted as in a step; two such sweeps differed by 14 to 61 % by family.)

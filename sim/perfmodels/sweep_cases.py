@@ -22,7 +22,8 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from whatif.collectors.kineto import EventKind, load_trace
+from whatif.collectors.kineto import EventKind
+from whatif.collectors.load import load_trace
 
 
 @dataclass

@@ -1,7 +1,9 @@
-"""Built-in what-ifs, each a short function on the transformation primitives of ``sim.graph``.
+"""Built-in what-ifs, each a short pass on the transformation primitives of ``sim.graph``.
 
 They follow the estimates of the Daydream paper (Zhu et al., ATC'20, section 5): what an
-optimization does to the tasks it touches, not a re-measurement.
+optimization does to the tasks it touches, not a re-measurement. Each takes a graph and returns
+the transformed copy. :data:`OPTIMIZATIONS` names them for ``--optimization NAME`` and a
+scenario's ``optimizations:``.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import Callable
 import numpy as np
 import pandas as pd
 
-from .graph import GPU_TASK_KINDS, EdgeKind, GraphError, TaskGraph, TaskKind
+from ..graph import GPU_TASK_KINDS, EdgeKind, GraphError, TaskGraph, TaskKind
 
 #: Kernels that run on Tensor Cores under mixed precision: GEMMs and convolutions (cuDNN, CUTLASS,
 #: cuBLAS naming), including the data- and weight-gradient convolutions of the backward pass.
@@ -24,23 +26,27 @@ OPTIMIZER_STEP = r"Optimizer\.step|optimizer\.step|## optimizer ##"
 DATA_LOADING = r"DataLoader|## wait_for_batch ##|## copy_batch_to_gpu ##"
 
 
-def automatic_mixed_precision(graph: TaskGraph) -> None:
-    """AMP: Tensor-Core-eligible kernels 3x faster, every other kernel 2x (half the bytes).
+def automatic_mixed_precision(graph: TaskGraph) -> TaskGraph:
+    """AMP (Daydream, section 5): Tensor-Core-eligible kernels 3x faster, every other kernel 2x
+    (half the bytes).
 
     Communication kernels and copies are left alone: under AMP gradients are still all-reduced
     in the precision the optimizer keeps, and host-device copies move the same input batch.
     """
+    graph = graph.copy()
     kernels = graph.select(kinds=[TaskKind.KERNEL])
     names = graph.tasks["name"]
     eligible_category = np.array([bool(TENSOR_CORE_ELIGIBLE.search(c)) for c in names.cat.categories] + [False])
     eligible = eligible_category[names.cat.codes.to_numpy()[kernels]]
     graph.scale(kernels[eligible], 1 / 3)
     graph.scale(kernels[~eligible], 1 / 2)
+    return graph
 
 
-def fused_optimizer(graph: TaskGraph) -> None:
-    """FusedAdam-style fusion: each optimizer step's per-parameter kernels become one kernel per
-    stream, and the CPU work that launched them (Python, aten dispatch, launch calls) goes.
+def fused_optimizer(graph: TaskGraph) -> TaskGraph:
+    """FusedAdam-style fusion (Daydream's fused optimizer, section 5): each optimizer step's
+    per-parameter kernels become one kernel per stream, and the CPU work that launched them
+    (Python, aten dispatch, launch calls) goes.
 
     The fused kernel does the same memory traffic as the kernels it replaces, so its duration is
     their sum; what disappears is the launch overhead and the gaps between the small kernels.
@@ -49,6 +55,7 @@ def fused_optimizer(graph: TaskGraph) -> None:
     in_step = graph.match(OPTIMIZER_STEP)
     if not in_step.any():
         raise GraphError("fused optimizer: the trace has no optimizer step (no 'Optimizer.step' annotation)")
+    graph = graph.copy()
     tasks = graph.tasks
     kinds = tasks["kind"].to_numpy()
     cpu = np.isin(kinds, [int(TaskKind.CPU), int(TaskKind.RUNTIME), int(TaskKind.GAP)]) & in_step
@@ -71,6 +78,7 @@ def fused_optimizer(graph: TaskGraph) -> None:
         remove[group["kernel"].to_numpy()[1:]] = True
         remove[int(kernel_launch[group.index[0]])] = False  # the launch of the fused kernel stays
     graph.remove(np.flatnonzero(remove))
+    return graph
 
 
 def _contiguous_runs(mask: np.ndarray, resource_codes: np.ndarray) -> list[np.ndarray]:
@@ -82,20 +90,26 @@ def _contiguous_runs(mask: np.ndarray, resource_codes: np.ndarray) -> list[np.nd
     return np.split(ids, breaks)
 
 
-def faster_gpu(graph: TaskGraph, speedup: float = 2.0) -> None:
-    """A GPU ``speedup`` times faster: every kernel, copy and memset takes 1/speedup as long.
+def faster_gpu(graph: TaskGraph, speedup: float = 2.0) -> TaskGraph:
+    """A GPU ``speedup`` times faster (Daydream's scale primitive on the GPU's tasks): every
+    kernel, copy and memset takes 1/speedup as long.
 
     Communication kernels keep their duration: they are bound by the interconnect, not the GPU.
     """
     if speedup <= 0:
         raise GraphError(f"faster GPU: speed-up must be positive, got {speedup}")
+    graph = graph.copy()
     gpu = graph.select(kinds=[k for k in GPU_TASK_KINDS if k != TaskKind.COMM])
     graph.scale(gpu, 1.0 / speedup)
+    return graph
 
 
-def no_data_loading(graph: TaskGraph) -> None:
-    """Input data that is always ready: remove data loading and everything it launched."""
+def no_data_loading(graph: TaskGraph) -> TaskGraph:
+    """Input data that is always ready (Daydream's remove primitive): data loading and everything
+    it launched go, their predecessors joined to their successors."""
+    graph = graph.copy()
     graph.remove(graph.select(pattern=DATA_LOADING))
+    return graph
 
 
 OPTIMIZATIONS: dict[str, Callable] = {
@@ -106,8 +120,8 @@ OPTIMIZATIONS: dict[str, Callable] = {
 }
 
 
-def apply_optimization(graph: TaskGraph, spec: str) -> None:
-    """Apply ``NAME`` or ``NAME=VALUE`` (e.g. ``faster-gpu=2``) from :data:`OPTIMIZATIONS`."""
+def apply_optimization(graph: TaskGraph, spec: str) -> TaskGraph:
+    """``graph`` with ``NAME`` or ``NAME=VALUE`` (e.g. ``faster-gpu=2``) from :data:`OPTIMIZATIONS` applied."""
     name, _, value = spec.partition("=")
     name = name.strip().lower().replace("_", "-")
     if name not in OPTIMIZATIONS:
@@ -119,6 +133,5 @@ def apply_optimization(graph: TaskGraph, spec: str) -> None:
             raise GraphError(f"optimization {name}: {value!r} is not a number") from None
         if name != "faster-gpu":
             raise GraphError(f"optimization {name} takes no value")
-        OPTIMIZATIONS[name](graph, argument)
-    else:
-        OPTIMIZATIONS[name](graph)
+        return OPTIMIZATIONS[name](graph, argument)
+    return OPTIMIZATIONS[name](graph)

@@ -47,7 +47,7 @@ import pandas as pd
 
 from whatif.report.iterations import steady_median
 
-from .graph import CPU_WORK_KINDS, TaskGraph
+from ..graph import CPU_WORK_KINDS, TaskGraph
 
 _TOLERANCE_US = 1e-6
 #: The most the profiler is taken to cost one CPU task. The water level of the overhead came to
@@ -81,17 +81,20 @@ class ProfilerOverhead:
         )
 
 
-def remove_profiler_overhead(graph: TaskGraph, iterations: pd.DataFrame, unprofiled_ms: Sequence[float]) -> ProfilerOverhead:
-    """Shorten the CPU tasks of every iteration of ``graph`` (in place) by the measured overhead:
-    per event up to :data:`PROFILER_COST_CAP_US`, the rest by one factor; where the profiled
-    steps were the faster ones, that factor stretches them instead."""
+def remove_profiler_overhead(graph: TaskGraph, iterations: pd.DataFrame, unprofiled_ms: Sequence[float]) -> TaskGraph:
+    """``graph`` with the CPU tasks of every iteration shortened by the measured overhead: per
+    event up to :data:`PROFILER_COST_CAP_US`, the rest by one factor; where the profiled steps
+    were the faster ones, that factor stretches them instead. What was taken out is the new
+    graph's last note, a :class:`ProfilerOverhead`."""
     # both summarised as predictions and runs are (steady_median), so that the 1x1 prediction is
     # the plain step a run is held to
     profiled_ms = steady_median((iterations["end_us"] - iterations["start_us"]) / 1e3)
     plain_ms = steady_median(pd.Series(unprofiled_ms, dtype=float))
     overhead_us = (profiled_ms - plain_ms) * 1e3
+    graph = graph.copy()
     if overhead_us == 0.0:
-        return ProfilerOverhead(profiled_ms, plain_ms, 0.0, 0.0)
+        graph.notes.append(ProfilerOverhead(profiled_ms, plain_ms, 0.0, 0.0))
+        return graph
     duration = graph.tasks["duration_us"].to_numpy(dtype=float).copy()
     levels, factors = [], []
     for ids in _iteration_cpu_work(graph, iterations):  # iterations hold disjoint tasks
@@ -107,8 +110,8 @@ def remove_profiler_overhead(graph: TaskGraph, iterations: pd.DataFrame, unprofi
     graph.tasks["duration_us"] = duration
     corrected = ProfilerOverhead(profiled_ms, plain_ms, overhead_us / 1e3, float(np.median(levels)) if levels else 0.0,
                                  float(np.median(factors)) if factors else 1.0)
-    graph.notes.append(corrected.describe())
-    return corrected
+    graph.notes.append(corrected)
+    return graph
 
 
 def _iteration_cpu_work(graph: TaskGraph, iterations: pd.DataFrame):

@@ -11,7 +11,7 @@ rest, and only the first is slowed by the sharing: a task of ``d`` microseconds 
 bytes streams for ``f = min(1, b / core_bandwidth / d)`` of its time and lasts
 ``d (f m + (1 - f) c)`` beside its peers (``m`` the memory slowdown, ``c`` the compute one). The
 bytes are an operator's own: its tensor inputs read and its output written (the roofline's
-count for the modelled families, ``sim/perfmodels.py``), less what the operators it calls move
+count for the modelled families, ``sim/perfmodels/``), less what the operators it calls move
 themselves, spread over the operator's own tasks by their time. Runtime gaps, Python and the
 tasks inserted by optimizations move nothing.
 """
@@ -23,10 +23,12 @@ import math
 import numpy as np
 import pandas as pd
 
-from .graph import TaskGraph
-from .perfmodels.families import FAMILY_OF, VIEW_OPS
-from .perfmodels.shapes import operator_units, parse_shapes
-from .perfmodels.work import work
+from whatif.topology import Cluster
+
+from ..graph import TaskGraph, cpu_work
+from ..perfmodels.families import FAMILY_OF, VIEW_OPS
+from ..perfmodels.shapes import operator_units, parse_shapes
+from ..perfmodels.work import work
 
 MEMORY_BYTES = "memory_bytes"
 
@@ -54,10 +56,11 @@ def operator_bytes(op: str, dims, types, args=()) -> float:
     return sum(sizes) + sizes[0]
 
 
-def add_memory_bytes(graph: TaskGraph, trace) -> None:
-    """Give ``graph`` (built from ``trace``) a ``memory_bytes`` column: each task's share of
-    the bytes its operator moves itself."""
-    units = operator_units(trace)
+def add_memory_bytes(graph: TaskGraph) -> TaskGraph:
+    """``graph`` with a ``memory_bytes`` column: each task's share of the bytes its operator
+    moves itself."""
+    graph = graph.copy()
+    units = operator_units(graph.ops)
     moved = np.array([operator_bytes(op, d, t, a) for op, d, t, a in
                       zip(units["op"], units["dims"], units["types"], units["args"])])
     callees = pd.Series(moved, index=units["parent"].to_numpy()).groupby(level=0).sum()
@@ -71,6 +74,19 @@ def add_memory_bytes(graph: TaskGraph, trace) -> None:
         per_us = (own / of_event.reindex(own.index)).replace([np.inf, -np.inf], 0.0).fillna(0.0)
     rate = per_us.reindex(events).fillna(0.0).to_numpy()
     tasks[MEMORY_BYTES] = np.where(events >= 0, rate * duration, 0.0)
+    return graph
+
+
+def slow_beside_peers(graph: TaskGraph, cluster: Cluster) -> TaskGraph:
+    """A worker's graph with its CPU work slowed by its peers on the same memory system
+    (``cluster.shared_memory``), who run the same tasks at the same moments."""
+    shared = cluster.shared_memory
+    graph = graph.copy()
+    cpu = cpu_work(graph.tasks)
+    graph.scale(cpu, shared_memory_factors(graph.tasks, cpu, shared.core_bandwidth_bytes_per_us,
+                                           shared.memory_slowdown(cluster.workers_sharing_memory),
+                                           shared.compute_slowdown))
+    return graph
 
 
 def shared_memory_factors(tasks: pd.DataFrame, task_ids: np.ndarray, core_bytes_per_us: float,

@@ -4,7 +4,7 @@ Following the DLRM performance model (``shared/seeds/002``), an iteration is ope
 plus CPU overheads around it, and only the compute depends on shapes. So every operator whose
 recorded input shapes carry the batch dimension keeps its measured time, scaled by
 ``model(new shapes) / model(old shapes)`` from the operator performance models
-(``sim/perfmodels.py``): the ratio carries the measured calibration of that very call (its
+(``sim/perfmodels/``): the ratio carries the measured calibration of that very call (its
 cache state, its allocator, the profiler's share) to the new shapes, which a model's absolute
 prediction would not. Everything else, the Python and dispatch time between operators, the
 autograd engine's bookkeeping, the optimizer's per-parameter work, is kept as measured.
@@ -50,23 +50,22 @@ the kernels would have to be rescaled with models measured on that GPU.
 
 from __future__ import annotations
 
-import json
 import re
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Optional
 
 import numpy as np
 import pandas as pd
 
-from .graph import GraphError, TaskGraph, TaskKind
+from ..graph import GraphError, TaskGraph, TaskKind
 from .optimizations import DATA_LOADING
-from .perfmodels.families import FAMILY_OF, VIEW_OPS
-from .perfmodels.models import PerfModels
-from .perfmodels.shapes import operator_units
+from ..perfmodels.families import FAMILY_OF, VIEW_OPS
+from ..perfmodels.models import PerfModels
+from ..perfmodels.shapes import operator_units
 from .shared_memory import MEMORY_BYTES
+from ..workload import decode_inputs
 
 _ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
 _OUTSIDE_MODEL = re.compile(DATA_LOADING + r"|Optimizer\.|whatif\.capture")
@@ -95,25 +94,18 @@ class BatchSizeChange:
         return text
 
 
-def parameter_shapes(trace) -> set[tuple]:
+def parameter_shapes(graph: TaskGraph) -> set[tuple]:
     """Every parameter's shape, and each matrix's transpose (a GEMM sees ``weight.t()``)."""
     shapes: set[tuple] = set()
-    if trace.bundle is not None and len(trace.bundle.parameters):
-        shapes |= {tuple(int(v) for v in s) for s in trace.bundle.parameters["shape"]}
-    ev = trace.events
-    for row in ev.index[ev["name"] == _ACCUMULATE_GRAD]:
-        dims = _dims(trace, row)
+    parameters = graph.workload.parameters
+    if len(parameters):
+        shapes |= {tuple(int(v) for v in s) for s in parameters["shape"]}
+    ops = graph.ops
+    for text in ops.loc[(ops["name"] == _ACCUMULATE_GRAD).to_numpy(), "input_dims"]:
+        dims = decode_inputs(text)
         if dims and isinstance(dims[0], list) and dims[0]:
             shapes.add(tuple(int(v) for v in dims[0]))
     return shapes | {s[::-1] for s in shapes if len(s) == 2}
-
-
-def _dims(trace, row) -> list:
-    raw = trace.input_dims.get(row)
-    if raw is None or not len(raw):
-        return []
-    value = json.loads(bytes(raw))
-    return value if isinstance(value, list) else []
 
 
 def _is_shape(d) -> bool:
@@ -147,58 +139,59 @@ def rescale_dims(op: str, dims: list, old: int, new: int, parameters: set) -> li
     return out
 
 
-def infer_batch_size(trace, parameters: set) -> tuple[int, str]:
+def infer_batch_size(graph: TaskGraph, parameters: set) -> tuple[int, str]:
     """The old batch size: the bundle's record of it, else the leading dimension of the first
     non-parameter tensor that the model's first operator takes (outside data loading)."""
-    if trace.bundle is not None and trace.bundle.environment.get("batch_size"):
-        return int(trace.bundle.environment["batch_size"]), "the bundle's environment"
-    units = operator_units(trace).sort_values("row")
-    ev = trace.events
-    names = ev["name"].astype(str)
-    outside = ev.index[names.str.contains(_OUTSIDE_MODEL)]
-    spans = [(ev.at[r, "thread"], ev.at[r, "ts_us"], ev.at[r, "ts_us"] + ev.at[r, "dur_us"]) for r in outside]
+    if graph.workload.batch_size:
+        return graph.workload.batch_size, "the bundle's environment"
+    ops = graph.ops
+    units = operator_units(ops).sort_values("row")
+    outside = ops[ops["name"].astype(str).str.contains(_OUTSIDE_MODEL).to_numpy()]
+    spans = list(zip(outside["thread"], outside["start_us"], outside["start_us"] + outside["dur_us"]))
     for row, op, dims in zip(units["row"], units["op"], units["dims"]):
         if not op.startswith("aten::") or op in VIEW_OPS:
             continue
-        ts, thread = ev.at[row, "ts_us"], ev.at[row, "thread"]
+        ts, thread = ops.at[row, "start_us"], ops.at[row, "thread"]
         if any(t == thread and lo <= ts < hi for t, lo, hi in spans):
             continue
         for d in dims:
             if _is_shape(d) and d[0] > 0 and tuple(d) not in parameters:  # not a factory's empty out=
                 return int(d[0]), f"the first input of the first layer, {op} {d}"
-    raise GraphError(f"{trace.path}: cannot tell the batch size it was traced at; give it (--from-batch-size)")
+    raise GraphError(f"{graph.workload.source}: cannot tell the batch size it was traced at; give it (--from-batch-size)")
 
 
 def change_batch_size(
     graph: TaskGraph,
-    trace,
     models: PerfModels,
     to_batch: int,
     from_batch: Optional[int] = None,
-) -> BatchSizeChange:
-    """Rescale ``graph`` (built from ``trace``, in place) from its batch size to ``to_batch``."""
-    if trace.has_gpu:
+) -> TaskGraph:
+    """``graph`` rescaled from its batch size to ``to_batch``; what was done is the new graph's
+    last note, a :class:`BatchSizeChange`."""
+    if graph.workload.has_gpu:
         raise GraphError(
-            f"{trace.path}: has GPU kernels; --batch-size rebuilds CPU-only traces for now "
+            f"{graph.workload.source}: has GPU kernels; --batch-size rebuilds CPU-only traces for now "
             "(a GPU trace needs its kernels rescaled by models measured on that GPU)"
         )
     if to_batch < 1:
         raise GraphError(f"batch size must be a positive integer, got {to_batch}")
-    parameters = parameter_shapes(trace)
+    parameters = parameter_shapes(graph)
     if from_batch is None:
-        from_batch, source = infer_batch_size(trace, parameters)
+        from_batch, source = infer_batch_size(graph, parameters)
     else:
         source = "given"
     if from_batch < 1:
         raise GraphError(f"the traced batch size must be a positive integer, got {from_batch}")
     change = BatchSizeChange(from_batch, to_batch, source)
+    graph = graph.copy()
+    graph.notes.append(change)
     if from_batch == to_batch:
-        return change
+        return graph
 
     loading = data_loading_tasks(graph)
     loading_events = set(graph.tasks["event"].to_numpy()[loading].tolist())
 
-    units = operator_units(trace)
+    units = operator_units(graph.ops)
     ops, dims = units["op"].to_numpy(), units["dims"].tolist()
     new_dims = [rescale_dims(op, d, from_batch, to_batch, parameters) if d else d for op, d in zip(ops, dims)]
     carries = np.array([n != d for n, d in zip(new_dims, dims)])
@@ -236,8 +229,7 @@ def change_batch_size(
     graph.tasks["duration_us"] = duration * factors
     if MEMORY_BYTES in graph.tasks:  # an operator's bytes scale with its time
         graph.tasks[MEMORY_BYTES] = graph.tasks[MEMORY_BYTES].to_numpy() * factors
-    graph.notes.append(change.describe())
-    return change
+    return graph
 
 
 def data_loading_tasks(graph: TaskGraph) -> np.ndarray:
@@ -293,56 +285,3 @@ def _events_in_units(units: pd.DataFrame, ratio: np.ndarray, modelled: np.ndarra
             scaled[i] = p is not None and scaled[p] and carries[i] and ops[i] not in VIEW_OPS
     return pd.DataFrame({"unit": unit[inside], "ratio": unit_ratio[inside], "scales": scaled[inside]}, index=rows[inside])
 
-
-def predict_at_batch_size(
-    trace_path: Union[str, Path],
-    from_batch: Optional[int],
-    to_batch: int,
-    models: Union[PerfModels, str, Path, None] = None,
-    unprofiled_ms: Optional[Sequence[float]] = None,
-) -> float:
-    """The steady-state median iteration (ms) the trace's job would take at ``to_batch``.
-
-    ``from_batch`` is the batch size the trace was captured at (None: inferred); ``models`` a
-    :class:`PerfModels`, a models file, or None for this machine's cached quick fit. Where the
-    unprofiled iteration times at ``from_batch`` are known (``unprofiled_ms``, else a capture
-    bundle's unprofiled warm-up steps), the profiler's overhead is taken out of the trace first
-    (``sim/profiler_overhead.py``): the job predicted runs without the profiler, and the
-    overhead, paid per operator call, does not grow with the batch."""
-    from whatif.report.iterations import steady_median
-
-    report = predict_iterations_at_batch_size(trace_path, from_batch, to_batch, models, unprofiled_ms)
-    return steady_median(report["predicted_ms"])
-
-
-def predict_iterations_at_batch_size(
-    trace_path: Union[str, Path],
-    from_batch: Optional[int],
-    to_batch: int,
-    models: Union[PerfModels, str, Path, None] = None,
-    unprofiled_ms: Optional[Sequence[float]] = None,
-) -> pd.DataFrame:
-    """Every iteration of :func:`predict_at_batch_size`'s prediction (``iteration_report``)."""
-    from whatif.collectors.iterations import find_iterations
-    from whatif.collectors.kineto import load_trace
-    from whatif.report.iterations import iteration_report
-
-    from .build import build_graph
-    from .engine import simulate
-    from .perfmodels.cache import default_models
-    from .perfmodels.models import load_models
-    from .profiler_overhead import remove_profiler_overhead
-
-    if models is None:
-        models = default_models()
-    elif not isinstance(models, PerfModels):
-        models = load_models(models)
-    trace = load_trace(trace_path)
-    graph = build_graph(trace)
-    iterations = find_iterations(trace)
-    if unprofiled_ms is None and trace.bundle is not None:
-        unprofiled_ms = trace.bundle.unprofiled_step_ms or None
-    if unprofiled_ms is not None:
-        remove_profiler_overhead(graph, iterations, unprofiled_ms)
-    change_batch_size(graph, trace, models, to_batch, from_batch)
-    return iteration_report(simulate(graph), iterations)

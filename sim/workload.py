@@ -1,0 +1,117 @@
+"""What a graph carries beside its tasks: the traced operators and the record of the job.
+
+A pass must never reopen the trace (Chakra's rule: a node carries what any later stage needs),
+so ``sim/build.py``, the one place besides ``collectors/`` that reads a trace, copies onto the
+:class:`~whatif.sim.graph.TaskGraph` what the passes use:
+
+* ``graph.ops``, the operator table: one row per operator, annotation and Python frame the
+  trace timed on a CPU thread, indexed by the row id that the tasks' ``event`` column names
+  (runtime calls and GPU tasks are described by their tasks alone). Columns: ``name``
+  (categorical), ``kind`` (``operator``, ``annotation`` or ``python``), ``thread`` (the CPU
+  resource it ran on, as the tasks name it: ``cpu PID/TID``), ``start_us`` and ``dur_us`` (on
+  the tasks' clock), the recorded inputs as the profiler wrote them (JSON text, or None where it
+  recorded none: ``input_dims``, per positional input a tensor's shape, ``[]`` for a scalar, a
+  list of shapes for a tensor list; ``input_types``; ``concrete_inputs``, the values of scalar
+  arguments), and ``message_bytes``, the bytes of the collective message a communication
+  operator records (``record_param_comms``' element count times its dtype's size; NaN for the
+  others). The inputs stay text because decoding every one of a large trace's takes longer than
+  building its graph; :func:`decode_inputs` decodes what a pass reads.
+* ``graph.workload``, a :class:`Workload`: where the trace came from, whether it ran on a GPU,
+  and what a capture bundle recorded beside it (parameters, when each gradient became ready,
+  the environment, the steps timed without the profiler).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import pandas as pd
+
+OPERATOR_KINDS = ("operator", "annotation", "python")
+PARAMETER_COLUMNS = ["name", "layer", "shape", "numel", "dtype", "element_size", "requires_grad"]
+GRADIENT_READY_COLUMNS = ["step", "parameter", "at_us", "thread"]
+_BYTES_PER_ELEMENT = {
+    "float": 4, "float32": 4, "c10::half": 2, "half": 2, "c10::bfloat16": 2, "bfloat16": 2,
+    "double": 8, "float64": 8, "int": 4, "long int": 8, "int64": 8, "bool": 1,
+}
+
+
+@dataclass
+class Workload:
+    """The training job a graph was built from, beyond its tasks.
+
+    ``parameters`` has a capture bundle's columns (:data:`PARAMETER_COLUMNS`: ``shape`` a list,
+    ``numel``, ``element_size`` in bytes), empty without a bundle; ``gradient_ready``
+    (:data:`GRADIENT_READY_COLUMNS`) has a row each time a parameter's post-accumulate-grad
+    hook ran: the profiled step, the parameter's name, the moment on the tasks' clock and the
+    CPU resource it ran on. ``environment`` is the bundle's (``batch_size``, ``device``, ...);
+    ``unprofiled_step_ms`` the wall times of steps run without profiler or hooks.
+    """
+
+    source: str = ""
+    has_gpu: bool = False
+    parameters: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=PARAMETER_COLUMNS))
+    gradient_ready: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=GRADIENT_READY_COLUMNS))
+    environment: dict = field(default_factory=dict)
+    unprofiled_step_ms: list = field(default_factory=list)
+
+    @property
+    def batch_size(self) -> Optional[int]:
+        """The batch size the capture recorded, if it did."""
+        value = self.environment.get("batch_size")
+        return int(value) if value else None
+
+
+def empty_operators() -> pd.DataFrame:
+    """An operator table without rows (a graph that was not built from a trace)."""
+    return pd.DataFrame(
+        {
+            "name": pd.Categorical([]),
+            "kind": pd.Categorical([], categories=OPERATOR_KINDS),
+            "thread": pd.Categorical([]),
+            "start_us": np.zeros(0),
+            "dur_us": np.zeros(0),
+            "input_dims": np.zeros(0, dtype=object),
+            "input_types": np.zeros(0, dtype=object),
+            "concrete_inputs": np.zeros(0, dtype=object),
+            "message_bytes": np.zeros(0),
+        },
+        index=pd.Index(np.zeros(0, dtype=np.int64)),
+    )
+
+
+def element_bytes(dtype: str) -> int:
+    """Bytes of one element of a profiler's dtype name (``float``, ``c10::Half``, ...); 4 where unknown."""
+    return _BYTES_PER_ELEMENT.get(str(dtype).lower(), 4)
+
+
+def decode_inputs(text) -> list:
+    """One recorded input list (``input_dims``, ``input_types`` or ``concrete_inputs``) as Python
+    lists; empty where none was recorded."""
+    if text is None or not len(text):
+        return []
+    value = json.loads(text)
+    return value if isinstance(value, list) else []
+
+
+def first_input_bytes(ops: pd.DataFrame, row: int) -> Optional[float]:
+    """Bytes of the first input an operator recorded (its shape and type); None where the
+    trace recorded no shape."""
+    try:
+        dims = json.loads(ops.at[row, "input_dims"] or "null")
+    except json.JSONDecodeError:
+        return None
+    if not dims or not isinstance(dims, list) or not isinstance(dims[0], list) or not dims[0]:
+        return None
+    elements = float(np.prod(dims[0]))
+    size = 4
+    types = ops.at[row, "input_types"]
+    if types is not None:
+        try:
+            size = element_bytes(json.loads(types)[0])
+        except (json.JSONDecodeError, IndexError, TypeError, KeyError):
+            pass
+    return elements * size
