@@ -14,12 +14,11 @@ import sys
 import numpy as np
 import pandas as pd
 import pytest
-import yaml
 
 from whatif.collectors.bundle import read_bundle
-from whatif.predict import predict_scenario
+from whatif.pipeline import predict
 from whatif.report.iterations import iteration_report, steady_median
-from whatif.scenario import load_scenario
+from whatif.scenario import Scenario, ScenarioError
 from whatif.sim.engine import simulate
 from whatif.sim.passes.profiler_overhead import PROFILER_COST_CAP_US, ProfilerOverhead, remove_profiler_overhead, water_level
 from whatif.study import TraceStudy
@@ -65,9 +64,7 @@ def long_operators(tmp_path_factory):
 
 def scenario(tmp_path, bundle, **extra):
     doc = {"trace": str(bundle), "cluster": {"machines": 1, "gpus_per_machine": 1, "intra_node": "pcie3", "inter_node": "10gbe"}, **extra}
-    path = tmp_path / "s.yaml"
-    path.write_text(yaml.safe_dump(doc))
-    return load_scenario(path)
+    return Scenario.from_dict(doc, base_dir=tmp_path)
 
 
 def test_a_capture_times_its_warmup_steps_without_profiler_and_its_profiled_steps(bundle):
@@ -115,10 +112,10 @@ def test_the_profiled_steps_of_short_operators_are_slower_than_the_plain_ones(bu
 
 
 def test_predicting_one_worker_from_a_bundle_gives_the_plain_steps_time(bundle, tmp_path):
-    outcome = predict_scenario(scenario(tmp_path, bundle))
+    outcome = predict(scenario(tmp_path, bundle).request())
     plain_ms = steady_median(pd.Series(read_bundle(bundle).unprofiled_step_ms))
     assert outcome.profiler_overhead is not None and outcome.profiler_overhead.removed_ms > 0
-    assert outcome.baseline_ms == pytest.approx(plain_ms, rel=0.05)
+    assert outcome.iteration_ms == pytest.approx(plain_ms, rel=0.05)
 
 
 def test_the_plain_steps_are_summarised_as_runs_are_without_their_first_and_last(bundle):
@@ -174,15 +171,13 @@ def test_a_difference_beyond_what_the_profiler_costs_shrinks_every_task_by_one_f
 
 
 def test_keeping_the_overhead_predicts_the_trace_as_replayed(bundle, tmp_path):
-    outcome = predict_scenario(scenario(tmp_path, bundle, profiler_overhead="keep"))
+    outcome = predict(scenario(tmp_path, bundle, profiler_overhead="keep").request())
     study = TraceStudy.from_trace(bundle)
     assert outcome.profiler_overhead is None
-    assert outcome.baseline_ms == pytest.approx(steady_median(iteration_report(study.replay, study.iterations)["predicted_ms"]), rel=1e-9)
+    assert outcome.iteration_ms == pytest.approx(steady_median(iteration_report(study.replay, study.iterations)["predicted_ms"]), rel=1e-9)
 
 
 def test_an_unknown_profiler_overhead_choice_names_the_key(bundle, tmp_path):
-    from whatif.scenario import ScenarioError
-
     with pytest.raises(ScenarioError, match="profiler_overhead"):
         scenario(tmp_path, bundle, profiler_overhead="drop")
 

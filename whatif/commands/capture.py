@@ -1,7 +1,9 @@
-"""``whatif profile``: a training script run once per level of intrusion, and the view built from the runs.
+"""``whatif collect`` and ``whatif profile``: a training script run and recorded.
 
-The measuring and the hierarchy live in :mod:`whatif.collectors.xsp`; this module is the
-command line over them: its arguments, and the summary it prints.
+``collect`` runs a script that uses the capture API (``collectors/capture.py``) and writes its
+trace bundle; ``profile`` runs it once per level of intrusion (XSP, ``collectors/xsp/``) and
+builds the view of the runs. The measuring lives in ``collectors``; this module is the command
+line over it: the arguments, and the summaries printed.
 """
 
 from __future__ import annotations
@@ -11,17 +13,26 @@ import json
 import sys
 from pathlib import Path
 
-import pandas as pd
-
+from whatif.collectors.capture import CaptureError, collect
 from whatif.collectors.xsp.levels import LEVELS
 from whatif.collectors.xsp.session import profile_command
 from whatif.collectors.xsp.view import TABLE_FILE, VIEW_FILE, flat_table
+from whatif.report.tables import levels_table, profile_table
 
+ERRORS = (CaptureError,)
 TOP_OPERATORS = 10
 
 
-def add_parser(sub) -> None:
-    """The ``profile`` subcommand, on the subparsers of ``whatif``."""
+def add_parsers(sub) -> None:
+    capture = sub.add_parser(
+        "collect",
+        help="run a training script that uses the capture API and write its trace bundle",
+        usage="whatif collect [-h] [--out BUNDLE] [--steps N] [--warmup N] -- python SCRIPT.py [ARGS ...]",
+    )
+    capture.add_argument("--out", type=Path, metavar="BUNDLE", help="bundle folder to write (default: SCRIPT.bundle)")
+    capture.add_argument("--steps", type=int, metavar="N", help="profiled steps (default: the script's, else 5)")
+    capture.add_argument("--warmup", type=int, metavar="N", help="steps before them (default: the script's, else 3)")
+    capture.add_argument("argv", nargs=argparse.REMAINDER, metavar="COMMAND", help="the training command, after --")
     profile = sub.add_parser(
         "profile",
         help="run a training script once per profiling level (XSP) and build the hierarchical view",
@@ -37,42 +48,37 @@ def add_parser(sub) -> None:
     profile.add_argument("argv", nargs=argparse.REMAINDER, metavar="COMMAND", help="the training command, after --")
 
 
+def run(args: argparse.Namespace) -> int:
+    return run_collect(args) if args.command == "collect" else run_profile(args)
+
+
+def run_collect(args: argparse.Namespace) -> int:
+    bundle = collect(args.argv, args.out, args.steps, args.warmup)
+    grads = bundle.parameters[bundle.parameters["requires_grad"]]
+    clock = bundle.manifest.get("clock", {})
+    error = clock.get("alignment_error_us")
+    print(
+        f"wrote {bundle.path}: {len(bundle.steps)} profiled steps ({bundle.steps[0]} to {bundle.steps[-1]}), "
+        f"{len(grads)} parameters ({(grads['numel'] * grads['element_size']).sum() / 1e6:.1f} MB of gradients per step), "
+        f"{len(bundle.layers)} layers, device {bundle.environment.get('device')}"
+        + (f", hook clock within {error:.1f} us of the trace's" if error is not None else "")
+    )
+    return 0
+
+
 def run_profile(args: argparse.Namespace) -> int:
     result = profile_command(args.argv, args.levels, args.out, args.steps, args.warmup, args.rounds)
     if args.json:
         sys.stdout.write(json.dumps(result) + "\n")
         return 0
     print(f"{result['model']}: {VIEW_FILE} and {TABLE_FILE} written to {result['folder']}")
-    print(_levels_table(result))
+    print(levels_table(result))
     table = flat_table(result)
     layers = table[table["level"].isin(["model", "layer"])]
     print()
-    print(_shown(layers[["level", "name", "latency_ms", "calls_per_step", "measured_at_level"]]))
+    print(profile_table(layers[["level", "name", "latency_ms", "calls_per_step", "measured_at_level"]]))
     operators = table[table["level"] == "operator"].nlargest(TOP_OPERATORS, "latency_ms")
     if len(operators):
         print(f"\nthe {len(operators)} slowest operators per step:")
-        print(_shown(operators[["name", "parent", "latency_ms", "calls_per_step", "measured_at_level"]]))
+        print(profile_table(operators[["name", "parent", "latency_ms", "calls_per_step", "measured_at_level"]]))
     return 0
-
-
-def _levels_table(result: dict) -> str:
-    rows, not_run = [], []
-    for level, info in result["overhead"].items():
-        if not info["run"]:
-            not_run.append(f"{level}: not run, {info['reason']}")
-            continue
-        rows.append({
-            "level": level,
-            "step ms": info["step_ms"],
-            "overhead %": info["overhead_pct"],
-            "CPU ms": info["cpu_step_ms"],
-            "CPU overhead %": info["cpu_overhead_pct"],
-            "events/step": info["events_per_step"],
-            "CPU us/event": info["cpu_overhead_us_per_event"],
-        })
-    table = pd.DataFrame(rows).to_string(index=False, float_format=lambda v: f"{v:.2f}", na_rep="-")
-    return "\n".join([table] + not_run)
-
-
-def _shown(frame: pd.DataFrame) -> str:
-    return frame.to_string(index=False, float_format=lambda v: f"{v:.3f}", na_rep="-")
