@@ -8,6 +8,7 @@ operators, captured here, is where the profiler costs most.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -15,6 +16,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from whatif.cli import main
 from whatif.collectors.bundle import read_bundle
 from whatif.pipeline import predict
 from whatif.report.iterations import iteration_report, steady_median
@@ -175,6 +177,32 @@ def test_keeping_the_overhead_predicts_the_trace_as_replayed(bundle, tmp_path):
     study = TraceStudy.from_trace(bundle)
     assert outcome.profiler_overhead is None
     assert outcome.iteration_ms == pytest.approx(steady_median(iteration_report(study.replay, study.iterations)["predicted_ms"]), rel=1e-9)
+
+
+def simulate_json(capsys, *argv) -> dict:
+    assert main(["simulate", *map(str, argv), "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_simulate_predicts_a_what_if_from_the_plain_steps_as_predict_does(bundle, tmp_path, capsys):
+    what_if = simulate_json(capsys, bundle, "--scale", ".=0.5")
+    plain_ms = steady_median(pd.Series(read_bundle(bundle).unprofiled_step_ms))
+    replay_ms = pd.Series([it["replay_ms"] for it in what_if["iterations"]])
+    assert what_if["profiler_overhead"]["removed_ms"] > 0
+    assert steady_median(replay_ms) == pytest.approx(plain_ms, rel=0.05), "the unchanged job runs without the profiler"
+    at_one_worker = predict(scenario(tmp_path, bundle).request()).iteration_ms
+    unchanged = simulate_json(capsys, bundle)
+    assert unchanged["summary"]["steady_predicted_ms"] == pytest.approx(at_one_worker, rel=1e-12), "as predict's 1x1"
+    speedups = [it["speedup"] for it in what_if["iterations"] if it["speedup"] is not None]  # None: emptied
+    assert speedups and speedups == pytest.approx([2.0] * len(speedups)), "the speed-up is the what-if's alone"
+
+
+def test_simulate_keeps_the_overhead_when_asked_and_replays_the_trace(bundle, capsys):
+    kept = simulate_json(capsys, bundle, "--profiler-overhead", "keep")
+    assert "profiler_overhead" not in kept
+    study = TraceStudy.from_trace(bundle)
+    replayed = study.replay_report()["predicted_ms"].tolist()
+    assert [it["predicted_ms"] for it in kept["iterations"]] == pytest.approx(replayed, rel=1e-12)
 
 
 def test_an_unknown_profiler_overhead_choice_names_the_key(bundle, tmp_path):
