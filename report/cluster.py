@@ -90,15 +90,20 @@ def configuration_labels(rows: list[dict], configs: Sequence[ClusterConfig]) -> 
     extra: list[list[str]] = [[] for _ in rows]
     for label in {label for label in labels if labels.count(label) > 1}:
         same = [i for i, other in enumerate(labels) if other == label]
-        for owner, names in ((lambda i: configs[i].cluster, [f.name for f in fields(Cluster)]),
-                             (lambda i: configs[i], [f.name for f in fields(ClusterConfig) if f.name != "cluster"])):
-            for name in names:
-                shown = [_shown(getattr(owner(i), name)) for i in same]
-                if len(set(shown)) > 1:
-                    for i, text in zip(same, shown):
-                        rows[i][name] = text
-                        extra[i].append(name)
+        described = [_described(configs[i]) for i in same]
+        for name in described[0]:
+            if len({d[name] for d in described}) > 1:
+                for i, d in zip(same, described):
+                    rows[i][name] = d[name]
+                    extra[i].append(name)
     return [label + "".join(f" {name}={rows[i][name]}" for name in extra[i]) for i, label in enumerate(labels)]
+
+
+def _described(config: ClusterConfig) -> dict[str, str]:
+    """Every field of the configuration's cluster, then its own, as text."""
+    values = {f.name: getattr(config.cluster, f.name) for f in fields(Cluster)}
+    values.update((f.name, getattr(config, f.name)) for f in fields(ClusterConfig) if f.name != "cluster")
+    return {name: _shown(value) for name, value in values.items()}
 
 
 def _shown(value) -> str:
