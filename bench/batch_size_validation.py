@@ -9,7 +9,7 @@ For each example model (``examples/convnet.py``, ``wide_mlp.py``, ``transformer.
    backward, optimizer step; ``examples/run_distributed.time_iterations``);
 2. then captures a profiled trace at each of the three (``profiled_training.capture_trace``).
 
-The round predicts B0 / 2 and 2 B0 from its B0 trace alone (``predict_iterations_at_batch_size``:
+The round predicts B0 / 2 and 2 B0 from its B0 trace alone (``whatif.pipeline.predict``:
 every batch-carrying operator rescaled by its performance model, overheads kept), with the
 operator models of ``--perfmodel`` (default: the default sweep, fitted once into the output
 folder), after taking the profiler's overhead out of the trace with the round's own plain B0
@@ -197,7 +197,7 @@ def main(argv=None) -> int:
         parser.error(f"--repredict: no kept runs in {args.out} (results.json)")
 
     from whatif.collectors.capture import STEADY_ALLOCATOR
-    from whatif.predict import predict_at_batch_size, predict_iterations_at_batch_size
+    from whatif.pipeline import Request, predict
 
     allocator = STEADY_ALLOCATOR if args.steady_allocator else {}
     args.out = args.out.resolve()  # the workers run in examples/
@@ -231,11 +231,13 @@ def main(argv=None) -> int:
                      "as_traced_ms": [], "real_iterations_ms": [], "probes": []}
             for round_, record in enumerate(measured[model]):
                 trace = trace_path(args.out, model, base, round_)
-                iterations = predict_iterations_at_batch_size(trace, base, b, models, unprofiled_ms=record["times_ms"][base])
+                iterations = predict(Request(trace, batch_size=b, traced_batch_size=base, perfmodel=models,
+                                             unprofiled_ms=record["times_ms"][base])).report
                 point["real_ms"].append(steady_ms(record["times_ms"][b]))
                 point["profiled_ms"].append(statistics.median(profiled_ms(trace_path(args.out, model, b, round_))))
                 point["predicted_ms"].append(steady_ms(iterations["predicted_ms"].to_numpy()))
-                point["as_traced_ms"].append(predict_at_batch_size(trace, base, b, models))
+                as_traced = Request(trace, batch_size=b, traced_batch_size=base, perfmodel=models)
+                point["as_traced_ms"].append(predict(as_traced).iteration_ms)
                 point["real_iterations_ms"].append(record["times_ms"][b])
                 point["probes"].append(record["probes"])
             point["error_pct"] = [100 * (p - r) / r for p, r in zip(point["predicted_ms"], point["real_ms"])]

@@ -2,7 +2,7 @@
 
 Both run on the shared ResNet-50 trace (V100, batch 32) with Horovod and FIFO, each repeated
 ``--runs`` times (best and median reported), and each timed as a user of ``whatif predict``
-waits for it: ``load_scenario`` plus ``predict_scenario``, which reads the trace, builds its
+waits for it: ``Scenario.from_file`` plus ``predict``, which reads the trace, builds its
 graph, replays the 1x1 baseline, finds the gradients and simulates every configuration.
 
 * the grid: 1x1, 2x1, 3x1, 4x1, 2x2, 3x2 and 4x2 at 10, 20 and 40 Gbps (Daydream, Zhu et al.,
@@ -30,9 +30,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
-import whatif.predict
-from whatif.predict import ScenarioResult, predict_scenario
-from whatif.scenario import Scenario, load_scenario
+import whatif.pipeline
+from whatif.pipeline import Prediction, predict
+from whatif.scenario import Scenario
 
 from measured_code import code_version
 from whatif.collectors.host import cpu_model
@@ -68,8 +68,8 @@ policy: fifo
 
 @contextmanager
 def timing_simulate_cluster(seconds: list):
-    """Append the wall seconds of every ``simulate_cluster`` call ``predict_scenario`` makes."""
-    inner = whatif.predict.simulate_cluster
+    """Append the wall seconds of every ``simulate_cluster`` call ``predict`` makes."""
+    inner = whatif.pipeline.simulate_cluster
 
     def timed(*args, **kwargs):
         t0 = time.perf_counter()
@@ -78,26 +78,26 @@ def timing_simulate_cluster(seconds: list):
         finally:
             seconds.append(time.perf_counter() - t0)
 
-    whatif.predict.simulate_cluster = timed
+    whatif.pipeline.simulate_cluster = timed
     try:
         yield
     finally:
-        whatif.predict.simulate_cluster = inner
+        whatif.pipeline.simulate_cluster = inner
 
 
 def grid_scenario(path: Path) -> Scenario:
     """The scenario file's 4 x 2 x 3 grid less 1x2, which Daydream's grid leaves out."""
-    scenario = load_scenario(path)
+    scenario = Scenario.from_file(path)
     scenario.points = [p for p in scenario.points if (p.cluster.machines, p.cluster.gpus_per_machine) in GRID]
     return scenario
 
 
-def time_prediction(load, path: Path) -> tuple[ScenarioResult, float, list]:
+def time_prediction(load, path: Path) -> tuple[Prediction, float, list]:
     """The prediction, the seconds it took from the scenario file, and those of each configuration."""
     per_point: list = []
     with timing_simulate_cluster(per_point):
         t0 = time.perf_counter()
-        outcome = predict_scenario(load(path))
+        outcome = predict(load(path).request())
         total = time.perf_counter() - t0
     return outcome, total, per_point
 
@@ -106,7 +106,7 @@ def best_and_median(samples: list) -> str:
     return f"best {min(samples):7.3f} s   median {statistics.median(samples):7.3f} s"
 
 
-def markdown_table(outcome: ScenarioResult) -> str:
+def markdown_table(outcome: Prediction) -> str:
     """Iteration time and speed-up over 1x1 of each configuration, one column per bandwidth."""
     frame = outcome.results
     gbps = sorted(frame["inter_node_gbps"].unique())
@@ -144,13 +144,13 @@ def main(argv: Optional[list] = None) -> int:
         large_path.write_text(LARGE_YAML.format(trace=trace, machines=LARGE[0], gpus=LARGE[1]))
         trace.read_bytes()  # into the page cache, as for any later run
         grid_runs = [time_prediction(grid_scenario, grid_path) for _ in range(args.runs)]
-        large_runs = [time_prediction(load_scenario, large_path) for _ in range(args.runs)]
+        large_runs = [time_prediction(Scenario.from_file, large_path) for _ in range(args.runs)]
 
     outcome = grid_runs[0][0]
     grid_s = [total for _, total, _ in grid_runs]
     large_s = [total for _, total, _ in large_runs]
     print(f"grid: {len(outcome.results)} configurations (1x1 .. 4x2 x 10, 20, 40 Gbps), Horovod, FIFO")
-    print(f"  {'load_scenario + predict_scenario':<36}{best_and_median(grid_s)}")
+    print(f"  {'Scenario.from_file + predict':<36}{best_and_median(grid_s)}")
     per_point = [statistics.median(run[2][i] for run in grid_runs) for i in range(len(outcome.results))]
     print(f"  {'of which the 21 simulate_cluster':<36}median sum {sum(per_point):7.3f} s")
     print("  per configuration (simulate_cluster, median):")
@@ -159,11 +159,11 @@ def main(argv: Optional[list] = None) -> int:
     print()
     large = large_runs[0][0].results.iloc[0]
     print(f"large: {LARGE[0]} machines x {LARGE[1]} GPUs = {int(large.workers)} workers at 40 Gbps, Horovod, FIFO")
-    print(f"  {'load_scenario + predict_scenario':<36}{best_and_median(large_s)}")
+    print(f"  {'Scenario.from_file + predict':<36}{best_and_median(large_s)}")
     print(f"  predicted iteration {large.iteration_ms:.2f} ms, speed-up {large.speedup:.1f} "
-          f"(1x1 {large_runs[0][0].baseline_ms:.2f} ms)")
+          f"(1x1 {large_runs[0][0].iteration_ms:.2f} ms)")
     print()
-    print(f"grid predictions (1x1 iteration {outcome.baseline_ms:.2f} ms; {outcome.bytes_per_iteration / 1e6:.1f} MB of gradients, {outcome.gradient_source}):")
+    print(f"grid predictions (1x1 iteration {outcome.iteration_ms:.2f} ms; {outcome.bytes_per_iteration / 1e6:.1f} MB of gradients, {outcome.gradient_source}):")
     print()
     print(markdown_table(outcome))
     print()

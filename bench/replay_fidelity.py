@@ -1,8 +1,8 @@
 """Replay fidelity: how closely the unmodified graph reproduces each measured iteration.
 
 For every Kineto trace under a folder (by default the shared real-GPU traces, ``../shared/traces``
-next to the repository) and the bundled CPU trace, this replays the trace with
-``TraceStudy.from_trace(path).replay_report()`` and prints one markdown row per trace: the
+next to the repository) and the bundled CPU trace, this replays the trace as ``whatif replay``
+does (the pipeline, the profiler's overhead kept) and prints one markdown row per trace: the
 iterations found (``ProfilerStep#N`` ranges, or the whole trace where it has none), the median and
 the largest per-iteration |error|, and the median measured and predicted iteration time.
 
@@ -27,7 +27,7 @@ import numpy as np
 from whatif.collectors.iterations import WHOLE_TRACE
 from whatif.collectors.kineto import TraceError
 from whatif.sim.graph import GraphError
-from whatif.study import TraceStudy
+from whatif.pipeline import Request, predict
 
 from measured_code import REPO, code_version  # noqa: E402  (bench/ is the script's folder)
 DEFAULT_TRACES = REPO.parent / "shared" / "traces"
@@ -75,14 +75,14 @@ def measure_fidelity(path: Path) -> Fidelity:
     """Replay one trace and compare every iteration with its measured length."""
     result = Fidelity(trace=shown_path(path))
     try:
-        study = TraceStudy.from_trace(path)
+        replay = predict(Request(path, remove_profiler_overhead=False))
     except (TraceError, GraphError) as err:
         result.problem = f"cannot be replayed: {err}"
         return result
-    report = study.replay_report()
+    report = replay.report
     abs_error_pct = report["error_pct"].abs().to_numpy(dtype=np.float64)
     result.iterations = len(report)
-    whole = list(study.iterations["name"]) == [WHOLE_TRACE]
+    whole = list(replay.study.iterations["name"]) == [WHOLE_TRACE]
     result.iteration_kind = "whole trace" if whole else "ProfilerStep"
     result.measured_median_ms = float(report["measured_ms"].median())
     result.predicted_median_ms = float(report["predicted_ms"].median())

@@ -1,7 +1,8 @@
 """``whatif lab run|calibrate`` and ``whatif validate``: the command-line side of the lab.
 
-``whatif.cli`` registers these commands with :func:`add_parsers` and hands them to :func:`run`;
-the work is in ``cluster`` (running a job), ``calibrate`` and ``validate``.
+``whatif.cli`` registers these commands with :func:`add_parsers` and hands them to :func:`run`,
+reporting :data:`ERRORS` as one line; the work is in ``cluster`` (running a job), ``calibrate``
+and ``validate``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from .cluster import LabError, LabSpec, run_job
 from .validate import as_record
 from .validate import validate as validate_point
 
-COMMANDS = ("lab", "validate")
+ERRORS = (LabError,)
 
 
 def add_parsers(sub) -> None:
@@ -59,7 +60,7 @@ def add_parsers(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run one of :data:`COMMANDS`; its errors are :class:`LabError` and the topology's."""
+    """Run ``lab`` or ``validate``; its errors are :class:`LabError` and the topology's."""
     if args.command == "validate":
         return run_validate(args)
     return run_lab(args)

@@ -5,9 +5,10 @@ For one example model (``examples/``) and one configuration:
 1. capture a single-worker bundle of the model on one core (``whatif collect``), which also
    times steps without the profiler, so that its overhead can be taken out of the prediction,
    in three processes, keeping the one of median speed;
-2. predict the configuration from it with ``whatif predict``'s machinery, on links calibrated on
-   the lab's own network (``whatif lab calibrate``), with the framework settings the real run
-   uses (Horovod's fusion buffer and cycle time are set explicitly for both);
+2. predict the configuration from it with the prediction pipeline (``whatif/pipeline.py``, as
+   ``whatif predict`` does), on links calibrated on the lab's own network (``whatif lab
+   calibrate``), with the framework settings the real run uses (Horovod's fusion buffer and
+   cycle time are set explicitly for both);
 3. run the model for real as every worker of an emulated cluster (``lab/cluster.py``), each
    worker with the same CPU share as the capture (one thread, its own core where the box has
    enough; with ``steady_allocator`` both it and the capture run with glibc's allocator fixed,
@@ -25,21 +26,17 @@ For one example model (``examples/``) and one configuration:
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import statistics
 import sys
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
-import yaml
-
 from whatif.collectors.bundle import is_bundle, read_bundle
 from whatif.collectors.capture import STEADY_ALLOCATOR, CaptureError, collect
-from whatif.predict import predict_scenario
-from whatif.scenario import load_scenario
+from whatif.pipeline import predict
+from whatif.scenario import Scenario
 
 from .calibrate import calibrate
 from .cluster import LabError, LabSpec, run_job
@@ -192,13 +189,9 @@ def predict(trace: Path, links_file: Path, machines: int, gpus: int, bandwidth_m
     }
     if batch_sizes is not None:
         doc["batch_size"] = {"from": batch_sizes[0], "to": batch_sizes[1]}
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-        yaml.safe_dump(doc, f)
-    try:
-        outcome = predict_scenario(load_scenario(Path(f.name)))
-    finally:
-        os.unlink(f.name)
-    return float(outcome.results["iteration_ms"].iloc[0]), outcome.profiler_overhead
+    scenario = Scenario.from_dict(doc, name=f"the validation of {trace} at {machines}x{gpus}")
+    prediction = predict(scenario.request())
+    return float(prediction.results["iteration_ms"].iloc[0]), prediction.profiler_overhead
 
 
 def measure(model: str, spec: LabSpec, framework: str, out: Path, steps: int = 20, warmup: int = 5,
@@ -230,7 +223,7 @@ def validate(
         raise LabError(f"unknown model {model!r}; choose from {', '.join(MODELS)}")
     if repeats < 1:
         raise LabError(f"--repeats must be at least 1, not {repeats}")
-    work = work.resolve()  # the prediction's scenario file lives elsewhere and names the capture by path
+    work = work.resolve()  # the prediction's scenario names the capture and links by absolute path
     if predict_from is not None and batch_size is None:
         raise LabError("--predict-from B0 needs --batch-size B: the batch size to predict and run at")
     captured_at = predict_from if predict_from is not None else batch_size

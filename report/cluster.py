@@ -1,14 +1,19 @@
-"""Where a simulated cluster iteration's time goes: compute, exposed communication, idle."""
+"""Where a simulated cluster iteration's time goes (compute, exposed communication, idle), and
+each configuration's row of the results."""
 
 from __future__ import annotations
+
+from dataclasses import fields
+from typing import Sequence
 
 import numpy as np
 import pandas as pd
 
-from whatif.sim.distributed import ClusterSchedule
+from whatif.sim.distributed import ClusterConfig, ClusterSchedule
 from whatif.sim.graph import GPU_TASK_KINDS, TaskKind
+from whatif.topology import Cluster, as_gbps
 
-from .iterations import union_within
+from .iterations import steady_median, union_within
 
 
 def cluster_breakdown(run: ClusterSchedule, report: pd.DataFrame) -> pd.DataFrame:
@@ -47,3 +52,59 @@ def cluster_breakdown(run: ClusterSchedule, report: pd.DataFrame) -> pd.DataFram
             }
         )
     return pd.DataFrame(rows)
+
+
+def configuration_row(config: ClusterConfig, run: ClusterSchedule, report: pd.DataFrame, baseline_ms: float) -> dict:
+    """One configuration's row of the results: its cluster, framework and policy, the steady
+    median of worker 0's iterations (``report``) and of their breakdown, and its speed-up over
+    one worker's ``baseline_ms`` (throughput: ``workers x baseline / iteration``)."""
+    breakdown = cluster_breakdown(run, report)
+    iteration_ms = steady_median(report["predicted_ms"])
+    cluster = config.cluster
+    return {
+        "machines": cluster.machines,
+        "gpus_per_machine": cluster.gpus_per_machine,
+        "workers": config.workers,
+        "inter_node_gbps": round(as_gbps(cluster.inter_node.bandwidth_bytes_per_us), 3),
+        "framework": config.framework,
+        "policy": config.policy,
+        "iteration_ms": iteration_ms,
+        "speedup": config.workers * baseline_ms / iteration_ms,
+        "scaling_efficiency": baseline_ms / iteration_ms,
+        "exposed_comm_ms": steady_median(breakdown["exposed_comm_ms"]),
+        "comm_ms": steady_median(breakdown["comm_ms"]),
+        "compute_ms": steady_median(breakdown["compute_ms"]),
+        "idle_ms": steady_median(breakdown["idle_ms"]),
+        "messages_per_iteration": run.messages_per_iteration,
+        "comm_mb_per_iteration": run.bytes_per_iteration / 1e6,
+    }
+
+
+def configuration_labels(rows: list[dict], configs: Sequence[ClusterConfig]) -> list[str]:
+    """Each row's name (``2x4 25Gbps ddp fifo``), which keys the simulated runs and names their
+    timelines. Where configurations of one name differ in something else (a grid over
+    ``intra_node``, say), each field of the cluster or configuration that tells them apart
+    becomes a column of their rows, named after the field, and a part of their names."""
+    labels = [f"{r['machines']}x{r['gpus_per_machine']} {r['inter_node_gbps']:g}Gbps {r['framework']} {r['policy']}"
+              for r in rows]
+    extra: list[list[str]] = [[] for _ in rows]
+    for label in {label for label in labels if labels.count(label) > 1}:
+        same = [i for i, other in enumerate(labels) if other == label]
+        described = [_described(configs[i]) for i in same]
+        for name in described[0]:
+            if len({d[name] for d in described}) > 1:
+                for i, d in zip(same, described):
+                    rows[i][name] = d[name]
+                    extra[i].append(name)
+    return [label + "".join(f" {name}={rows[i][name]}" for name in extra[i]) for i, label in enumerate(labels)]
+
+
+def _described(config: ClusterConfig) -> dict[str, str]:
+    """Every field of the configuration's cluster, then its own, as text."""
+    values = {f.name: getattr(config.cluster, f.name) for f in fields(Cluster)}
+    values.update((f.name, getattr(config, f.name)) for f in fields(ClusterConfig) if f.name != "cluster")
+    return {name: _shown(value) for name, value in values.items()}
+
+
+def _shown(value) -> str:
+    return value.describe() if hasattr(value, "describe") else str(value)

@@ -49,6 +49,16 @@ def iteration_report(schedule: Schedule, iterations: pd.DataFrame, worker: Optio
     return pd.DataFrame(rows)
 
 
+def speedup_report(report: pd.DataFrame, unchanged: pd.DataFrame) -> pd.DataFrame:
+    """``report`` (of a changed graph) with the unchanged job's prediction beside it
+    (``replay_ms``, from ``unchanged``, the same iterations' report) and the speed-up over it.
+    There is no error column: nothing measured the changed run."""
+    report = report.drop(columns=["error_pct"])
+    report.insert(2, "replay_ms", unchanged["predicted_ms"].to_numpy())
+    report["speedup"] = report["replay_ms"] / report["predicted_ms"]
+    return report
+
+
 def _row(name, measured_us, predicted_us, busy_us, sync_us, has_gpu, span_start, span_end) -> dict:
     return {
         "name": name,

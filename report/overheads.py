@@ -34,6 +34,8 @@ import pandas as pd
 from whatif.collectors.kineto import GPU_KINDS, EventKind, KinetoTrace
 from whatif.sim.build import IDLE_GAP_US
 
+from .tables import SHOWN_ROWS, named_table
+
 #: Sample types and what they measure; ``T1``..``T5`` are the seed's five overheads.
 OVERHEAD_TYPES = {
     "T1": "between operators",
@@ -204,3 +206,34 @@ def _launch_window_samples(launches: np.ndarray, owner: np.ndarray, names, ts, e
         ts[launches[between]] - end[launches[np.flatnonzero(between) - 1]],
     )
     return [t2, t3, t5]
+
+
+def summary_table(overheads: Overheads) -> str:
+    """Each overhead type's count, total, mean, median and 90th percentile, as text."""
+    summary = overheads.summary()
+    shown = pd.DataFrame(
+        {
+            "type": summary["type"],
+            "what": summary["description"],
+            "count": summary["count"],
+            "total ms": summary["total_us"] / 1e3,
+            "mean us": summary["mean_us"],
+            "median us": summary["median_us"],
+            "p90 us": summary["p90_us"],
+        }
+    )
+    return named_table(shown, ("type", "what"))
+
+
+def per_operator_table(overheads: Overheads) -> str:
+    """The median of each overhead type per operator type, for the :data:`SHOWN_ROWS` operator
+    types with the most overhead in all, as text."""
+    table = overheads.by_operator()
+    types = ["T1", *(LAUNCH_TYPES if overheads.has_launches else ()), "op"]
+    medians = table.pivot(index="operator", columns="type", values="median_us").reindex(columns=types)
+    overhead_us = table[table["type"].isin(types[:-1])].groupby("operator", observed=True)["total_us"].sum()
+    count = table[table["type"] == "op"].set_index("operator")["count"]
+    shown = medians.assign(count=count).reindex(overhead_us.sort_values(ascending=False).index[:SHOWN_ROWS])
+    shown = shown[["count", *types]].reset_index()
+    shown["count"] = shown["count"].fillna(0).astype(int)
+    return named_table(shown, ("operator",))

@@ -1,4 +1,5 @@
-"""The simulated timeline as a Chrome trace that Perfetto and chrome://tracing open."""
+"""The simulated timeline as a Chrome trace that Perfetto and chrome://tracing open, optionally
+with the critical paths marked."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
+from whatif.sim.critical_path import CriticalPath
 from whatif.sim.engine import Schedule
 from whatif.sim.graph import TaskKind
 
@@ -57,6 +59,30 @@ def write_timeline(schedule: Schedule, path: Path, protect: tuple = ()) -> None:
             }
         )
     write_atomically(path, msgspec.json.encode({"traceEvents": events, "displayTimeUnit": "ms"}))
+
+
+def write_marked_timeline(schedule: Schedule, paths: list[CriticalPath], path: Path, protect: tuple = ()) -> None:
+    """The simulated timeline (``write_timeline``) with every task on a critical path marked:
+    ``args.critical = true`` and the red ``cname`` (chrome://tracing), and a flow arrow wherever
+    the path crosses from one thread or stream to another (Perfetto draws those)."""
+    write_timeline(schedule, path, protect=protect)
+    doc = msgspec.json.decode(Path(path).read_bytes())
+    slices = [event for event in doc["traceEvents"] if event["ph"] == "X"]  # one per task, in task order
+    arrows = []
+    for chain in (p.tasks for p in paths):
+        for t in chain.tolist():
+            slices[t]["args"]["critical"] = True
+            slices[t]["cname"] = "terrible"
+        crossing = np.flatnonzero(
+            [slices[a]["tid"] != slices[b]["tid"] or slices[a]["pid"] != slices[b]["pid"] for a, b in zip(chain[:-1], chain[1:])]
+        )
+        for i in crossing.tolist():
+            source, target = slices[chain[i]], slices[chain[i + 1]]
+            flow = {"name": "critical path", "cat": "critical_path", "id": len(arrows) // 2}
+            arrows.append({**flow, "ph": "s", "pid": source["pid"], "tid": source["tid"], "ts": source["ts"]})
+            arrows.append({**flow, "ph": "f", "bp": "e", "pid": target["pid"], "tid": target["tid"], "ts": target["ts"]})
+    doc["traceEvents"].extend(arrows)
+    write_atomically(Path(path), msgspec.json.encode(doc))
 
 
 def write_atomically(path: Path, payload: bytes) -> None:

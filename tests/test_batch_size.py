@@ -12,7 +12,7 @@ import pytest
 from trace_corpus import BUNDLED_TRACE
 from whatif.cli import main
 from whatif.collectors.load import load_trace
-from whatif.predict import predict_at_batch_size
+from whatif.pipeline import Request, predict
 from whatif.sim.build import build_graph
 from whatif.sim.graph import TaskKind
 from whatif.sim.passes.batch_size import BatchSizeChange, change_batch_size, infer_batch_size, parameter_shapes, rescale_dims
@@ -76,8 +76,8 @@ def models(quick_models_file):
 def test_doubling_the_batch_of_the_convnet_takes_longer_but_less_than_2_2_times(models):
     traced = TraceStudy.from_trace(BUNDLE).replay_report()["measured_ms"].to_numpy()
     steady = float(np.median(traced[1:-1]))
-    doubled = predict_at_batch_size(BUNDLE, None, 64, models)
-    halved = predict_at_batch_size(BUNDLE, None, 16, models)
+    doubled = predict(Request(BUNDLE, batch_size=64, perfmodel=models)).iteration_ms
+    halved = predict(Request(BUNDLE, batch_size=16, perfmodel=models)).iteration_ms
     assert steady < doubled < 2.2 * steady
     assert steady / 2.2 < halved < steady
 

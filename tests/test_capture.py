@@ -26,7 +26,7 @@ from whatif.cli import main
 from whatif.collectors.bundle import MANIFEST, BundleError, is_bundle, read_bundle
 from whatif.collectors.iterations import find_iterations
 from whatif.collectors.load import load_trace
-from whatif.scenario import load_scenario
+from whatif.scenario import Scenario
 from whatif.sim.gradients import BUNDLE_SOURCE, find_gradients
 from whatif.sim.workload import Workload
 
@@ -297,7 +297,7 @@ def test_replay_and_scenarios_accept_a_bundle_folder(captured, tmp_path, capsys)
     assert [it["name"] for it in report["iterations"]] == read_bundle(out).steps
     scenario = tmp_path / "s.yaml"
     scenario.write_text(f"trace: {out}\ncluster: {{machines: 2, intra_node: pcie3, inter_node: 10gbe}}\n")
-    assert load_scenario(scenario).trace == out
+    assert Scenario.from_file(scenario).trace == out
     assert main(["predict", str(scenario), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["gradients"]["source"] == BUNDLE_SOURCE
 

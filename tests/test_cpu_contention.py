@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import pytest
 
-from whatif.predict import steady_median
+from whatif.report.iterations import steady_median
 from whatif.report.cluster import cluster_breakdown
 from whatif.report.iterations import iteration_report
 from whatif.sim.distributed import ClusterConfig, ClusterSchedule, simulate_cluster

@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from trace_corpus import A100_DDP2, BUNDLED, COMPILED_DDP, EVENT_SYNC, EVENT_SYNC_MULTISTREAM, RESNET50
+from trace_corpus import A100_DDP2, BUNDLED, COMPILED_DDP, EVENT_SYNC, EVENT_SYNC_MULTISTREAM, RESNET50, predicted
 from whatif import WhatIf, simulate
 from whatif.collectors.kineto import EventKind
 from whatif.sim.graph import GPU_TASK_KINDS, EdgeKind, TaskKind
@@ -164,7 +164,7 @@ def test_the_autograd_thread_waits_for_the_main_thread_and_back(traces):
 def test_the_backward_pass_moves_with_the_forward_pass(traces):
     """Less work on the main thread before backward lets the autograd thread finish earlier."""
     study = traces.study(RESNET50)
-    schedule, _ = study.predict(WhatIf(remove=["DataLoader"]))
+    schedule, _ = predicted(study, WhatIf(remove=["DataLoader"]))
     autograd = "cpu 25738/25772"
     before = study.replay.end_us[(study.graph.tasks["resource"] == autograd).to_numpy()].max()
     after = schedule.end_us[(schedule.graph.tasks["resource"] == autograd).to_numpy()].max()

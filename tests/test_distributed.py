@@ -1,7 +1,7 @@
 """Data-parallel training on a cluster (``simulate_cluster``): bounds and orderings that any
 faithful prediction respects, on the real ResNet-50 trace.
 
-Each configuration is simulated as ``whatif predict`` does (whatif/predict.py): the worker graph
+Each configuration is simulated as ``whatif predict`` does (whatif/pipeline.py): the worker graph
 is the trace's graph without its own communication kernels, the gradients are those of the
 trace, and the iteration time is the steady-state median (``steady_median``) of worker 0's
 iterations. Configurations are simulated once per module and shared by the tests.
@@ -18,7 +18,7 @@ import pytest
 
 from trace_corpus import BUNDLED, RESNET50, V100_1GPU
 from whatif import GraphError
-from whatif.predict import steady_median
+from whatif.report.iterations import steady_median
 from whatif.report.cluster import cluster_breakdown
 from whatif.report.iterations import iteration_report
 from whatif.sim.distributed import ClusterConfig, ClusterSchedule, Straggler, simulate_cluster

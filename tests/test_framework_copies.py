@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from trace_corpus import V100_1GPU
-from whatif.predict import steady_median
+from whatif.report.iterations import steady_median
 from whatif.report.iterations import iteration_report
 from whatif.sim.distributed import ClusterConfig, simulate_cluster
 from whatif.sim.frameworks import FrameworkOptions

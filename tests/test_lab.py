@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ast
 import importlib.util
 import json
 import os
@@ -160,7 +159,7 @@ def test_a_probe_run_several_times_gives_the_median_of_every_figure():
 
 def test_calibrate_writes_links_a_scenario_can_use(tmp_path):
     from whatif.lab.calibrate import calibrate
-    from whatif.scenario import load_scenario
+    from whatif.scenario import Scenario
 
     links = tmp_path / "lab.yaml"
     doc = calibrate(200.0, links, tmp_path / "work")
@@ -170,7 +169,7 @@ def test_calibrate_writes_links_a_scenario_can_use(tmp_path):
         "trace: " + str(BUNDLED) + "\n"
         "cluster: {machines: 2, gpus_per_machine: 1, links: lab.yaml, inter_node: {bandwidth: [100Mbps, 400Mbps]}}\n"
     )
-    points = load_scenario(scenario).points
+    points = Scenario.from_file(scenario).points
     assert [round(p.inter_node_gbps, 3) for p in points] == [0.1, 0.4]
     assert all(p.cluster.inter_node.efficiency == doc["inter_node"]["efficiency"] for p in points)
     contention = doc["inter_node"]["cpu_contention"]
@@ -186,28 +185,3 @@ def test_calibrate_writes_links_a_scenario_can_use(tmp_path):
         assert all(0 < p.cluster.inter_node.framework_loop_us("horovod") < 5000 for p in points), "a part of every 5 ms cycle"
     assert all(p.cluster.workers_sharing_memory == 2 for p in points), "the lab's machines share one box's memory"
     assert all(p.cluster.shared_memory.memory_slowdown(2) >= 1 for p in points)
-
-
-def imported_modules(path, package: str) -> set:
-    """Every module ``path`` (a module of ``package``) imports, relative imports resolved."""
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            parts = package.split(".")
-            base = ".".join(parts[: len(parts) - node.level + 1] if node.level else [])
-            module = ".".join(p for p in (base, node.module) if p)
-            names |= {module} | {f"{module}.{alias.name}" for alias in node.names}
-    return names
-
-
-def test_the_simulator_never_imports_the_lab():
-    """The lab holds predictions against real runs; the simulator stands without it."""
-    importers = []
-    for folder in ("collectors", "sim", "topology", "report"):
-        for path in sorted((REPO / folder).rglob("*.py")):
-            package = ".".join(["whatif", folder, *path.relative_to(REPO / folder).parent.parts])
-            if any(name.split(".")[:2] == ["whatif", "lab"] for name in imported_modules(path, package)):
-                importers.append(str(path.relative_to(REPO)))
-    assert importers == []

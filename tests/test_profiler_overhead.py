@@ -8,18 +8,19 @@ operators, captured here, is where the profiler costs most.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
 import numpy as np
 import pandas as pd
 import pytest
-import yaml
 
+from whatif.cli import main
 from whatif.collectors.bundle import read_bundle
-from whatif.predict import predict_scenario
+from whatif.pipeline import predict
 from whatif.report.iterations import iteration_report, steady_median
-from whatif.scenario import load_scenario
+from whatif.scenario import Scenario, ScenarioError
 from whatif.sim.engine import simulate
 from whatif.sim.passes.profiler_overhead import PROFILER_COST_CAP_US, ProfilerOverhead, remove_profiler_overhead, water_level
 from whatif.study import TraceStudy
@@ -65,9 +66,7 @@ def long_operators(tmp_path_factory):
 
 def scenario(tmp_path, bundle, **extra):
     doc = {"trace": str(bundle), "cluster": {"machines": 1, "gpus_per_machine": 1, "intra_node": "pcie3", "inter_node": "10gbe"}, **extra}
-    path = tmp_path / "s.yaml"
-    path.write_text(yaml.safe_dump(doc))
-    return load_scenario(path)
+    return Scenario.from_dict(doc, base_dir=tmp_path)
 
 
 def test_a_capture_times_its_warmup_steps_without_profiler_and_its_profiled_steps(bundle):
@@ -115,10 +114,10 @@ def test_the_profiled_steps_of_short_operators_are_slower_than_the_plain_ones(bu
 
 
 def test_predicting_one_worker_from_a_bundle_gives_the_plain_steps_time(bundle, tmp_path):
-    outcome = predict_scenario(scenario(tmp_path, bundle))
+    outcome = predict(scenario(tmp_path, bundle).request())
     plain_ms = steady_median(pd.Series(read_bundle(bundle).unprofiled_step_ms))
     assert outcome.profiler_overhead is not None and outcome.profiler_overhead.removed_ms > 0
-    assert outcome.baseline_ms == pytest.approx(plain_ms, rel=0.05)
+    assert outcome.iteration_ms == pytest.approx(plain_ms, rel=0.05)
 
 
 def test_the_plain_steps_are_summarised_as_runs_are_without_their_first_and_last(bundle):
@@ -174,15 +173,39 @@ def test_a_difference_beyond_what_the_profiler_costs_shrinks_every_task_by_one_f
 
 
 def test_keeping_the_overhead_predicts_the_trace_as_replayed(bundle, tmp_path):
-    outcome = predict_scenario(scenario(tmp_path, bundle, profiler_overhead="keep"))
+    outcome = predict(scenario(tmp_path, bundle, profiler_overhead="keep").request())
     study = TraceStudy.from_trace(bundle)
     assert outcome.profiler_overhead is None
-    assert outcome.baseline_ms == pytest.approx(steady_median(iteration_report(study.replay, study.iterations)["predicted_ms"]), rel=1e-9)
+    assert outcome.iteration_ms == pytest.approx(steady_median(iteration_report(study.replay, study.iterations)["predicted_ms"]), rel=1e-9)
+
+
+def simulate_json(capsys, *argv) -> dict:
+    assert main(["simulate", *map(str, argv), "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_simulate_predicts_a_what_if_from_the_plain_steps_as_predict_does(bundle, tmp_path, capsys):
+    what_if = simulate_json(capsys, bundle, "--scale", ".=0.5")
+    plain_ms = steady_median(pd.Series(read_bundle(bundle).unprofiled_step_ms))
+    replay_ms = pd.Series([it["replay_ms"] for it in what_if["iterations"]])
+    assert what_if["profiler_overhead"]["removed_ms"] > 0
+    assert steady_median(replay_ms) == pytest.approx(plain_ms, rel=0.05), "the unchanged job runs without the profiler"
+    at_one_worker = predict(scenario(tmp_path, bundle).request()).iteration_ms
+    unchanged = simulate_json(capsys, bundle)
+    assert unchanged["summary"]["steady_predicted_ms"] == pytest.approx(at_one_worker, rel=1e-12), "as predict's 1x1"
+    speedups = [it["speedup"] for it in what_if["iterations"] if it["speedup"] is not None]  # None: emptied
+    assert speedups and speedups == pytest.approx([2.0] * len(speedups)), "the speed-up is the what-if's alone"
+
+
+def test_simulate_keeps_the_overhead_when_asked_and_replays_the_trace(bundle, capsys):
+    kept = simulate_json(capsys, bundle, "--profiler-overhead", "keep")
+    assert "profiler_overhead" not in kept
+    study = TraceStudy.from_trace(bundle)
+    replayed = study.replay_report()["predicted_ms"].tolist()
+    assert [it["predicted_ms"] for it in kept["iterations"]] == pytest.approx(replayed, rel=1e-12)
 
 
 def test_an_unknown_profiler_overhead_choice_names_the_key(bundle, tmp_path):
-    from whatif.scenario import ScenarioError
-
     with pytest.raises(ScenarioError, match="profiler_overhead"):
         scenario(tmp_path, bundle, profiler_overhead="drop")
 

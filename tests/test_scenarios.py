@@ -1,4 +1,4 @@
-"""Scenario files (``load_scenario``) and what ``predict_scenario`` answers for them.
+"""Scenario files (``Scenario.from_file``) and what the pipeline (``predict``) answers for them.
 
 A scenario names a trace and a cluster, or a grid of them; every mistake in one is a single line
 that names the file and the key, with exit status 2 from ``whatif predict``. Scenario files are
@@ -14,12 +14,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
-import whatif.predict
+import whatif.pipeline
 from trace_corpus import A100_DDP2, BUNDLED, BUNDLED_TRACE, RESNET50
 from whatif.cli import main
-from whatif.predict import predict_scenario, steady_median
-from whatif.scenario import ScenarioError, load_scenario
+from whatif.pipeline import predict
+from whatif.report.iterations import steady_median
+from whatif.scenario import Scenario, ScenarioError
 
 CLUSTER = "cluster: {machines: 2, gpus_per_machine: 1, intra_node: nvlink2, inter_node: 10gbe}\n"
 
@@ -32,7 +34,7 @@ def write_scenario(folder: Path, text: str, name: str = "scenario.yaml") -> Path
 
 @pytest.fixture
 def cached_loading(monkeypatch, traces):
-    """``predict_scenario`` gets each trace's study from the session cache instead of parsing the
+    """``predict`` gets each trace's study from the session cache instead of parsing the
     file again (it reads nothing else from the trace file)."""
     bundled = BUNDLED_TRACE.resolve()
 
@@ -44,14 +46,14 @@ def cached_loading(monkeypatch, traces):
             name = BUNDLED if path == bundled else path.relative_to(traces.shared_root.resolve()).as_posix()
             return traces.study(name)
 
-    monkeypatch.setattr(whatif.predict, "TraceStudy", CachedStudies)
+    monkeypatch.setattr(whatif.pipeline, "TraceStudy", CachedStudies)
 
 
 # -- grids ---------------------------------------------------------------------------------------
 
 
 def test_the_minimal_scenario_of_the_issue_is_a_grid_of_24_clusters(tmp_path):
-    scenario = load_scenario(write_scenario(tmp_path, (
+    scenario = Scenario.from_file(write_scenario(tmp_path, (
         f"trace: {BUNDLED_TRACE}\n"
         "cluster:\n"
         "  machines: [1, 2, 3, 4]\n"
@@ -68,7 +70,7 @@ def test_the_minimal_scenario_of_the_issue_is_a_grid_of_24_clusters(tmp_path):
 
 
 def test_frameworks_policies_and_link_presets_multiply_the_grid(tmp_path):
-    scenario = load_scenario(write_scenario(tmp_path, (
+    scenario = Scenario.from_file(write_scenario(tmp_path, (
         f"trace: {BUNDLED_TRACE}\n"
         "cluster: {machines: [2, 4], gpus_per_machine: 8, intra_node: nvlink2, inter_node: [10gbe, 25gbe, 100gbe]}\n"
         "framework: [horovod, ddp, ps]\n"
@@ -80,7 +82,7 @@ def test_frameworks_policies_and_link_presets_multiply_the_grid(tmp_path):
 
 
 def test_framework_options_take_units(tmp_path):
-    scenario = load_scenario(write_scenario(tmp_path, (
+    scenario = Scenario.from_file(write_scenario(tmp_path, (
         f"trace: {BUNDLED_TRACE}\n{CLUSTER}"
         "framework_options: {cycle_time: 2ms, bucket_cap: 10MB, first_bucket: 1MiB, fusion_buffer: 32MB,"
         " partition: 2MB, slice: 512KB}\n"
@@ -101,7 +103,7 @@ def test_a_calibrated_links_file_brings_the_shared_memory_it_measured(tmp_path):
         "shared_memory: {among: cluster, core_bandwidth: 42GB/s, total_bandwidth: 50GB/s, compute: 1.02}\n"
     )
     path = write_scenario(tmp_path, GOOD_TRACE + "cluster: {machines: [1, 2], gpus_per_machine: 1, links: lab.yaml}\n")
-    points = load_scenario(path).points
+    points = Scenario.from_file(path).points
     assert [p.cluster.workers_sharing_memory for p in points] == [1, 2], "the lab's machines share one box"
     assert all(p.cluster.shared_memory.compute_slowdown == 1.02 for p in points)
 
@@ -115,8 +117,56 @@ def test_a_relative_trace_path_is_relative_to_the_scenario_file(tmp_path, monkey
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
-    scenario = load_scenario(path)
+    scenario = Scenario.from_file(path)
     assert scenario.trace.resolve() == trace.resolve()
+
+
+def test_a_scenario_given_as_a_mapping_is_the_scenario_its_yaml_would_be(tmp_path):
+    text = (f"trace: {BUNDLED_TRACE.name}\n"
+            "cluster: {machines: [1, 2], gpus_per_machine: 1, intra_node: nvlink2, inter_node: [10gbe, 40gbe]}\n"
+            "framework: [horovod, ddp]\n")
+    shutil.copyfile(BUNDLED_TRACE, tmp_path / BUNDLED_TRACE.name)
+    from_file = Scenario.from_file(write_scenario(tmp_path, text))
+    from_dict = Scenario.from_dict(yaml.safe_load(text), base_dir=tmp_path, name="the grid")
+    assert from_dict.trace == from_file.trace == tmp_path / BUNDLED_TRACE.name, "relative to base_dir"
+    assert from_dict.points == from_file.points
+    with pytest.raises(ScenarioError, match="^the grid: framework: "):
+        Scenario.from_dict({**yaml.safe_load(text), "framework": "mpi"}, base_dir=tmp_path, name="the grid")
+
+
+def test_any_list_in_the_cluster_is_a_grid_axis(tmp_path):
+    scenario = Scenario.from_file(write_scenario(tmp_path, (
+        f"{GOOD_TRACE}cluster: {{machines: 2, gpus_per_machine: [1, 2], intra_node: nvlink2,"
+        " inter_node: {bandwidth: 10Gbps, latency: [5us, 50us]}}\n"
+    )))
+    assert [(p.cluster.gpus_per_machine, p.cluster.inter_node.latency_us) for p in scenario.points] == [
+        (1, 5.0), (1, 50.0), (2, 5.0), (2, 50.0)]
+
+
+def test_the_grid_varies_machines_then_gpus_whatever_order_the_file_writes_them(tmp_path):
+    scenario = Scenario.from_file(write_scenario(tmp_path, (
+        f"{GOOD_TRACE}cluster: {{inter_node: [10gbe, 40gbe], gpus_per_machine: [1, 2], machines: [1, 2], intra_node: nvlink2}}\n"
+    )))
+    order = [(p.cluster.machines, p.cluster.gpus_per_machine, round(p.inter_node_gbps)) for p in scenario.points]
+    assert order == [(m, g, b) for m in (1, 2) for g in (1, 2) for b in (10, 40)]
+
+
+def test_configurations_that_differ_only_beyond_the_table_get_a_column_and_a_name_each(tmp_path, cached_loading):
+    path = write_scenario(tmp_path, (
+        f"{GOOD_TRACE}cluster: {{machines: 1, gpus_per_machine: 2, intra_node: [nvlink2, pcie3], inter_node: 10gbe}}\n"
+    ))
+    outcome = predict(Scenario.from_file(path).request())
+    assert len(outcome.runs) == len(outcome.results) == 2
+    assert outcome.results["intra_node"].str.startswith(("nvlink2", "pcie3")).all()
+    assert all("intra_node=" in label for label in outcome.runs)
+
+
+def test_a_cluster_takes_every_key_the_topology_knows(tmp_path):
+    (point,) = Scenario.from_file(write_scenario(tmp_path, (
+        f"{GOOD_TRACE}cluster: {{machines: 1, gpus_per_machine: 1, intra_node: nvlink2, inter_node: 10gbe,"
+        " note: measured in May, server_machines: 1}\n"
+    ))).points
+    assert point.cluster.server_machines == 1
 
 
 # -- mistakes ------------------------------------------------------------------------------------
@@ -163,6 +213,10 @@ BAD_SCENARIOS = {
     "a straggler without a machine": (GOOD_TRACE + CLUSTER + "stragglers: [{slowdown: 2}]\n", "stragglers[0].machine", "missing"),
     "no cluster": (GOOD_TRACE, "cluster", "missing"),
     "a size without a known unit": (GOOD_TRACE + CLUSTER + "gradients: {total: 50 MBs}\n", "gradients.total", "MBs"),
+    "a list where one value goes": (GOOD_TRACE + CLUSTER + "collective: [hierarchical]\n", "collective", "not a grid axis"),
+    "a typo in a framework option": (GOOD_TRACE + CLUSTER + "framework_options: {fusion: 32MB}\n",
+                                     "framework_options.fusion", "'fusion_buffer'"),
+    "an optimization's bad value": (GOOD_TRACE + CLUSTER + "optimizations: [faster-gpu=twice]\n", "optimizations", "twice"),
 }
 
 NOT_A_SCENARIO = {
@@ -191,7 +245,7 @@ def test_a_mistake_is_one_line_naming_the_file_and_the_key(tmp_path, capsys, cas
     text, key, hint = BAD_SCENARIOS[case]
     path = write_scenario(tmp_path, text)
     with pytest.raises(ScenarioError) as info:
-        load_scenario(path)
+        Scenario.from_file(path)
     assert info.value.key == key
     status, out, err = run_predict(capsys, path)
     assert_one_line_error(status, err, f"{path}: {key}: ", hint)
@@ -247,7 +301,7 @@ def test_an_empty_list_in_the_grid_is_a_mistake(tmp_path, capsys, cluster):
 def test_no_gradients_at_all_is_a_mistake(tmp_path):
     path = write_scenario(tmp_path, f"{GOOD_TRACE}{CLUSTER}gradients: {{total: 0MB}}\n")
     with pytest.raises(ScenarioError) as info:
-        load_scenario(path)
+        Scenario.from_file(path)
     assert info.value.key.startswith("gradients")
 
 
@@ -274,9 +328,9 @@ def test_one_worker_predicts_the_replay(traces, tmp_path, cached_loading, name):
         "cluster: {machines: 1, gpus_per_machine: 1, intra_node: nvlink2, inter_node: 10gbe}\n"
         "framework: [horovod, ddp, ps]\npolicy: [fifo, p3]\n"
     ))
-    outcome = predict_scenario(load_scenario(path))
+    outcome = predict(Scenario.from_file(path).request())
     replay = traces.study(name).replay_report()["predicted_ms"]
-    assert outcome.baseline_ms == pytest.approx(steady_median(replay), rel=1e-12)
+    assert outcome.iteration_ms == pytest.approx(steady_median(replay), rel=1e-12)
     results = outcome.results
     assert len(results) == 6
     for label, run in outcome.runs.items():
@@ -288,10 +342,10 @@ def test_one_worker_predicts_the_replay(traces, tmp_path, cached_loading, name):
 
 def test_every_kineto_trace_is_usable_with_a_gradient_total(traces, tmp_path, cached_loading, kineto_trace):
     path = write_scenario(tmp_path, f"trace: {traces.path(kineto_trace)}\n{CLUSTER}gradients: {{total: 50MB}}\n")
-    outcome = predict_scenario(load_scenario(path))
+    outcome = predict(Scenario.from_file(path).request())
     (row,) = outcome.results.itertuples()
     assert np.isfinite(row.iteration_ms) and row.iteration_ms > 0
-    assert np.isfinite(outcome.baseline_ms) and outcome.baseline_ms > 0
+    assert np.isfinite(outcome.iteration_ms) and outcome.iteration_ms > 0
     assert row.messages_per_iteration > 0 and row.comm_mb_per_iteration > 0
     assert row.speedup <= 2 * (1 + 1e-9), "two workers are at most twice as fast as one"
 
@@ -301,6 +355,6 @@ def test_a_gradient_total_in_the_scenario_is_what_is_communicated(traces, tmp_pa
     """The scenario format documents ``gradients: {total: 100MB}`` as the alternative to the
     default "from the trace": asking what 50 MB of gradients would cost gets 50 MB."""
     path = write_scenario(tmp_path, f"trace: {traces.path(name)}\n{CLUSTER}gradients: {{total: 50MB}}\n")
-    outcome = predict_scenario(load_scenario(path))
+    outcome = predict(Scenario.from_file(path).request())
     assert outcome.bytes_per_iteration == pytest.approx(50e6)
     assert outcome.results["comm_mb_per_iteration"].tolist() == pytest.approx([50.0])

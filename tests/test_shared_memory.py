@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from whatif.predict import steady_median
+from whatif.report.iterations import steady_median
 from whatif.report.iterations import iteration_report
 from whatif.sim.distributed import ClusterConfig, simulate_cluster
 from whatif.sim.passes.optimizations import OPTIMIZER_STEP

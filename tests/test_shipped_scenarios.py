@@ -14,10 +14,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from whatif import TraceStudy
-from whatif.predict import ScenarioResult, predict_scenario
+from whatif.pipeline import Prediction, predict
 from whatif.report.iterations import iteration_report, union_within
-from whatif.scenario import Scenario, load_scenario
+from whatif.scenario import Scenario
 from whatif.sim.frameworks import FrameworkOptions
 
 REPO = Path(__file__).resolve().parents[1]
@@ -27,16 +26,16 @@ CYCLE_MS = FrameworkOptions().cycle_time_us / 1e3  # Horovod's background loop: 
 
 
 @lru_cache(maxsize=None)
-def predicted(name: str) -> tuple[Scenario, ScenarioResult]:
-    scenario = load_scenario(REPO / "scenarios" / name)
-    return scenario, predict_scenario(scenario)
+def predicted(name: str) -> tuple[Scenario, Prediction]:
+    scenario = Scenario.from_file(REPO / "scenarios" / name)
+    return scenario, predict(scenario.request())
 
 
 @lru_cache(maxsize=None)
 def iteration_times_ms(name: str) -> dict:
     """Per configuration label, the predicted time of every iteration of worker 0."""
-    scenario, outcome = predicted(name)
-    iterations = TraceStudy.from_trace(scenario.trace, scenario.iteration).iterations
+    _, outcome = predicted(name)
+    iterations = outcome.study.iterations
     return {
         label: iteration_report(run.schedule, iterations, run.worker0)["predicted_ms"].to_numpy()
         for label, run in outcome.runs.items()
@@ -52,7 +51,7 @@ def test_the_shipped_scenarios_are_there():
 def test_a_scenario_says_what_it_asks_and_uses_a_shipped_trace(path):
     header = path.read_text().split("\ntrace:")[0]
     assert header.startswith("# Question:"), "a scenario opens with the question it answers"
-    scenario = load_scenario(path)
+    scenario = Scenario.from_file(path)
     assert not Path(path.read_text().split("\ntrace:")[1].split()[0]).is_absolute(), "trace is relative"
     assert scenario.trace.resolve().is_relative_to(REPO / "data"), "only traces the repository ships"
     assert scenario.points
@@ -67,7 +66,7 @@ def test_a_scenario_predicts_every_configuration_no_faster_than_linear(path):
     assert (results["speedup"] <= results["workers"] * (1 + 1e-9)).all(), results.to_string()
     assert (results["exposed_comm_ms"] <= results["iteration_ms"] + 1e-9).all()
     one = results["workers"] == 1
-    assert np.allclose(results.loc[one, "iteration_ms"], outcome.baseline_ms), "1x1 is the replay"
+    assert np.allclose(results.loc[one, "iteration_ms"], outcome.iteration_ms), "1x1 is the replay"
 
 
 def test_p3_is_never_slower_than_fifo_and_faster_where_communication_is_exposed():
@@ -136,5 +135,5 @@ def test_a_straggler_sets_the_pace_of_every_worker():
     assert set(results["machines"]) == {2, 4}
     slowdown = 1.5
     for row in results.itertuples():
-        assert row.iteration_ms >= slowdown * outcome.baseline_ms * 0.98, row
+        assert row.iteration_ms >= slowdown * outcome.iteration_ms * 0.98, row
         assert row.speedup <= row.workers / slowdown * 1.02, row

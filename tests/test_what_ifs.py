@@ -18,6 +18,7 @@ from trace_corpus import (
     RESNET50,
     RESNET50_WORKERS4,
     V100_1GPU,
+    predicted,
 )
 from whatif import GraphError, WhatIf, simulate
 from whatif.sim.graph import GPU_TASK_KINDS, EdgeKind, TaskKind
@@ -43,7 +44,7 @@ def iteration_ends_us(schedule, iterations: pd.DataFrame) -> np.ndarray:
 
 def assert_never_slower(study, what_if: WhatIf):
     """No iteration takes longer, and none ends later, than in the replay."""
-    schedule, report = study.predict(what_if)
+    schedule, report = predicted(study, what_if)
     assert np.isfinite(report["predicted_ms"]).all()
     assert (report["predicted_ms"] <= report["replay_ms"] * (1 + 1e-12)).all(), report.to_string()
     assert (iteration_ends_us(schedule, study.iterations) <= iteration_ends_us(study.replay, study.iterations) + TOLERANCE_US).all()
@@ -62,7 +63,7 @@ def resource_sequence(graph, resource: str) -> np.ndarray:
 
 def test_scaling_every_task_by_one_changes_nothing(traces, any_trace):
     study = traces.study(any_trace)
-    schedule, report = study.predict(WhatIf(scale=[(".", 1.0)]))
+    schedule, report = predicted(study, WhatIf(scale=[(".", 1.0)]))
     assert np.array_equal(schedule.start_us, study.replay.start_us)
     assert np.array_equal(schedule.end_us, study.replay.end_us)
     assert (report["speedup"] == 1.0).all()
@@ -123,7 +124,7 @@ def test_amp_runs_tensor_core_kernels_three_times_and_other_kernels_twice_as_fas
 
 def test_amp_changes_nothing_on_a_cpu_only_trace(traces):
     study = traces.study(BUNDLED)
-    schedule, report = study.predict(WhatIf(optimizations=["amp"]))
+    schedule, report = predicted(study, WhatIf(optimizations=["amp"]))
     assert np.array_equal(schedule.end_us, study.replay.end_us)
     assert (report["speedup"] == 1.0).all()
 
@@ -178,7 +179,7 @@ def test_the_fused_optimizer_never_makes_an_iteration_end_later(traces, name):
     """Fusing moves GPU work earlier, so in a pipelined run one step may absorb what its
     predecessor saved; but no iteration may end later than in the replay."""
     study = traces.study(name)
-    schedule, _ = study.predict(WhatIf(optimizations=["fused-optimizer"]))
+    schedule, _ = predicted(study, WhatIf(optimizations=["fused-optimizer"]))
     later = iteration_ends_us(schedule, study.iterations) - iteration_ends_us(study.replay, study.iterations)
     assert (later <= TOLERANCE_US).all()
 
@@ -211,19 +212,19 @@ def test_removing_the_data_loader_speeds_up_a_host_bound_run(traces):
     step, while the GPU is busy about 100 ms: without data loading a step must get clearly
     shorter, the first step included."""
     study = traces.study(RESNET50)
-    _, report = study.predict(WhatIf(remove=["DataLoader"]))
+    _, report = predicted(study, WhatIf(remove=["DataLoader"]))
     assert (report["speedup"].iloc[1:] > 1.15).all(), report.to_string()
 
 
 def test_removing_the_data_loader_speeds_up_the_first_step_too(traces):
-    _, report = traces.study(RESNET50).predict(WhatIf(remove=["DataLoader"]))
+    _, report = predicted(traces.study(RESNET50), WhatIf(remove=["DataLoader"]))
     assert report["speedup"].iloc[0] > 1.15, report.to_string()
 
 
 def test_the_no_dataloader_optimization_removes_the_data_loading(traces):
     study = traces.study(RESNET50)
-    _, by_name = study.predict(WhatIf(optimizations=["no-dataloader"]))
-    _, by_pattern = study.predict(WhatIf(remove=["DataLoader"]))
+    _, by_name = predicted(study, WhatIf(optimizations=["no-dataloader"]))
+    _, by_pattern = predicted(study, WhatIf(remove=["DataLoader"]))
     np.testing.assert_array_equal(by_name["predicted_ms"], by_pattern["predicted_ms"])
 
 

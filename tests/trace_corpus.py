@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from whatif import TraceStudy
+from whatif import Request, TraceStudy, WhatIf, predict
 from whatif.collectors.kineto import KinetoTrace
 
 REPO = Path(__file__).resolve().parents[1]
@@ -36,6 +36,13 @@ RECSYS = "hta-misc/a100_rank3_of8_recsys.json.gz"
 COMPILED_DDP = "hta-misc/v100_ddp2_compiled_rank1.json.gz"
 DLRM_RANK0 = "param-dlrm-8rank/worker0.json.gz"
 RESNET18 = "param-resnet18-2080ti/resnet18_bs128.json.gz"
+
+
+def predicted(study: TraceStudy, what_if: WhatIf):
+    """The schedule of ``what_if`` on a cached study's trace, and its report beside the replay
+    (``replay_ms``, ``speedup``): the pipeline, the profiler's overhead kept as the replay keeps it."""
+    prediction = predict(Request(study, what_if=what_if, remove_profiler_overhead=False))
+    return prediction.schedule, prediction.speedup_report()
 
 
 def shared_kineto_traces() -> list[str]:

@@ -10,7 +10,7 @@
 """
 
 from .cluster import Cluster, Link, SharedMemory, link_presets, load_cluster, preset_names
-from .cost import COLLECTIVE_OPS, CollectiveCost, collective_cost, collective_plan
+from .cost import COLLECTIVE_OPS, CollectiveCost, collective_algorithms, collective_cost, collective_plan
 from .collectives import (
     ALGORITHMS,
     allreduce_time_us,
@@ -53,6 +53,7 @@ __all__ = [
     "allreduce_time_us",
     "as_gbps",
     "as_gigabytes_per_s",
+    "collective_algorithms",
     "collective_cost",
     "collective_plan",
     "fair_rates",

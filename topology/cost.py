@@ -57,6 +57,14 @@ class CollectiveCost:
     channels: int
 
 
+def collective_algorithms(op: str) -> tuple:
+    """The algorithms ``op`` can run, its default first (a scenario's ``collective`` names one
+    of ``all_reduce``'s)."""
+    if op not in COLLECTIVE_OPS:
+        raise TopologyError("op", f"unknown collective {op!r}{_hint(op, COLLECTIVE_OPS)}; known: {', '.join(COLLECTIVE_OPS)}")
+    return _ALGORITHMS[op]
+
+
 def collective_cost(
     cluster: Cluster,
     op: str,
@@ -95,11 +103,9 @@ def collective_plan(
 
 def _choose(cluster: Cluster, op: str, ranks, algorithm: Optional[str]) -> str:
     """The algorithm for ``op`` (its default where None), after checking op and ranks."""
-    if op not in COLLECTIVE_OPS:
-        raise TopologyError("op", f"unknown collective {op!r}{_hint(op, COLLECTIVE_OPS)}; known: {', '.join(COLLECTIVE_OPS)}")
+    known = collective_algorithms(op)
     if ranks is not None and not np.array_equal(np.sort(np.asarray(ranks)), np.arange(cluster.n_gpus)):
         raise TopologyError("ranks", f"a collective over some of the {cluster.n_gpus} GPUs is not modelled; give all of them or None")
-    known = _ALGORITHMS[op]
     algorithm = known[0] if algorithm is None else algorithm
     if algorithm not in known:
         raise TopologyError("algorithm", f"unknown {op} algorithm {algorithm!r}{_hint(algorithm, known)}; known: {', '.join(known)}")

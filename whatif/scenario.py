@@ -24,48 +24,55 @@ A scenario file looks like::
     framework_options: {fusion_buffer: 64MB, cycle_time: 5ms, bucket_cap: 25MB,
                         first_bucket: 1MB, partition: 4MB, slice: 1MB}
 
-Lists in ``machines``, ``gpus_per_machine``, ``inter_node.bandwidth`` (or ``inter_node`` itself,
-as a list of presets), ``framework`` and ``policy`` make the scenario the grid of all their
-combinations. Every mistake is reported as one line naming the file and the key.
+This module knows the scenario's own keys (the top level, ``gradients``, ``stragglers``,
+``batch_size``) and nothing else: the cluster block is whatever ``topology.Cluster.from_config``
+takes (less ``links``, a file this module reads relative to the scenario; and one machine of one
+GPU where ``machines`` or ``gpus_per_machine`` is left out), the collectives are topology's
+all-reduce algorithms, and frameworks, their options, policies and optimizations are the
+registries of ``sim/``.
+
+The grid. A list makes a grid axis in two places: ``framework`` and ``policy``, and anywhere in
+the cluster block, at any depth (``machines: [1, 2]``, ``inter_node: [10gbe, 40gbe]``,
+``inter_node: {bandwidth: [10Gbps, 40Gbps]}``), since a cluster takes no list as a value; a
+list's items are taken as written. The scenario is every combination of its axes, the first
+varying slowest: ``machines``, ``gpus_per_machine``, the cluster's other axes in the order the
+file writes them, then ``framework`` and ``policy``. Every mistake is reported as one line
+naming the file and the key.
 """
 
 from __future__ import annotations
 
 import difflib
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
 
 import yaml
 
 from whatif.collectors.bundle import is_bundle
-from whatif.sim.distributed import POLICIES, Straggler
+from whatif.sim.distributed import POLICIES, ClusterConfig, Straggler
 from whatif.sim.frameworks import FRAMEWORKS, FrameworkOptions
-from whatif.sim.passes.optimizations import OPTIMIZATIONS
-from whatif.topology import Cluster, TopologyError, as_gbps, parse_latency, parse_size
+from whatif.sim.graph import GraphError
+from whatif.sim.passes.optimizations import OPTIMIZATIONS, optimization_name, parse_optimization
+from whatif.topology import Cluster, TopologyError, as_gbps, collective_algorithms, parse_size
+
+from .pipeline import Request, WhatIf
 
 _TOP_KEYS = (
     "trace", "iteration", "cluster", "framework", "policy", "collective", "optimizations",
     "gradients", "stragglers", "framework_options", "replicate", "network", "profiler_overhead", "batch_size",
     "perfmodel", "name", "description",
 )
-_CLUSTER_KEYS = ("machines", "gpus_per_machine", "intra_node", "inter_node", "server_machines", "shared_memory", "name", "links")
-_OPTION_KEYS = {
-    "bucket_cap": "bucket_cap_bytes",
-    "first_bucket": "first_bucket_bytes",
-    "fusion_buffer": "fusion_buffer_bytes",
-    "cycle_time": "cycle_time_us",
-    "partition": "partition_bytes",
-    "slice": "slice_bytes",
-}
-_COLLECTIVES = ("ring", "hierarchical")
+#: What a scenario's cluster block leaves out: one machine of one GPU.
+_CLUSTER_DEFAULTS = {"machines": 1, "gpus_per_machine": 1}
+_GRID_KEYS = ("cluster", "framework", "policy")
 
 
 class ScenarioError(Exception):
     """A scenario that cannot be used: ``str`` is ``FILE: KEY: problem``."""
 
-    def __init__(self, path: Path, key: str, message: str):
+    def __init__(self, path, key: str, message: str):
         self.path, self.key = str(path), key
         super().__init__(f"{path}: {key}: {message}" if key else f"{path}: {message}")
 
@@ -82,7 +89,7 @@ class ScenarioPoint:
 
 @dataclass
 class Scenario:
-    path: Path
+    name: str  # the file's path, or what Scenario.from_dict was told to call it: errors begin with it
     trace: Path
     iteration: Optional[str]
     points: list[ScenarioPoint]
@@ -99,142 +106,196 @@ class Scenario:
     traced_batch_size: Optional[int] = None  # the trace's (None: the bundle's, else inferred)
     perfmodel: Optional[Path] = None
 
+    @classmethod
+    def from_file(cls, path) -> "Scenario":
+        """Parse and validate a scenario file (YAML loaded safely); relative paths in it are
+        relative to the file."""
+        path = Path(path)
+        try:
+            doc = yaml.safe_load(path.read_text())
+        except FileNotFoundError:
+            raise ScenarioError(path, "", "no such file") from None
+        except OSError as err:
+            raise ScenarioError(path, "", f"cannot be read ({err.strerror})") from None
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark else ""
+            raise ScenarioError(path, "", f"not valid YAML{where}") from None
+        return cls.from_dict(doc, base_dir=path.parent, name=str(path))
+
+    @classmethod
+    def from_dict(cls, doc: Any, base_dir=".", name: str = "scenario") -> "Scenario":
+        """Validate a scenario given as the mapping its YAML would load to; relative paths in it
+        are relative to ``base_dir``, and errors begin with ``name``."""
+        return _parse(doc, Path(base_dir), name)
+
+    def request(self) -> Request:
+        """What the scenario asks of the prediction pipeline (``whatif/pipeline.py``)."""
+        configs = [
+            ClusterConfig(
+                cluster=point.cluster,
+                framework=point.framework,
+                policy=point.policy,
+                algorithm=self.collective,
+                options=self.options,
+                stragglers=[s for s in self.stragglers if s.machine < point.cluster.machines],
+                replicate=self.replicate,
+                shared_links=self.shared_links,
+            )
+            for point in self.points
+        ]
+        return Request(
+            trace=self.trace,
+            iteration=self.iteration,
+            remove_profiler_overhead=self.remove_profiler_overhead,
+            batch_size=self.batch_size,
+            traced_batch_size=self.traced_batch_size,
+            perfmodel=self.perfmodel,
+            what_if=WhatIf(optimizations=list(self.optimizations)),
+            clusters=configs,
+            gradient_sizes=self.gradient_sizes,
+            gradient_total=self.gradient_total,
+        )
+
 
 def _as_list(value) -> list:
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
-def _check_keys(path: Path, mapping: Any, allowed, where: str) -> None:
+def _check_keys(name: str, mapping: Any, allowed, where: str) -> None:
     if not isinstance(mapping, dict):
-        raise ScenarioError(path, where or "", f"expected a mapping, got {type(mapping).__name__}")
+        raise ScenarioError(name, where or "", f"expected a mapping, got {type(mapping).__name__}")
     for key in mapping:
         if key not in allowed:
             close = difflib.get_close_matches(str(key), list(allowed), n=1, cutoff=0.6)
             hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(allowed)}"
-            raise ScenarioError(path, f"{where}.{key}" if where else str(key), f"unknown key{hint}")
+            raise ScenarioError(name, f"{where}.{key}" if where else str(key), f"unknown key{hint}")
 
 
-def _choice(path: Path, key: str, value, allowed) -> str:
+def _choice(name: str, key: str, value, allowed) -> str:
+    if isinstance(value, (list, tuple, dict)):
+        shape = "a mapping" if isinstance(value, dict) else "a list"
+        why = (f"{key} takes one value or a list of them" if key in _GRID_KEYS
+               else f"{key} is not a grid axis (lists make a grid in {', '.join(_GRID_KEYS)})")
+        raise ScenarioError(name, key, f"expected one of {', '.join(allowed)}, got {shape} {value!r}: {why}")
     text = str(value).strip().lower()
     if text not in allowed:
         close = difflib.get_close_matches(text, list(allowed), n=1, cutoff=0.5)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ScenarioError(path, key, f"unknown value {value!r}{hint} (choose from {', '.join(allowed)})")
+        raise ScenarioError(name, key, f"unknown value {value!r}{hint} (choose from {', '.join(allowed)})")
     return text
 
 
-def load_scenario(path: Path) -> Scenario:
-    """Parse and validate a scenario file (YAML loaded safely)."""
-    path = Path(path)
-    try:
-        doc = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise ScenarioError(path, "", "no such file") from None
-    except OSError as err:
-        raise ScenarioError(path, "", f"cannot be read ({err.strerror})") from None
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise ScenarioError(path, "", f"not valid YAML{where}") from None
-    _check_keys(path, doc, _TOP_KEYS, "")
+def _path(base_dir: Path, value) -> Path:
+    given = Path(str(value))
+    return given if given.is_absolute() else base_dir / given
+
+
+def _parse(doc: Any, base_dir: Path, name: str) -> Scenario:
+    _check_keys(name, doc, _TOP_KEYS, "")
     for required in ("trace", "cluster"):
         if required not in doc:
-            raise ScenarioError(path, required, "missing")
-    trace = Path(str(doc["trace"]))
-    if not trace.is_absolute():
-        trace = path.parent / trace
+            raise ScenarioError(name, required, "missing")
+    trace = _path(base_dir, doc["trace"])
     if trace.is_dir() and not is_bundle(trace):
-        raise ScenarioError(path, "trace", f"{trace} is a folder but not a trace bundle (no bundle.json)")
+        raise ScenarioError(name, "trace", f"{trace} is a folder but not a trace bundle (no bundle.json)")
     if not (trace.is_file() or is_bundle(trace)):
-        raise ScenarioError(path, "trace", f"no such file: {trace}")
+        raise ScenarioError(name, "trace", f"no such file: {trace}")
 
-    cluster = doc["cluster"]
-    _check_keys(path, cluster, _CLUSTER_KEYS, "cluster")
-    cluster = _with_links_file(path, cluster)
-    frameworks = [_choice(path, "framework", f, FRAMEWORKS) for f in _as_list(doc.get("framework", "horovod"))]
-    policies = [_choice(path, "policy", p, POLICIES) for p in _as_list(doc.get("policy", "fifo"))]
-    for key, values in (
-        ("cluster.machines", _as_list(cluster.get("machines", 1))),
-        ("cluster.gpus_per_machine", _as_list(cluster.get("gpus_per_machine", 1))),
-        ("cluster.inter_node" + (".bandwidth" if isinstance(cluster.get("inter_node"), dict) else ""), _inter_nodes(cluster)),
-        ("framework", frameworks),
-        ("policy", policies),
-    ):
+    clusters = _clusters(name, base_dir, doc["cluster"])
+    frameworks = [_choice(name, "framework", f, FRAMEWORKS) for f in _as_list(doc.get("framework", "horovod"))]
+    policies = [_choice(name, "policy", p, POLICIES) for p in _as_list(doc.get("policy", "fifo"))]
+    for key, values in (("framework", frameworks), ("policy", policies)):
         if not values:
-            raise ScenarioError(path, key, "an empty list leaves nothing to predict")
-    points = []
-    for machines, gpus, inter in itertools.product(
-        _as_list(cluster.get("machines", 1)), _as_list(cluster.get("gpus_per_machine", 1)), _inter_nodes(cluster)
-    ):
-        config = dict(cluster, machines=machines, gpus_per_machine=gpus, inter_node=inter)
-        try:
-            built = Cluster.from_config(config, "cluster")
-        except TopologyError as err:
-            raise ScenarioError(path, err.key, err.message) from None
-        for framework, policy in itertools.product(frameworks, policies):
-            points.append(ScenarioPoint(built, framework, policy, as_gbps(built.inter_node.bandwidth_bytes_per_us)))
+            raise ScenarioError(name, key, "an empty list leaves nothing to predict")
+    points = [
+        ScenarioPoint(cluster, framework, policy, as_gbps(cluster.inter_node.bandwidth_bytes_per_us))
+        for cluster in clusters
+        for framework, policy in itertools.product(frameworks, policies)
+    ]
 
     scenario = Scenario(
-        path=path,
+        name=name,
         trace=trace,
         iteration=None if doc.get("iteration") is None else str(doc["iteration"]),
         points=points,
-        collective=_choice(path, "collective", doc.get("collective", "ring"), _COLLECTIVES),
-        optimizations=[_optimization(path, o) for o in _as_list(doc.get("optimizations") or [])],
+        collective=_choice(name, "collective", doc.get("collective", "ring"), collective_algorithms("all_reduce")),
+        optimizations=[_optimization(name, o) for o in _as_list(doc.get("optimizations") or [])],
     )
-    _gradients(path, doc.get("gradients"), scenario)
-    scenario.stragglers = [_straggler(path, i, s, points) for i, s in enumerate(_as_list(doc.get("stragglers") or []))]
-    scenario.options = _options(path, doc.get("framework_options") or {})
+    _gradients(name, doc.get("gradients"), scenario)
+    scenario.stragglers = [_straggler(name, i, s) for i, s in enumerate(_as_list(doc.get("stragglers") or []))]
+    scenario.options = _options(name, doc.get("framework_options") or {})
     replicate = doc.get("replicate", "auto")
     if replicate not in ("auto", True, False):
-        raise ScenarioError(path, "replicate", f"expected auto, true or false, got {replicate!r}")
+        raise ScenarioError(name, "replicate", f"expected auto, true or false, got {replicate!r}")
     scenario.replicate = None if replicate == "auto" else bool(replicate)
-    network = _choice(path, "network", doc.get("network", "auto"), ("auto", "closed_form", "shared_links"))
+    network = _choice(name, "network", doc.get("network", "auto"), ("auto", "closed_form", "shared_links"))
     scenario.shared_links = {"auto": None, "closed_form": False, "shared_links": True}[network]
-    overhead = _choice(path, "profiler_overhead", doc.get("profiler_overhead", "remove"), ("remove", "keep"))
+    overhead = _choice(name, "profiler_overhead", doc.get("profiler_overhead", "remove"), ("remove", "keep"))
     scenario.remove_profiler_overhead = overhead == "remove"
-    _batch_size(path, doc.get("batch_size"), scenario)
+    _batch_size(name, doc.get("batch_size"), scenario)
     if doc.get("perfmodel") is not None:
-        model_file = Path(str(doc["perfmodel"]))
-        scenario.perfmodel = model_file if model_file.is_absolute() else path.parent / model_file
+        scenario.perfmodel = _path(base_dir, doc["perfmodel"])
         if not scenario.perfmodel.is_file():
-            raise ScenarioError(path, "perfmodel", f"no such file: {scenario.perfmodel}")
+            raise ScenarioError(name, "perfmodel", f"no such file: {scenario.perfmodel}")
     return scenario
 
 
-def _batch_size(path: Path, spec, scenario: Scenario) -> None:
-    if spec is None:
-        return
-    if isinstance(spec, dict):
-        _check_keys(path, spec, ("from", "to"), "batch_size")
-        if "to" not in spec:
-            raise ScenarioError(path, "batch_size.to", "missing: the batch size to predict at")
-        to, traced = spec["to"], spec.get("from")
-    else:
-        to, traced = spec, None
-    for key, value in (("batch_size.to" if isinstance(spec, dict) else "batch_size", to), ("batch_size.from", traced)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ScenarioError(path, key, f"expected a positive whole number, got {value!r}")
-    scenario.batch_size, scenario.traced_batch_size = to, traced
+# -- the cluster block and its grid ---------------------------------------------------------------
 
 
-def _with_links_file(path: Path, cluster: dict) -> dict:
+def _clusters(name: str, base_dir: Path, block: Any) -> list[Cluster]:
+    """Every cluster of the block's grid, validated by ``Cluster.from_config``."""
+    if not isinstance(block, dict):
+        raise ScenarioError(name, "cluster", f"expected a mapping, got {type(block).__name__}")
+    config = {**_CLUSTER_DEFAULTS, **_with_links_file(name, base_dir, block)}
+    axes = _axes(config)
+    for where, items in axes:
+        if not items:
+            raise ScenarioError(name, ".".join(("cluster", *where)), "an empty list leaves nothing to predict")
+    clusters = []
+    for choice in itertools.product(*(items for _, items in axes)):
+        point = config
+        for where, item in zip((where for where, _ in axes), choice):
+            point = _replaced(point, where, item)
+        try:
+            clusters.append(Cluster.from_config(point, "cluster"))
+        except TopologyError as err:
+            raise ScenarioError(name, err.key, err.message) from None
+    return clusters
+
+
+def _axes(value: Any, where: tuple = ()) -> list[tuple[tuple, list]]:
+    """The lists in ``value`` (a mapping, at any depth): each one's key path and items, in the
+    order the mapping writes them."""
+    if isinstance(value, list):
+        return [(where, value)]
+    if isinstance(value, dict):
+        return [axis for key, item in value.items() for axis in _axes(item, (*where, key))]
+    return []
+
+
+def _replaced(mapping: dict, where: tuple, value: Any) -> dict:
+    """``mapping`` with the value at key path ``where`` replaced (copies along the path)."""
+    head, *rest = where
+    return {**mapping, head: _replaced(mapping[head], tuple(rest), value) if rest else value}
+
+
+def _with_links_file(name: str, base_dir: Path, cluster: dict) -> dict:
     """``links: FILE`` (e.g. written by ``whatif lab calibrate``) supplies intra_node,
     inter_node and shared_memory where it has one; keys the scenario gives itself win, so a bandwidth list can vary a calibrated
     link's rate while keeping its latency and efficiency."""
     if "links" not in cluster:
         return cluster
-    links_path = Path(str(cluster["links"]))
-    if not links_path.is_absolute():
-        links_path = path.parent / links_path
+    links_path = _path(base_dir, cluster["links"])
     try:
         links = yaml.safe_load(links_path.read_text())
     except FileNotFoundError:
-        raise ScenarioError(path, "cluster.links", f"no such file: {links_path}") from None
+        raise ScenarioError(name, "cluster.links", f"no such file: {links_path}") from None
     except yaml.YAMLError:
-        raise ScenarioError(path, "cluster.links", f"{links_path} is not valid YAML") from None
+        raise ScenarioError(name, "cluster.links", f"{links_path} is not valid YAML") from None
     if not isinstance(links, dict) or not {"intra_node", "inter_node"} <= set(links):
-        raise ScenarioError(path, "cluster.links", f"{links_path} has no intra_node and inter_node links")
+        raise ScenarioError(name, "cluster.links", f"{links_path} has no intra_node and inter_node links")
     merged = {k: v for k, v in cluster.items() if k != "links"}
     if "shared_memory" in links and "shared_memory" not in merged:
         merged["shared_memory"] = links["shared_memory"]
@@ -247,70 +308,75 @@ def _with_links_file(path: Path, cluster: dict) -> dict:
     return merged
 
 
-def _inter_nodes(cluster: dict) -> list:
-    """The inter-node links of the grid: a list of presets, or a mapping whose bandwidth is a list."""
-    inter = cluster.get("inter_node")
-    if isinstance(inter, list):
-        return inter
-    if isinstance(inter, dict) and isinstance(inter.get("bandwidth"), list):
-        return [dict(inter, bandwidth=b) for b in inter["bandwidth"]]
-    return [inter]
+# -- the other keys -------------------------------------------------------------------------------
 
 
-def _optimization(path: Path, spec) -> str:
-    name = str(spec).partition("=")[0].strip().lower().replace("_", "-")
-    if name not in OPTIMIZATIONS:
-        _choice(path, "optimizations", name, tuple(OPTIMIZATIONS))
+def _optimization(name: str, spec) -> str:
+    _choice(name, "optimizations", optimization_name(spec), tuple(OPTIMIZATIONS))
+    try:
+        parse_optimization(spec)
+    except GraphError as err:
+        raise ScenarioError(name, "optimizations", str(err)) from None
     return str(spec)
 
 
-def _gradients(path: Path, spec, scenario: Scenario) -> None:
+def _batch_size(name: str, spec, scenario: Scenario) -> None:
     if spec is None:
         return
-    _check_keys(path, spec, ("total", "sizes"), "gradients")
+    if isinstance(spec, dict):
+        _check_keys(name, spec, ("from", "to"), "batch_size")
+        if "to" not in spec:
+            raise ScenarioError(name, "batch_size.to", "missing: the batch size to predict at")
+        to, traced = spec["to"], spec.get("from")
+    else:
+        to, traced = spec, None
+    for key, value in (("batch_size.to" if isinstance(spec, dict) else "batch_size", to), ("batch_size.from", traced)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ScenarioError(name, key, f"expected a positive whole number, got {value!r}")
+    scenario.batch_size, scenario.traced_batch_size = to, traced
+
+
+def _gradients(name: str, spec, scenario: Scenario) -> None:
+    if spec is None:
+        return
+    _check_keys(name, spec, ("total", "sizes"), "gradients")
     try:
         if "sizes" in spec:
             scenario.gradient_sizes = [parse_size(s, f"gradients.sizes[{i}]") for i, s in enumerate(_as_list(spec["sizes"]))]
         if "total" in spec:
             scenario.gradient_total = parse_size(spec["total"], "gradients.total")
     except TopologyError as err:
-        raise ScenarioError(path, err.key, err.message) from None
+        raise ScenarioError(name, err.key, err.message) from None
     if scenario.gradient_sizes is not None and not scenario.gradient_sizes:
-        raise ScenarioError(path, "gradients.sizes", "an empty list: give at least one size")
+        raise ScenarioError(name, "gradients.sizes", "an empty list: give at least one size")
     for size in scenario.gradient_sizes or []:
         if size <= 0:
-            raise ScenarioError(path, "gradients.sizes", "sizes must be positive")
+            raise ScenarioError(name, "gradients.sizes", "sizes must be positive")
     if scenario.gradient_total is not None and scenario.gradient_total <= 0:
-        raise ScenarioError(path, "gradients.total", "must be positive")
+        raise ScenarioError(name, "gradients.total", "must be positive")
 
 
-def _straggler(path: Path, index: int, spec, points: list) -> Straggler:
+def _straggler(name: str, index: int, spec) -> Straggler:
     key = f"stragglers[{index}]"
-    _check_keys(path, spec, ("machine", "slowdown", "gpu_slowdown"), key)
+    _check_keys(name, spec, tuple(f.name for f in fields(Straggler)), key)
     if "machine" not in spec:
-        raise ScenarioError(path, f"{key}.machine", "missing")
+        raise ScenarioError(name, f"{key}.machine", "missing")
     machine = spec["machine"]
     if not isinstance(machine, int) or machine < 0:
-        raise ScenarioError(path, f"{key}.machine", f"must be a machine index >= 0, got {machine!r}")
+        raise ScenarioError(name, f"{key}.machine", f"must be a machine index >= 0, got {machine!r}")
     factors = {}
-    for name in ("slowdown", "gpu_slowdown"):
-        value = spec.get(name, 1.0)
+    for factor in (f.name for f in fields(Straggler) if f.name != "machine"):
+        value = spec.get(factor, 1.0)
         if not isinstance(value, (int, float)) or value <= 0:
-            raise ScenarioError(path, f"{key}.{name}", f"must be a positive number, got {value!r}")
-        factors[name] = float(value)
+            raise ScenarioError(name, f"{key}.{factor}", f"must be a positive number, got {value!r}")
+        factors[factor] = float(value)
     return Straggler(machine, **factors)
 
 
-def _options(path: Path, spec) -> FrameworkOptions:
-    _check_keys(path, spec, tuple(_OPTION_KEYS), "framework_options")
-    values = {}
+def _options(name: str, spec) -> FrameworkOptions:
+    if not isinstance(spec, dict):
+        raise ScenarioError(name, "framework_options", f"expected a mapping, got {type(spec).__name__}")
     try:
-        for key, value in spec.items():
-            where = f"framework_options.{key}"
-            values[_OPTION_KEYS[key]] = parse_latency(value, where) if key == "cycle_time" else parse_size(value, where)
+        return FrameworkOptions.from_config(spec, "framework_options")
     except TopologyError as err:
-        raise ScenarioError(path, err.key, err.message) from None
-    for field_name, value in values.items():
-        if value <= 0:
-            raise ScenarioError(path, "framework_options", f"{field_name} must be positive")
-    return FrameworkOptions(**values)
+        raise ScenarioError(name, err.key, err.message) from None

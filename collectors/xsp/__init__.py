@@ -14,6 +14,6 @@ them. By concept:
 - :mod:`~whatif.collectors.xsp.session`: ``whatif profile``'s runs of a script at every level,
   and :func:`~whatif.collectors.xsp.session.run_levels` in one process.
 
-The simulator does not use this package; ``whatif profile`` (``whatif/profiling.py``) is its
+The simulator does not use this package; ``whatif profile`` (``whatif/commands/capture.py``) is its
 command line.
 """

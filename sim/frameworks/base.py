@@ -25,12 +25,13 @@ names no framework itself.
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import pandas as pd
 
-from whatif.topology import Cluster
+from whatif.topology import Cluster, TopologyError, parse_latency, parse_size
 
 from ..engine import Policy
 from ..gradients import Gradient, Gradients
@@ -48,6 +49,34 @@ class FrameworkOptions:
     cycle_time_us: float = 5000.0
     partition_bytes: float = 4 * 1024 * 1024
     slice_bytes: float = 1 * 1024 * 1024
+
+    #: The names a scenario's ``framework_options`` gives them: ``cycle_time`` is a duration
+    #: (``5ms``), the rest sizes (``25MB``).
+    CONFIG_KEYS = {
+        "bucket_cap": "bucket_cap_bytes",
+        "first_bucket": "first_bucket_bytes",
+        "fusion_buffer": "fusion_buffer_bytes",
+        "cycle_time": "cycle_time_us",
+        "partition": "partition_bytes",
+        "slice": "slice_bytes",
+    }
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any], key: str = "framework_options") -> "FrameworkOptions":
+        """The options a mapping of :data:`CONFIG_KEYS` sets, the defaults for the rest; a bad
+        value is a :class:`~whatif.topology.TopologyError` naming its key under ``key``."""
+        values = {}
+        for name, value in config.items():
+            if name not in cls.CONFIG_KEYS:
+                close = difflib.get_close_matches(str(name), list(cls.CONFIG_KEYS), n=1, cutoff=0.6)
+                hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(cls.CONFIG_KEYS)}"
+                raise TopologyError(f"{key}.{name}", f"unknown key{hint}")
+            where = f"{key}.{name}"
+            values[cls.CONFIG_KEYS[name]] = parse_latency(value, where) if name == "cycle_time" else parse_size(value, where)
+        for field_name, value in values.items():
+            if value <= 0:
+                raise TopologyError(key, f"{field_name} must be positive")
+        return cls(**values)
 
 
 @dataclass

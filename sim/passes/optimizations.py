@@ -9,7 +9,7 @@ scenario's ``optimizations:``.
 from __future__ import annotations
 
 import re
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 import pandas as pd
@@ -120,18 +120,30 @@ OPTIMIZATIONS: dict[str, Callable] = {
 }
 
 
-def apply_optimization(graph: TaskGraph, spec: str) -> TaskGraph:
-    """``graph`` with ``NAME`` or ``NAME=VALUE`` (e.g. ``faster-gpu=2``) from :data:`OPTIMIZATIONS` applied."""
-    name, _, value = spec.partition("=")
-    name = name.strip().lower().replace("_", "-")
+def optimization_name(spec: str) -> str:
+    """The registry's spelling of the name in ``NAME`` or ``NAME=VALUE`` (``Fused_Optimizer``:
+    ``fused-optimizer``), whether or not it names an optimization."""
+    return str(spec).partition("=")[0].strip().lower().replace("_", "-")
+
+
+def parse_optimization(spec: str) -> tuple[str, Optional[float]]:
+    """``NAME`` or ``NAME=VALUE`` (e.g. ``faster-gpu=2``) as a name of :data:`OPTIMIZATIONS`
+    and its value (None: none given); a :class:`GraphError` where it is not one."""
+    name, value = optimization_name(spec), str(spec).partition("=")[2]
     if name not in OPTIMIZATIONS:
         raise GraphError(f"unknown optimization {spec!r}; choose from {', '.join(OPTIMIZATIONS)}")
-    if value:
-        try:
-            argument = float(value)
-        except ValueError:
-            raise GraphError(f"optimization {name}: {value!r} is not a number") from None
-        if name != "faster-gpu":
-            raise GraphError(f"optimization {name} takes no value")
-        return OPTIMIZATIONS[name](graph, argument)
-    return OPTIMIZATIONS[name](graph)
+    if not value:
+        return name, None
+    try:
+        argument = float(value)
+    except ValueError:
+        raise GraphError(f"optimization {name}: {value!r} is not a number") from None
+    if name != "faster-gpu":
+        raise GraphError(f"optimization {name} takes no value")
+    return name, argument
+
+
+def apply_optimization(graph: TaskGraph, spec: str) -> TaskGraph:
+    """``graph`` with ``NAME`` or ``NAME=VALUE`` (e.g. ``faster-gpu=2``) from :data:`OPTIMIZATIONS` applied."""
+    name, argument = parse_optimization(spec)
+    return OPTIMIZATIONS[name](graph) if argument is None else OPTIMIZATIONS[name](graph, argument)

@@ -1,6 +1,6 @@
-"""``whatif perfmodel fit|report`` and ``whatif simulate --batch-size``: the command-line side of
-the operator performance models (``sim/perfmodels/``) and of the batch-size what-if
-(``sim/passes/batch_size.py``)."""
+"""``whatif perfmodel fit|report``: the command-line side of the operator performance models
+(``sim/perfmodels/``), and how every command loads a models file (``whatif simulate
+--batch-size``'s too)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import msgspec
 import pandas as pd
 
-from whatif.sim.passes.batch_size import BatchSizeChange, change_batch_size
+from whatif.report.tables import held_out_table
 from whatif.sim.perfmodels.cache import cache_models, default_models
 from whatif.sim.perfmodels.device import current_device
 from whatif.sim.perfmodels.fit import fit_models, held_out_report, trace_samples
@@ -21,7 +21,7 @@ from whatif.sim.perfmodels.models import DeviceMismatchWarning, PerfModelError, 
 from whatif.sim.perfmodels.sweep import run_sweep
 
 
-def add_parser(sub) -> None:
+def add_parsers(sub) -> None:
     """The ``perfmodel`` command and its ``fit`` and ``report`` subcommands."""
     perfmodel = sub.add_parser("perfmodel", help="operator performance models: fit them on this device, report their accuracy")
     commands = perfmodel.add_subparsers(dest="perfmodel_command", required=True)
@@ -41,14 +41,6 @@ def add_parser(sub) -> None:
     report.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
-def add_batch_size_options(simulate: argparse.ArgumentParser) -> None:
-    simulate.add_argument("--batch-size", type=int, metavar="B", help="rebuild the iteration at batch size B (operator performance models)")
-    simulate.add_argument("--from-batch-size", "--predict-from", dest="from_batch_size", type=int, metavar="B0",
-                          help="the batch size the trace was captured at (default: the bundle's, else inferred)")
-    simulate.add_argument("--perfmodel", type=Path, metavar="MODELS.json",
-                          help="operator models for --batch-size (default: this machine's, `whatif perfmodel fit --cache`)")
-
-
 def _warn(message: str) -> None:
     print(f"whatif: warning: {message}", file=sys.stderr)
 
@@ -64,19 +56,7 @@ def load_for_cli(path: Path) -> PerfModels:
     return models
 
 
-def rebatch(study, args: argparse.Namespace) -> dict:
-    """Replace ``study.graph`` by its rebuild at ``--batch-size`` (the replay stays the measured
-    one, so the report's speed-up compares the two batch sizes); what was done, for the output."""
-    models = load_for_cli(args.perfmodel)
-    study.graph = change_batch_size(study.graph, models, args.batch_size, args.from_batch_size)
-    change = study.graph.last_note(BatchSizeChange)
-    if not args.json:
-        print(change.describe(), file=sys.stderr)
-    return {"from": change.from_batch, "to": change.to_batch, "from_source": change.batch_source,
-            "scaled_operator_calls": change.scaled_units, "unmodelled": dict(change.unmodelled)}
-
-
-def run_perfmodel(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     if args.perfmodel_command == "fit":
         return _fit(args)
     models = load_for_cli(args.models)
@@ -89,12 +69,7 @@ def run_perfmodel(args: argparse.Namespace) -> int:
     device = models.device
     print(f"{args.models}: {device['type']} {device['name']!r}, peak {device['peak_gflops']:g} GFLOP/s, "
           f"memory {device['bandwidth_gbps']:g} GB/s; fitted from {', '.join(models.sources) or 'unknown'}")
-    shown = table.rename(columns={
-        "held_out": "held-out shapes", "from_traces": "from traces", "roofline_gmae_pct": "roofline GMAE %",
-        "gmae_pct": "GMAE %", "swept_gmae_pct": "on swept %", "traced_gmae_pct": "on traced %",
-        "median_abs_error_pct": "median |error| %",
-    })
-    print(shown.to_string(index=False, float_format=lambda v: f"{v:.1f}"))
+    print(held_out_table(table))
     return 0
 
 

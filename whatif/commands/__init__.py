@@ -1,0 +1,37 @@
+"""The ``whatif`` commands, one module per group of them.
+
+A command module has ``add_parsers(subparsers)``, which adds its commands to ``whatif``'s
+subparsers, and ``run(args)``, which runs the one parsed and returns the exit status; where it
+raises errors of its own that the user should see as one line, it lists them in ``ERRORS``.
+``whatif/cli.py`` registers the modules, a line each (the lab's ``lab/cli.py`` too):
+
+* ``simulate``: ``replay`` and ``simulate``, one trace predicted for one worker;
+* ``perfmodel``: ``perfmodel fit`` and ``perfmodel report``, the operator models;
+* ``explain``: ``critical-path`` and ``overheads``, what a trace's time is made of;
+* ``predict``: a scenario's grid of clusters;
+* ``capture``: ``collect`` and ``profile``, which run a training script and record it.
+
+The predictions go through ``whatif/pipeline.py``; the tables come from ``report/``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class UsageError(Exception):
+    """A command-line value that is well-formed for argparse but means nothing."""
+
+
+def add_trace_options(parser) -> None:
+    """The argument and options of the commands that read one trace."""
+    parser.add_argument("trace", type=Path, help="PyTorch profiler (Kineto) trace (.json or .json.gz), or a bundle folder")
+    parser.add_argument("--iteration", metavar="NAME", help="annotation that marks an iteration (default: ProfilerStep#N)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument("--timeline", type=Path, metavar="OUT.json", help="write the simulated timeline (Chrome trace)")
+
+
+def refuse_inputs(path: Path, inputs: tuple) -> None:
+    """Refuse to write ``path`` where it is one of the command's ``inputs``, by any spelling."""
+    if any(path.resolve() == Path(p).resolve() for p in inputs):
+        raise UsageError(f"{path}: refusing to overwrite an input file")

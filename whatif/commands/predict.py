@@ -1,0 +1,73 @@
+"""``whatif predict SCENARIO``: a scenario's grid of clusters predicted, as a table, JSON, CSV, a
+plot, and each configuration's timeline."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import msgspec
+
+from whatif.pipeline import predict
+from whatif.report.plots import plot_scenario
+from whatif.report.tables import json_records, results_table
+from whatif.report.timeline import write_atomically, write_timeline
+from whatif.scenario import Scenario, ScenarioError
+
+from . import refuse_inputs
+
+ERRORS = (ScenarioError,)
+
+
+def add_parsers(sub) -> None:
+    predict_ = sub.add_parser("predict", help="data-parallel training on a cluster, from a scenario YAML")
+    predict_.add_argument("scenario", type=Path, help="scenario file (see scenarios/)")
+    predict_.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    predict_.add_argument("--plot", type=Path, metavar="OUT.png", help="scaling curve and time breakdown")
+    predict_.add_argument("--csv", type=Path, metavar="OUT.csv", help="the results table as CSV")
+    predict_.add_argument("--timeline", type=Path, metavar="OUT.json", help="simulated timeline of each configuration")
+
+
+def run(args: argparse.Namespace) -> int:
+    scenario = Scenario.from_file(args.scenario)
+    inputs = (args.scenario, scenario.trace)
+    prediction = predict(scenario.request())
+    results = prediction.results
+    if args.csv is not None:
+        refuse_inputs(args.csv, inputs)
+        write_atomically(args.csv, results.to_csv(index=False).encode())
+    if args.plot is not None:
+        refuse_inputs(args.plot, inputs)
+        plot_scenario(results, args.plot, title=args.scenario.name)
+    if args.timeline is not None:
+        for label, run_ in prediction.runs.items():
+            target = args.timeline if len(prediction.runs) == 1 else _suffixed(args.timeline, label)
+            write_timeline(run_.schedule, target, protect=inputs)
+    overhead = prediction.profiler_overhead
+    if args.json:
+        out = {
+            "scenario": str(args.scenario),
+            "trace": str(scenario.trace),
+            "gradients": {"source": prediction.gradient_source, "mb_per_iteration": prediction.bytes_per_iteration / 1e6},
+            "baseline_1x1_ms": prediction.iteration_ms,
+            "profiler_overhead": None if overhead is None else asdict(overhead),
+            "results": json_records(results),
+        }
+        sys.stdout.write(msgspec.json.encode(out).decode() + "\n")
+        return 0
+    print(f"{scenario.trace}: 1x1 iteration {prediction.iteration_ms:.2f} ms; gradients: "
+          f"{prediction.bytes_per_iteration / 1e6:.1f} MB per iteration ({prediction.gradient_source})")
+    if overhead is not None:
+        print(overhead.describe())
+    print(results_table(results))
+    for what, path in (("plot", args.plot), ("CSV", args.csv)):
+        if path is not None:
+            print(f"{what} written to {path}")
+    return 0
+
+
+def _suffixed(path: Path, label: str) -> Path:
+    slug = label.replace(" ", "_").replace("/", "-")
+    return path.with_name(f"{path.stem}.{slug}{path.suffix}")

@@ -1,0 +1,126 @@
+"""``whatif replay`` and ``whatif simulate``: one trace predicted for one worker.
+
+``replay`` simulates the trace's graph as it is, the profiler's overhead kept, and holds every
+iteration against the measured one. ``simulate`` asks the pipeline for what-ifs (optimizations,
+scalings, removals) and a batch size, and reports each iteration beside the unchanged job's. As
+every prediction does, it takes the profiler's overhead out of a bundle that timed plain steps
+(``--profiler-overhead keep`` leaves it in), from the what-if and the unchanged job alike, so
+the speed-up is the what-if's alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import msgspec
+import numpy as np
+
+from whatif.pipeline import Prediction, Request, WhatIf, predict
+from whatif.report.iterations import steady_median
+from whatif.report.tables import iteration_table, json_records
+from whatif.report.timeline import write_timeline
+from whatif.sim.passes.optimizations import OPTIMIZATIONS
+
+from . import UsageError, add_trace_options
+from .perfmodel import load_for_cli
+
+
+def add_parsers(sub) -> None:
+    replay = sub.add_parser("replay", help="simulate the unmodified trace: measured against predicted")
+    add_trace_options(replay)
+    simulate = sub.add_parser("simulate", help="apply what-ifs to the trace's graph and predict")
+    add_trace_options(simulate)
+    simulate.add_argument(
+        "--optimization",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help=f"one of {', '.join(OPTIMIZATIONS)} (faster-gpu=K for a K times faster GPU); repeatable",
+    )
+    simulate.add_argument("--scale", action="append", default=[], metavar="PATTERN=FACTOR", help="scale matching tasks")
+    simulate.add_argument("--remove", action="append", default=[], metavar="PATTERN", help="remove matching tasks")
+    simulate.add_argument("--batch-size", type=int, metavar="B", help="rebuild the iteration at batch size B (operator performance models)")
+    simulate.add_argument("--from-batch-size", "--predict-from", dest="from_batch_size", type=int, metavar="B0",
+                          help="the batch size the trace was captured at (default: the bundle's, else inferred)")
+    simulate.add_argument("--perfmodel", type=Path, metavar="MODELS.json",
+                          help="operator models for --batch-size (default: this machine's, `whatif perfmodel fit --cache`)")
+    simulate.add_argument("--profiler-overhead", choices=("remove", "keep"), default="remove",
+                          help="take the profiler's cost out where a bundle timed plain steps (default), or keep it")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.command == "replay":
+        prediction = predict(Request(args.trace, args.iteration, remove_profiler_overhead=False))
+        report, what = prediction.report, {}
+    else:
+        prediction = predict(_simulate_request(args))
+        report, what = prediction.speedup_report(), _what_was_asked(args, prediction)
+    schedule = prediction.schedule
+    if args.timeline is not None:
+        write_timeline(schedule, args.timeline, protect=(args.trace,))
+    summary = {
+        "median_measured_ms": float(report["measured_ms"].median()),
+        "median_predicted_ms": float(report["predicted_ms"].median()),
+        # what whatif predict reports for 1x1: the median without the first and last iterations
+        "steady_measured_ms": steady_median(report["measured_ms"]),
+        "steady_predicted_ms": steady_median(report["predicted_ms"]),
+        "tasks": len(schedule.graph.tasks),
+        "edges": len(schedule.graph.edges),
+    }
+    if args.json:
+        out = {"trace": str(args.trace), "iterations": json_records(report), "summary": summary, **what}
+        sys.stdout.write(msgspec.json.encode(out).decode() + "\n")
+    else:
+        print(f"{args.trace}: {summary['tasks']} tasks, {summary['edges']} dependencies")
+        print(iteration_table(report))
+        if args.timeline is not None:
+            print(f"timeline written to {args.timeline}")
+    return 0
+
+
+def _simulate_request(args: argparse.Namespace) -> Request:
+    what_if = WhatIf(optimizations=args.optimization, scale=[_parse_scale(s) for s in args.scale], remove=args.remove)
+    models = load_for_cli(args.perfmodel) if args.batch_size is not None else None
+    return Request(
+        args.trace,
+        args.iteration,
+        remove_profiler_overhead=args.profiler_overhead == "remove",
+        batch_size=args.batch_size,
+        traced_batch_size=args.from_batch_size,
+        perfmodel=models,
+        what_if=what_if,
+    )
+
+
+def _what_was_asked(args: argparse.Namespace, prediction: Prediction) -> dict:
+    """The what-ifs, and what the batch size's change did, for the JSON (the change also on
+    stderr beside the table)."""
+    what = {"optimizations": list(args.optimization), "scale": list(args.scale), "remove": list(args.remove)}
+    change = prediction.batch_change
+    if change is not None:
+        if not args.json:
+            print(change.describe(), file=sys.stderr)
+        what["batch_size"] = {"from": change.from_batch, "to": change.to_batch, "from_source": change.batch_source,
+                              "scaled_operator_calls": change.scaled_units, "unmodelled": dict(change.unmodelled)}
+    overhead = prediction.profiler_overhead
+    if overhead is not None:
+        if not args.json:
+            print(overhead.describe(), file=sys.stderr)
+        what["profiler_overhead"] = asdict(overhead)
+    return what
+
+
+def _parse_scale(spec: str) -> tuple[str, float]:
+    pattern, sep, factor = spec.rpartition("=")
+    if not sep or not pattern:
+        raise UsageError(f"--scale {spec!r}: expected PATTERN=FACTOR, e.g. 'conv=0.5'")
+    try:
+        value = float(factor)
+    except ValueError:
+        raise UsageError(f"--scale {spec!r}: factor {factor!r} is not a number") from None
+    if not np.isfinite(value) or value < 0:
+        raise UsageError(f"--scale {spec!r}: factor must be a non-negative number")
+    return pattern, value

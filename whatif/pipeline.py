@@ -1,0 +1,227 @@
+"""One prediction pipeline: trace -> graph -> passes -> cluster -> simulation -> report.
+
+Every prediction goes through :func:`predict`: the commands ``replay``, ``simulate``,
+``critical-path`` and ``predict``, the benches, the lab's validation runs and the notebook. A
+:class:`Request` says what each step does:
+
+1. **trace -> graph** (``whatif/study.py``): the trace or bundle read, its dependency graph
+   built, its iterations found (``trace``, ``iteration``), or a :class:`TraceStudy` given.
+2. **passes** (``sim/passes/``), each taking a graph and returning a new one, in this order:
+
+   a. the bytes each CPU task's operators move (``add_memory_bytes``), only where a cluster
+      puts several workers on one memory system;
+   b. the profiler's overhead taken out (``remove_profiler_overhead``, with the plain steps'
+      times ``unprofiled_ms``, else the bundle's): a correction of the trace, so before any
+      change, which would otherwise spread the measured overhead over fewer or other tasks;
+   c. the batch size (``batch_size``, from ``traced_batch_size``, by the operator models
+      ``perfmodel``): the traced job at another size;
+   d. the what-ifs (``what_if``): optimizations, then scalings, then removals.
+
+   After (b) the graph is the *unchanged* job, which ``simulate``'s speed-up is against;
+   after (d) it is the *worker*, simulated alone (``1x1``).
+3. **cluster** (``clusters``): none, or data-parallel configurations (``sim/distributed.py``),
+   every worker the worker graph, communicating its gradients (found in it,
+   ``sim/gradients.py``, or ``gradient_sizes`` / ``gradient_total``).
+4. **simulation** (``sim/engine.py``) and 5. **report** (``report/``): per iteration of the
+   worker, and a row per cluster configuration.
+
+The defaults, and why. A prediction is of the job as it runs, without the profiler, so the
+profiler's overhead is removed (``remove_profiler_overhead=True``) wherever the plain step was
+timed: by a capture bundle's unprofiled warm-up steps, or as ``unprofiled_ms``. That holds for
+``simulate`` and ``predict`` alike, and for the benches and the lab that hold predictions
+against real runs. A replay keeps it: ``replay`` and ``critical-path`` check and explain the
+trace as it was measured, so they ask for ``remove_profiler_overhead=False``. A plain trace file
+has no unprofiled steps, and nothing is removed from it either way. The traced batch size is
+the one given, else the bundle's, else inferred from the first layer's input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+import pandas as pd
+
+from whatif.report.cluster import configuration_labels, configuration_row
+from whatif.report.iterations import iteration_report, speedup_report, steady_median
+from whatif.sim.distributed import ClusterConfig, ClusterSchedule, simulate_cluster
+from whatif.sim.engine import Schedule, simulate
+from whatif.sim.frameworks.copies import pass_rate_bytes_per_us
+from whatif.sim.gradients import Gradients, find_gradients
+from whatif.sim.graph import GraphError, TaskGraph, TaskKind
+from whatif.sim.passes.batch_size import BatchSizeChange, change_batch_size
+from whatif.sim.passes.optimizations import apply_optimization
+from whatif.sim.passes.profiler_overhead import ProfilerOverhead, remove_profiler_overhead
+from whatif.sim.passes.shared_memory import add_memory_bytes
+from whatif.sim.perfmodels.cache import default_models
+from whatif.sim.perfmodels.models import PerfModels, load_models
+
+from .study import TraceStudy
+
+
+@dataclass(frozen=True)
+class WhatIf:
+    """A set of changes to apply to the graph, in this order: optimizations, scalings, removals.
+
+    ``optimizations`` are names of ``sim/passes/optimizations.py``'s registry (``faster-gpu=2``
+    for one with a value); ``scale`` pairs a regular expression with a duration factor;
+    ``remove`` lists regular expressions. Patterns match a task's name and the operators and
+    annotations around it.
+    """
+
+    optimizations: Sequence[str] = ()
+    scale: Sequence[tuple[str, float]] = ()
+    remove: Sequence[str] = ()
+
+    @property
+    def changes_anything(self) -> bool:
+        return bool(self.optimizations or self.scale or self.remove)
+
+    def apply(self, graph: TaskGraph) -> TaskGraph:
+        """A new graph with the changes made; ``graph`` is left alone."""
+        for spec in self.optimizations:
+            graph = apply_optimization(graph, spec)
+        graph = graph.copy()
+        for pattern, factor in self.scale:
+            graph.scale(graph.select(pattern=pattern), factor)
+        for pattern in self.remove:
+            graph.remove(graph.select(pattern=pattern))
+        return graph
+
+
+@dataclass(frozen=True)
+class Request:
+    """What a prediction does at each step (see the module's docstring for the order and the
+    defaults)."""
+
+    trace: Union[str, Path, TraceStudy]  # a trace file or bundle folder, or a study already loaded
+    iteration: Optional[str] = None  # the annotation marking an iteration (with a path); None: ProfilerStep#N
+    remove_profiler_overhead: bool = True  # where the plain step was timed
+    unprofiled_ms: Optional[Sequence[float]] = None  # the plain steps' times; None: the bundle's, if any
+    batch_size: Optional[int] = None  # predict at this batch size
+    traced_batch_size: Optional[int] = None  # the trace's; None: the bundle's, else inferred
+    perfmodel: Union[PerfModels, str, Path, None] = None  # operator models; None: this machine's cached ones
+    what_if: WhatIf = field(default_factory=WhatIf)
+    clusters: Sequence[ClusterConfig] = ()  # none: one worker only
+    gradient_sizes: Optional[Sequence[float]] = None  # what the clusters communicate; None: from the trace
+    gradient_total: Optional[float] = None
+
+
+@dataclass
+class Prediction:
+    """What :func:`predict` found: the graphs, the worker's schedule and report, and, where the
+    request named clusters, one row per configuration (``results``) and its run (``runs``, by
+    the row's label, ``2x1 10Gbps horovod fifo``)."""
+
+    request: Request
+    study: TraceStudy
+    unchanged: TaskGraph  # the traced job as it runs: corrected, not changed
+    worker: TaskGraph  # after every pass: the graph each worker runs
+    schedule: Schedule  # the worker simulated alone
+    report: pd.DataFrame  # its iterations, against the measured ones (report.iterations)
+    results: Optional[pd.DataFrame] = None
+    runs: dict = field(default_factory=dict)  # label -> ClusterSchedule
+    gradients: Optional[Gradients] = None  # what the clusters communicated
+
+    @property
+    def iteration_ms(self) -> float:
+        """The worker's steady-state median iteration: one worker's, which the clusters'
+        speed-ups are against."""
+        return steady_median(self.report["predicted_ms"])
+
+    @property
+    def profiler_overhead(self) -> Optional[ProfilerOverhead]:
+        """What was taken out of the trace as the profiler's overhead (None: nothing)."""
+        return self.worker.last_note(ProfilerOverhead)
+
+    @property
+    def batch_change(self) -> Optional[BatchSizeChange]:
+        return self.worker.last_note(BatchSizeChange)
+
+    @property
+    def gradient_source(self) -> str:
+        return self.gradients.source
+
+    @property
+    def bytes_per_iteration(self) -> float:
+        return self.gradients.bytes_per_iteration()
+
+    @cached_property
+    def unchanged_schedule(self) -> Schedule:
+        """The unchanged job simulated (the replay itself where nothing was corrected)."""
+        return self.study.replay if self.unchanged is self.study.graph else simulate(self.unchanged)
+
+    def speedup_report(self) -> pd.DataFrame:
+        """Every iteration of the worker beside the unchanged job's (``replay_ms``), with the
+        speed-up over it; no error column, as nothing measured the changed run."""
+        return speedup_report(self.report, iteration_report(self.unchanged_schedule, self.study.iterations))
+
+
+def predict(request: Request) -> Prediction:
+    """Run the pipeline for ``request``."""
+    study = _study(request)
+    iterations = study.iterations
+    graph = study.graph
+    if any(config.cluster.workers_sharing_memory > 1 for config in request.clusters):
+        graph = add_memory_bytes(graph)
+    unprofiled_ms = request.unprofiled_ms if request.unprofiled_ms is not None else graph.workload.unprofiled_step_ms
+    if request.remove_profiler_overhead and unprofiled_ms is not None and len(unprofiled_ms):
+        graph = remove_profiler_overhead(graph, iterations, unprofiled_ms)
+    unchanged = graph
+    if request.batch_size is not None:
+        graph = change_batch_size(graph, _models(request.perfmodel), request.batch_size, request.traced_batch_size)
+    if request.what_if.changes_anything:
+        graph = request.what_if.apply(graph)
+    schedule = study.replay if graph is study.graph else simulate(graph)
+    report = iteration_report(schedule, iterations)
+    emptied = report.loc[report["predicted_ms"].isna(), "name"].tolist()
+    if emptied and request.what_if.changes_anything:
+        raise GraphError(
+            f"the what-if removed every task of iteration {emptied[0]!r}"
+            + (f" and {len(emptied) - 1} more" if len(emptied) > 1 else "")
+            + "; nothing is left to predict"
+        )
+    prediction = Prediction(request, study, unchanged, graph, schedule, report)
+    if request.clusters:
+        _simulate_clusters(prediction)
+    return prediction
+
+
+def _study(request: Request) -> TraceStudy:
+    if isinstance(request.trace, TraceStudy):
+        if request.iteration is not None:
+            raise ValueError("a study has its iterations already: give the trace's path with iteration")
+        return request.trace
+    return TraceStudy.from_trace(request.trace, request.iteration)
+
+
+def _models(perfmodel: Union[PerfModels, str, Path, None]) -> PerfModels:
+    if isinstance(perfmodel, PerfModels):
+        return perfmodel
+    return load_models(perfmodel) if perfmodel is not None else default_models()
+
+
+def _simulate_clusters(prediction: Prediction) -> None:
+    """Every configuration of the request simulated, its row and run added to ``prediction``.
+    One worker runs the worker graph as it is; several run it without its own communication,
+    which the framework's messages replace."""
+    request, study, worker = prediction.request, prediction.study, prediction.worker
+    without_comm = worker.copy()
+    without_comm.remove(without_comm.select(kinds=[TaskKind.COMM]))
+    gradients = find_gradients(without_comm, study.iterations, request.gradient_sizes, request.gradient_total)
+    pass_rate = pass_rate_bytes_per_us(study.graph)
+    rows, runs = [], []
+    for config in request.clusters:
+        if config.pass_bytes_per_us is None:
+            config = replace(config, pass_bytes_per_us=pass_rate)
+        run: ClusterSchedule = simulate_cluster(worker if config.workers == 1 else without_comm, gradients,
+                                                study.iterations, config)
+        report = iteration_report(run.schedule, study.iterations, run.worker0)
+        rows.append(configuration_row(config, run, report, prediction.iteration_ms))
+        runs.append(run)
+    labels = configuration_labels(rows, request.clusters)
+    prediction.results = pd.DataFrame(rows)
+    prediction.runs = dict(zip(labels, runs))
+    prediction.gradients = gradients
