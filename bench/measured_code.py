@@ -9,13 +9,13 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def code_version() -> str:
-    """The commit measured, and the tracked files outside bench/ and README.md that differ from it."""
+    """The commit measured, and the tracked files outside bench/, docs/ and README.md that differ from it."""
     try:
         commit = subprocess.run(
             ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
         ).stdout.strip()
         changed = subprocess.run(
-            ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench", ":!README.md"],
+            ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench", ":!docs", ":!README.md"],
             capture_output=True, text=True, check=True,
         ).stdout.split("\n")
     except (OSError, subprocess.CalledProcessError):

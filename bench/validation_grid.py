@@ -12,7 +12,7 @@ point, appended as each finishes, so an interrupted grid keeps what it measured 
 goes on from there, running failed points again; ``runs_ms`` holds every run's median and ``spread_pct`` their range over the
 median, ``captures_ms`` every 1x1 capture process's median plain step, ``calibrated_at_mbps`` the
 lab calibration the point was run and predicted with), ``predicted_vs_measured.png`` (the runs' range as error bars) and ``table.md`` (the
-README's table, headed by the commit measured); prints the mean absolute error and the worst
+record's table for ``docs/validation/lab_grid.md``, headed by the commit measured); prints the mean absolute error and the worst
 point against the targets (MAE <= 5 %, none above 10 %), and the mean absolute error of the same
 predictions made with the profiler's overhead left in the trace (``predicted_with_profiler_ms``),
 which is what the correction of ``sim/passes/profiler_overhead.py`` gains.

@@ -153,7 +153,7 @@ def plot_overhead(table: pd.DataFrame, path: Path) -> None:
 
 
 def markdown(table: pd.DataFrame) -> str:
-    """The headline columns as a Markdown table, for the README."""
+    """The headline columns as a Markdown table, for docs/validation/xsp.md."""
     columns = {
         "model": "model",
         "model_step_ms": "model ms",

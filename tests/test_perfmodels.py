@@ -24,7 +24,7 @@ from whatif.sim.perfmodels.sweep_cases import SWEEP_OPS, recorded_as
 
 #: Held-out geometric-mean error a model fitted on the quick sweep must stay under in every
 #: family. Ten shapes per operator make a coarse model (40 to 60 % in the worst families on this
-#: shared machine, the default sweep's figures are in the README); the bound catches a broken one.
+#: shared machine, the default sweep's figures are in docs/validation/perfmodels.md); the bound catches a broken one.
 QUICK_FAMILY_BOUND_PCT = 100.0
 
 
