@@ -5,6 +5,9 @@
 * ``plan``: a collective as steps of concurrent transfers.
 * ``collectives``: ring, hierarchical and parameter-server all-reduce, as plans and closed forms.
 * ``network``: a SimPy model of links shared max-min fairly, which times plans and transfers.
+* ``fabric``: GPU machines, NVLink domains, NICs and network tiers, from YAML presets.
+* ``nccl``: NCCL's algorithms, protocols and choice; ``backends``: the seam the simulation
+  calls, :func:`collective_cost` and :func:`collective_plan`, priced by NCCL or Gloo models.
 """
 
 from .cluster import Cluster, Link, SharedMemory, link_presets, load_cluster, preset_names
@@ -20,6 +23,8 @@ from .collectives import (
     ring_allreduce_time_us,
     server_hosts,
 )
+from .backends import CollectiveCost, collective_cost, collective_plan
+from .fabric import Calibration, Fabric, Gpu, Nic
 from .network import Network, fair_rates, simulate_plan
 from .plan import NicTraffic, Plan, Step, nic_traffic
 from .units import (
@@ -37,7 +42,14 @@ from .units import (
 
 __all__ = [
     "ALGORITHMS",
+    "Calibration",
     "Cluster",
+    "CollectiveCost",
+    "Fabric",
+    "Gpu",
+    "Nic",
+    "collective_cost",
+    "collective_plan",
     "Link",
     "SharedMemory",
     "Network",

@@ -9,7 +9,16 @@ data, not code)::
     inter_node: {preset: 25gbe, efficiency: 0.85}  # a preset with overrides
     # or: inter_node: {bandwidth: 25Gbps, latency: 10us, efficiency: 0.9}
 
-Link presets live in ``presets/links.yaml``, with the numbers' sources. Every problem in a
+Link presets live in ``presets/links.yaml``, with the numbers' sources.
+
+A GPU cluster can instead name its hardware (``fabric.py``): ``machine: dgx_h100`` (with
+``gpu``, ``nics_per_machine``, ``nic``, ``nvlink_domain``, ``network``, ... to override), which
+also supplies ``gpus_per_machine``, ``intra_node`` and ``inter_node``. ``backend`` says which
+family of models times its collectives (``backends.py``): ``nccl`` by default when the
+cluster names its hardware that way, ``gloo`` otherwise, so every description written before
+the fabric keys existed keeps today's models; ``backend: nccl`` on such a description derives
+the fabric from its two links. ``nccl:`` holds calibrated factors (``whatif calibrate
+nccl-tests``). Every problem in a
 description is reported as a :class:`~whatif.topology.units.TopologyError` whose message is one
 line that names the offending key.
 
@@ -22,6 +31,7 @@ after the GPU machines.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import functools
 from dataclasses import dataclass
@@ -32,6 +42,8 @@ from typing import Any, Mapping, Optional, Union
 import numpy as np
 import yaml
 
+from .fabric import FABRIC_KEYS, Fabric, fabric_from_links, wants_fabric
+from .fabric import Calibration
 from .units import (
     TopologyError,
     format_bandwidth,
@@ -45,6 +57,8 @@ from .units import (
 LINK_KINDS = ("inter_node", "intra_node")
 _LINK_KEYS = ("preset", "bandwidth", "latency", "efficiency", "cpu_contention", "note")
 _CLUSTER_KEYS = ("machines", "gpus_per_machine", "intra_node", "inter_node", "server_machines", "shared_memory", "name", "note")
+_CLUSTER_KEYS += ("backend",) + FABRIC_KEYS
+BACKENDS = ("nccl", "gloo")
 _SHARED_MEMORY_KEYS = ("among", "core_bandwidth", "total_bandwidth", "compute", "note")
 
 
@@ -347,8 +361,18 @@ class Cluster:
     server_machines: int = 0
     name: str = ""
     shared_memory: Optional[SharedMemory] = None
+    backend: str = "gloo"
+    fabric: Optional[Fabric] = None
 
     def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise TopologyError("backend", f"must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.backend == "nccl" and self.fabric is None:
+            object.__setattr__(self, "fabric", fabric_from_links(
+                self.machines, self.gpus_per_machine, self.intra_node.name, self.intra_node.effective_bandwidth_bytes_per_us,
+                self.inter_node.effective_bandwidth_bytes_per_us, self.inter_node.latency_us))
+        if self.fabric is not None and (self.fabric.machines, self.fabric.gpus_per_machine) != (self.machines, self.gpus_per_machine):
+            raise TopologyError("machines", "the fabric and the cluster disagree on machines or gpus_per_machine")
         _count(self.machines, "machines", 1)
         _count(self.gpus_per_machine, "gpus_per_machine", 1)
         _count(self.server_machines, "server_machines", 0)
@@ -421,6 +445,12 @@ class Cluster:
         if not isinstance(config, Mapping):
             raise TopologyError(key or "cluster", f"expected a mapping with machines, gpus_per_machine, ..., got {config!r}")
         _check_keys(config, _CLUSTER_KEYS, key)
+        fabric = Fabric.from_config(config, key) if wants_fabric(config) else None
+        if fabric is not None:
+            config = {"gpus_per_machine": fabric.gpus_per_machine, **fabric.legacy_links(), **config}
+        backend = config.get("backend", "nccl" if fabric is not None else "gloo")
+        if backend not in BACKENDS:
+            raise TopologyError(_join(key, "backend"), f"must be one of {', '.join(BACKENDS)}, got {backend!r}")
         for required in ("machines", "gpus_per_machine", "intra_node", "inter_node"):
             if required not in config:
                 examples = {
@@ -430,7 +460,7 @@ class Cluster:
                     "inter_node": f"inter_node: 25gbe (presets: {', '.join(preset_names('inter_node'))})",
                 }
                 raise TopologyError(_join(key, required), f"missing; write e.g. {examples[required]}")
-        return cls(
+        cluster = cls(
             machines=_count(config["machines"], _join(key, "machines"), 1),
             gpus_per_machine=_count(config["gpus_per_machine"], _join(key, "gpus_per_machine"), 1),
             intra_node=Link.from_config(config["intra_node"], _join(key, "intra_node"), "intra_node"),
@@ -441,7 +471,13 @@ class Cluster:
                 SharedMemory.from_config(config["shared_memory"], _join(key, "shared_memory"))
                 if config.get("shared_memory") is not None else None
             ),
+            backend=backend,
+            fabric=fabric,
         )
+        if cluster.fabric is not None and config.get("nccl") and fabric is None:
+            calibration = Calibration.from_config(config["nccl"], _join(key, "nccl"))
+            object.__setattr__(cluster, "fabric", dataclasses.replace(cluster.fabric, calibration=calibration))
+        return cluster
 
 
 def load_cluster(path: Union[str, Path], key: Optional[str] = None) -> Cluster:

@@ -1,0 +1,186 @@
+"""How close `whatif collective` comes to public nccl-tests tables, from vendor specs alone.
+
+    .venv/bin/python bench/nccl_accuracy.py [FOLDER]        # FOLDER defaults to bench/nccl_tests
+    .venv/bin/python bench/nccl_accuracy.py --rows TABLE    # one table row by row
+    .venv/bin/python bench/nccl_accuracy.py --json
+
+FOLDER holds ``data/*.txt`` (nccl-tests outputs) and ``tables.yaml`` (each table's cluster as
+its source describes it, and a ``healthy`` flag). Every table is predicted from a cluster built
+from that description and our presets (``cluster_config``): no number of the table itself is
+used, no fitting. Per table: the median and largest |error| of the out-of-place time over its
+rows, and the algorithms/protocols we chose. Unhealthy tables (the source reports a fault) and
+undiagnosed ones are listed apart: there the error is the diagnosis.
+
+The cross-scale check (``--cross-scale``) calibrates on one table of a cluster (``whatif
+calibrate nccl-tests``' fit) and predicts another table of the same cluster at another scale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from whatif.topology import Cluster, TopologyError, collective_cost  # noqa: E402
+from whatif.topology.calibrate import fit_tables  # noqa: E402
+from whatif.topology.nccl_tests import read_table  # noqa: E402
+
+GPUS = (("gb200", "gb200"), ("b200", "b200"), ("h200", "h200"), ("h100", "h100"), ("a100", "a100"),
+        ("v100", "v100"), ("2080", "rtx2080ti"))
+NICS = {"infiniband_ndr": "ib", "infiniband_hdr": "ib", "infiniband_edr": "ib", "roce": "roce", "efa": "efa",
+        "gpudirect_tcpx": "socket", "gpudirect_tcpxo": "socket"}
+NIC_LATENCY_US = {"efa": 10.0, "socket": 20.0}
+# The CPUs of the platforms in the file names (vendor pages): NCCL's tuning depends on the vendor.
+CPUS = (("aws_p5en", "intel"), ("aws_p5", "amd"), ("p4d", "intel"), ("oci_bm.gpu4.8", "amd"), ("gb200", "arm"),
+        ("datacrunch", "amd"), ("crusoe", "amd"), ("coreweave_16node", "amd"))
+# Cross-scale pairs: (calibrate on, predict) tables of one cluster.
+CROSS_SCALE = (
+    ("b200_vultr_2node_ib_allreduce.txt", "b200_vultr_1node_8gpu_allreduce.txt"),
+    ("gb200_nvl72_2rack_128gpu_allreduce_nccl2.26.2.txt", "gb200_nvl72_20rack_1440gpu_allreduce_nccl2.26.2.txt"),
+    ("a100_coreweave_sharp_32gpu_allreduce_nccl2.12_2022.txt", "a100_coreweave_16node_128gpu_allreduce_2022.txt"),
+)
+
+
+def cluster_config(entry: dict) -> dict:
+    """A cluster description from a tables.yaml entry: GPU, NVLink, NICs and NCCL environment."""
+    gpu_name = str(entry.get("gpu", "")).lower().replace(" ", "")
+    gpu = next(preset for key, preset in GPUS if key in gpu_name)
+    per_node, nodes = int(entry.get("gpus_per_node") or 1), int(entry.get("nodes") or 1)
+    intra = str(entry.get("intra_node") or "none")
+    config = {"gpu": gpu, "machines": nodes, "gpus_per_machine": per_node}
+    if intra == "nvl72":
+        n = nodes * per_node
+        config["nvlink_domain"] = 72 if n % 72 == 0 else (n // 2 if nodes > 18 else n)
+    elif intra.startswith("pcie") or intra == "none" or per_node == 1:
+        config["nvlink_domain"] = 1 if gpu in ("rtx2080ti",) or intra.startswith("pcie") else per_node
+    else:
+        config["nvlink_domain"] = per_node
+    config["nvswitch"] = "nvswitch" in intra or intra == "nvl72"
+    nics = int(entry.get("nics_per_node") or 0)
+    kind = str(entry.get("nic_kind") or "")
+    if nics and entry.get("nic_gbps"):
+        transport = NICS.get(kind, "ib")
+        config["nics_per_machine"] = nics
+        config["nic"] = {"bandwidth": f"{entry['nic_gbps']}Gbps", "transport": transport,
+                         "latency": f"{NIC_LATENCY_US.get(transport, 0.0)}us"}
+    else:
+        config["nics_per_machine"] = max(nics, 1)
+        config["nic"] = "ib_ndr"
+    name = str(entry["file"]).lower()
+    config["cpu"] = next((cpu for key, cpu in CPUS if key in name), "intel")
+    env = {k: str(v) for k, v in (entry.get("env") or {}).items()}
+    if env.get("NCCL_COLLNET_ENABLE") == "1":
+        config["network"] = {"sharp": True}
+    return config
+
+
+def forced(entry: dict) -> tuple:
+    """``(algorithm, protocol)`` specs from the run's NCCL environment (NCCL_ALGO syntax)."""
+    env = {k: str(v) for k, v in (entry.get("env") or {}).items()}
+    algorithm = env.get("NCCL_ALGO")
+    if env.get("NCCL_TREE_THRESHOLD") == "0":
+        algorithm = "ring"
+    if env.get("NCCL_NVLS_ENABLE") == "0" and algorithm is None:
+        algorithm = "^nvls,nvls_tree"
+    return algorithm, env.get("NCCL_PROTO")
+
+
+def evaluate(entry: dict, table, cluster: Cluster) -> dict:
+    """Per-row errors of one table against ``cluster``."""
+    algorithm, protocol = forced(entry)
+    rows, chosen = [], []
+    for row in table.rows:
+        cost = collective_cost(cluster, table.op, row.size_bytes, algorithm=algorithm, protocol=protocol)
+        error = (cost.time_us - row.time_us) / row.time_us * 100
+        rows.append({"bytes": row.size_bytes, "measured_us": row.time_us, "predicted_us": cost.time_us,
+                     "error_pct": error, "algorithm": cost.algorithm, "protocol": cost.protocol})
+        label = f"{cost.algorithm}/{cost.protocol}"
+        if label not in chosen:
+            chosen.append(label)
+    errors = [abs(r["error_pct"]) for r in rows]
+    return {"file": entry["file"], "op": table.op, "ranks": cluster.n_gpus, "nodes": cluster.machines,
+            "healthy": entry.get("healthy"), "rows": rows, "median_pct": statistics.median(errors),
+            "max_pct": max(errors), "chosen": chosen}
+
+
+def load(folder: Path) -> list:
+    entries = yaml.safe_load((folder / "tables.yaml").read_text())["tables"]
+    out = []
+    for entry in entries:
+        path = folder / "data" / entry["file"]
+        if not path.exists():
+            continue
+        table = read_table(path, entry.get("op"))
+        out.append((entry, table, Cluster.from_config(cluster_config(entry), "tables.yaml")))
+    return out
+
+
+def cross_scale(folder: Path, loaded: list) -> list:
+    by_file = {entry["file"]: (entry, table, cluster) for entry, table, cluster in loaded}
+    results = []
+    for source, target in CROSS_SCALE:
+        if source not in by_file or target not in by_file:
+            continue
+        entry, table, cluster = by_file[source]
+        calibrated = fit_tables([table], cluster, [forced(entry)]).cluster
+        t_entry, t_table, t_cluster = by_file[target]
+        scaled = Cluster.from_config({**cluster_config(t_entry), "nccl": calibrated.fabric.calibration.as_config()})
+        results.append({"calibrated_on": source, **evaluate(t_entry, t_table, scaled)})
+    return results
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("folder", nargs="?", type=Path, default=REPO / "bench" / "nccl_tests")
+    parser.add_argument("--rows", metavar="TABLE", help="print one table's rows")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--no-cross-scale", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        loaded = load(args.folder)
+    except (TopologyError, OSError) as err:
+        print(f"nccl_accuracy: {err}", file=sys.stderr)
+        return 2
+    results = [evaluate(entry, table, cluster) for entry, table, cluster in loaded]
+    crossed = [] if args.no_cross_scale else cross_scale(args.folder, loaded)
+    if args.json:
+        print(json.dumps({"tables": results, "cross_scale": crossed}))
+        return 0
+    if args.rows:
+        for result in results + crossed:
+            if args.rows in result["file"]:
+                print(result["file"], result.get("calibrated_on", ""))
+                for r in result["rows"]:
+                    print(f"{r['bytes']:>14.0f} {r['measured_us']:>11.2f} {r['predicted_us']:>11.2f} {r['error_pct']:>+8.1f} %"
+                          f"  {r['algorithm']}/{r['protocol']}")
+        return 0
+    for title, wanted in (("healthy", (True,)), ("unhealthy or undiagnosed", (False, None))):
+        chosen = [r for r in results if r["healthy"] in wanted]
+        print(f"\n{title} tables: {len(chosen)}")
+        print(f"{'table':<62} {'op':<15} {'ranks':>5} {'rows':>4} {'median%':>8} {'max%':>7}  chosen")
+        for r in chosen:
+            print(f"{r['file'][:62]:<62} {r['op']:<15} {r['ranks']:>5} {len(r['rows']):>4} {r['median_pct']:>8.1f} "
+                  f"{r['max_pct']:>7.1f}  {', '.join(r['chosen'])}")
+        if chosen:
+            meds = [r["median_pct"] for r in chosen]
+            print(f"{'all':<62} {'':<15} {'':>5} {sum(len(r['rows']) for r in chosen):>4} {statistics.median(meds):>8.1f} "
+                  f"{max(r['max_pct'] for r in chosen):>7.1f}  (median of medians, worst row)")
+            print(f"within targets (median <= 5 %, max <= 10 %): "
+                  f"{sum(r['median_pct'] <= 5 and r['max_pct'] <= 10 for r in chosen)} of {len(chosen)}")
+    if crossed:
+        print("\ncross-scale: calibrate on one table, predict another of the same cluster")
+        for r in crossed:
+            print(f"  {r['calibrated_on']} -> {r['file']}: median {r['median_pct']:.1f} %, max {r['max_pct']:.1f} % "
+                  f"({len(r['rows'])} rows; {', '.join(r['chosen'])})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

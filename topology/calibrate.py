@@ -1,0 +1,1 @@
+def fit_tables(*a, **k): raise NotImplementedError
