@@ -29,6 +29,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from whatif.topology import Cluster, TopologyError, collective_cost  # noqa: E402
+from whatif.topology.backends import parse_choices  # noqa: E402
 from whatif.topology.calibrate import fit_tables  # noqa: E402
 from whatif.topology.nccl_tests import read_table  # noqa: E402
 
@@ -129,7 +130,7 @@ def cross_scale(folder: Path, loaded: list) -> list:
         if source not in by_file or target not in by_file:
             continue
         entry, table, cluster = by_file[source]
-        calibrated = fit_tables([table], cluster, [forced(entry)]).cluster
+        calibrated = fit_tables([table], cluster, [parse_choices(*forced(entry))]).cluster
         t_entry, t_table, t_cluster = by_file[target]
         scaled = Cluster.from_config({**cluster_config(t_entry), "nccl": calibrated.fabric.calibration.as_config()})
         results.append({"calibrated_on": source, **evaluate(t_entry, t_table, scaled)})

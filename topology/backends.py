@@ -90,6 +90,11 @@ def parse_choice(spec: Optional[str], known: tuple, key: str) -> Optional[frozen
     return frozenset(set(known) - names) if exclude else frozenset(names)
 
 
+def parse_choices(algorithm: Optional[str], protocol: Optional[str]) -> tuple:
+    """``(algorithms, protocols)`` name sets of NCCL_ALGO / NCCL_PROTO-style specs."""
+    return parse_choice(algorithm, ALGORITHMS + ("p2p",), "algorithm"), parse_choice(protocol, PROTOCOLS, "protocol")
+
+
 def collective_cost(cluster: Cluster, op: str, nbytes: float, *, ranks: Optional[Sequence[int]] = None,
                     algorithm: Optional[str] = None, protocol: Optional[str] = None) -> CollectiveCost:
     """``op`` on ``nbytes`` among ``ranks`` of ``cluster``; ``algorithm``/``protocol`` force a choice."""
@@ -101,8 +106,7 @@ def collective_cost(cluster: Cluster, op: str, nbytes: float, *, ranks: Optional
         sub = _gloo_cluster(cluster, ranks)
         return CollectiveCost(op, nbytes, _gloo_time_us(sub, op, nbytes, name), name, "tcp", 1)
     comm = Comm.of(cluster.fabric, ranks)
-    algorithms = parse_choice(algorithm, ALGORITHMS + ("p2p",), "algorithm")
-    protocols = parse_choice(protocol, PROTOCOLS, "protocol")
+    algorithms, protocols = parse_choices(algorithm, protocol)
     if op in ("send_recv", "all_to_all"):
         if algorithms is not None and "p2p" not in algorithms and len(algorithms) == 1:
             raise TopologyError("algorithm", f"NCCL runs {op} as point-to-point sends (p2p), not {algorithm!r}")

@@ -1,1 +1,171 @@
-def fit_tables(*a, **k): raise NotImplementedError
+"""Calibration from nccl-tests tables: what the fabric delivers that its specs cannot say.
+
+The NCCL model (``nccl/model.py``) prices a collective as ``T = L + S / B`` for the
+(algorithm, protocol) NCCL picks, ``L`` and ``B`` from NCCL's tables and the fabric's specs.
+Measurements know two more things per link class and (algorithm, protocol): the fraction of
+``B`` this fabric really delivers (NIC firmware, PCIe settings, congestion, a slower switch) and
+how much longer its steps take than NCCL's constants (a slower network stack, EFA, sockets).
+:func:`fit_tables` finds them::
+
+    T_measured ~ f L + S / (e B)   for every row NCCL runs with that (algorithm, protocol)
+
+by least squares on the relative error (linear in ``f`` and ``1/e``), and writes them as the
+fabric's :class:`~whatif.topology.fabric.Calibration` (``e`` = ``bandwidth``, ``f`` =
+``latency``). Which rows belong to which (algorithm, protocol) is NCCL's choice on its own
+uncalibrated estimate, as in NCCL itself. A group whose rows are all latency-bound (or all
+bandwidth-bound) fixes only the factor they can tell. ``e`` is kept within [0.05, 2], ``f``
+within [0.2, 20].
+
+Each table's communicator is its ranks (``Table.n_ranks``) on as many of the cluster's machines
+as its hosts (or, without ``Rank`` lines, packed machine by machine): one cluster description
+serves tables at several scales.
+
+:func:`diagnose` compares a table's largest rows with what the specs say the fabric should
+deliver, and says so plainly when it is far below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+
+from .cluster import Cluster
+from .fabric import Calibration, Fabric
+from .nccl import p2p
+from .nccl.graphs import Comm
+from .nccl.model import predict
+from .nccl_tests import Table, bus_factor
+from .units import TopologyError, as_gbps, as_gigabytes_per_s
+
+EFFICIENCY_RANGE = (0.05, 2.0)
+LATENCY_RANGE = (0.2, 20.0)
+UNDERPERFORMING = 0.6  # a table below this fraction of the specs' bus bandwidth is diagnosed
+
+
+@dataclass(frozen=True)
+class FittedRow:
+    table: str
+    line: int
+    size_bytes: float
+    measured_us: float
+    predicted_us: float
+    algorithm: str
+    protocol: str
+
+    @property
+    def error_pct(self) -> float:
+        return (self.predicted_us - self.measured_us) / self.measured_us * 100
+
+
+@dataclass(frozen=True)
+class Fit:
+    """The calibrated cluster, every row's prediction after the fit, and the diagnoses."""
+
+    cluster: Cluster
+    rows: tuple
+    groups: tuple    # (link, algorithm, protocol, bandwidth factor, latency factor, rows)
+    diagnoses: tuple
+
+
+def table_comm(fabric: Fabric, table: Table) -> tuple:
+    """``(fabric, comm)`` for ``table``: its ranks on enough of the fabric's machines."""
+    n = table.n_ranks or fabric.n_gpus
+    hosts = table.hosts
+    per_host = n // hosts if hosts and n % hosts == 0 else None
+    if per_host and per_host <= fabric.gpus_per_machine:
+        machines = hosts
+        ranks = [m * fabric.gpus_per_machine + g for m in range(hosts) for g in range(per_host)]
+    else:
+        machines = math.ceil(n / fabric.gpus_per_machine)
+        ranks = list(range(n))
+    domain = fabric.nvlink_domain
+    if domain > fabric.gpus_per_machine:
+        machines = math.ceil(machines * fabric.gpus_per_machine / domain) * domain // fabric.gpus_per_machine
+    sized = dataclasses.replace(fabric, machines=max(machines, 1))
+    return sized, Comm.of(sized, ranks)
+
+
+def _predict(comm: Comm, op: str, size: float, choice: tuple, calibration: Optional[Calibration]):
+    algorithms, protocols = choice
+    if op == "send_recv":
+        return p2p.send_recv(comm, size, protocols, calibration)
+    if op == "all_to_all":
+        return p2p.all_to_all(comm, size, protocols, calibration)
+    return predict(comm, op, size, algorithms, protocols, calibration)
+
+
+def _solve(latency: np.ndarray, transfer: np.ndarray, measured: np.ndarray) -> tuple:
+    """``(e, f)`` minimising sum(((f L + S/(e B)) / T - 1)^2), within the ranges."""
+    x = np.column_stack([latency / measured, transfer / measured])
+    ones = np.ones(len(measured))
+    share = x[:, 1] / (x[:, 0] + x[:, 1])
+    if share.max() < 0.2:  # latency-bound only: the bandwidth cannot be told
+        f, inv_e = float(np.dot(x[:, 0], ones - x[:, 1]) / np.dot(x[:, 0], x[:, 0])), 1.0
+    elif share.min() > 0.8:  # bandwidth-bound only
+        f, inv_e = 1.0, float(np.dot(x[:, 1], ones - x[:, 0]) / np.dot(x[:, 1], x[:, 1]))
+    else:
+        (f, inv_e), *_ = np.linalg.lstsq(x, ones, rcond=None)
+    f = float(np.clip(f, *LATENCY_RANGE))
+    e = float(np.clip(1.0 / inv_e if inv_e > 0 else EFFICIENCY_RANGE[1], *EFFICIENCY_RANGE))
+    return e, f
+
+
+def fit_tables(tables: Sequence[Table], cluster: Cluster, choices: Optional[Sequence[tuple]] = None,
+               source: str = "") -> Fit:
+    """Fit the fabric's calibration to ``tables``; ``choices`` are per-table ``(algorithms,
+    protocols)`` name sets (None: NCCL's own choice), as the runs' NCCL_ALGO / NCCL_PROTO set them."""
+    if cluster.backend != "nccl" or cluster.fabric is None:
+        raise TopologyError("backend", "calibrating from nccl-tests needs an NCCL cluster (a machine: or gpu: key)")
+    if not tables:
+        raise TopologyError("tables", "give at least one nccl-tests output")
+    choices = list(choices) if choices is not None else [(None, None)] * len(tables)
+    spec = dataclasses.replace(cluster.fabric, calibration=Calibration())
+    comms = [table_comm(spec, table)[1] for table in tables]
+    groups: dict = {}
+    for table, comm, choice in zip(tables, comms, choices):
+        for row in table.rows:
+            found = _predict(comm, table.op, row.size_bytes, choice, None)
+            key = (found.option.link, found.option.algorithm, found.option.protocol)
+            groups.setdefault(key, []).append((found.latency_us, found.transfer_us, row.time_us))
+    fitted = []
+    for key, items in sorted(groups.items()):
+        latency, transfer, measured = (np.array(column, dtype=float) for column in zip(*items))
+        fitted.append((*key, *_solve(latency, transfer, measured), len(items)))
+    calibration = Calibration(tuple(row[:5] for row in fitted), source)
+    calibrated = dataclasses.replace(cluster, fabric=dataclasses.replace(cluster.fabric, calibration=calibration))
+    rows, diagnoses = [], []
+    for table, comm, choice in zip(tables, comms, choices):
+        for row in table.rows:
+            found = _predict(comm, table.op, row.size_bytes, choice, calibration)
+            rows.append(FittedRow(table.path, row.line, row.size_bytes, row.time_us, found.time_us,
+                                  found.option.algorithm, found.option.protocol))
+        note = diagnose(table, comm, choice)
+        if note:
+            diagnoses.append(note)
+    return Fit(calibrated, tuple(rows), tuple(fitted), tuple(diagnoses))
+
+
+def diagnose(table: Table, comm: Comm, choice: tuple = (None, None)) -> str:
+    """A plain sentence when ``table``'s largest row is far below what the specs promise ('' if not)."""
+    row = max(table.rows, key=lambda r: r.size_bytes)
+    n = table.n_ranks or comm.n_ranks
+    spec = _predict(comm, table.op, row.size_bytes, choice, None)
+    measured_bus = row.size_bytes / row.time_us / 1e3 * bus_factor(table.op, n)
+    spec_bus = row.size_bytes / spec.time_us / 1e3 * bus_factor(table.op, n)
+    ratio = measured_bus / spec_bus
+    if ratio >= UNDERPERFORMING:
+        return ""
+    fabric = comm.fabric
+    if comm.n_nodes > 1:
+        bound = f"{comm.node_nics} x {as_gbps(fabric.nic.bandwidth_bytes_per_us):.0f} Gb/s NICs"
+        advice = "check NICs and routing"
+    else:
+        link = f"{as_gigabytes_per_s(fabric.gpu.nvlink_total_bytes_per_us):.0f} GB/s NVLink" if fabric.nvlink else "PCIe"
+        bound = f"{comm.ppn} {fabric.gpu.name} GPUs' {link}"
+        advice = "check NVLink/PCIe health and GPU clocks (nvidia-smi topo -m, nvidia-smi -q)"
+    return (f"{table.path}: this network delivers {ratio * 100:.0f} % of the {spec.option.algorithm} bound of {bound} "
+            f"({measured_bus:.0f} of {spec_bus:.0f} GB/s bus bandwidth at {row.size_bytes / 2**20:.0f} MiB): {advice}")

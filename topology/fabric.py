@@ -293,7 +293,8 @@ class Fabric:
     """``machines`` machines of ``gpus_per_machine`` GPUs; see the module docstring.
 
     GPU ``g`` (numbered machine by machine, as ``Cluster`` numbers them) is on machine
-    ``g // gpus_per_machine`` and in NVLink domain ``g // nvlink_domain``.
+    ``g // gpus_per_machine`` and in NVLink domain ``g // nvlink_domain``; a cluster smaller
+    than a domain (8 trays of an NVL72 rack) uses part of one.
     """
 
     gpu: Gpu
@@ -316,8 +317,6 @@ class Fabric:
             raise TopologyError("nvlink_domain", f"must divide gpus_per_machine ({g}) or be a multiple of it, got {d}")
         if self.gpu.nvlinks == 0 and d > 1:
             raise TopologyError("nvlink_domain", f"{self.gpu.name} has no NVLink; leave nvlink_domain out (or 1)")
-        if d > g and self.n_gpus % d:
-            raise TopologyError("machines", f"{self.machines} machines of {g} GPUs do not fill NVLink domains of {d}")
 
     @property
     def n_gpus(self) -> int:

@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 
 from whatif.analyses import run_critical_path, run_overheads
+from whatif import comm_cli
 from whatif.collectors.capture import CaptureError, collect
 from whatif.collectors.kineto import TraceError
 from whatif.collectors.calibrate import add_shared_memory, calibrate
@@ -106,6 +107,7 @@ def _parser() -> argparse.ArgumentParser:
     capture.add_argument("--warmup", type=int, metavar="N", help="steps before them (default: the script's, else 3)")
     capture.add_argument("argv", nargs=argparse.REMAINDER, metavar="COMMAND", help="the training command, after --")
     add_profile_parser(sub)
+    comm_cli.add_parsers(sub)
     lab = sub.add_parser("lab", help="real multi-machine runs on an emulated cluster (root, network namespaces)")
     lab_sub = lab.add_subparsers(dest="lab_command", required=True)
     lab_run = lab_sub.add_parser("run", help="run a training script as every worker of an emulated cluster")
@@ -332,6 +334,8 @@ def run(args: argparse.Namespace) -> int:
         return run_critical_path(args)
     if args.command == "perfmodel":
         return run_perfmodel(args)
+    if args.command in ("collective", "calibrate"):
+        return comm_cli.run(args)
     study = TraceStudy.from_trace(args.trace, args.iteration)
     if args.command == "replay":
         schedule, report = study.replay, study.replay_report()

@@ -164,6 +164,26 @@ def ring_graph(comm: Comm) -> Graph:
     return Graph(channels, speed, speed, comm.link_intra)
 
 
+def tree_graph(comm: Comm) -> Graph:
+    """The tree graph: the ring's channels, with a faster intra-node speed where there is room.
+
+    Pass 2 of NCCL's search raises a tree's ``bw_intra`` (never its ``bw_inter``) one speed step
+    at a time while it stays below twice ``bw_inter`` and the GPUs' NVLink still holds every
+    channel; across two nodes the tuner prices trees at ``bw_intra``, so a two-node tree moves
+    nearly twice a ring's bytes per channel (it sends the message once each way, a ring twice).
+    """
+    ring = ring_graph(comm)
+    if comm.n_nodes == 1:
+        return ring
+    intra = _intra_total(comm)
+    speeds = tuning.SPEEDS_INTER[tuning.speed_row(comm.fabric.gpu.compute_capability)]
+    bw_intra = ring.bw_intra
+    for s in reversed(speeds):
+        if s > bw_intra and bw_intra < 2 * ring.bw_inter and ring.channels * s <= intra + 1e-9:
+            bw_intra = s
+    return Graph(ring.channels, bw_intra, ring.bw_inter, ring.link_intra)
+
+
 def nvls_graph(comm: Comm) -> Optional[Graph]:
     """NVLink SHARP's graph, or None where NVLS is unavailable (no NVSwitch NVLS, one GPU a node)."""
     fabric = comm.fabric

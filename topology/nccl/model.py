@@ -41,15 +41,22 @@ Point-to-point (send/recv, all-to-all) is not in NCCL's tuner; see :func:`p2p_co
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Optional
 
 from ..units import TopologyError
 from . import tuning
-from .graphs import Comm, Graph, collnet_graph, comm_channels, nvls_channels, nvls_graph, ring_graph
+from .graphs import Comm, Graph, collnet_graph, comm_channels, nvls_channels, nvls_graph, ring_graph, tree_graph
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")
+
+# What NCCL's latencies leave out because it is the same for every algorithm: the kernel's
+# start on the GPU and its first work descriptor. Ours, not NCCL's: 4 us, from the pooled
+# smallest rows of the public tables (bench/nccl_accuracy.py), never from one table.
+KERNEL_START_US = 4.0
+NVLS_CHUNK_SYNC_US = 2 * 3.4  # see chunk_slowdown
 
 
 @dataclass(frozen=True)
@@ -184,9 +191,23 @@ def _allowed(comm: Comm, op: str, algorithm: str, protocol: str) -> bool:
 def _graph(comm: Comm, algorithm: str) -> Optional[Graph]:
     if algorithm in ("nvls", "nvls_tree"):
         return nvls_graph(comm)
-    if algorithm.startswith("collnet"):
+    if algorithm == "collnet_direct":
         return collnet_graph(comm)
-    return ring_graph(comm)
+    if algorithm == "collnet_chain":
+        return tree_graph(comm) if collnet_graph(comm) is not None else None
+    return ring_graph(comm) if algorithm == "ring" else tree_graph(comm)
+
+
+def _algorithm_bandwidth(comm: Comm, op: str, algorithm: str, protocol: str, graph: Graph) -> float:
+    """NCCL's algorithm bandwidth (GB/s of nccl-tests size); 0 where NCCL would not use it."""
+    bus = _bus_bandwidth(comm, op, algorithm, protocol, graph)
+    if bus <= 0:
+        return 0.0
+    n = comm.n_ranks
+    if algorithm == "ring" or (algorithm in ("nvls", "nvls_tree") and op not in ("all_gather", "reduce_scatter")):
+        steps = 2 * (n - 1) if op == "all_reduce" else n - 1 if op in ("all_gather", "reduce_scatter") else n
+        return bus * n / steps
+    return bus * 0.5 if op not in ("all_gather", "reduce_scatter") else bus
 
 
 def options(comm: Comm, op: str) -> list:
@@ -201,23 +222,29 @@ def options(comm: Comm, op: str) -> list:
         for protocol in tuning.PROTOCOLS:
             if not _allowed(comm, op, algorithm, protocol):
                 continue
-            bus = _bus_bandwidth(comm, op, algorithm, protocol, graph)
-            if bus <= 0:
+            bandwidth = _algorithm_bandwidth(comm, op, algorithm, protocol, graph)
+            if bandwidth <= 0:
                 continue
-            n = comm.n_ranks
-            if algorithm == "ring" or (algorithm in ("nvls", "nvls_tree") and op not in ("all_gather", "reduce_scatter")):
-                steps = 2 * (n - 1) if op == "all_reduce" else n - 1 if op in ("all_gather", "reduce_scatter") else n
-                bus *= n / steps
-            elif op not in ("all_gather", "reduce_scatter"):
-                bus *= 0.5
             channels = nvls_channels(comm) if algorithm in ("nvls", "nvls_tree") else comm_channels(comm, ring_graph(comm))
             link = "net" if comm.n_nodes > 1 else graph.link_intra
-            found.append(Option(op, algorithm, protocol, _latency(comm, op, algorithm, protocol, graph), bus, channels, link))
+            latency = _latency(comm, op, algorithm, protocol, graph)
+            found.append(Option(op, algorithm, protocol, latency, bandwidth, channels, link))
     return found
 
 
-def nccl_estimate_us(comm: Comm, option: Option, nbytes: float) -> float:
-    """NCCL's own time estimate (``ncclTopoGetAlgoTime``), the one it chooses by."""
+def bandwidth_on(comm: Comm, option: Option, channels: int) -> float:
+    """``option``'s bandwidth when NCCL launches only ``channels`` of its channels: the tuner's
+    formula on a graph of proportionally fewer channels, so per-channel ceilings shrink with
+    them and whole-GPU ones (LL's) do not."""
+    if channels >= option.channels:
+        return option.bandwidth_gbs
+    graph = _graph(comm, option.algorithm)
+    fewer = dataclasses.replace(graph, channels=graph.channels * channels / option.channels)
+    return _algorithm_bandwidth(comm, option.op, option.algorithm, option.protocol, fewer)
+
+
+def estimate_parts(comm: Comm, option: Option, nbytes: float) -> tuple:
+    """NCCL's estimate (``ncclTopoGetAlgoTime``) as ``(latency_us, transfer_us)``."""
     bw, lat = option.bandwidth_gbs, option.latency_us
     log_size = _log2i(int(nbytes) >> 6) if nbytes >= 64 else -1
     if option.op == "all_reduce" and 0 <= log_size < 23:
@@ -227,7 +254,12 @@ def nccl_estimate_us(comm: Comm, option: Option, nbytes: float) -> float:
     if (option.algorithm == "ring" and option.protocol == "simple" and comm.n_nodes > 1
             and option.op == "all_reduce" and nbytes / (option.channels * comm.n_ranks) >= 64):
         lat *= tuning.RING_PLATEAU[comm.arch]
-    return lat + nbytes / (1000.0 * bw)
+    return lat, nbytes / (1000.0 * bw)
+
+
+def nccl_estimate_us(comm: Comm, option: Option, nbytes: float) -> float:
+    """NCCL's own time estimate, the one it chooses by."""
+    return sum(estimate_parts(comm, option, nbytes))
 
 
 def choose(comm: Comm, op: str, nbytes: float, algorithms=None, protocols=None) -> Option:
@@ -246,6 +278,60 @@ def choose(comm: Comm, op: str, nbytes: float, algorithms=None, protocols=None) 
         raise TopologyError("algorithm" if algorithms is not None else "protocol",
                             f"NCCL has no {forced} for {op} on this communicator; it has {', '.join(known)}")
     return min(candidates, key=lambda o: nccl_estimate_us(comm, o, nbytes))
+
+
+def nvls_chunk(comm: Comm, option: Option, nbytes: float) -> tuple:
+    """``(chunk, largest chunk, concurrent chunks)`` NCCL's NVLS / NVLS tree kernels use for
+    ``nbytes`` (calcCollChunking), or None for other algorithms."""
+    if option.algorithm not in ("nvls", "nvls_tree"):
+        return None
+    graph = nvls_graph(comm)
+    ops = option.channels * graph.channels
+    if option.algorithm == "nvls":
+        largest = tuning.NVLS_CHUNK
+        if comm.n_nodes > 1 and option.bandwidth_gbs * 2 * (comm.n_ranks - 1) / comm.n_ranks < 150:
+            largest = tuning.NVLS_SLOW_NET_CHUNK
+        steps = tuning.NVLS_CHUNK_STEPS
+    else:
+        largest = tuning.NVLS_TREE_MAX_CHUNK_FROM_4_NODES if comm.n_nodes >= 4 else tuning.NVLS_CHUNK
+        steps = tuning.NVLS_TREE_CHUNK_STEPS
+    chunk = largest
+    for times, smaller in steps:
+        if nbytes < times * ops * chunk and chunk > smaller:
+            chunk = smaller
+    return chunk, largest, ops
+
+
+def chunk_slowdown(comm: Comm, option: Option, nbytes: float) -> float:
+    """How much longer NVLS moves its bytes in the small chunks it uses for ``nbytes`` than in
+    its largest (1 for other algorithms): every chunk pays a synchronisation ``tau`` on top of
+    its bytes at one lane's share ``b`` of the bandwidth, so a chunk ``c`` runs at
+    ``c / (c + tau b)`` of the lane's speed. ``tau``: one reduce and one multicast step over
+    NVLink, twice NCCL's NVLink step (tuning.cc, ring/simple 3.4 us). The per-chunk view is
+    ours, not NCCL's."""
+    found = nvls_chunk(comm, option, nbytes)
+    if found is None:
+        return 1.0
+    chunk, largest, ops = found
+    tau_b = NVLS_CHUNK_SYNC_US * option.bandwidth_gbs * 1e3 / ops
+    return (1 + tau_b / chunk) / (1 + tau_b / largest)
+
+
+def pipeline_fill_us(comm: Comm, option: Option, nbytes: float, bandwidth_gbs: float) -> float:
+    """The time NVLS's pipeline takes to fill: a chunk passes ``depth`` stages one after the other
+    (reduce through the switch, then multicast; NVLS tree's ``2 log2 nodes`` network hops up and
+    down the tree, the reduction folded into the first and the multicast into the last), and
+    only once the first chunk is through is every stage busy, so
+    ``(depth - 1) x chunk / b`` comes on top of the bytes at full speed (``b`` one lane's
+    bandwidth). 0 for algorithms whose every link is busy from the start (rings) or whose mid
+    sizes NCCL's own estimate corrects (trees)."""
+    found = nvls_chunk(comm, option, nbytes)
+    if found is None:
+        return 0.0
+    chunk, _, ops = found
+    depth = 1 + 2 * _log2i(comm.n_nodes) if option.algorithm == "nvls_tree" else 2
+    lane_bytes_per_us = bandwidth_gbs * 1e3 / ops
+    return (depth - 1) * min(chunk, nbytes / ops) / lane_bytes_per_us
 
 
 def channels_used(comm: Comm, option: Option, nbytes: float) -> int:
@@ -267,11 +353,17 @@ def channels_used(comm: Comm, option: Option, nbytes: float) -> int:
 
 @dataclass(frozen=True)
 class Predicted:
-    """The time we predict for one collective, with NCCL's choice behind it."""
+    """The time we predict for one collective (``latency_us + transfer_us``), with NCCL's choice
+    behind it and the channels it runs on."""
 
     option: Option
-    time_us: float
+    latency_us: float
+    transfer_us: float
     channels: int
+
+    @property
+    def time_us(self) -> float:
+        return self.latency_us + self.transfer_us
 
 
 def predict(comm: Comm, op: str, nbytes: float, algorithms=None, protocols=None, calibration=None) -> Predicted:
@@ -281,11 +373,13 @@ def predict(comm: Comm, op: str, nbytes: float, algorithms=None, protocols=None,
     factors from ``calibration`` (a :class:`~whatif.topology.fabric.Calibration`; 1 without).
     """
     if comm.n_ranks == 1:
-        return Predicted(Option(op, "ring", "simple", 0.0, math.inf, 1, comm.link_intra), 0.0, 1)
+        return Predicted(Option(op, "ring", "simple", 0.0, math.inf, 1, comm.link_intra), 0.0, 0.0, 1)
     option = choose(comm, op, nbytes, algorithms, protocols)
     used = channels_used(comm, option, nbytes)
     efficiency, latency_factor = (1.0, 1.0) if calibration is None else calibration.factors_for(
         option.link, option.algorithm, option.protocol)
     scaled = Option(option.op, option.algorithm, option.protocol, option.latency_us * latency_factor,
-                    option.bandwidth_gbs * efficiency * used / option.channels, option.channels, option.link)
-    return Predicted(option, nccl_estimate_us(comm, scaled, nbytes), used)
+                    bandwidth_on(comm, option, used) * efficiency, option.channels, option.link)
+    latency, transfer = estimate_parts(comm, scaled, nbytes)
+    fill = pipeline_fill_us(comm, option, nbytes, scaled.bandwidth_gbs)
+    return Predicted(option, KERNEL_START_US + latency, transfer * chunk_slowdown(comm, option, nbytes) + fill, used)

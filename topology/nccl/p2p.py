@@ -32,7 +32,7 @@ import math
 
 from . import tuning
 from .graphs import Comm, ring_graph
-from .model import Option, Predicted
+from .model import KERNEL_START_US, Option, Predicted
 from ..units import TopologyError, as_gigabytes_per_s
 
 P2P_LL_THRESHOLD = 16384  # bytes per channel (enqueue.cc, NCCL_P2P_LL_THRESHOLD)
@@ -61,7 +61,7 @@ def _nvlink_gbs(comm: Comm) -> float:
 def _latency(comm: Comm, protocol: str, link: str, steps: int) -> float:
     p = tuning.protocol_index(protocol)
     hop = tuning.HOP_LATENCY_US[link]["ring"][p] + (comm.fabric.nic.latency_us if link == "net" else 0.0)
-    return tuning.BASE_LATENCY_US["ring"][p] + steps * hop
+    return KERNEL_START_US + tuning.BASE_LATENCY_US["ring"][p] + steps * hop
 
 
 def _oversubscription(comm: Comm) -> float:
@@ -92,9 +92,9 @@ def send_recv(comm: Comm, nbytes: float, protocols=None, calibration=None) -> Pr
         efficiency, latency_factor = _factors(calibration, link, proto)
         option = Option("send_recv", "p2p", proto, _latency(comm, proto, link, 1) * latency_factor,
                         bw * factor * efficiency, channels, link)
-        time = option.latency_us + nbytes / (1000.0 * option.bandwidth_gbs)
-        if best is None or time < best.time_us:
-            best = Predicted(option, time, channels)
+        found = Predicted(option, option.latency_us, nbytes / (1000.0 * option.bandwidth_gbs), channels)
+        if best is None or found.time_us < best.time_us:
+            best = found
     if best is None:
         raise TopologyError("protocol", f"NCCL's send/recv uses ll or simple, not {'/'.join(sorted(protocols))}")
     return best
@@ -115,4 +115,4 @@ def all_to_all(comm: Comm, nbytes: float, protocols=None, calibration=None) -> P
     effective = nbytes / (1000.0 * max(intra_time, inter_time)) if max(intra_time, inter_time) > 0 else math.inf
     channels = max(1, min(ring_graph(comm).channels * 2, tuning.MAX_CHANNELS // 2))
     option = Option("all_to_all", "p2p", proto, latency, effective, channels, link)
-    return Predicted(option, latency + max(intra_time, inter_time), channels)
+    return Predicted(option, latency, max(intra_time, inter_time), channels)

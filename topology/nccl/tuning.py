@@ -94,6 +94,15 @@ MAX_THREADS = {"ll": 512, "ll128": 640, "simple": 512}
 THREAD_THRESHOLD = {"ll": 8, "ll128": 8, "simple": 64}
 COLLNET_THREAD_THRESHOLD = 512
 
+# NVLS chunking (nvls.cc ncclNvlsTuning, enqueue.cc calcCollChunking): the default chunk, the
+# smaller chunks NCCL falls back to when a message is small against channels x heads x chunk,
+# and NVLS tree's ceiling from four nodes on.
+NVLS_CHUNK = 128 * 1024
+NVLS_CHUNK_STEPS = ((64, 65536), (8, 32768), (2, 16384))            # (bytes < k x ops x chunk, fall to)
+NVLS_TREE_CHUNK_STEPS = ((32, 262144), (16, 131072), (4, 65536), (1, 32768))
+NVLS_TREE_MAX_CHUNK_FROM_4_NODES = 65536
+NVLS_SLOW_NET_CHUNK = 32768   # NVLS across nodes when its all-reduce bandwidth is below 150 GB/s
+
 NET_OVERHEAD_US = {"intel": 1.0, "amd": 2.0, "arm": 1.0}  # getNetOverhead: per network post
 
 
