@@ -11,7 +11,9 @@ how much longer its steps take than NCCL's constants (a slower network stack, EF
 
 by least squares on the relative error (linear in ``f`` and ``1/e``), and writes them as the
 fabric's :class:`~whatif.topology.fabric.Calibration` (``e`` = ``bandwidth``, ``f`` =
-``latency``). Which rows belong to which (algorithm, protocol) is NCCL's choice on its own
+``latency``), with a ``*`` row per link class (the row-weighted geometric mean) for the
+algorithms and protocols the tables did not exercise, so a calibration at one scale carries
+to another where NCCL picks differently. Which rows belong to which (algorithm, protocol) is NCCL's choice on its own
 uncalibrated estimate, as in NCCL itself. A group whose rows are all latency-bound (or all
 bandwidth-bound) fixes only the factor they can tell. ``e`` is kept within [0.05, 2], ``f``
 within [0.2, 20].
@@ -99,16 +101,21 @@ def _predict(comm: Comm, op: str, size: float, choice: tuple, calibration: Optio
 
 
 def _solve(latency: np.ndarray, transfer: np.ndarray, measured: np.ndarray) -> tuple:
-    """``(e, f)`` minimising sum(((f L + S/(e B)) / T - 1)^2), within the ranges."""
+    """``(e, f)`` minimising sum(((f L + X / e) / T - 1)^2), within the ranges.
+
+    Both factors when the rows tell them apart (two or more rows, latency and transfer shares
+    that differ, a solution inside the ranges); otherwise the one factor of what dominates.
+    """
     x = np.column_stack([latency / measured, transfer / measured])
     ones = np.ones(len(measured))
-    share = x[:, 1] / (x[:, 0] + x[:, 1])
-    if share.max() < 0.2:  # latency-bound only: the bandwidth cannot be told
-        f, inv_e = float(np.dot(x[:, 0], ones - x[:, 1]) / np.dot(x[:, 0], x[:, 0])), 1.0
-    elif share.min() > 0.8:  # bandwidth-bound only
-        f, inv_e = 1.0, float(np.dot(x[:, 1], ones - x[:, 0]) / np.dot(x[:, 1], x[:, 1]))
-    else:
+    if len(measured) >= 2 and np.linalg.cond(x) < 1e3:
         (f, inv_e), *_ = np.linalg.lstsq(x, ones, rcond=None)
+        if LATENCY_RANGE[0] <= f <= LATENCY_RANGE[1] and 1 / EFFICIENCY_RANGE[1] <= inv_e <= 1 / EFFICIENCY_RANGE[0]:
+            return float(1 / inv_e), float(f)
+    if x[:, 0].sum() >= x[:, 1].sum():  # latency-bound: the bandwidth cannot be told
+        f, inv_e = float(np.dot(x[:, 0], ones - x[:, 1]) / np.dot(x[:, 0], x[:, 0])), 1.0
+    else:
+        f, inv_e = 1.0, float(np.dot(x[:, 1], ones - x[:, 0]) / np.dot(x[:, 1], x[:, 1]))
     f = float(np.clip(f, *LATENCY_RANGE))
     e = float(np.clip(1.0 / inv_e if inv_e > 0 else EFFICIENCY_RANGE[1], *EFFICIENCY_RANGE))
     return e, f
@@ -135,6 +142,11 @@ def fit_tables(tables: Sequence[Table], cluster: Cluster, choices: Optional[Sequ
     for key, items in sorted(groups.items()):
         latency, transfer, measured = (np.array(column, dtype=float) for column in zip(*items))
         fitted.append((*key, *_solve(latency, transfer, measured), len(items)))
+    for link in sorted({row[0] for row in fitted}):  # what an (algorithm, protocol) not measured gets
+        rows = [row for row in fitted if row[0] == link]
+        weights = np.array([row[5] for row in rows], dtype=float)
+        mean = [float(np.exp(np.average(np.log([row[i] for row in rows]), weights=weights))) for i in (3, 4)]
+        fitted.append((link, "*", "*", *mean, int(weights.sum())))
     calibration = Calibration(tuple(row[:5] for row in fitted), source)
     calibrated = dataclasses.replace(cluster, fabric=dataclasses.replace(cluster.fabric, calibration=calibration))
     rows, diagnoses = [], []

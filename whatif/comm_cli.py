@@ -187,7 +187,8 @@ def run_calibrate(args) -> int:
     print(f"\n{len(errors)} rows: median |error| {errors[len(errors) // 2]:.1f} %, max {errors[-1]:.1f} %")
     print("fitted (link, algorithm/protocol: bandwidth factor, latency factor, rows):")
     for link, algorithm, protocol, bandwidth, latency, count in fit.groups:
-        print(f"  {link:<6} {algorithm}/{protocol:<7} bandwidth x{bandwidth:.3f}  latency x{latency:.3f}  ({count} rows)")
+        name = "any other" if algorithm == "*" else f"{algorithm}/{protocol}"
+        print(f"  {link:<6} {name:<20} bandwidth x{bandwidth:.3f}  latency x{latency:.3f}  ({count} rows)")
     for note in fit.diagnoses:
         print(note)
     out = {**{k: v for k, v in config.items() if k != "nccl"}, "nccl": fit.cluster.fabric.calibration.as_config()}

@@ -28,15 +28,22 @@ NCCL picks the (algorithm, protocol) with the smallest ``T`` (``topoGetAlgoInfo`
 :func:`choose`; ``NCCL_ALGO`` / ``NCCL_PROTO`` become ``algorithm`` / ``protocol``.
 
 Where we depart from NCCL's estimate, in :func:`predict` (the time we report; the choice stays
-NCCL's, made on NCCL's estimate):
+NCCL's, made on NCCL's estimate, as NCCL itself makes it):
 
 * *channels in use.* For small messages NCCL launches fewer channels (``topoGetAlgoInfo``: while
-  ``bytes < channels x threads x threshold`` one fewer), and fewer channels move fewer bytes per
-  microsecond; NCCL's estimate ignores it, we scale ``B`` by the channels used.
+  ``bytes < channels x threads x threshold`` one fewer); we price them with the tuner's own
+  formula on that many channels (:func:`bandwidth_on`), so per-channel ceilings shrink with them.
+* *NVLS chunks and pipeline.* NVLS and NVLS tree cut small messages into small chunks
+  (``calcCollChunking``), each paying a synchronisation, and take one chunk time per stage to
+  fill their pipeline (:func:`chunk_slowdown`, :func:`pipeline_fill_us`).
+* *kernel start*, the same for every algorithm, so NCCL leaves it out: ``KERNEL_START_US``.
 * *the fabric's own efficiency*, per link class and (algorithm, protocol), and a latency factor:
   1 from specs, fitted by ``whatif calibrate nccl-tests`` (``calibration`` of the fabric).
 
-Point-to-point (send/recv, all-to-all) is not in NCCL's tuner; see :func:`p2p_cost`.
+Not modelled: NCCL's version-to-version changes (the tables are 2.23-2.30's; 2.19-2.22 priced
+NVLS and Tree/Simple differently and choose differently on some machines), user-buffer
+registration, CUDA graphs, and congestion from other jobs. Point-to-point (send/recv,
+all-to-all) is not in NCCL's tuner; see ``p2p.py``.
 """
 
 from __future__ import annotations
@@ -369,8 +376,10 @@ class Predicted:
 def predict(comm: Comm, op: str, nbytes: float, algorithms=None, protocols=None, calibration=None) -> Predicted:
     """NCCL's choice for ``nbytes``, timed as ``L' + S / B'`` (see the module docstring).
 
-    ``B' = B x channels used / channels x efficiency`` and ``L' = L x latency factor``, the two
-    factors from ``calibration`` (a :class:`~whatif.topology.fabric.Calibration`; 1 without).
+    ``L' = (kernel start + L) x latency factor``; ``S / B'`` is NCCL's transfer time on the
+    channels it launches, slowed by NVLS's small chunks and with NVLS's pipeline fill, over the
+    bandwidth factor. The two factors come from ``calibration`` (a
+    :class:`~whatif.topology.fabric.Calibration`; 1 without), so a fit sees ``T = f L + X / e``.
     """
     if comm.n_ranks == 1:
         return Predicted(Option(op, "ring", "simple", 0.0, math.inf, 1, comm.link_intra), 0.0, 0.0, 1)
@@ -378,8 +387,7 @@ def predict(comm: Comm, op: str, nbytes: float, algorithms=None, protocols=None,
     used = channels_used(comm, option, nbytes)
     efficiency, latency_factor = (1.0, 1.0) if calibration is None else calibration.factors_for(
         option.link, option.algorithm, option.protocol)
-    scaled = Option(option.op, option.algorithm, option.protocol, option.latency_us * latency_factor,
-                    bandwidth_on(comm, option, used) * efficiency, option.channels, option.link)
-    latency, transfer = estimate_parts(comm, scaled, nbytes)
-    fill = pipeline_fill_us(comm, option, nbytes, scaled.bandwidth_gbs)
-    return Predicted(option, KERNEL_START_US + latency, transfer * chunk_slowdown(comm, option, nbytes) + fill, used)
+    bandwidth = bandwidth_on(comm, option, used)
+    latency, transfer = estimate_parts(comm, dataclasses.replace(option, bandwidth_gbs=bandwidth), nbytes)
+    transfer = transfer * chunk_slowdown(comm, option, nbytes) + pipeline_fill_us(comm, option, nbytes, bandwidth)
+    return Predicted(option, (KERNEL_START_US + latency) * latency_factor, transfer / efficiency, used)

@@ -12,7 +12,8 @@ collectives (``model.py``): a latency and the bandwidth of the link each byte cr
                           speed steps) when a neighbour is on another node
 
   with LL (half the bandwidth, NCCL's ring/LL latencies) below NCCL's LL threshold of 16 KiB
-  per channel and Simple above, whichever the estimate prefers.
+  per channel and Simple above, whichever the estimate prefers; all-to-all likewise by the
+  bytes per peer.
 
 * **all-to-all** (``alltoall_perf``: every rank sends ``S/n`` of its ``S`` bytes to every rank):
   each rank sends ``(ppn-1)/n S`` over NVLink and ``(n-ppn)/n S`` through the NICs, at once
@@ -37,6 +38,7 @@ from ..units import TopologyError, as_gigabytes_per_s
 
 P2P_LL_THRESHOLD = 16384  # bytes per channel (enqueue.cc, NCCL_P2P_LL_THRESHOLD)
 P2P_PER_BATCH = 8
+P2P_CHANNELS_PER_PEER = 2  # the fewest NCCL gives a peer (paths.cc: 2 per NVLink, PCIe path or NIC)
 
 
 def _nic_step_gbs(comm: Comm) -> float:
@@ -59,8 +61,14 @@ def _nvlink_gbs(comm: Comm) -> float:
 
 
 def _latency(comm: Comm, protocol: str, link: str, steps: int) -> float:
+    """Kernel start, the ring's base latency, and ``steps`` hops: over NVLink or PCIe at the
+    protocol's step latency, over the network at Simple's whatever the protocol (the proxy
+    thread posts every send, LL or not) plus the NIC's own."""
     p = tuning.protocol_index(protocol)
-    hop = tuning.HOP_LATENCY_US[link]["ring"][p] + (comm.fabric.nic.latency_us if link == "net" else 0.0)
+    if link == "net":
+        hop = tuning.HOP_LATENCY_US["net"]["ring"][2] + comm.fabric.nic.latency_us
+    else:
+        hop = tuning.HOP_LATENCY_US[link]["ring"][p]
     return KERNEL_START_US + tuning.BASE_LATENCY_US["ring"][p] + steps * hop
 
 
@@ -108,7 +116,10 @@ def all_to_all(comm: Comm, nbytes: float, protocols=None, calibration=None) -> P
     intra_time = nbytes * (ppn - 1) / n / (1000.0 * nvlink) if ppn > 1 else 0.0
     inter_time = nbytes * (n - ppn) / n * _oversubscription(comm) / (1000.0 * net_per_rank) if comm.n_nodes > 1 else 0.0
     link = "net" if comm.n_nodes > 1 else comm.link_intra
-    proto = "simple" if protocols is None or "simple" in protocols else "ll"
+    per_peer_ll = nbytes / n <= P2P_CHANNELS_PER_PEER * P2P_LL_THRESHOLD
+    proto = "ll" if (protocols is None and per_peer_ll) or (protocols is not None and "simple" not in protocols) else "simple"
+    if proto == "ll":
+        intra_time, inter_time = intra_time / tuning.RING_LL_FACTOR, inter_time / tuning.RING_LL_FACTOR
     efficiency, latency_factor = _factors(calibration, link, proto)
     intra_time, inter_time = intra_time / efficiency, inter_time / efficiency
     latency = _latency(comm, proto, link, math.ceil((n - 1) / P2P_PER_BATCH)) * latency_factor
