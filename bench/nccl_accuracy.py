@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO))
 
 from whatif.topology import Cluster, TopologyError, collective_cost  # noqa: E402
 from whatif.topology.backends import parse_choices  # noqa: E402
-from whatif.topology.calibrate import fit_tables  # noqa: E402
+from whatif.topology.calibrate import diagnose, fit_tables, table_comm  # noqa: E402
 from whatif.topology.nccl_tests import read_table  # noqa: E402
 
 GPUS = (("gb200", "gb200"), ("b200", "b200"), ("h200", "h200"), ("h100", "h100"), ("a100", "a100"),
@@ -41,6 +41,7 @@ NIC_LATENCY_US = {"efa": 20.0, "socket": 20.0}  # as nics.yaml's efa_* and tcp_*
 # The CPUs of the platforms in the file names (vendor pages): NCCL's tuning depends on the vendor.
 CPUS = (("aws_p5en", "intel"), ("aws_p5", "amd"), ("p4d", "intel"), ("oci_bm.gpu4.8", "amd"), ("gb200", "arm"),
         ("datacrunch", "amd"), ("crusoe", "amd"), ("coreweave_16node", "amd"))
+LARGE_BYTES = 64 * 2**20  # the bandwidth-bound rows, reported apart
 # Cross-scale pairs: (calibrate on, predict) tables of one cluster.
 CROSS_SCALE = (
     ("b200_vultr_2node_ib_allreduce.txt", "b200_vultr_1node_8gpu_allreduce.txt"),
@@ -106,9 +107,12 @@ def evaluate(entry: dict, table, cluster: Cluster) -> dict:
         if label not in chosen:
             chosen.append(label)
     errors = [abs(r["error_pct"]) for r in rows]
+    large = [abs(r["error_pct"]) for r in rows if r["bytes"] >= LARGE_BYTES]
+    note = diagnose(table, table_comm(cluster.fabric, table)[1], parse_choices(algorithm, protocol))
     return {"file": entry["file"], "op": table.op, "ranks": cluster.n_gpus, "nodes": cluster.machines,
             "healthy": entry.get("healthy"), "rows": rows, "median_pct": statistics.median(errors),
-            "max_pct": max(errors), "chosen": chosen}
+            "max_pct": max(errors), "large_median_pct": statistics.median(large) if large else None,
+            "chosen": chosen, "diagnosis": note.split(": ", 1)[1] if note else ""}
 
 
 def load(folder: Path) -> list:
@@ -165,16 +169,23 @@ def main(argv=None) -> int:
     for title, wanted in (("healthy", (True,)), ("unhealthy or undiagnosed", (False, None))):
         chosen = [r for r in results if r["healthy"] in wanted]
         print(f"\n{title} tables: {len(chosen)}")
-        print(f"{'table':<62} {'op':<15} {'ranks':>5} {'rows':>4} {'median%':>8} {'max%':>7}  chosen")
+        print(f"{'table':<62} {'op':<15} {'ranks':>5} {'rows':>4} {'median%':>8} {'max%':>7} {'>=64MiB%':>9}  chosen")
         for r in chosen:
+            large = "-" if r["large_median_pct"] is None else f"{r['large_median_pct']:.1f}"
             print(f"{r['file'][:62]:<62} {r['op']:<15} {r['ranks']:>5} {len(r['rows']):>4} {r['median_pct']:>8.1f} "
-                  f"{r['max_pct']:>7.1f}  {', '.join(r['chosen'])}")
+                  f"{r['max_pct']:>7.1f} {large:>9}  {', '.join(r['chosen'])}")
         if chosen:
             meds = [r["median_pct"] for r in chosen]
             print(f"{'all':<62} {'':<15} {'':>5} {sum(len(r['rows']) for r in chosen):>4} {statistics.median(meds):>8.1f} "
                   f"{max(r['max_pct'] for r in chosen):>7.1f}  (median of medians, worst row)")
+            large = [r["large_median_pct"] for r in chosen if r["large_median_pct"] is not None]
             print(f"within targets (median <= 5 %, max <= 10 %): "
-                  f"{sum(r['median_pct'] <= 5 and r['max_pct'] <= 10 for r in chosen)} of {len(chosen)}")
+                  f"{sum(r['median_pct'] <= 5 and r['max_pct'] <= 10 for r in chosen)} of {len(chosen)}; "
+                  f"rows of 64 MiB and more: median of medians {statistics.median(large):.1f} %, "
+                  f"{sum(x <= 5 for x in large)} of {len(large)} tables within 5 %")
+            for r in chosen:
+                if r["diagnosis"]:
+                    print(f"  diagnosis, {r['file']}: {r['diagnosis']}")
     if crossed:
         print("\ncross-scale: calibrate on one table, predict another of the same cluster")
         for r in crossed:

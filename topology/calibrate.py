@@ -173,7 +173,8 @@ def diagnose(table: Table, comm: Comm, choice: tuple = (None, None)) -> str:
         return ""
     fabric = comm.fabric
     if comm.n_nodes > 1:
-        bound = f"{comm.node_nics} x {as_gbps(fabric.nic.bandwidth_bytes_per_us):.0f} Gb/s NICs"
+        nics = comm.node_nics * (fabric.nics_per_machine // fabric.gpus_per_machine if fabric.fused else 1)
+        bound = f"{nics} x {as_gbps(fabric.nic.bandwidth_bytes_per_us):.0f} Gb/s NICs"
         advice = "check NICs and routing"
     else:
         link = f"{as_gigabytes_per_s(fabric.gpu.nvlink_total_bytes_per_us):.0f} GB/s NVLink" if fabric.nvlink else "PCIe"

@@ -38,7 +38,7 @@ import difflib
 import functools
 from dataclasses import dataclass, field
 from importlib import resources
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping
 
 import yaml
 
@@ -338,14 +338,32 @@ class Fabric:
     def machine_of(self, gpu: int) -> int:
         return gpu // self.gpus_per_machine
 
-    def nic_of(self, gpu: int) -> int:
-        """The (machine-wide) index of the first NIC rail-assigned to ``gpu``."""
-        local = gpu % self.gpus_per_machine
-        return self.machine_of(gpu) * self.nics_per_machine + local * self.nics_per_machine // self.gpus_per_machine
-
     @property
     def nics_per_gpu(self) -> float:
         return self.nics_per_machine / self.gpus_per_machine
+
+    @property
+    def fused(self) -> bool:
+        """Whether each GPU's several NICs act as one network device: NCCL merges the ports of one
+        card (``NCCL_NET_MERGE_LEVEL``), AWS's plugin stripes over a GPU's EFA devices."""
+        return self.nics_per_machine > self.gpus_per_machine and self.nics_per_machine % self.gpus_per_machine == 0
+
+    @property
+    def net_devices_per_machine(self) -> int:
+        """The network devices NCCL sees on a machine: its NICs, or one fused device per GPU."""
+        return self.gpus_per_machine if self.fused else self.nics_per_machine
+
+    @property
+    def net_device_bytes_per_us(self) -> float:
+        """One network device's bandwidth, per direction."""
+        per = self.nics_per_machine // self.gpus_per_machine if self.fused else 1
+        return per * self.nic.effective_bandwidth_bytes_per_us
+
+    def device_of(self, gpu: int) -> int:
+        """The (cluster-wide) network device rail-assigned to ``gpu``."""
+        local = gpu % self.gpus_per_machine
+        per_machine = self.net_devices_per_machine
+        return self.machine_of(gpu) * per_machine + local * per_machine // self.gpus_per_machine
 
     @property
     def gpu_network_bytes_per_us(self) -> float:

@@ -14,7 +14,6 @@ that names the file and the key.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from pathlib import Path

@@ -50,8 +50,8 @@ class Comm:
     """A communicator: ``ranks`` (GPU ids of ``fabric``) and what NCCL derives from them.
 
     ``n_nodes`` counts NVLink domains (NCCL's nodes), ``ppn`` the most ranks on one, ``node_nics``
-    the fewest NICs the ranks of a node are rail-assigned to, ``ranks_per_machine`` the most
-    ranks on one machine.
+    the fewest network devices (NICs, or a GPU's fused NICs) the ranks of a node are
+    rail-assigned to, ``ranks_per_machine`` the most ranks on one machine.
     """
 
     fabric: Fabric
@@ -92,9 +92,7 @@ class Comm:
         nics = []
         for node in np.unique(nodes):
             members = ids[nodes == node]
-            first = {fabric.nic_of(int(g)) for g in members}
-            share = max(1, int(round(fabric.nics_per_gpu)))
-            nics.append(min(len(first) * share, len({fabric.machine_of(int(g)) for g in members}) * fabric.nics_per_machine))
+            nics.append(len({fabric.device_of(int(g)) for g in members}))
         return cls(fabric, tuple(int(g) for g in ids), len(per_node), int(per_node.max()), int(min(nics)), int(per_machine.max()))
 
 
@@ -111,7 +109,7 @@ def _intra_total(comm: Comm) -> float:
 def _nic_path(comm: Comm) -> float:
     """One channel's best path to the network: a NIC, reached through the GPU's PCIe."""
     fabric = comm.fabric
-    return min(_gbs(fabric.nic.effective_bandwidth_bytes_per_us), _gbs(fabric.gpu.pcie_bytes_per_us))
+    return min(_gbs(fabric.net_device_bytes_per_us), _gbs(fabric.gpu.pcie_bytes_per_us))
 
 
 def _search(speeds: tuple, max_bw: float, capacity, max_channels: int) -> tuple:
@@ -149,7 +147,7 @@ def ring_graph(comm: Comm) -> Graph:
     if comm.n_nodes == 1:
         channels, speed = _search(tuning.SPEEDS_INTRA[row], intra, lambda s: int(intra / s + 1e-9), max_channels)
     else:
-        nic = _gbs(comm.fabric.nic.effective_bandwidth_bytes_per_us)
+        nic = _gbs(comm.fabric.net_device_bytes_per_us)
         pcie = _gbs(comm.fabric.gpu.pcie_bytes_per_us)
         through = (comm.ppn - 1) / comm.ppn if comm.ppn > 1 else 0.0
 

@@ -44,7 +44,7 @@ P2P_CHANNELS_PER_PEER = 2  # the fewest NCCL gives a peer (paths.cc: 2 per NVLin
 def _nic_step_gbs(comm: Comm) -> float:
     """One NIC as a channel sees it: its rate at NCCL's speed steps, reached through PCIe (GB/s)."""
     steps = tuning.SPEEDS_INTER[tuning.speed_row(comm.fabric.gpu.compute_capability)]
-    per_nic = as_gigabytes_per_s(comm.fabric.nic.effective_bandwidth_bytes_per_us)
+    per_nic = as_gigabytes_per_s(comm.fabric.net_device_bytes_per_us)
     pcie = as_gigabytes_per_s(comm.fabric.gpu.pcie_bytes_per_us)
     return next((s for s in steps if s <= min(per_nic, pcie) + 1e-9), steps[-1])
 
@@ -52,7 +52,7 @@ def _nic_step_gbs(comm: Comm) -> float:
 def _net_gbs(comm: Comm) -> float:
     """One GPU's bandwidth into the network through its own NICs (GB/s)."""
     gpu = as_gigabytes_per_s(comm.fabric.gpu_network_bytes_per_us)
-    return min(gpu, _nic_step_gbs(comm) * max(1.0, comm.fabric.nics_per_gpu))
+    return min(gpu, _nic_step_gbs(comm) * max(1.0, comm.fabric.nics_per_gpu if not comm.fabric.fused else 1.0))
 
 
 def _nvlink_gbs(comm: Comm) -> float:
