@@ -11,8 +11,10 @@ used, no fitting. Per table: the median and largest |error| of the out-of-place 
 rows, and the algorithms/protocols we chose. Unhealthy tables (the source reports a fault) and
 undiagnosed ones are listed apart: there the error is the diagnosis.
 
-The cross-scale check (``--cross-scale``) calibrates on one table of a cluster (``whatif
-calibrate nccl-tests``' fit) and predicts another table of the same cluster at another scale.
+The cross-scale check calibrates on one table of a cluster (``whatif calibrate nccl-tests``'
+fit) and predicts another table of the same cluster at another scale; the leave-one-out check
+calibrates on all of a cluster's tables but one and predicts that one (``--no-cross-scale``
+skips both).
 """
 
 from __future__ import annotations
@@ -141,6 +143,27 @@ def cross_scale(folder: Path, loaded: list) -> list:
     return results
 
 
+def leave_one_out(loaded: list) -> list:
+    """For every cluster with three or more healthy tables (same source, GPU and NICs): calibrate
+    on all of them but one, predict the one left out (another op, or another scale)."""
+    groups: dict = {}
+    for entry, table, cluster in loaded:
+        if entry.get("healthy"):
+            key = tuple(entry.get(k) for k in ("source_id", "gpu", "nic_kind", "nics_per_node", "nic_gbps"))
+            groups.setdefault(key, []).append((entry, table, cluster))
+    results = []
+    for members in groups.values():
+        if len(members) < 3:
+            continue
+        for i, (entry, table, _) in enumerate(members):
+            rest = [m for j, m in enumerate(members) if j != i]
+            base = max(rest, key=lambda m: m[2].n_gpus)[2]
+            fit = fit_tables([m[1] for m in rest], base, [parse_choices(*forced(m[0])) for m in rest])
+            scaled = Cluster.from_config({**cluster_config(entry), "nccl": fit.cluster.fabric.calibration.as_config()})
+            results.append({"calibrated_on": f"{len(rest)} other tables", **evaluate(entry, table, scaled)})
+    return results
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folder", nargs="?", type=Path, default=REPO / "bench" / "nccl_tests")
@@ -155,8 +178,9 @@ def main(argv=None) -> int:
         return 2
     results = [evaluate(entry, table, cluster) for entry, table, cluster in loaded]
     crossed = [] if args.no_cross_scale else cross_scale(args.folder, loaded)
+    left_out = [] if args.no_cross_scale else leave_one_out(loaded)
     if args.json:
-        print(json.dumps({"tables": results, "cross_scale": crossed}))
+        print(json.dumps({"tables": results, "cross_scale": crossed, "leave_one_out": left_out}))
         return 0
     if args.rows:
         for result in results + crossed:
@@ -191,6 +215,13 @@ def main(argv=None) -> int:
         for r in crossed:
             print(f"  {r['calibrated_on']} -> {r['file']}: median {r['median_pct']:.1f} %, max {r['max_pct']:.1f} % "
                   f"({len(r['rows'])} rows; {', '.join(r['chosen'])})")
+    if left_out:
+        print("\nleave one out: calibrate on a cluster's other tables, predict this one")
+        for r in left_out:
+            print(f"  {r['file']:<62} median {r['median_pct']:5.1f} %, max {r['max_pct']:5.1f} % (spec-only: "
+                  f"{next(t['median_pct'] for t in results if t['file'] == r['file']):.1f} %)")
+        meds = [r["median_pct"] for r in left_out]
+        print(f"  median of medians {statistics.median(meds):.1f} % over {len(meds)} tables")
     return 0
 
 

@@ -11,9 +11,11 @@ how much longer its steps take than NCCL's constants (a slower network stack, EF
 
 by least squares on the relative error (linear in ``f`` and ``1/e``), and writes them as the
 fabric's :class:`~whatif.topology.fabric.Calibration` (``e`` = ``bandwidth``, ``f`` =
-``latency``), with a ``*`` row per link class (the row-weighted geometric mean) for the
-algorithms and protocols the tables did not exercise, so a calibration at one scale carries
-to another where NCCL picks differently. Which rows belong to which (algorithm, protocol) is NCCL's choice on its own
+``latency``), with a ``*`` row per link class for the algorithms and protocols the tables did
+not exercise: the row-weighted geometric mean of its collectives' bandwidth factors (the link's
+own efficiency; point-to-point traffic is another matter) and no latency factor (a latency
+misfit is the model's, algorithm by algorithm, more than the link's), so a calibration at one
+scale carries to another where NCCL picks differently. Which rows belong to which (algorithm, protocol) is NCCL's choice on its own
 uncalibrated estimate, as in NCCL itself. A group whose rows are all latency-bound (or all
 bandwidth-bound) fixes only the factor they can tell. ``e`` is kept within [0.05, 2], ``f``
 within [0.2, 20].
@@ -142,11 +144,11 @@ def fit_tables(tables: Sequence[Table], cluster: Cluster, choices: Optional[Sequ
     for key, items in sorted(groups.items()):
         latency, transfer, measured = (np.array(column, dtype=float) for column in zip(*items))
         fitted.append((*key, *_solve(latency, transfer, measured), len(items)))
-    for link in sorted({row[0] for row in fitted}):  # what an (algorithm, protocol) not measured gets
-        rows = [row for row in fitted if row[0] == link]
+    for link in sorted({row[0] for row in fitted if row[1] != "p2p"}):  # for what was not measured
+        rows = [row for row in fitted if row[0] == link and row[1] != "p2p"]
         weights = np.array([row[5] for row in rows], dtype=float)
-        mean = [float(np.exp(np.average(np.log([row[i] for row in rows]), weights=weights))) for i in (3, 4)]
-        fitted.append((link, "*", "*", *mean, int(weights.sum())))
+        mean = float(np.exp(np.average(np.log([row[3] for row in rows]), weights=weights)))
+        fitted.append((link, "*", "*", mean, 1.0, int(weights.sum())))
     calibration = Calibration(tuple(row[:5] for row in fitted), source)
     calibrated = dataclasses.replace(cluster, fabric=dataclasses.replace(cluster.fabric, calibration=calibration))
     rows, diagnoses = [], []
