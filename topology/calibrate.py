@@ -15,10 +15,10 @@ fabric's :class:`~whatif.topology.fabric.Calibration` (``e`` = ``bandwidth``, ``
 not exercise: the row-weighted geometric mean of its collectives' bandwidth factors (the link's
 own efficiency; point-to-point traffic is another matter) and no latency factor (a latency
 misfit is the model's, algorithm by algorithm, more than the link's), so a calibration at one
-scale carries to another where NCCL picks differently. Which rows belong to which (algorithm, protocol) is NCCL's choice on its own
-uncalibrated estimate, as in NCCL itself. A group whose rows are all latency-bound (or all
-bandwidth-bound) fixes only the factor they can tell. ``e`` is kept within [0.05, 2], ``f``
-within [0.2, 20].
+scale carries to another where NCCL picks differently. Which rows belong to which (algorithm,
+protocol) is NCCL's choice on its own uncalibrated estimate, as in NCCL itself. A group whose
+rows cannot tell the two factors apart fixes the one of what dominates. ``e`` is kept within
+[0.05, 2], ``f`` within [0.2, 20].
 
 Each table's communicator is its ranks (``Table.n_ranks``) on as many of the cluster's machines
 as its hosts (or, without ``Rank`` lines, packed machine by machine): one cluster description
