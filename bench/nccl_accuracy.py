@@ -35,21 +35,85 @@ from whatif.topology.backends import parse_choices  # noqa: E402
 from whatif.topology.calibrate import diagnose, fit_tables, table_comm  # noqa: E402
 from whatif.topology.nccl_tests import read_table  # noqa: E402
 
-GPUS = (("gb200", "gb200"), ("b200", "b200"), ("h200", "h200"), ("h100", "h100"), ("a100", "a100"),
-        ("v100", "v100"), ("2080", "rtx2080ti"))
+GPUS = (("gb300", "gb300"), ("gb200", "gb200"), ("b200", "b200"), ("gh200", "gh200"), ("h200", "h200"),
+        ("h100", "h100"), ("a100", "a100"), ("v100", "v100"), ("2080", "rtx2080ti"))
 NICS = {"infiniband_ndr": "ib", "infiniband_hdr": "ib", "infiniband_edr": "ib", "roce": "roce", "efa": "efa",
         "gpudirect_tcpx": "socket", "gpudirect_tcpxo": "socket"}
 NIC_LATENCY_US = {"efa": 20.0, "socket": 20.0}  # as nics.yaml's efa_* and tcp_* presets
+# The compute NIC of each GPU generation's reference system (DGX A100: HDR 200G; DGX H100/H200,
+# B200, GB200 NVL72: NDR 400G; GB300 NVL72: ConnectX-8 800G), for tables that do not state it.
+NIC_GBPS_OF_GPU = {"a100": 200, "v100": 100, "gb300": 800}
 # The CPUs of the platforms in the file names (vendor pages): NCCL's tuning depends on the vendor.
 CPUS = (("aws_p5en", "intel"), ("aws_p5", "amd"), ("p4d", "intel"), ("oci_bm.gpu4.8", "amd"), ("gb200", "arm"),
-        ("datacrunch", "amd"), ("crusoe", "amd"), ("coreweave_16node", "amd"))
+        ("gb300", "arm"), ("gh200", "arm"), ("datacrunch", "amd"), ("crusoe", "amd"), ("coreweave_16node", "amd"),
+        ("oci_oke_bm.gpu4.8", "amd"))
 LARGE_BYTES = 64 * 2**20  # the bandwidth-bound rows, reported apart
+# NCCL releases by date (git tags of NVIDIA/nccl) and the release a table's date implies where its
+# NCCL version was not printed: the newest release published at least LAG_DAYS before the table
+# (containers and cloud images ship a release a few months old), and never older than the first
+# release that supports its GPU (Blackwell: 2.25). Where the source names an image or a default
+# build whose NCCL is known, that version instead; the reason is kept with each table.
+RELEASES = (("2.4.8", "2019-06-25"), ("2.5.6", "2019-11-19"), ("2.6.4", "2020-03-20"), ("2.7.8", "2020-07-27"),
+            ("2.8.4", "2021-02-09"), ("2.9.9", "2021-05-12"), ("2.10.3", "2021-07-08"), ("2.11.4", "2021-09-08"),
+            ("2.12.10", "2022-03-30"), ("2.12.12", "2022-05-13"), ("2.13.4", "2022-07-11"), ("2.14.3", "2022-08-18"),
+            ("2.15.5", "2022-10-25"), ("2.16.5", "2023-02-02"), ("2.17.1", "2023-03-01"), ("2.18.1", "2023-04-18"),
+            ("2.18.3", "2023-06-14"), ("2.18.5", "2023-08-23"), ("2.19.3", "2023-09-26"), ("2.20.3", "2024-02-13"),
+            ("2.21.5", "2024-04-02"), ("2.22.3", "2024-06-19"), ("2.23.4", "2024-09-16"), ("2.24.3", "2025-01-07"),
+            ("2.25.1", "2025-01-27"), ("2.26.2", "2025-03-12"), ("2.26.6", "2025-05-20"), ("2.27.3", "2025-05-29"),
+            ("2.27.5", "2025-06-18"), ("2.27.7", "2025-07-24"), ("2.28.3", "2025-09-02"), ("2.28.7", "2025-10-17"),
+            ("2.28.9", "2025-11-10"), ("2.29.3", "2026-02-03"), ("2.29.7", "2026-02-27"), ("2.30.7", "2026-06-04"))
+LAG_DAYS = 90
+FIRST_RELEASE = {"blackwell": "2.25.1"}
+# Tables without a printed version: (file name prefix, the table's date, or a version the source names, why).
+IMPLIED = (
+    ("b200_vultr_", "2026-05-18", None, "report generated 2026-05-18"),
+    ("b200_gcp_a4_2node_roce_allreduce", "2025-04-15", None, "dstack's GCP page, April 2025"),
+    ("h100_aws_p5_1node_8gpu_allreduce_awsbatch", "2024-10-30", None, "nccl-tests:latest image, October 2024"),
+    ("h100_aws_p5_2node_efa_allreduce.txt", None, "2.20.3", "the README's default build at that commit"),
+    ("a100_aws_p4de_2node_efa_allreduce", None, "2.20.3", "the README's default build at that commit"),
+    ("h100_gcp_a3mega_2node_tcpxo_allreduce", "2025-04-02", None, "commit of 2025-04-02"),
+    ("h100_gcp_a3mega_2node_tcpxo_allgather", None, "2.21.5", "image nvcr.io/nvidia/pytorch:24.04 (NCCL 2.21.5)"),
+    ("h100_gcp_a3high_2node_tcpx_allgather", "2025-04-15", None, "dstack's GCP page, April 2025"),
+    ("h100_nebius_2node_ib_allreduce", "2025-04-15", None, "dstack's Nebius page, 2025"),
+    ("h100_2node_1gpu_4nic_roce", "2024-07-12", None, "issue of 2024-07-12"),
+    ("h200_datacrunch_2node_allreduce", "2025-04-24", None, "commit of 2025-04-24"),
+    ("h200_aws_p5en_16node", "2025-09-26", None, "README commit of 2025-09-26"),
+    ("h200_gcp_2node_1gpu_allreduce", None, "2.25.1", "the same source's H200 demo prints 2.25.1"),
+    ("a100_oci_bm.gpu4.8_", "2022-01-15", None, "tutorial of about 2022 (CUDA 11.3 era)"),
+    ("a100_crusoe_2node_ib_allreduce", "2026-02-01", None, "commit of February 2026"),
+    ("a100_coreweave_16node_128gpu_allreduce_2022", "2022-07-05", None, "image coreweave/nccl-tests:2022-07-05"),
+    ("rtx2080ti_autodl_", "2025-06-05", None, "post of 2025-06-05"),
+)
 # Cross-scale pairs: (calibrate on, predict) tables of one cluster.
 CROSS_SCALE = (
     ("b200_vultr_2node_ib_allreduce.txt", "b200_vultr_1node_8gpu_allreduce.txt"),
     ("gb200_nvl72_2rack_128gpu_allreduce_nccl2.26.2.txt", "gb200_nvl72_20rack_1440gpu_allreduce_nccl2.26.2.txt"),
     ("a100_coreweave_sharp_32gpu_allreduce_nccl2.12_2022.txt", "a100_coreweave_16node_128gpu_allreduce_2022.txt"),
 )
+
+
+def _date_release(date: str, generation: str) -> str:
+    import datetime
+    cutoff = (datetime.date.fromisoformat(date) - datetime.timedelta(days=LAG_DAYS)).isoformat()
+    found = [v for v, d in RELEASES if d <= cutoff] or [RELEASES[0][0]]
+    version = found[-1]
+    first = FIRST_RELEASE.get(generation)
+    key = lambda v: tuple(int(x) for x in v.split("."))  # noqa: E731
+    return max(version, first, key=key) if first else version
+
+
+def nccl_version(entry: dict) -> tuple:
+    """``(version, how)``: the table's printed NCCL version, else the one its date or source implies
+    (see IMPLIED), else ``(None, 'unknown')`` (the newest modelled is used)."""
+    if entry.get("nccl_version"):
+        return str(entry["nccl_version"]), "printed"
+    name = str(entry["file"])
+    for prefix, date, named, why in IMPLIED:
+        if name.startswith(prefix):
+            if named:
+                return named, f"implied: {why}"
+            return _date_release(date, str(entry.get("generation", ""))), f"implied: {why}"
+    return None, "unknown: the newest modelled"
 
 
 def cluster_config(entry: dict) -> dict:
@@ -69,10 +133,18 @@ def cluster_config(entry: dict) -> dict:
     config["nvswitch"] = "nvswitch" in intra or intra == "nvl72"
     nics = int(entry.get("nics_per_node") or 0)
     kind = str(entry.get("nic_kind") or "")
-    if nics and entry.get("nic_gbps"):
+    gbps = entry.get("nic_gbps")
+    if kind and entry.get("nics_per_node") is None:
+        # NIC count not stated: the devices the run's environment names, else one per GPU (the
+        # rail-optimised design of DGX SuperPODs and the clouds' 8-GPU shapes)
+        listed = str((entry.get("env") or {}).get("UCX_NET_DEVICES", "")).split(",")
+        nics = len([d for d in listed if d.strip()]) or per_node
+    if kind and not gbps:
+        gbps = NIC_GBPS_OF_GPU.get(gpu, 400)  # rate not stated: the GPU generation's reference NIC
+    if nics and gbps:
         transport = NICS.get(kind, "ib")
         config["nics_per_machine"] = nics
-        config["nic"] = {"bandwidth": f"{entry['nic_gbps']}Gbps", "transport": transport,
+        config["nic"] = {"bandwidth": f"{gbps}Gbps", "transport": transport,
                          "latency": f"{NIC_LATENCY_US.get(transport, 0.0)}us"}
     else:
         config["nics_per_machine"] = max(nics, 1)
@@ -82,7 +154,18 @@ def cluster_config(entry: dict) -> dict:
     env = {k: str(v) for k, v in (entry.get("env") or {}).items()}
     if env.get("NCCL_COLLNET_ENABLE") == "1":
         config["network"] = {"sharp": True}
+    version, _ = nccl_version(entry)
+    if version:
+        config["nccl"] = {"version": version}
     return config
+
+
+def with_calibration(config: dict, calibration) -> dict:
+    """``config`` with ``calibration``'s factors, keeping its own NCCL version."""
+    nccl = {k: v for k, v in calibration.as_config().items() if k != "version"}
+    if config.get("nccl", {}).get("version"):
+        nccl["version"] = config["nccl"]["version"]
+    return {**config, "nccl": nccl}
 
 
 def forced(entry: dict) -> tuple:
@@ -111,7 +194,9 @@ def evaluate(entry: dict, table, cluster: Cluster) -> dict:
     errors = [abs(r["error_pct"]) for r in rows]
     large = [abs(r["error_pct"]) for r in rows if r["bytes"] >= LARGE_BYTES]
     note = diagnose(table, table_comm(cluster.fabric, table)[1], parse_choices(algorithm, protocol))
+    version, how = nccl_version(entry)
     return {"file": entry["file"], "op": table.op, "ranks": cluster.n_gpus, "nodes": cluster.machines,
+            "nccl": (version or "newest") + ("" if how == "printed" else "*"),
             "healthy": entry.get("healthy"), "rows": rows, "median_pct": statistics.median(errors),
             "max_pct": max(errors), "large_median_pct": statistics.median(large) if large else None,
             "chosen": chosen, "diagnosis": note.split(": ", 1)[1] if note else ""}
@@ -138,7 +223,7 @@ def cross_scale(folder: Path, loaded: list) -> list:
         entry, table, cluster = by_file[source]
         calibrated = fit_tables([table], cluster, [parse_choices(*forced(entry))]).cluster
         t_entry, t_table, t_cluster = by_file[target]
-        scaled = Cluster.from_config({**cluster_config(t_entry), "nccl": calibrated.fabric.calibration.as_config()})
+        scaled = Cluster.from_config(with_calibration(cluster_config(t_entry), calibrated.fabric.calibration))
         results.append({"calibrated_on": source, **evaluate(t_entry, t_table, scaled)})
     return results
 
@@ -159,7 +244,7 @@ def leave_one_out(loaded: list) -> list:
             rest = [m for j, m in enumerate(members) if j != i]
             base = max(rest, key=lambda m: m[2].n_gpus)[2]
             fit = fit_tables([m[1] for m in rest], base, [parse_choices(*forced(m[0])) for m in rest])
-            scaled = Cluster.from_config({**cluster_config(entry), "nccl": fit.cluster.fabric.calibration.as_config()})
+            scaled = Cluster.from_config(with_calibration(cluster_config(entry), fit.cluster.fabric.calibration))
             results.append({"calibrated_on": f"{len(rest)} other tables", **evaluate(entry, table, scaled)})
     return results
 
@@ -193,14 +278,15 @@ def main(argv=None) -> int:
     for title, wanted in (("healthy", (True,)), ("unhealthy or undiagnosed", (False, None))):
         chosen = [r for r in results if r["healthy"] in wanted]
         print(f"\n{title} tables: {len(chosen)}")
-        print(f"{'table':<62} {'op':<15} {'ranks':>5} {'rows':>4} {'median%':>8} {'max%':>7} {'>=64MiB%':>9}  chosen")
+        print(f"{'table':<62} {'op':<15} {'ranks':>5} {'NCCL':>8} {'rows':>4} {'median%':>8} {'max%':>7} {'>=64MiB%':>9}"
+              f"  chosen")
         for r in chosen:
             large = "-" if r["large_median_pct"] is None else f"{r['large_median_pct']:.1f}"
-            print(f"{r['file'][:62]:<62} {r['op']:<15} {r['ranks']:>5} {len(r['rows']):>4} {r['median_pct']:>8.1f} "
-                  f"{r['max_pct']:>7.1f} {large:>9}  {', '.join(r['chosen'])}")
+            print(f"{r['file'][:62]:<62} {r['op']:<15} {r['ranks']:>5} {r['nccl']:>8} {len(r['rows']):>4} "
+                  f"{r['median_pct']:>8.1f} {r['max_pct']:>7.1f} {large:>9}  {', '.join(r['chosen'])}")
         if chosen:
             meds = [r["median_pct"] for r in chosen]
-            print(f"{'all':<62} {'':<15} {'':>5} {sum(len(r['rows']) for r in chosen):>4} {statistics.median(meds):>8.1f} "
+            print(f"{'all':<62} {'':<15} {'':>5} {'':>8} {sum(len(r['rows']) for r in chosen):>4} {statistics.median(meds):>8.1f} "
                   f"{max(r['max_pct'] for r in chosen):>7.1f}  (median of medians, worst row)")
             large = [r["large_median_pct"] for r in chosen if r["large_median_pct"] is not None]
             print(f"within targets (median <= 5 %, max <= 10 %): "

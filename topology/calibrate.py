@@ -48,6 +48,7 @@ from .units import TopologyError, as_gbps, as_gigabytes_per_s
 EFFICIENCY_RANGE = (0.05, 2.0)
 LATENCY_RANGE = (0.2, 20.0)
 UNDERPERFORMING = 0.6  # a table below this fraction of the specs' bus bandwidth is diagnosed
+DIAGNOSED_BYTES = 16 * 2**20  # ... at its largest row, if that is at least this big
 
 
 @dataclass(frozen=True)
@@ -132,7 +133,8 @@ def fit_tables(tables: Sequence[Table], cluster: Cluster, choices: Optional[Sequ
     if not tables:
         raise TopologyError("tables", "give at least one nccl-tests output")
     choices = list(choices) if choices is not None else [(None, None)] * len(tables)
-    spec = dataclasses.replace(cluster.fabric, calibration=Calibration())
+    version = cluster.fabric.calibration.version
+    spec = dataclasses.replace(cluster.fabric, calibration=Calibration(version=version))
     comms = [table_comm(spec, table)[1] for table in tables]
     groups: dict = {}
     for table, comm, choice in zip(tables, comms, choices):
@@ -149,7 +151,7 @@ def fit_tables(tables: Sequence[Table], cluster: Cluster, choices: Optional[Sequ
         weights = np.array([row[5] for row in rows], dtype=float)
         mean = float(np.exp(np.average(np.log([row[3] for row in rows]), weights=weights)))
         fitted.append((link, "*", "*", mean, 1.0, int(weights.sum())))
-    calibration = Calibration(tuple(row[:5] for row in fitted), source)
+    calibration = Calibration(tuple(row[:5] for row in fitted), source, version)
     calibrated = dataclasses.replace(cluster, fabric=dataclasses.replace(cluster.fabric, calibration=calibration))
     rows, diagnoses = [], []
     for table, comm, choice in zip(tables, comms, choices):
@@ -166,6 +168,8 @@ def fit_tables(tables: Sequence[Table], cluster: Cluster, choices: Optional[Sequ
 def diagnose(table: Table, comm: Comm, choice: tuple = (None, None)) -> str:
     """A plain sentence when ``table``'s largest row is far below what the specs promise ('' if not)."""
     row = max(table.rows, key=lambda r: r.size_bytes)
+    if row.size_bytes < DIAGNOSED_BYTES:
+        return ""  # a latency sweep says nothing of the bandwidth
     n = table.n_ranks or comm.n_ranks
     spec = _predict(comm, table.op, row.size_bytes, choice, None)
     measured_bus = row.size_bytes / row.time_us / 1e3 * bus_factor(table.op, n)

@@ -43,6 +43,7 @@ from typing import Any, Mapping
 import yaml
 
 from .nccl.tuning import ALGORITHMS, LINK_CLASSES, PROTOCOLS
+from .nccl.versions import parse_version
 from .units import TopologyError, gigabytes_per_s, parse_bandwidth, parse_fraction, parse_latency
 
 FABRIC_KEYS = ("machine", "gpu", "nvlink_domain", "nvswitch", "nics_per_machine", "nic", "cpu", "network", "nccl")
@@ -228,9 +229,13 @@ class Calibration:
     fraction of the modelled bandwidth the fabric delivers and a factor on the modelled latency.
 
     ``factors`` holds ``(link, algorithm, protocol, bandwidth, latency)`` rows; ``*`` stands for
-    any algorithm or protocol. YAML (``whatif calibrate nccl-tests`` writes it)::
+    any algorithm or protocol. ``version`` is the NCCL release the cluster runs (``2.26.2``):
+    it decides which algorithms exist and how NCCL's tuner picks among them
+    (``nccl/versions.py``); without it, the newest modelled. YAML (``whatif calibrate
+    nccl-tests`` writes it)::
 
         nccl:
+          version: 2.26.2
           source: whatif calibrate nccl-tests ...
           net:
             ring/simple: {bandwidth: 0.93, latency: 1.2}
@@ -239,6 +244,7 @@ class Calibration:
 
     factors: tuple = ()
     source: str = ""
+    version: tuple = ()
 
     def factors_for(self, link: str, algorithm: str, protocol: str) -> tuple:
         """``(bandwidth, latency)`` factors: the most specific row that matches, else ``(1, 1)``."""
@@ -249,7 +255,9 @@ class Calibration:
         return 1.0, 1.0
 
     def as_config(self) -> dict:
-        out: dict = {"source": self.source} if self.source else {}
+        out: dict = {"version": ".".join(str(v) for v in self.version)} if self.version else {}
+        if self.source:
+            out["source"] = self.source
         for link, algorithm, protocol, bandwidth, latency in self.factors:
             name = "*" if algorithm == "*" else f"{algorithm}/{protocol}"
             out.setdefault(link, {})[name] = {"bandwidth": round(float(bandwidth), 4), "latency": round(float(latency), 4)}
@@ -258,8 +266,9 @@ class Calibration:
     @classmethod
     def from_config(cls, value: Any, key: str) -> "Calibration":
         if not isinstance(value, Mapping):
-            raise TopologyError(key, f"expected {{net: {{ring/simple: {{bandwidth: 0.9, latency: 1.1}}}}}}, got {value!r}")
-        _check_keys(value, ("source",) + LINK_CLASSES, key)
+            raise TopologyError(key, f"expected {{version: 2.26.2, net: {{ring/simple: {{bandwidth: 0.9, latency: 1.1}}}}}}, "
+                                     f"got {value!r}")
+        _check_keys(value, ("version", "source") + LINK_CLASSES, key)
         rows = []
         for link in LINK_CLASSES:
             entries = value.get(link) or {}
@@ -279,7 +288,8 @@ class Calibration:
                 bandwidth = _factor(factors.get("bandwidth", 1.0), f"{where}.bandwidth")
                 latency = _factor(factors.get("latency", 1.0), f"{where}.latency")
                 rows.append((link, algorithm, protocol, bandwidth, latency))
-        return cls(tuple(rows), str(value.get("source", "")))
+        version = parse_version(value["version"], f"{key}.version") if value.get("version") is not None else ()
+        return cls(tuple(rows), str(value.get("source", "")), version)
 
 
 def _factor(value: Any, key: str) -> float:

@@ -33,6 +33,7 @@ import numpy as np
 from ..fabric import Fabric
 from ..units import TopologyError, as_gigabytes_per_s
 from . import tuning
+from .versions import LATEST, Tuner, tuner
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,9 @@ class Comm:
 
     ``n_nodes`` counts NVLink domains (NCCL's nodes), ``ppn`` the most ranks on one, ``node_nics``
     the fewest network devices (NICs, or a GPU's fused NICs) the ranks of a node are
-    rail-assigned to, ``ranks_per_machine`` the most ranks on one machine.
+    rail-assigned to, ``ranks_per_machine`` the most ranks on one machine. ``tuner`` is the
+    NCCL release's tables the communicator is searched and priced with (``versions.py``): the
+    cluster's ``nccl: {version: ...}``, else the newest.
     """
 
     fabric: Fabric
@@ -60,6 +63,16 @@ class Comm:
     ppn: int
     node_nics: int
     ranks_per_machine: int
+    tuner: Tuner = None
+
+    def __post_init__(self):
+        if self.tuner is None:
+            object.__setattr__(self, "tuner", tuner(self.fabric.calibration.version or LATEST))
+
+    def with_tuner(self, other: Tuner) -> "Comm":
+        """The same communicator under another release's tables."""
+        return self if other is self.tuner else Comm(self.fabric, self.ranks, self.n_nodes, self.ppn, self.node_nics,
+                                                     self.ranks_per_machine, other)
 
     @property
     def n_ranks(self) -> int:
@@ -93,7 +106,8 @@ class Comm:
         for node in np.unique(nodes):
             members = ids[nodes == node]
             nics.append(len({fabric.device_of(int(g)) for g in members}))
-        return cls(fabric, tuple(int(g) for g in ids), len(per_node), int(per_node.max()), int(min(nics)), int(per_machine.max()))
+        return cls(fabric, tuple(int(g) for g in ids), len(per_node), int(per_node.max()), int(min(nics)),
+                   int(per_machine.max()))
 
 
 def _gbs(bytes_per_us: float) -> float:
@@ -101,9 +115,14 @@ def _gbs(bytes_per_us: float) -> float:
 
 
 def _intra_total(comm: Comm) -> float:
-    """A GPU's bandwidth to the other GPUs of its node, GB/s as NCCL counts it."""
+    """A GPU's bandwidth to the other GPUs of its node, GB/s as NCCL counts it (its release's
+    SMxx_NVLINK_BW: the preset's per-link figure is the newest release's, scaled to the older)."""
     gpu = comm.fabric.gpu
-    return _gbs(gpu.nvlink_total_bytes_per_us) if comm.fabric.nvlink else _gbs(gpu.pcie_bytes_per_us)
+    if not comm.fabric.nvlink:
+        return _gbs(gpu.pcie_bytes_per_us)
+    row = tuning.arch(gpu.compute_capability)
+    scale = comm.tuner.nvlink_bw[row] / tuner(LATEST).nvlink_bw[row]
+    return _gbs(gpu.nvlink_total_bytes_per_us) * scale
 
 
 def _nic_path(comm: Comm) -> float:
@@ -145,7 +164,7 @@ def ring_graph(comm: Comm) -> Graph:
     intra = _intra_total(comm)
     max_channels = tuning.MAX_CHANNELS // 2
     if comm.n_nodes == 1:
-        channels, speed = _search(tuning.SPEEDS_INTRA[row], intra, lambda s: int(intra / s + 1e-9), max_channels)
+        channels, speed = _search(comm.tuner.speeds_intra[row], intra, lambda s: int(intra / s + 1e-9), max_channels)
     else:
         nic = _gbs(comm.fabric.net_device_bytes_per_us)
         pcie = _gbs(comm.fabric.gpu.pcie_bytes_per_us)
@@ -157,7 +176,7 @@ def ring_graph(comm: Comm) -> Graph:
                 fits.append(int(intra / (s * through) + 1e-9))
             return min(fits)
 
-        channels, speed = _search(tuning.SPEEDS_INTER[row], _nic_path(comm), capacity, max_channels)
+        channels, speed = _search(comm.tuner.speeds_inter[row], _nic_path(comm), capacity, max_channels)
     channels, speed = _dup(channels, speed, cc, max_channels)
     return Graph(channels, speed, speed, comm.link_intra)
 
@@ -174,7 +193,7 @@ def tree_graph(comm: Comm) -> Graph:
     if comm.n_nodes == 1:
         return ring
     intra = _intra_total(comm)
-    speeds = tuning.SPEEDS_INTER[tuning.speed_row(comm.fabric.gpu.compute_capability)]
+    speeds = comm.tuner.speeds_inter[tuning.speed_row(comm.fabric.gpu.compute_capability)]
     bw_intra = ring.bw_intra
     for s in reversed(speeds):
         if s > bw_intra and bw_intra < 2 * ring.bw_inter and ring.channels * s <= intra + 1e-9:
@@ -190,12 +209,13 @@ def nvls_graph(comm: Comm) -> Optional[Graph]:
     row = tuning.speed_row(fabric.gpu.compute_capability)
     heads = min(tuning.MAX_NVLS_ARITY, comm.ppn)
     intra = _intra_total(comm)
-    bw_intra = next((s for s in tuning.SPEEDS_INTRA[row] if heads * s <= intra + 1e-9), tuning.SPEEDS_INTRA[row][-1])
+    speeds_intra, speeds_inter = comm.tuner.speeds_intra[row], comm.tuner.speeds_inter[row]
+    bw_intra = next((s for s in speeds_intra if heads * s <= intra + 1e-9), speeds_intra[-1])
     bw_inter = bw_intra
     if comm.n_nodes > 1:
         heads = min(heads, comm.node_nics)
         path = _nic_path(comm)
-        bw_inter = next((s for s in tuning.SPEEDS_INTER[row] if s <= path + 1e-9), tuning.SPEEDS_INTER[row][-1])
+        bw_inter = next((s for s in speeds_inter if s <= path + 1e-9), speeds_inter[-1])
     return Graph(heads, bw_intra, bw_inter, "nvlink")
 
 
@@ -211,17 +231,21 @@ def collnet_graph(comm: Comm) -> Optional[Graph]:
 def comm_channels(comm: Comm, ring: Graph) -> int:
     """The communicator's channel count (CUDA blocks a ring or tree kernel may use).
 
-    connect.cc doubles the graph's channels once (``ncclTopoPostset``), and once more on Hopper
-    and later across nodes when a channel runs above 45 GB/s and there are fewer than 16.
+    connect.cc doubles the graph's channels once (``ncclTopoPostset``), and (2.20 and later) once
+    more on Hopper and later across nodes when a channel runs above 45 GB/s and there are fewer
+    than 16.
     """
     channels = min(tuning.MAX_CHANNELS, ring.channels * 2)
-    if comm.fabric.gpu.compute_capability >= 90 and comm.n_nodes > 1 and ring.bw_intra > 45.0 and channels < 16:
+    if (comm.tuner.hopper_channel_doubling and comm.fabric.gpu.compute_capability >= 90 and comm.n_nodes > 1
+            and ring.bw_intra > 45.0 and channels < 16):
         channels *= 2
     return channels
 
 
 def nvls_channels(comm: Comm) -> int:
-    """NVLS's channel count (nvls.cc): 16 on Hopper, 24 (one node) or 32 on Blackwell."""
+    """NVLS's channel count (nvls.cc): 16 on Hopper, 24 (one node) or 32 on Blackwell (2.27 and
+    later; 2.25-2.26: 32, before: 16)."""
+    table = comm.tuner.nvls_channels
     if comm.arch == "blackwell":
-        return tuning.NVLS_CHANNELS["blackwell"] if comm.n_nodes > 1 else tuning.NVLS_CHANNELS["blackwell_one_node"]
-    return tuning.NVLS_CHANNELS["hopper"]
+        return table["blackwell"] if comm.n_nodes > 1 else table["blackwell_one_node"]
+    return table["hopper"]

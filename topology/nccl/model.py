@@ -7,7 +7,7 @@ One formula prices every (algorithm, protocol) of a collective on a communicator
 ``L`` a latency and ``B`` an algorithm bandwidth (bytes of the collective's nccl-tests "size"
 per second), both from the tables of ``tuning.py`` and the channels of ``graphs.py``, exactly
 as NCCL's tuner computes them (``src/graph/tuning.cc``, ``ncclTopoTuneModel`` and
-``ncclTopoGetAlgoTime``, NCCL 2.23-2.30):
+``ncclTopoGetAlgoTime``; NCCL 2.30's formulas below, each release's from ``versions.py``):
 
 * ``B``: the graph's channels times their speed (``bw_intra`` within one or two nodes,
   ``bw_inter`` beyond) is a bus bandwidth; each protocol keeps its share (LL half of it and at
@@ -25,11 +25,18 @@ as NCCL's tuner computes them (``src/graph/tuning.cc``, ``ncclTopoTuneModel`` an
   rank, 1.4 times its latency (NCCL's "plateau").
 
 NCCL picks the (algorithm, protocol) with the smallest ``T`` (``topoGetAlgoInfo``), and so does
-:func:`choose`; ``NCCL_ALGO`` / ``NCCL_PROTO`` become ``algorithm`` / ``protocol``.
+:func:`choose`, with the tables and formulas of the cluster's NCCL release (``nccl:
+{version: 2.26.2}``; ``versions.py``: which algorithms exist, LL's share, the per-hop
+latencies, NVLS's pricing, the search's speeds); ``NCCL_ALGO`` / ``NCCL_PROTO`` become
+``algorithm`` / ``protocol``.
 
 Where we depart from NCCL's estimate, in :func:`predict` (the time we report; the choice stays
 NCCL's, made on NCCL's estimate, as NCCL itself makes it):
 
+* *the newest tables price every release's choice* (:func:`priced`): an older release's
+  constants were its tuner's guesses for choosing; the newest are NCCL's best account of what
+  the same algorithm does on the same hardware (LL moves half the bus bandwidth whatever 2.7
+  assumed).
 * *channels in use.* For small messages NCCL launches fewer channels (``topoGetAlgoInfo``: while
   ``bytes < channels x threads x threshold`` one fewer); we price them with the tuner's own
   formula on that many channels (:func:`bandwidth_on`), so per-channel ceilings shrink with them.
@@ -40,9 +47,9 @@ NCCL's, made on NCCL's estimate, as NCCL itself makes it):
 * *the fabric's own efficiency*, per link class and (algorithm, protocol), and a latency factor:
   1 from specs, fitted by ``whatif calibrate nccl-tests`` (``calibration`` of the fabric).
 
-Not modelled: NCCL's version-to-version changes (the tables are 2.23-2.30's; 2.19-2.22 priced
-NVLS and Tree/Simple differently and choose differently on some machines), user-buffer
-registration, CUDA graphs, and congestion from other jobs. Point-to-point (send/recv,
+Not modelled: kernels that got faster or slower between releases (beyond what the tuner's
+tables say), user-buffer registration and symmetric kernels, CUDA graphs, and congestion from
+other jobs. Point-to-point (send/recv,
 all-to-all) is not in NCCL's tuner; see ``p2p.py``.
 """
 
@@ -56,6 +63,7 @@ from typing import Optional
 from ..units import TopologyError
 from . import tuning
 from .graphs import Comm, Graph, collnet_graph, comm_channels, nvls_channels, nvls_graph, ring_graph, tree_graph
+from .versions import LATEST, extra, tuner
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")
 
@@ -88,37 +96,64 @@ def _log2i(n: int) -> int:
 
 
 def _bus_bandwidth(comm: Comm, op: str, algorithm: str, protocol: str, graph: Graph) -> float:
-    """NCCL's bus bandwidth (GB/s) of one (algorithm, protocol); 0 where NCCL would not use it."""
+    """NCCL's bus bandwidth (GB/s) of one (algorithm, protocol) under ``comm.tuner``'s release;
+    0 where NCCL would not use it."""
+    t = comm.tuner
     arch, col = comm.arch, tuning.nodes_column(comm.n_nodes)
     n_nodes, ppn = comm.n_nodes, comm.n_ranks / comm.n_nodes
     collnet = algorithm.startswith("collnet")
     bw = graph.bw_intra if (n_nodes <= 2 or collnet) else graph.bw_inter
+    channels = graph.channels
     if algorithm in ("nvls", "nvls_tree"):
-        if graph.channels < 2:
-            return 0.0
-        intra = graph.bw_intra * tuning.NVLS_EFFICIENCY[arch] * (graph.channels - 1) / graph.channels
-        intra *= 2.0 if op == "all_reduce" else (ppn - 1) / ppn
-        inter = graph.bw_inter * (2 if (n_nodes <= 2 and algorithm == "nvls_tree") else 1)
-        cap = tuning.NVLS_TREE_MAX_BW[arch][col] if algorithm == "nvls_tree" else math.inf
-        bw = min(intra, inter if n_nodes > 1 else math.inf, cap)
-    bus = graph.channels * bw
+        if t.nvls == "efficiency":  # 2.28+
+            if graph.channels < 2:
+                return 0.0
+            intra = graph.bw_intra * t.nvls_efficiency[arch] * (graph.channels - 1) / graph.channels
+            intra *= 2.0 if op == "all_reduce" else (ppn - 1) / ppn
+            inter = graph.bw_inter * (2 if (n_nodes <= 2 and algorithm == "nvls_tree") else 1)
+            cap = t.nvls_tree_max_bw[arch][col] if algorithm == "nvls_tree" else math.inf
+            bw = min(intra, inter if n_nodes > 1 else math.inf, cap)
+        elif t.nvls == "min":  # 2.19-2.27
+            if algorithm == "nvls" and op != "all_reduce" and t.version >= (2, 27, 0):
+                bw = min(graph.bw_intra * (ppn - 1) / ppn, graph.bw_inter * 0.9)
+            elif algorithm == "nvls":
+                bw = min(graph.bw_intra, graph.bw_inter)
+            else:
+                bw = min(graph.bw_intra, graph.bw_inter if n_nodes <= 2 else graph.bw_inter / 2)
+        elif t.nvls == "2.17":  # the ring graph's channels at its intra-node speed
+            ring = ring_graph(comm)
+            bw, channels = ring.bw_intra, ring.channels
+    bus = channels * bw
+    if arch in t.bus_cap:
+        bus = min(bus, t.bus_cap[arch])
+    per_op = extra(t, "ring_ll128_max_bw_per_op")
     if n_nodes == 1:
-        ll_max = tuning.LL_MAX_BW[arch][col]
+        ll_max = t.ll_max_bw.get(arch, (math.inf,) * 3)[col]
     else:
-        ll_max = tuning.LL_MAX_BW_MULTINODE["amd" if comm.fabric.cpu == "amd" else "intel"][col]
+        ll_max = t.ll_max_bw_multinode.get("amd" if comm.fabric.cpu == "amd" else "intel", (math.inf,) * 3)[col]
     if algorithm == "ring" and protocol == "ll":
-        bus = min(ll_max, bus * tuning.RING_LL_FACTOR)
+        share = tuning.RING_LL_FACTOR
+        if t.ring_ll == "quarter":
+            share = 0.25 if (n_nodes > 1 or op in ("all_reduce", "reduce")) else 1.0 / 3.0
+        bus = min(ll_max, bus * share)
     if algorithm == "ring" and protocol == "ll128":
-        bus = min(bus * tuning.RING_LL128_FACTOR, graph.channels * tuning.RING_LL128_MAX_BW[arch][col])
+        per_channel = per_op[op] if per_op else t.ring_ll128_max_bw[arch][col]
+        share = t.ll128_one_ppn if ppn < 2 else tuning.RING_LL128_FACTOR
+        bus = min(bus * share, channels * per_channel)
     if algorithm == "tree" and op == "all_reduce":
-        bus = min(bus * tuning.TREE_ALLREDUCE_FACTOR, graph.channels * tuning.TREE_MAX_BW[arch][col])
+        if t.tree_absolute_max_bw is not None:  # 2.7: whole-communicator caps
+            caps = t.tree_absolute_max_bw[0 if n_nodes <= 2 else 1]
+            bus = min(bus * t.tree_factor, caps[1] if (protocol == "ll128" and arch == "ampere") else caps[0])
+        else:
+            bus = min(bus * t.tree_factor, channels * t.tree_max_bw[arch][col])
     if algorithm == "tree" and protocol == "ll":
-        bus = min(bus * tuning.TREE_LL_FACTOR, ll_max)
+        bus = min(bus * t.tree_ll_factor, ll_max)
     if algorithm == "tree" and protocol == "ll128":
-        factor = tuning.TREE_LL128_ONE_NODE_FACTOR if n_nodes == 1 else tuning.LL128_FACTOR
-        bus = min(bus * factor, graph.channels * tuning.TREE_LL128_MAX_BW[arch][col])
+        factor = tuning.TREE_LL128_ONE_NODE_FACTOR if n_nodes == 1 else t.tree_ll128_multinode_factor
+        per_channel = per_op[op] if per_op else t.tree_ll128_max_bw[arch][col]
+        bus = min(bus * factor, channels * per_channel * t.tree_ll128_cap_factor)
     if algorithm == "pat":
-        bus *= tuning.PAT_FACTOR
+        bus *= t.pat_factor
     if collnet and protocol != "simple":
         return 0.0
     if algorithm == "collnet_direct":
@@ -128,51 +163,74 @@ def _bus_bandwidth(comm: Comm, op: str, algorithm: str, protocol: str, graph: Gr
             factor = ppn / graph.channels
             bus /= factor - (factor - 1) / 2
             if comm.fabric.gpu.compute_capability >= 90:
-                bus *= tuning.COLLNET_HOPPER_FACTOR
+                bus *= t.collnet_hopper_factor
+    if algorithm == "collnet_chain":
+        bus *= t.collnet_chain_factor
     if algorithm in ("nvls", "collnet_direct") and op in ("all_gather", "reduce_scatter") and n_nodes > 1:
         return 0.0
     return bus
 
 
 def _latency(comm: Comm, op: str, algorithm: str, protocol: str, graph: Graph) -> float:
-    """NCCL's latency (us) of one (algorithm, protocol)."""
+    """NCCL's latency (us) of one (algorithm, protocol) under ``comm.tuner``'s release."""
+    t = comm.tuner
     p = tuning.protocol_index(protocol)
     n, n_nodes = comm.n_ranks, comm.n_nodes
     ppn = n // n_nodes
     nic_extra = comm.fabric.nic.latency_us
-    intra_lat = tuning.HOP_LATENCY_US[graph.link_intra][algorithm][p]
-    inter_lat = tuning.HOP_LATENCY_US["net"]["tree" if comm.ppn == 1 else algorithm][p] + nic_extra
+    intra_lat = t.hop_latency[graph.link_intra][algorithm][p]
+    if n_nodes > 1 and protocol == "ll":
+        intra_lat *= t.ll_intra_multinode
+    inter_algorithm = "tree" if (comm.ppn == 1 and t.ppn1_tree_net_latency) else algorithm
+    inter_lat = t.hop_latency["net"][inter_algorithm][p] + nic_extra
     if protocol == "simple":
         inter_lat += nic_extra  # the flush after a Simple receive
-    base = tuning.BASE_LATENCY_US[algorithm][p]
+    base = t.base_latency[algorithm][p]
     if algorithm == "ring":
         steps = 2 * (n - 1) if op == "all_reduce" else n - 1 if op in ("all_gather", "reduce_scatter") else n
         if op in ("broadcast", "reduce"):
-            return base + tuning.HOP_LATENCY_US["net" if n_nodes > 1 else graph.link_intra]["ring"][p]
+            return base + t.hop_latency["net" if n_nodes > 1 else graph.link_intra]["ring"][p]
         overhead = 0.0
-        if n_nodes > 1:
+        if n_nodes > 1 and t.net_overhead:
             overhead = tuning.NET_OVERHEAD_US[comm.fabric.cpu] * (3 if protocol == "simple" else 1)
         intra_lat = max(intra_lat, overhead)
-        inter_steps = 0 if n_nodes == 1 else 2 * (n_nodes - 1) if op == "all_reduce" else n_nodes - 1
+        if n_nodes == 1:
+            inter_steps = 0
+        elif op == "all_reduce":
+            inter_steps = 2 * n_nodes if t.inter_steps == "2n" else 2 * (n_nodes - 1)
+        else:
+            inter_steps = n_nodes - 1
         return base + (steps - inter_steps) * intra_lat + inter_steps * inter_lat
     if algorithm == "tree":
         return base + 2 * ((ppn - 1) * intra_lat + _log2i(n_nodes) * inter_lat) if op == "all_reduce" else base
     if algorithm == "collnet_direct":
-        return base + 2 * (min(1, ppn - 1) * intra_lat + (ppn - 1) * 0.4) + inter_lat
+        return base + 2 * (min(1, ppn - 1) * intra_lat + (ppn - 1) * t.collnet_serialization_us) + inter_lat
     if algorithm == "collnet_chain":
-        return base + 2 * (ppn - 1) * intra_lat + inter_lat
+        return base + 2 * (ppn - 1) * intra_lat + (inter_lat if t.collnet_chain_net_latency else 0.0)
     if algorithm == "nvls":
+        if t.nvls in ("2.17", "2.18"):
+            return base + (t.hop_latency["net"]["nvls"][p] if n_nodes > 1 else 0.0)
         return intra_lat + (inter_lat if n_nodes > 1 else 0.0)
     if algorithm == "nvls_tree":
+        if t.nvls == "2.18":
+            return base + 2 * (n_nodes - 1) * t.hop_latency["net"]["nvls_tree"][p]
         return base + intra_lat + 2 * _log2i(n_nodes) * inter_lat
     return base + _log2i(n_nodes) * (inter_lat / 3.5) + n * 2.8  # pat
 
 
 def _allowed(comm: Comm, op: str, algorithm: str, protocol: str) -> bool:
-    """Which (algorithm, protocol) NCCL considers for ``op`` on ``comm`` (tuning.cc, enqueue.cc)."""
+    """Which (algorithm, protocol) NCCL considers for ``op`` on ``comm`` (tuning.cc, enqueue.cc),
+    in ``comm.tuner``'s release."""
+    t = comm.tuner
+    if not t.has(algorithm):
+        return False
     if op in ("broadcast", "reduce") and algorithm != "ring":
         return False
     if op in ("all_gather", "reduce_scatter") and algorithm not in ("pat", "ring", "nvls", "collnet_direct"):
+        return False
+    if op in ("all_gather", "reduce_scatter") and algorithm == "nvls" and not t.nvls_ag_rs:
+        return False
+    if op in ("all_gather", "reduce_scatter") and algorithm == "collnet_direct" and t.version < (2, 20, 0):
         return False
     if op == "all_reduce" and algorithm == "pat":
         return False
@@ -190,8 +248,8 @@ def _allowed(comm: Comm, op: str, algorithm: str, protocol: str) -> bool:
         return False
     if algorithm == "collnet_direct" and not comm.fabric.nvswitch:
         return False
-    if protocol == "ll128" and not comm.fabric.nvlink:
-        return False  # LL128 needs NVLink (or NVB) paths inside a node
+    if protocol == "ll128" and (not comm.fabric.nvlink or comm.arch not in t.ll128_archs):
+        return False  # LL128 needs NVLink (or NVB) paths inside a node, and a GPU its release enables it on
     return True
 
 
@@ -210,11 +268,20 @@ def _algorithm_bandwidth(comm: Comm, op: str, algorithm: str, protocol: str, gra
     bus = _bus_bandwidth(comm, op, algorithm, protocol, graph)
     if bus <= 0:
         return 0.0
-    n = comm.n_ranks
-    if algorithm == "ring" or (algorithm in ("nvls", "nvls_tree") and op not in ("all_gather", "reduce_scatter")):
-        steps = 2 * (n - 1) if op == "all_reduce" else n - 1 if op in ("all_gather", "reduce_scatter") else n
+    n, t = comm.n_ranks, comm.tuner
+    gather = op in ("all_gather", "reduce_scatter")
+    steps = 2 * (n - 1) if op == "all_reduce" else n - 1 if gather else n
+    if algorithm == "ring" or (algorithm in ("nvls", "nvls_tree") and not gather and t.nvls == "efficiency"):
         return bus * n / steps
-    return bus * 0.5 if op not in ("all_gather", "reduce_scatter") else bus
+    if algorithm in ("nvls", "nvls_tree") and t.nvls != "efficiency":  # NCCL's ratios before 2.28
+        if gather and t.version >= (2, 23, 0):
+            return bus
+        if t.nvls == "min":
+            return bus * 5.0 / 6.0
+        if algorithm == "nvls_tree":  # 2.18
+            return bus * 0.7 * comm.n_nodes / (2 * (comm.n_nodes - 1))
+        return bus * 0.75
+    return bus * 0.5 if not gather else bus
 
 
 def options(comm: Comm, op: str) -> list:
@@ -223,20 +290,38 @@ def options(comm: Comm, op: str) -> list:
         raise TopologyError("op", f"NCCL's tuner prices {', '.join(COLLECTIVES)}, not {op!r}")
     found = []
     for algorithm in tuning.ALGORITHMS:
-        graph = _graph(comm, algorithm)
-        if graph is None:
-            continue
         for protocol in tuning.PROTOCOLS:
-            if not _allowed(comm, op, algorithm, protocol):
-                continue
-            bandwidth = _algorithm_bandwidth(comm, op, algorithm, protocol, graph)
-            if bandwidth <= 0:
-                continue
-            channels = nvls_channels(comm) if algorithm in ("nvls", "nvls_tree") else comm_channels(comm, ring_graph(comm))
-            link = "net" if comm.n_nodes > 1 else graph.link_intra
-            latency = _latency(comm, op, algorithm, protocol, graph)
-            found.append(Option(op, algorithm, protocol, latency, bandwidth, channels, link))
+            if _allowed(comm, op, algorithm, protocol):
+                option = _option(comm, op, algorithm, protocol)
+                if option is not None:
+                    found.append(option)
     return found
+
+
+def _option(comm: Comm, op: str, algorithm: str, protocol: str) -> Optional[Option]:
+    """One (algorithm, protocol) as ``comm.tuner``'s release prices it, or None where it has no graph
+    or no bandwidth."""
+    graph = _graph(comm, algorithm)
+    if graph is None:
+        return None
+    bandwidth = _algorithm_bandwidth(comm, op, algorithm, protocol, graph)
+    if bandwidth <= 0:
+        return None
+    channels = nvls_channels(comm) if algorithm in ("nvls", "nvls_tree") else comm_channels(comm, ring_graph(comm))
+    link = "net" if comm.n_nodes > 1 else graph.link_intra
+    return Option(op, algorithm, protocol, _latency(comm, op, algorithm, protocol, graph), bandwidth, channels, link)
+
+
+def priced(comm: Comm, option: Option) -> tuple:
+    """``(comm, option)`` to time ``option`` with: the newest release's tables (its per-algorithm
+    bandwidths and latencies are NCCL's best account of what the hardware does; an older
+    release's tables decide only what that release picks), or the release's own where the
+    newest has no such option."""
+    newest = comm.with_tuner(tuner(LATEST))
+    if newest is comm:
+        return comm, option
+    again = _option(newest, option.op, option.algorithm, option.protocol)
+    return (newest, again) if again is not None else (comm, option)
 
 
 def bandwidth_on(comm: Comm, option: Option, channels: int) -> float:
@@ -252,15 +337,22 @@ def bandwidth_on(comm: Comm, option: Option, channels: int) -> float:
 
 def estimate_parts(comm: Comm, option: Option, nbytes: float) -> tuple:
     """NCCL's estimate (``ncclTopoGetAlgoTime``) as ``(latency_us, transfer_us)``."""
+    t = comm.tuner
     bw, lat = option.bandwidth_gbs, option.latency_us
     log_size = _log2i(int(nbytes) >> 6) if nbytes >= 64 else -1
-    if option.op == "all_reduce" and 0 <= log_size < 23:
-        blackwell_x86 = comm.arch == "blackwell" and comm.fabric.cpu != "arm"
+    table = t.tree_correction[option.protocol]
+    if option.op == "all_reduce" and 0 <= log_size < len(table):
+        blackwell_x86 = comm.arch == "blackwell" and comm.fabric.cpu != "arm" and t.nvls_tree_blackwell_correction
         if option.algorithm == "tree" or (option.algorithm == "nvls_tree" and blackwell_x86):
-            bw *= tuning.TREE_CORRECTION[option.protocol][log_size]
-    if (option.algorithm == "ring" and option.protocol == "simple" and comm.n_nodes > 1
-            and option.op == "all_reduce" and nbytes / (option.channels * comm.n_ranks) >= 64):
-        lat *= tuning.RING_PLATEAU[comm.arch]
+            bw *= table[log_size]
+    if option.algorithm == "ring" and option.protocol == "simple" and comm.n_nodes > 1 and option.op == "all_reduce":
+        if t.plateau == "per_channel":
+            plateau = nbytes / (option.channels * comm.n_ranks) >= 64
+        else:
+            plateau = nbytes >= comm.n_ranks / 16.0 * 65536
+        if plateau:
+            threshold, below, above = t.plateau_factor
+            lat *= below if comm.fabric.gpu.compute_capability < threshold else above
     return lat, nbytes / (1000.0 * bw)
 
 
@@ -383,11 +475,12 @@ def predict(comm: Comm, op: str, nbytes: float, algorithms=None, protocols=None,
     """
     if comm.n_ranks == 1:
         return Predicted(Option(op, "ring", "simple", 0.0, math.inf, 1, comm.link_intra), 0.0, 0.0, 1)
-    option = choose(comm, op, nbytes, algorithms, protocols)
+    chosen = choose(comm, op, nbytes, algorithms, protocols)
+    comm, option = priced(comm, chosen)
     used = channels_used(comm, option, nbytes)
     efficiency, latency_factor = (1.0, 1.0) if calibration is None else calibration.factors_for(
         option.link, option.algorithm, option.protocol)
     bandwidth = bandwidth_on(comm, option, used)
     latency, transfer = estimate_parts(comm, dataclasses.replace(option, bandwidth_gbs=bandwidth), nbytes)
     transfer = transfer * chunk_slowdown(comm, option, nbytes) + pipeline_fill_us(comm, option, nbytes, bandwidth)
-    return Predicted(option, (KERNEL_START_US + latency) * latency_factor, transfer / efficiency, used)
+    return Predicted(chosen, (KERNEL_START_US + latency) * latency_factor, transfer / efficiency, used)

@@ -3,14 +3,14 @@
 Every number here is NCCL's, from ``src/graph/tuning.cc`` (``ncclTunerConstantsDefaults`` and
 the refinements in ``ncclTopoTuneModel``), ``src/graph/search.cc`` (the speeds its topology
 search tries), ``src/include/device.h`` and ``src/include/comm.h`` (threads and thresholds),
-``src/transport/nvls.cc`` (NVLS channels), as of NCCL 2.23 to 2.30 (the values did not change
-in between; 2.19-2.22 differ only in Tree/Simple latencies). Bandwidths are NCCL's GB/s (1e9
-bytes/s), latencies microseconds. Names, not NCCL's integers, index the tables.
+``src/transport/nvls.cc`` (NVLS channels), as of NCCL 2.30. Earlier releases' tables differ;
+``versions.py`` holds the history and builds any release's from these. Bandwidths are NCCL's
+GB/s (1e9 bytes/s), latencies microseconds. Names, not NCCL's integers, index the tables.
 """
 
 from __future__ import annotations
 
-NCCL_VERSION = "2.23-2.30"
+NCCL_VERSION = "2.30"
 
 ALGORITHMS = ("tree", "ring", "collnet_direct", "collnet_chain", "nvls", "nvls_tree", "pat")
 PROTOCOLS = ("ll", "ll128", "simple")
