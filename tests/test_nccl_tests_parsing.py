@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from whatif.topology import TopologyError
-from whatif.topology.nccl_tests import parse_text, read_table
+from whatif.topology.nccl_tests import bus_factor, parse_text, read_table
 
 REPO = Path(__file__).resolve().parent.parent
 COLLECTED = REPO / "bench" / "nccl_tests" / "data"
@@ -113,3 +113,29 @@ def test_every_collected_public_output_parses(path):
     table = read_table(path)
     assert table.rows and all(r.time_us > 0 for r in table.rows)
     assert table.n_ranks or table.op in ("send_recv", "broadcast", "reduce")  # factor 1: n not in the numbers
+
+
+def _rows(n: int, op: str = "all_reduce") -> str:
+    """Rows whose printed busbw / algbw (2 decimals) say ``n`` ranks."""
+    out = []
+    for size, algbw in ((2**30, 55.48), (2**32, 169.24), (2**34, 183.83)):
+        busbw = algbw * bus_factor(op, n)
+        out.append(f"{size:>12} {size // 4:>12}     float     sum      -1  {size / algbw / 1e3:>9.0f}  {algbw:6.2f}  "
+                   f"{busbw:6.2f}      0")
+    return "\n".join(out) + "\n"
+
+
+def test_a_large_communicators_rank_count_is_the_one_its_rounded_bandwidths_and_rank_lines_allow():
+    # 2 decimals of busbw / algbw cannot tell 1020 ranks from 1024: the Rank lines can, and
+    # without a complete listing the count with the most factors of two (nodes of 8 GPUs)
+    assert parse_text(_rows(1024), "t_allreduce.txt").n_ranks == 1024
+    listed = "#  Rank 1019 Group  0 Pid 1 on h device  3 [0000:2c:00] NVIDIA H100\n"
+    assert parse_text(listed + _rows(1024), "t_allreduce.txt").n_ranks == 1020
+    pasted = "#  Rank  143 Group  0 Pid 1 on h device  3 [0000:2c:00] NVIDIA GB200\n"  # from another run
+    assert parse_text(pasted + _rows(128), "t_allreduce.txt").n_ranks == 128
+
+
+def test_the_header_says_how_many_gpus_one_thread_drives():
+    assert parse_text("# nThread 1 nGpus 8 minBytes 8 maxBytes 8\n" + _rows(8), "t_allreduce.txt").gpus_per_thread == 8
+    assert parse_text("nThread 1 nGpus 1 minBytes 8 maxBytes 8\n" + _rows(8), "t_allreduce.txt").gpus_per_thread == 1
+    assert parse_text(_rows(8), "t_allreduce.txt").gpus_per_thread == 1

@@ -8,8 +8,8 @@ out-of-place time: it is what ``whatif collective`` predicts.
 
 Everything else in a file is context or noise: ``#`` lines (the header with ``# Collective test
 starting: all_reduce_perf``, ``#  Rank  3 Group 0 Pid ... on HOST device 3 [...] NVIDIA H100``
-lines that say how many ranks and hosts), MPI's ``[1,0]<stdout>:`` prefixes, NCCL's own log
-lines. A line whose first fields are a size, a count and a type is a row and must be whole; a
+lines that say how many ranks and hosts, ``nThread 1 nGpus 8`` that says how many GPUs one
+host thread drives), MPI's ``[1,0]<stdout>:`` prefixes, NCCL's own log lines. A line whose first fields are a size, a count and a type is a row and must be whole; a
 file with no rows is an error. Errors name the file and line.
 
 Which operation a table is: its header, else ``op`` if given, else its file name
@@ -36,6 +36,7 @@ REDOPS = ("sum", "prod", "max", "min", "avg", "mulsum", "none")
 _PREFIX = re.compile(r"^((\s*\[[^\]]*\](<std(out|err)>)?:?)|(\s*\d+:\s))+")
 _PROGRAM = re.compile(r"Collective test starting:\s*(\w+?)(_perf)?(_mpi)?\s*$")
 _RANK = re.compile(r"#\s*Rank\s+(\d+).*?\son\s+(\S+)\s+device\s+\d+\s+\[[^\]]*\]\s+(.*)$")
+_THREADS = re.compile(r"nThread\s+(\d+)\s+nGpus\s+(\d+)")
 _FILE_OPS = (("allreduce", "all_reduce"), ("allgather", "all_gather"), ("reducescatter", "reduce_scatter"),
              ("alltoall", "all_to_all"), ("sendrecv", "send_recv"), ("broadcast", "broadcast"), ("reduce", "reduce"))
 _BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
@@ -70,6 +71,7 @@ class Table:
     n_ranks: Optional[int] = None
     hosts: Optional[int] = None
     gpu: str = ""
+    gpus_per_thread: int = 1  # the header's nGpus: GPUs one host thread drives (-g)
 
 
 def _op_name(text: str) -> Optional[str]:
@@ -112,25 +114,43 @@ def _row(tokens: list, where: str, number: int) -> Row:
                _number(rest[1], where, "algbw"), _number(rest[2], where, "busbw"), number)
 
 
-def _ranks_from_bandwidth(op: str, rows: list) -> Optional[int]:
-    """n from busbw / algbw = bus_factor(op, n) in the row with the largest algbw (2 decimals)."""
+def _ranks_from_bandwidth(op: str, rows: list, listed: int = 0) -> Optional[int]:
+    """n from busbw / algbw = bus_factor(op, n): the n consistent with every row's printed
+    bandwidths (2 decimals). Large communicators leave several n consistent: then the ``Rank``
+    lines' highest rank + 1 (``listed``) if it is one of them, else the one with the most
+    factors of two (GPUs come in nodes of 4 and 8). Rank lines that contradict the bandwidths
+    (pasted from another run, or elided) do not count."""
     if op not in _BUS_FACTOR:
         return None
-    best = max(rows, key=lambda r: r.algbw_gbps)
-    if best.algbw_gbps < 1.0:
+    lo, hi = 0.0, math.inf
+    for row in rows:
+        if row.algbw_gbps >= 1.0:
+            lo = max(lo, (row.busbw_gbps - 0.005) / (row.algbw_gbps + 0.005))
+            hi = min(hi, (row.busbw_gbps + 0.005) / (row.algbw_gbps - 0.005))
+    if lo == 0.0:
         return None
-    ratio = best.busbw_gbps / best.algbw_gbps
-    candidates = range(2, 100001)
-    n = min(candidates[:4096], key=lambda k: abs(bus_factor(op, k) - ratio))
-    return n if abs(bus_factor(op, n) - ratio) < 0.02 else None
+    consistent = [k for k in range(2, 100001) if lo - 1e-9 <= bus_factor(op, k) <= hi + 1e-9]
+    if not consistent:  # rounding worse than 2 decimals: the nearest
+        best = max(rows, key=lambda r: r.algbw_gbps)
+        ratio = best.busbw_gbps / best.algbw_gbps
+        n = min(range(2, 4097), key=lambda k: abs(bus_factor(op, k) - ratio))
+        return n if abs(bus_factor(op, n) - ratio) < 0.02 else None
+    if listed in consistent:
+        return listed
+    center = (lo + hi) / 2
+    return max(consistent, key=lambda k: ((k & -k), -abs(bus_factor(op, k) - center)))
 
 
 def parse_text(text: str, path: str = "<text>", op: Optional[str] = None) -> Table:
     """The table in nccl-tests output ``text``; errors name ``path`` and the line."""
-    header_op, rows, ranks, hosts, gpu = None, [], set(), set(), ""
+    header_op, rows, ranks, hosts, gpu, per_thread = None, [], set(), set(), "", 1
     for number, raw in enumerate(text.splitlines(), start=1):
         line = _PREFIX.sub("", raw).strip()
         where = f"{path}:{number}"
+        threads = _THREADS.search(line)
+        if threads:
+            per_thread = max(1, int(threads.group(2)))
+            continue
         program = _PROGRAM.search(line)
         if program:
             header_op = _op_name(program.group(1))
@@ -160,13 +180,13 @@ def parse_text(text: str, path: str = "<text>", op: Optional[str] = None) -> Tab
     found = header_op or given or _op_from_file(path)
     if found is None:
         raise TopologyError(path, f"cannot tell which operation it measured; give --op ({', '.join(OPS)})")
-    from_bandwidth = _ranks_from_bandwidth(found, rows)
+    from_bandwidth = _ranks_from_bandwidth(found, rows, max(ranks) + 1 if ranks else 0)
     n_ranks = from_bandwidth or (len(ranks) if ranks else None)
     complete = bool(ranks) and len(ranks) == n_ranks  # every Rank line printed, none elided
     measured = tuple(r for r in rows if r.size_bytes > 0)
     if not measured:
         raise TopologyError(path, "every row has size 0 (too few elements per rank); nothing was measured")
-    return Table(path, found, measured, n_ranks, len(hosts) if complete else None, gpu)
+    return Table(path, found, measured, n_ranks, len(hosts) if complete else None, gpu, per_thread)
 
 
 def read_table(path: Union[str, Path], op: Optional[str] = None) -> Table:
