@@ -1,25 +1,34 @@
-"""How close `whatif collective` comes to public nccl-tests tables, from vendor specs alone.
+"""How close `whatif collective` comes to public nccl-tests tables: spec-only and held out.
 
     .venv/bin/python bench/nccl_accuracy.py [FOLDER]        # FOLDER defaults to bench/nccl_tests
     .venv/bin/python bench/nccl_accuracy.py --rows TABLE    # one table row by row
     .venv/bin/python bench/nccl_accuracy.py --json
+    .venv/bin/python bench/nccl_accuracy.py --write-measured  # refit presets/measured.yaml
 
 FOLDER holds ``data/*.txt`` (nccl-tests outputs) and ``tables.yaml`` (each table's cluster as
-its source describes it, and a ``healthy`` flag). Every table is predicted from a cluster built
-from that description and our presets (``cluster_config``): no number of the table itself is
-used, no fitting. Per table: the median and largest |error| of the out-of-place time over its
-rows, and the algorithms/protocols we chose. Unhealthy tables (the source reports a fault) and
-undiagnosed ones are listed apart: there the error is the diagnosis.
+its source describes it, its NCCL version, a ``healthy`` flag, a ``series`` for tables of one
+cluster at several scales). Every table is predicted from a cluster built from that description
+and our presets (``cluster_config``), with the NCCL release it ran (printed, or implied by its
+date: ``IMPLIED``), in two columns:
 
-The cross-scale check calibrates on one table of a cluster (``whatif calibrate nccl-tests``'
-fit) and predicts another table of the same cluster at another scale; the leave-one-out check
-calibrates on all of a cluster's tables but one and predicts that one (``--no-cross-scale``
-skips both).
+* **spec-only**: NCCL's tuning tables of that release and the vendors' specs, nothing else
+  (``measured: spec``): no number of any table is used.
+* **held-out**: plus the constants only measurements give (``nccl/measured.py``: kernel start
+  by GPU generation, per-hop latency by NIC kind, point-to-point efficiency between nodes,
+  nccl-tests' host cost when one thread drives several GPUs), estimated from the healthy tables
+  of every *other* source: a source's tables never inform the constants that predict them.
+
+Per table: the median and largest |error| of the out-of-place time over its rows and over its
+rows of 64 MiB and more, and what NCCL picks. Unhealthy tables (the source reports a fault) and
+undiagnosed ones are listed apart: there the error is the diagnosis. The cross-scale check
+calibrates (``whatif calibrate nccl-tests``) on one scale of a series, on top of its source's
+held-out constants, and predicts the series' other scales.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -32,14 +41,29 @@ sys.path.insert(0, str(REPO))
 
 from whatif.topology import Cluster, TopologyError, collective_cost  # noqa: E402
 from whatif.topology.backends import parse_choices  # noqa: E402
-from whatif.topology.calibrate import diagnose, fit_tables, table_comm  # noqa: E402
+from whatif.topology.calibrate import decompose, diagnose, fit_tables, table_comm, table_time_us  # noqa: E402
+from whatif.topology.nccl.measured import SPEC, fit  # noqa: E402
 from whatif.topology.nccl_tests import read_table  # noqa: E402
 
 GPUS = (("gb300", "gb300"), ("gb200", "gb200"), ("b200", "b200"), ("gh200", "gh200"), ("h200", "h200"),
         ("h100", "h100"), ("a100", "a100"), ("v100", "v100"), ("2080", "rtx2080ti"))
 NICS = {"infiniband_ndr": "ib", "infiniband_hdr": "ib", "infiniband_edr": "ib", "roce": "roce", "efa": "efa",
-        "gpudirect_tcpx": "socket", "gpudirect_tcpxo": "socket"}
-NIC_LATENCY_US = {"efa": 20.0, "socket": 20.0}  # as nics.yaml's efa_* and tcp_* presets
+        "gpudirect_tcpx": "socket", "gpudirect_tcpxo": "socket", "slingshot11": "ofi"}
+# The NIC kind the measured constants are keyed on (nics.yaml's kind): EFA by generation, as AWS
+# names them (p3dn, p4d, p4de: EFA; p5: EFAv2; p5en: EFAv3), Google's two TCP plugins apart.
+KINDS = {"infiniband_ndr": "ib", "infiniband_hdr": "ib", "infiniband_edr": "ib", "roce": "roce",
+         "gpudirect_tcpx": "tcpx", "gpudirect_tcpxo": "tcpxo", "slingshot11": "slingshot"}
+EFA_GENERATION = {"v100": "efa1", "a100": "efa1", "h100": "efa2", "h200": "efa3"}
+
+
+GIB_SOURCES = ("google-dranet",)  # GCP's A3 Ultra / A4 RoCE runs through Google's gIB NCCL plugin
+
+
+def nic_kind(entry: dict, gpu: str) -> str:
+    kind = str(entry.get("nic_kind") or "")
+    if kind == "roce" and (entry.get("source_id") in GIB_SOURCES or "_gcp_" in str(entry["file"])):
+        return "gib"
+    return EFA_GENERATION.get(gpu, "efa") if kind == "efa" else KINDS.get(kind, NICS.get(kind, "ib"))
 # The compute NIC of each GPU generation's reference system (DGX A100: HDR 200G; DGX H100/H200,
 # B200, GB200 NVL72: NDR 400G; GB300 NVL72: ConnectX-8 800G), for tables that do not state it.
 NIC_GBPS_OF_GPU = {"a100": 200, "v100": 100, "gb300": 800}
@@ -144,8 +168,7 @@ def cluster_config(entry: dict) -> dict:
     if nics and gbps:
         transport = NICS.get(kind, "ib")
         config["nics_per_machine"] = nics
-        config["nic"] = {"bandwidth": f"{gbps}Gbps", "transport": transport,
-                         "latency": f"{NIC_LATENCY_US.get(transport, 0.0)}us"}
+        config["nic"] = {"bandwidth": f"{gbps}Gbps", "transport": transport, "kind": nic_kind(entry, gpu)}
     else:
         config["nics_per_machine"] = max(nics, 1)
         config["nic"] = "ib_ndr"
@@ -155,16 +178,21 @@ def cluster_config(entry: dict) -> dict:
     if env.get("NCCL_COLLNET_ENABLE") == "1":
         config["network"] = {"sharp": True}
     version, _ = nccl_version(entry)
-    if version:
-        config["nccl"] = {"version": version}
+    nccl = {"version": version} if version else {}
+    minimum = env.get("NCCL_MIN_NCHANNELS") or env.get("NCCL_MIN_CTAS")
+    if minimum:
+        nccl["min_channels"] = int(minimum)
+    if nccl:
+        config["nccl"] = nccl
     return config
 
 
 def with_calibration(config: dict, calibration) -> dict:
     """``config`` with ``calibration``'s factors, keeping its own NCCL version."""
-    nccl = {k: v for k, v in calibration.as_config().items() if k != "version"}
-    if config.get("nccl", {}).get("version"):
-        nccl["version"] = config["nccl"]["version"]
+    nccl = {k: v for k, v in calibration.as_config().items() if k not in ("version", "min_channels")}
+    for key in ("version", "min_channels"):
+        if config.get("nccl", {}).get(key):
+            nccl[key] = config["nccl"][key]
     return {**config, "nccl": nccl}
 
 
@@ -179,30 +207,41 @@ def forced(entry: dict) -> tuple:
     return algorithm, env.get("NCCL_PROTO")
 
 
+def with_measured(cluster: Cluster, measured) -> Cluster:
+    """``cluster`` with these measured constants (``measured: spec`` for the spec-only column)."""
+    calibration = dataclasses.replace(cluster.fabric.calibration, measured=measured)
+    return dataclasses.replace(cluster, fabric=dataclasses.replace(cluster.fabric, calibration=calibration))
+
+
 def evaluate(entry: dict, table, cluster: Cluster) -> dict:
-    """Per-row errors of one table against ``cluster``."""
+    """Per-row errors of one table against ``cluster`` (its measured constants included): the GPU
+    time of ``collective_cost``, at least nccl-tests' host time for the GPUs a thread drives."""
     algorithm, protocol = forced(entry)
+    comm = table_comm(cluster.fabric, table)[1]
+    measured = cluster.fabric.calibration.constants
     rows, chosen = [], []
     for row in table.rows:
         cost = collective_cost(cluster, table.op, row.size_bytes, algorithm=algorithm, protocol=protocol)
-        error = (cost.time_us - row.time_us) / row.time_us * 100
-        rows.append({"bytes": row.size_bytes, "measured_us": row.time_us, "predicted_us": cost.time_us,
+        predicted = table_time_us(table, comm, cost, measured)
+        error = (predicted - row.time_us) / row.time_us * 100
+        rows.append({"bytes": row.size_bytes, "measured_us": row.time_us, "predicted_us": predicted,
                      "error_pct": error, "algorithm": cost.algorithm, "protocol": cost.protocol})
         label = f"{cost.algorithm}/{cost.protocol}"
         if label not in chosen:
             chosen.append(label)
     errors = [abs(r["error_pct"]) for r in rows]
     large = [abs(r["error_pct"]) for r in rows if r["bytes"] >= LARGE_BYTES]
-    note = diagnose(table, table_comm(cluster.fabric, table)[1], parse_choices(algorithm, protocol))
+    note = diagnose(table, comm, parse_choices(algorithm, protocol))
     version, how = nccl_version(entry)
     return {"file": entry["file"], "op": table.op, "ranks": cluster.n_gpus, "nodes": cluster.machines,
-            "nccl": (version or "newest") + ("" if how == "printed" else "*"),
+            "nccl": (version or "newest") + ("" if how == "printed" else "*"), "source": entry.get("source_id"),
             "healthy": entry.get("healthy"), "rows": rows, "median_pct": statistics.median(errors),
             "max_pct": max(errors), "large_median_pct": statistics.median(large) if large else None,
             "chosen": chosen, "diagnosis": note.split(": ", 1)[1] if note else ""}
 
 
 def load(folder: Path) -> list:
+    """``(entry, table, cluster)`` for every table of ``folder``; the clusters are spec-only."""
     entries = yaml.safe_load((folder / "tables.yaml").read_text())["tables"]
     out = []
     for entry in entries:
@@ -210,43 +249,75 @@ def load(folder: Path) -> list:
         if not path.exists():
             continue
         table = read_table(path, entry.get("op"))
-        out.append((entry, table, Cluster.from_config(cluster_config(entry), "tables.yaml")))
+        cluster = Cluster.from_config(cluster_config(entry), "tables.yaml")
+        out.append((entry, table, with_measured(cluster, SPEC)))
     return out
 
 
-def cross_scale(folder: Path, loaded: list) -> list:
-    by_file = {entry["file"]: (entry, table, cluster) for entry, table, cluster in loaded}
-    results = []
-    for source, target in CROSS_SCALE:
-        if source not in by_file or target not in by_file:
-            continue
-        entry, table, cluster = by_file[source]
-        calibrated = fit_tables([table], cluster, [parse_choices(*forced(entry))]).cluster
-        t_entry, t_table, t_cluster = by_file[target]
-        scaled = Cluster.from_config(with_calibration(cluster_config(t_entry), calibrated.fabric.calibration))
-        results.append({"calibrated_on": source, **evaluate(t_entry, t_table, scaled)})
-    return results
+def decomposed(loaded: list) -> dict:
+    """Every table's rows as the measured constants see them (``calibrate.decompose``)."""
+    out = {}
+    for entry, table, cluster in loaded:
+        comm = table_comm(cluster.fabric, table)[1]
+        out[entry["file"]] = decompose(table, comm, parse_choices(*forced(entry)))
+    return out
 
 
-def leave_one_out(loaded: list) -> list:
-    """For every cluster with three or more healthy tables (same source, GPU and NICs): calibrate
-    on all of them but one, predict the one left out (another op, or another scale)."""
+def training_rows(loaded: list, rows: dict, leave_out: str = "") -> list:
+    """The rows the measured constants are estimated from: every healthy table's but those of the
+    source ``leave_out``."""
+    return [r for entry, _, _ in loaded if entry.get("healthy") and entry.get("source_id") != leave_out
+            for r in rows[entry["file"]]]
+
+
+def held_out(loaded: list, rows: dict) -> dict:
+    """Per source, the measured constants estimated from every other source's healthy tables."""
+    return {source: fit(training_rows(loaded, rows, source), f"public tables but {source}")
+            for source in sorted({entry.get("source_id") for entry, _, _ in loaded})}
+
+
+def series_of(loaded: list) -> dict:
+    """Tables measured at several scales of one cluster by one source: the folder's ``series``,
+    and the pairs named in CROSS_SCALE."""
     groups: dict = {}
     for entry, table, cluster in loaded:
-        if entry.get("healthy"):
-            key = tuple(entry.get(k) for k in ("source_id", "gpu", "nic_kind", "nics_per_node", "nic_gbps"))
-            groups.setdefault(key, []).append((entry, table, cluster))
+        if entry.get("series") and entry.get("healthy"):
+            groups.setdefault(entry["series"], []).append((entry, table, cluster))
+    by_file = {entry["file"]: (entry, table, cluster) for entry, table, cluster in loaded}
+    for calibrate_on, target in CROSS_SCALE:
+        if calibrate_on in by_file and target in by_file:
+            groups.setdefault(f"{calibrate_on} -> {target}", []).extend([by_file[calibrate_on], by_file[target]])
+    return groups
+
+
+def cross_scale(loaded: list, constants: dict) -> list:
+    """For every series: calibrate (``whatif calibrate nccl-tests``) on one scale's tables, on top
+    of the source's held-out measured constants, and predict every other scale's."""
     results = []
-    for members in groups.values():
-        if len(members) < 3:
+    for name, members in series_of(loaded).items():
+        scales = sorted({m[2].n_gpus for m in members})
+        if len(scales) < 2:
             continue
-        for i, (entry, table, _) in enumerate(members):
-            rest = [m for j, m in enumerate(members) if j != i]
-            base = max(rest, key=lambda m: m[2].n_gpus)[2]
-            fit = fit_tables([m[1] for m in rest], base, [parse_choices(*forced(m[0])) for m in rest])
-            scaled = Cluster.from_config(with_calibration(cluster_config(entry), fit.cluster.fabric.calibration))
-            results.append({"calibrated_on": f"{len(rest)} other tables", **evaluate(entry, table, scaled)})
+        for scale in scales:
+            on = [m for m in members if m[2].n_gpus == scale]
+            base = with_measured(on[0][2], constants[on[0][0].get("source_id")])
+            calibrated = fit_tables([m[1] for m in on], base, [parse_choices(*forced(m[0])) for m in on]).cluster
+            for entry, table, cluster in members:
+                if cluster.n_gpus == scale:
+                    continue
+                config = with_calibration(cluster_config(entry), calibrated.fabric.calibration)
+                result = evaluate(entry, table, Cluster.from_config(config))
+                results.append({"series": name, "calibrated_on": f"{scale} GPUs", **result})
     return results
+
+
+def summary(results: list, key: str = "median_pct") -> str:
+    meds = [r[key] for r in results]
+    large = [r["large_median_pct"] for r in results if r["large_median_pct"] is not None]
+    return (f"median of table medians {statistics.median(meds):.1f} %; "
+            f"{sum(r['median_pct'] <= 5 and r['max_pct'] <= 10 for r in results)} of {len(results)} within both "
+            f"targets (median <= 5 %, max <= 10 %); rows of 64 MiB and more: median of medians "
+            f"{statistics.median(large):.1f} %, {sum(x <= 5 for x in large)} of {len(large)} tables within 5 %")
 
 
 def main(argv=None) -> int:
@@ -255,60 +326,89 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", metavar="TABLE", help="print one table's rows")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--no-cross-scale", action="store_true")
+    parser.add_argument("--write-measured", action="store_true",
+                        help="fit the measured constants to every healthy table and write presets/measured.yaml")
     args = parser.parse_args(argv)
     try:
         loaded = load(args.folder)
     except (TopologyError, OSError) as err:
         print(f"nccl_accuracy: {err}", file=sys.stderr)
         return 2
-    results = [evaluate(entry, table, cluster) for entry, table, cluster in loaded]
-    crossed = [] if args.no_cross_scale else cross_scale(args.folder, loaded)
-    left_out = [] if args.no_cross_scale else leave_one_out(loaded)
+    rows = decomposed(loaded)
+    if args.write_measured:
+        found = fit(training_rows(loaded, rows), "bench/nccl_accuracy.py --write-measured: every healthy table")
+        text = yaml.safe_dump(found.as_config(), sort_keys=False, width=110)
+        (REPO / "topology" / "presets" / "measured.yaml").write_text(MEASURED_HEADER + text)
+        print(f"written to topology/presets/measured.yaml ({len(found.fitted_on)} tables)")
+        return 0
+    constants = held_out(loaded, rows)
+    spec = [evaluate(entry, table, cluster) for entry, table, cluster in loaded]
+    held = [evaluate(entry, table, with_measured(cluster, constants[entry.get("source_id")]))
+            for entry, table, cluster in loaded]
+    crossed = [] if args.no_cross_scale else cross_scale(loaded, constants)
     if args.json:
-        print(json.dumps({"tables": results, "cross_scale": crossed, "leave_one_out": left_out}))
+        print(json.dumps({"spec_only": spec, "held_out": held, "cross_scale": crossed,
+                          "constants": {k: v.as_config() for k, v in constants.items()}}))
         return 0
     if args.rows:
-        for result in results + crossed:
-            if args.rows in result["file"]:
-                print(result["file"], result.get("calibrated_on", ""))
-                for r in result["rows"]:
-                    print(f"{r['bytes']:>14.0f} {r['measured_us']:>11.2f} {r['predicted_us']:>11.2f} {r['error_pct']:>+8.1f} %"
-                          f"  {r['algorithm']}/{r['protocol']}")
+        for title, results in (("spec-only", spec), ("held-out", held), ("cross-scale", crossed)):
+            for result in results:
+                if args.rows in result["file"]:
+                    print(title, result["file"], result.get("calibrated_on", ""))
+                    for r in result["rows"]:
+                        print(f"{r['bytes']:>14.0f} {r['measured_us']:>11.2f} {r['predicted_us']:>11.2f} "
+                              f"{r['error_pct']:>+8.1f} %  {r['algorithm']}/{r['protocol']}")
         return 0
     for title, wanted in (("healthy", (True,)), ("unhealthy or undiagnosed", (False, None))):
-        chosen = [r for r in results if r["healthy"] in wanted]
-        print(f"\n{title} tables: {len(chosen)}")
-        print(f"{'table':<62} {'op':<15} {'ranks':>5} {'NCCL':>8} {'rows':>4} {'median%':>8} {'max%':>7} {'>=64MiB%':>9}"
-              f"  chosen")
-        for r in chosen:
-            large = "-" if r["large_median_pct"] is None else f"{r['large_median_pct']:.1f}"
-            print(f"{r['file'][:62]:<62} {r['op']:<15} {r['ranks']:>5} {r['nccl']:>8} {len(r['rows']):>4} "
-                  f"{r['median_pct']:>8.1f} {r['max_pct']:>7.1f} {large:>9}  {', '.join(r['chosen'])}")
-        if chosen:
-            meds = [r["median_pct"] for r in chosen]
-            print(f"{'all':<62} {'':<15} {'':>5} {'':>8} {sum(len(r['rows']) for r in chosen):>4} {statistics.median(meds):>8.1f} "
-                  f"{max(r['max_pct'] for r in chosen):>7.1f}  (median of medians, worst row)")
-            large = [r["large_median_pct"] for r in chosen if r["large_median_pct"] is not None]
-            print(f"within targets (median <= 5 %, max <= 10 %): "
-                  f"{sum(r['median_pct'] <= 5 and r['max_pct'] <= 10 for r in chosen)} of {len(chosen)}; "
-                  f"rows of 64 MiB and more: median of medians {statistics.median(large):.1f} %, "
-                  f"{sum(x <= 5 for x in large)} of {len(large)} tables within 5 %")
-            for r in chosen:
-                if r["diagnosis"]:
-                    print(f"  diagnosis, {r['file']}: {r['diagnosis']}")
+        pairs = [(s, h) for s, h in zip(spec, held) if s["healthy"] in wanted]
+        print(f"\n{title} tables: {len(pairs)}   (spec-only: NCCL's constants and vendor specs; held-out: "
+              f"measured constants estimated from the other sources' tables)")
+        print(f"{'table':<58} {'op':<14} {'ranks':>5} {'NCCL':>8} {'rows':>4} | {'spec med%':>9} {'max%':>6} "
+              f"{'>=64M%':>6} | {'held med%':>9} {'max%':>6} {'>=64M%':>6} | chosen")
+        for s, h in pairs:
+            cells = []
+            for r in (s, h):
+                large = "-" if r["large_median_pct"] is None else f"{r['large_median_pct']:.1f}"
+                cells.append(f"{r['median_pct']:>9.1f} {r['max_pct']:>6.1f} {large:>6}")
+            print(f"{s['file'][:58]:<58} {s['op'][:14]:<14} {s['ranks']:>5} {s['nccl']:>8} {len(s['rows']):>4} | "
+                  f"{cells[0]} | {cells[1]} | {', '.join(h['chosen'])}")
+        if pairs:
+            print(f"spec-only: {summary([s for s, _ in pairs])}")
+            print(f"held-out:  {summary([h for _, h in pairs])}")
+            for s, _ in pairs:
+                if s["diagnosis"]:
+                    print(f"  diagnosis, {s['file']}: {s['diagnosis']}")
+    print("\nmeasured constants, held out per source (estimated from every other source's healthy tables):")
+    for source, m in constants.items():
+        hops = ", ".join(f"{k} {v:.1f}" for k, v in m.hop_us)
+        effs = ", ".join(f"{k} {v:.2f}" for k, v in m.efficiency)
+        kernels = ", ".join(f"{k} {v:.1f}" for k, v in m.kernel_us)
+        print(f"  {source:<40} kernel us: {kernels}; hop us: {hops}; efficiency: {effs}; p2p "
+              f"{m.p2p_efficiency:.2f}; host {m.host_launch_us:.1f} + {m.host_call_us:.2f}/call us")
     if crossed:
-        print("\ncross-scale: calibrate on one table, predict another of the same cluster")
+        print("\ncross-scale: calibrate on one scale of a series (on its source's held-out constants), "
+              "predict the others")
         for r in crossed:
-            print(f"  {r['calibrated_on']} -> {r['file']}: median {r['median_pct']:.1f} %, max {r['max_pct']:.1f} % "
-                  f"({len(r['rows'])} rows; {', '.join(r['chosen'])})")
-    if left_out:
-        print("\nleave one out: calibrate on a cluster's other tables, predict this one")
-        for r in left_out:
-            print(f"  {r['file']:<62} median {r['median_pct']:5.1f} %, max {r['max_pct']:5.1f} % (spec-only: "
-                  f"{next(t['median_pct'] for t in results if t['file'] == r['file']):.1f} %)")
-        meds = [r["median_pct"] for r in left_out]
-        print(f"  median of medians {statistics.median(meds):.1f} % over {len(meds)} tables")
+            print(f"  {r['series'][:60]:<60} {r['calibrated_on']:>10} -> {r['ranks']:>4} GPUs {r['file'][:50]:<50} "
+                  f"median {r['median_pct']:5.1f} %, max {r['max_pct']:5.1f} %")
+        meds = [r["median_pct"] for r in crossed]
+        print(f"  median of medians {statistics.median(meds):.1f} % over {len(meds)} predictions; "
+              f"{sum(x <= 5 for x in meds)} within 5 %")
     return 0
+
+
+MEASURED_HEADER = """# Measured constants (topology/nccl/measured.py): what only measurements can say, estimated
+# from every healthy public nccl-tests table of bench/nccl_tests by
+#   .venv/bin/python bench/nccl_accuracy.py --write-measured
+# (least squares on log time, each table weighted equally). Per-source held-out estimates, and
+# how well each predicts the tables it never saw, are printed by bench/nccl_accuracy.py.
+#
+#   kernel_us       a collective's GPU start beyond NCCL's latencies, by GPU generation
+#   hop_us          extra latency of one network hop, by NIC kind (nics.yaml's kind)
+#   efficiency      fraction of NCCL's network-bound bandwidth a NIC kind delivers
+#   p2p_efficiency  the same for point-to-point traffic between nodes (all-to-all)
+#   host_*          nccl-tests' host thread per GPU it drives (launch) and per NCCL call
+"""
 
 
 if __name__ == "__main__":

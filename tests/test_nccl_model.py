@@ -5,14 +5,18 @@ import pytest
 from whatif.topology import Cluster, TopologyError, collective_cost, collective_plan, simulate_plan
 from whatif.topology.nccl import tuning
 from whatif.topology.nccl.graphs import Comm, ring_graph, tree_graph
-from whatif.topology.nccl.model import KERNEL_START_US, options
+from whatif.topology.nccl.measured import public
+from whatif.topology.nccl.model import options
 
 GB = 1e9
 BIG = 2**33  # 8 GiB: every channel busy, no tree correction, NVLS at its largest chunk
 
 
-def cluster(machine="dgx_a100", machines=1, **overrides) -> Cluster:
-    return Cluster.from_config({"machine": machine, "machines": machines, **overrides})
+def cluster(machine="dgx_a100", machines=1, measured="spec", **overrides) -> Cluster:
+    """A cluster priced from NCCL's constants and the specs alone (``measured: spec``), so that
+    the closed forms below hold; ``measured=None`` takes the public tables' constants."""
+    nccl = {"measured": measured} if measured else {}
+    return Cluster.from_config({"machine": machine, "machines": machines, **overrides, "nccl": nccl})
 
 
 def time_us(c, op, nbytes, **force):
@@ -31,7 +35,7 @@ def test_a_ring_all_reduce_on_one_nvswitch_node_is_steps_times_hop_plus_bytes_ov
     n = 4
     latency = tuning.BASE_LATENCY_US["ring"][2] + 2 * (n - 1) * tuning.HOP_LATENCY_US["nvlink"]["ring"][2]
     bandwidth_bytes_per_us = 240 * n / (2 * (n - 1)) * 1e3
-    expected = KERNEL_START_US + latency + BIG / bandwidth_bytes_per_us
+    expected = latency + BIG / bandwidth_bytes_per_us
     assert time_us(c, "all_reduce", BIG, algorithm="ring", protocol="simple") == pytest.approx(expected)
 
 
@@ -39,7 +43,7 @@ def test_all_gather_and_reduce_scatter_are_rings_of_n_minus_one_steps():
     c = cluster("dgx_a100")
     n = 8
     latency = tuning.BASE_LATENCY_US["ring"][2] + (n - 1) * tuning.HOP_LATENCY_US["nvlink"]["ring"][2]
-    expected = KERNEL_START_US + latency + BIG / (240 * n / (n - 1) * 1e3)
+    expected = latency + BIG / (240 * n / (n - 1) * 1e3)
     for op in ("all_gather", "reduce_scatter"):
         assert time_us(c, op, BIG, algorithm="ring", protocol="simple") == pytest.approx(expected)
 
@@ -48,14 +52,14 @@ def test_broadcast_is_a_pipelined_chain_at_the_full_bus_bandwidth():
     c = cluster("dgx_a100")
     latency = tuning.BASE_LATENCY_US["ring"][2] + tuning.HOP_LATENCY_US["nvlink"]["ring"][2]
     for op in ("broadcast", "reduce"):
-        assert time_us(c, op, BIG, protocol="simple") == pytest.approx(KERNEL_START_US + latency + BIG / 240e3)
+        assert time_us(c, op, BIG, protocol="simple") == pytest.approx(latency + BIG / 240e3)
 
 
 def test_ll_keeps_half_the_ring_and_at_most_the_architectures_ceiling():
     c = cluster("dgx_h100")  # ring 360 GB/s; LL: min(141, 180) = 141 (Hopper, one node)
     n = 8
     latency = tuning.BASE_LATENCY_US["ring"][0] + 2 * (n - 1) * tuning.HOP_LATENCY_US["nvlink"]["ring"][0]
-    expected = KERNEL_START_US + latency + BIG / (141.0 * n / (2 * (n - 1)) * 1e3)
+    expected = latency + BIG / (141.0 * n / (2 * (n - 1)) * 1e3)
     assert time_us(c, "all_reduce", BIG, algorithm="ring", protocol="ll") == pytest.approx(expected)
 
 
@@ -68,7 +72,7 @@ def test_a_two_node_tree_moves_the_message_once_each_way_at_the_faster_intra_nod
     nic = c.fabric.nic.latency_us
     latency = tuning.BASE_LATENCY_US["tree"][p] + 2 * (
         (ppn - 1) * tuning.HOP_LATENCY_US["nvlink"]["tree"][p] + (tuning.HOP_LATENCY_US["net"]["tree"][p] + 2 * nic))
-    expected = KERNEL_START_US + latency + BIG / (bus * 0.5 * 1e3)
+    expected = latency + BIG / (bus * 0.5 * 1e3)
     assert time_us(c, "all_reduce", BIG, algorithm="tree", protocol="simple") == pytest.approx(expected)
 
 
@@ -78,19 +82,19 @@ def test_nvls_on_one_h100_node_is_nvlink_sharps_efficiency_on_doubled_channels()
     bus = 8 * 40 * tuning.NVLS_EFFICIENCY["hopper"] * 7 / 8 * 2
     algbw = bus * n / (2 * (n - 1)) * 1e3
     fill = 128 * 1024 / (algbw / (16 * 8))  # one 128 KiB chunk through one of 16 x 8 lanes
-    expected = KERNEL_START_US + tuning.HOP_LATENCY_US["nvlink"]["nvls"][2] + BIG / algbw + fill
+    expected = tuning.HOP_LATENCY_US["nvlink"]["nvls"][2] + BIG / algbw + fill
     assert time_us(c, "all_reduce", BIG, algorithm="nvls") == pytest.approx(expected)
 
 
 def test_send_recv_and_all_to_all_move_their_bytes_over_the_link_they_cross():
     one = cluster("dgx_a100")
-    latency = KERNEL_START_US + tuning.BASE_LATENCY_US["ring"][2] + tuning.HOP_LATENCY_US["nvlink"]["ring"][2]
+    latency = tuning.BASE_LATENCY_US["ring"][2] + tuning.HOP_LATENCY_US["nvlink"]["ring"][2]
     assert time_us(one, "send_recv", BIG) == pytest.approx(latency + BIG / 240e3)
     n = 8  # each rank sends 7/8 of its buffer over its NVLink
     assert time_us(one, "all_to_all", BIG) == pytest.approx(latency + BIG * (n - 1) / n / 240e3)
     two = cluster("dgx_a100", 2)  # across nodes: the node's 8 HDR NICs at 24 GB/s, shared by its 8 ranks
     assert time_us(two, "all_to_all", BIG) == pytest.approx(
-        KERNEL_START_US + tuning.BASE_LATENCY_US["ring"][2] + 2 * tuning.HOP_LATENCY_US["net"]["ring"][2]
+        tuning.BASE_LATENCY_US["ring"][2] + 2 * tuning.HOP_LATENCY_US["net"]["ring"][2]
         + BIG * (16 - 8) / 16 / 24e3)
 
 

@@ -40,6 +40,8 @@ import numpy as np
 from .cluster import Cluster
 from .fabric import Calibration, Fabric
 from .nccl import p2p
+from .nccl.measured import SPEC, Measured
+from .nccl.measured import Row as MeasuredRow
 from .nccl.graphs import Comm
 from .nccl.model import predict
 from .nccl_tests import Table, bus_factor
@@ -103,6 +105,33 @@ def _predict(comm: Comm, op: str, size: float, choice: tuple, calibration: Optio
     return predict(comm, op, size, algorithms, protocols, calibration)
 
 
+def calls_per_gpu(op: str, n_ranks: int) -> int:
+    """NCCL calls nccl-tests makes per GPU and iteration: a send and a receive per peer for
+    all-to-all (``alltoall_perf``), one of each for send/recv, one collective otherwise."""
+    return 2 * n_ranks if op == "all_to_all" else 2 if op == "send_recv" else 1
+
+
+def table_time_us(table: Table, comm: Comm, predicted, measured: Measured) -> float:
+    """The time nccl-tests prints for a row we predict as ``predicted`` (its GPU time): at least
+    what its host thread spends launching every GPU it drives (``measured.host_us``)."""
+    n = table.n_ranks or comm.n_ranks
+    return max(predicted.time_us, measured.host_us(table.gpus_per_thread, calls_per_gpu(table.op, n)))
+
+
+def decompose(table: Table, comm: Comm, choice: tuple = (None, None)) -> list:
+    """``table``'s rows as :class:`~whatif.topology.nccl.measured.Row`: each predicted from the
+    specs alone (``measured: spec``), split into what the measured constants act on."""
+    spec = Calibration(version=comm.fabric.calibration.version, measured=SPEC)
+    n = table.n_ranks or comm.n_ranks
+    rows = []
+    for row in table.rows:
+        found = _predict(comm, table.op, row.size_bytes, choice, spec)
+        rows.append(MeasuredRow(table.path, comm.arch, row.time_us, found.base_latency_us, found.hops, found.kind,
+                                found.local_us, found.net_us, table.op in ("all_to_all", "send_recv"), found.combine,
+                                table.gpus_per_thread, calls_per_gpu(table.op, n)))
+    return rows
+
+
 def _solve(latency: np.ndarray, transfer: np.ndarray, measured: np.ndarray) -> tuple:
     """``(e, f)`` minimising sum(((f L + X / e) / T - 1)^2), within the ranges.
 
@@ -133,13 +162,17 @@ def fit_tables(tables: Sequence[Table], cluster: Cluster, choices: Optional[Sequ
     if not tables:
         raise TopologyError("tables", "give at least one nccl-tests output")
     choices = list(choices) if choices is not None else [(None, None)] * len(tables)
-    version = cluster.fabric.calibration.version
-    spec = dataclasses.replace(cluster.fabric, calibration=Calibration(version=version))
+    version, constants = cluster.fabric.calibration.version, cluster.fabric.calibration.measured
+    base = Calibration(version=version, measured=constants)
+    priors = base.constants
+    spec = dataclasses.replace(cluster.fabric, calibration=base)
     comms = [table_comm(spec, table)[1] for table in tables]
     groups: dict = {}
     for table, comm, choice in zip(tables, comms, choices):
         for row in table.rows:
-            found = _predict(comm, table.op, row.size_bytes, choice, None)
+            found = _predict(comm, table.op, row.size_bytes, choice, base)
+            if table_time_us(table, comm, found, priors) > found.time_us:
+                continue  # the benchmark's host thread, not the fabric, set this row's time
             key = (found.option.link, found.option.algorithm, found.option.protocol)
             groups.setdefault(key, []).append((found.latency_us, found.transfer_us, row.time_us))
     fitted = []
@@ -151,14 +184,15 @@ def fit_tables(tables: Sequence[Table], cluster: Cluster, choices: Optional[Sequ
         weights = np.array([row[5] for row in rows], dtype=float)
         mean = float(np.exp(np.average(np.log([row[3] for row in rows]), weights=weights)))
         fitted.append((link, "*", "*", mean, 1.0, int(weights.sum())))
-    calibration = Calibration(tuple(row[:5] for row in fitted), source, version)
+    calibration = Calibration(tuple(row[:5] for row in fitted), source, version, constants)
     calibrated = dataclasses.replace(cluster, fabric=dataclasses.replace(cluster.fabric, calibration=calibration))
     rows, diagnoses = [], []
     for table, comm, choice in zip(tables, comms, choices):
         for row in table.rows:
             found = _predict(comm, table.op, row.size_bytes, choice, calibration)
-            rows.append(FittedRow(table.path, row.line, row.size_bytes, row.time_us, found.time_us,
-                                  found.option.algorithm, found.option.protocol))
+            rows.append(FittedRow(table.path, row.line, row.size_bytes, row.time_us,
+                                  table_time_us(table, comm, found, priors), found.option.algorithm,
+                                  found.option.protocol))
         note = diagnose(table, comm, choice)
         if note:
             diagnoses.append(note)
@@ -171,7 +205,8 @@ def diagnose(table: Table, comm: Comm, choice: tuple = (None, None)) -> str:
     if row.size_bytes < DIAGNOSED_BYTES:
         return ""  # a latency sweep says nothing of the bandwidth
     n = table.n_ranks or comm.n_ranks
-    spec = _predict(comm, table.op, row.size_bytes, choice, None)
+    spec = _predict(comm, table.op, row.size_bytes, choice, Calibration(version=comm.fabric.calibration.version,
+                                                                         measured=SPEC))
     measured_bus = row.size_bytes / row.time_us / 1e3 * bus_factor(table.op, n)
     spec_bus = row.size_bytes / spec.time_us / 1e3 * bus_factor(table.op, n)
     ratio = measured_bus / spec_bus

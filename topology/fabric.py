@@ -38,20 +38,22 @@ import difflib
 import functools
 from dataclasses import dataclass, field
 from importlib import resources
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import yaml
 
 from .nccl.tuning import ALGORITHMS, LINK_CLASSES, PROTOCOLS
+from .nccl.measured import KINDS as MEASURED_KINDS
+from .nccl.measured import SPEC, Measured, public
 from .nccl.versions import parse_version
 from .units import TopologyError, gigabytes_per_s, parse_bandwidth, parse_fraction, parse_latency
 
 FABRIC_KEYS = ("machine", "gpu", "nvlink_domain", "nvswitch", "nics_per_machine", "nic", "cpu", "network", "nccl")
 _MACHINE_KEYS = ("gpu", "gpus_per_machine", "nvlink_domain", "nvswitch", "nics_per_machine", "nic", "cpu")
 _GPU_KEYS = ("compute_capability", "nvlinks", "nvlink_bandwidth", "nccl_nvlink_bandwidth", "nvls", "pcie")
-_NIC_KEYS = ("preset", "bandwidth", "transport", "latency", "efficiency")
+_NIC_KEYS = ("preset", "bandwidth", "transport", "kind", "latency", "efficiency")
 _NETWORK_KEYS = ("rails", "machines_per_leaf", "oversubscription", "sharp")
-TRANSPORTS = ("ib", "roce", "efa", "socket")
+TRANSPORTS = ("ib", "roce", "efa", "socket", "ofi")
 CPUS = ("intel", "amd", "arm")
 
 # PCIe x16 as NCCL's topology model counts it (src/graph/topo.cc: width * speed / 80 GB/s with
@@ -158,13 +160,23 @@ def _bandwidth0(value: Any, key: str) -> float:
 
 @dataclass(frozen=True)
 class Nic:
-    """One NIC port: ``bandwidth_bytes_per_us`` per direction, over ``transport``."""
+    """One NIC port: ``bandwidth_bytes_per_us`` per direction, over ``transport``.
+
+    ``kind`` says which measured constants apply (``nccl/measured.py``: per-hop latency and
+    achieved rate by NIC kind, e.g. ``efa2`` for AWS's second EFA generation, ``tcpxo`` for
+    Google's GPUDirect-TCPXO); it defaults to the transport.
+    """
 
     name: str
     bandwidth_bytes_per_us: float
     transport: str = "ib"
     latency_us: float = 0.0
     efficiency: float = 1.0
+    kind: str = ""
+
+    def __post_init__(self):
+        if not self.kind:
+            object.__setattr__(self, "kind", self.transport)
 
     @property
     def effective_bandwidth_bytes_per_us(self) -> float:
@@ -187,12 +199,16 @@ class Nic:
         if transport not in TRANSPORTS:
             raise TopologyError(f"{key}.transport", f"must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
         overridden = any(k in value for k in _NIC_KEYS[1:])
+        kind = str(merged.get("kind", transport)).lower()
+        if kind not in MEASURED_KINDS:
+            raise TopologyError(f"{key}.kind", f"must be one of {', '.join(MEASURED_KINDS)}, got {kind!r}")
         return cls(
             name=(f"{name}*" if overridden else name) if name else "custom",
             bandwidth_bytes_per_us=parse_bandwidth(merged["bandwidth"], f"{key}.bandwidth"),
             transport=transport,
             latency_us=parse_latency(merged.get("latency", 0), f"{key}.latency"),
             efficiency=parse_fraction(merged.get("efficiency", 1.0), f"{key}.efficiency"),
+            kind=kind,
         )
 
 
@@ -231,11 +247,15 @@ class Calibration:
     ``factors`` holds ``(link, algorithm, protocol, bandwidth, latency)`` rows; ``*`` stands for
     any algorithm or protocol. ``version`` is the NCCL release the cluster runs (``2.26.2``):
     it decides which algorithms exist and how NCCL's tuner picks among them
-    (``nccl/versions.py``); without it, the newest modelled. YAML (``whatif calibrate
+    (``nccl/versions.py``); without it, the newest modelled. ``measured`` are the constants
+    only measurements give (``nccl/measured.py``): ``spec`` for none, else the public tables'
+    estimates. ``min_channels`` is ``NCCL_MIN_NCHANNELS``. YAML (``whatif calibrate
     nccl-tests`` writes it)::
 
         nccl:
           version: 2.26.2
+          measured: spec
+          min_channels: 24
           source: whatif calibrate nccl-tests ...
           net:
             ring/simple: {bandwidth: 0.93, latency: 1.2}
@@ -245,6 +265,13 @@ class Calibration:
     factors: tuple = ()
     source: str = ""
     version: tuple = ()
+    measured: Optional[Measured] = None  # None: the public tables' estimates (nccl/measured.py)
+    min_channels: int = 0  # NCCL_MIN_NCHANNELS (NCCL_MIN_CTAS): rings and trees run on at least this many
+
+    @property
+    def constants(self) -> Measured:
+        """The measured constants the model uses: this cluster's, else the public estimates."""
+        return public() if self.measured is None else self.measured
 
     def factors_for(self, link: str, algorithm: str, protocol: str) -> tuple:
         """``(bandwidth, latency)`` factors: the most specific row that matches, else ``(1, 1)``."""
@@ -256,6 +283,10 @@ class Calibration:
 
     def as_config(self) -> dict:
         out: dict = {"version": ".".join(str(v) for v in self.version)} if self.version else {}
+        if self.measured is not None:
+            out["measured"] = "spec" if self.measured == SPEC else self.measured.as_config()
+        if self.min_channels:
+            out["min_channels"] = self.min_channels
         if self.source:
             out["source"] = self.source
         for link, algorithm, protocol, bandwidth, latency in self.factors:
@@ -268,7 +299,7 @@ class Calibration:
         if not isinstance(value, Mapping):
             raise TopologyError(key, f"expected {{version: 2.26.2, net: {{ring/simple: {{bandwidth: 0.9, latency: 1.1}}}}}}, "
                                      f"got {value!r}")
-        _check_keys(value, ("version", "source") + LINK_CLASSES, key)
+        _check_keys(value, ("version", "measured", "min_channels", "source") + LINK_CLASSES, key)
         rows = []
         for link in LINK_CLASSES:
             entries = value.get(link) or {}
@@ -289,7 +320,11 @@ class Calibration:
                 latency = _factor(factors.get("latency", 1.0), f"{where}.latency")
                 rows.append((link, algorithm, protocol, bandwidth, latency))
         version = parse_version(value["version"], f"{key}.version") if value.get("version") is not None else ()
-        return cls(tuple(rows), str(value.get("source", "")), version)
+        measured = Measured.from_config(value["measured"], f"{key}.measured") if "measured" in value else None
+        if value.get("measured") == "public":
+            measured = None
+        min_channels = _count(value.get("min_channels", 0), f"{key}.min_channels", 0)
+        return cls(tuple(rows), str(value.get("source", "")), version, measured, min_channels)
 
 
 def _factor(value: Any, key: str) -> float:

@@ -44,6 +44,13 @@ class Graph:
     bw_intra: float
     bw_inter: float
     link_intra: str  # nvlink or pci: the link class of the hops inside a node
+    cap_channels: Optional[float] = None  # CUDA blocks that run it, if not ``channels`` (NCCL_MIN_NCHANNELS)
+
+    @property
+    def blocks(self) -> float:
+        """The channels per-channel ceilings count: more than the search's where NCCL_MIN_NCHANNELS
+        makes NCCL duplicate them (they still share the search's links)."""
+        return self.channels if self.cap_channels is None else self.cap_channels
 
 
 @dataclass(frozen=True)

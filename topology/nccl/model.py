@@ -43,7 +43,10 @@ NCCL's, made on NCCL's estimate, as NCCL itself makes it):
 * *NVLS chunks and pipeline.* NVLS and NVLS tree cut small messages into small chunks
   (``calcCollChunking``), each paying a synchronisation, and take one chunk time per stage to
   fill their pipeline (:func:`chunk_slowdown`, :func:`pipeline_fill_us`).
-* *kernel start*, the same for every algorithm, so NCCL leaves it out: ``KERNEL_START_US``.
+* *what only measurements know* (``measured.py``): the kernel's start, the same for every
+  algorithm, so NCCL leaves it out; what a network hop costs beyond NCCL's InfiniBand constants
+  and what fraction of the line rate a NIC kind delivers. Estimated from the public tables
+  (or none, ``measured: spec``).
 * *the fabric's own efficiency*, per link class and (algorithm, protocol), and a latency factor:
   1 from specs, fitted by ``whatif calibrate nccl-tests`` (``calibration`` of the fabric).
 
@@ -63,14 +66,11 @@ from typing import Optional
 from ..units import TopologyError
 from . import tuning
 from .graphs import Comm, Graph, collnet_graph, comm_channels, nvls_channels, nvls_graph, ring_graph, tree_graph
+from .measured import public
 from .versions import LATEST, extra, tuner
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")
 
-# What NCCL's latencies leave out because it is the same for every algorithm: the kernel's
-# start on the GPU and its first work descriptor. Ours, not NCCL's: 4 us, from the pooled
-# smallest rows of the public tables (bench/nccl_accuracy.py), never from one table.
-KERNEL_START_US = 4.0
 NVLS_CHUNK_SYNC_US = 2 * 3.4  # see chunk_slowdown
 
 
@@ -124,6 +124,7 @@ def _bus_bandwidth(comm: Comm, op: str, algorithm: str, protocol: str, graph: Gr
             ring = ring_graph(comm)
             bw, channels = ring.bw_intra, ring.channels
     bus = channels * bw
+    blocks = graph.blocks if channels == graph.channels else channels
     if arch in t.bus_cap:
         bus = min(bus, t.bus_cap[arch])
     per_op = extra(t, "ring_ll128_max_bw_per_op")
@@ -139,19 +140,19 @@ def _bus_bandwidth(comm: Comm, op: str, algorithm: str, protocol: str, graph: Gr
     if algorithm == "ring" and protocol == "ll128":
         per_channel = per_op[op] if per_op else t.ring_ll128_max_bw[arch][col]
         share = t.ll128_one_ppn if ppn < 2 else tuning.RING_LL128_FACTOR
-        bus = min(bus * share, channels * per_channel)
+        bus = min(bus * share, blocks * per_channel)
     if algorithm == "tree" and op == "all_reduce":
         if t.tree_absolute_max_bw is not None:  # 2.7: whole-communicator caps
             caps = t.tree_absolute_max_bw[0 if n_nodes <= 2 else 1]
             bus = min(bus * t.tree_factor, caps[1] if (protocol == "ll128" and arch == "ampere") else caps[0])
         else:
-            bus = min(bus * t.tree_factor, channels * t.tree_max_bw[arch][col])
+            bus = min(bus * t.tree_factor, blocks * t.tree_max_bw[arch][col])
     if algorithm == "tree" and protocol == "ll":
         bus = min(bus * t.tree_ll_factor, ll_max)
     if algorithm == "tree" and protocol == "ll128":
         factor = tuning.TREE_LL128_ONE_NODE_FACTOR if n_nodes == 1 else t.tree_ll128_multinode_factor
         per_channel = per_op[op] if per_op else t.tree_ll128_max_bw[arch][col]
-        bus = min(bus * factor, channels * per_channel * t.tree_ll128_cap_factor)
+        bus = min(bus * factor, blocks * per_channel * t.tree_ll128_cap_factor)
     if algorithm == "pat":
         bus *= t.pat_factor
     if collnet and protocol != "simple":
@@ -328,11 +329,33 @@ def bandwidth_on(comm: Comm, option: Option, channels: int) -> float:
     """``option``'s bandwidth when NCCL launches only ``channels`` of its channels: the tuner's
     formula on a graph of proportionally fewer channels, so per-channel ceilings shrink with
     them and whole-GPU ones (LL's) do not."""
-    if channels >= option.channels:
+    if channels == option.channels:
         return option.bandwidth_gbs
     graph = _graph(comm, option.algorithm)
+    if channels > option.channels:  # NCCL_MIN_NCHANNELS: more blocks on the same links
+        more = dataclasses.replace(graph, cap_channels=graph.channels * channels / option.channels)
+        return _algorithm_bandwidth(comm, option.op, option.algorithm, option.protocol, more)
     fewer = dataclasses.replace(graph, channels=graph.channels * channels / option.channels)
     return _algorithm_bandwidth(comm, option.op, option.algorithm, option.protocol, fewer)
+
+
+def network_share(comm: Comm, option: Option, channels: int) -> float:
+    """The share of ``option``'s transfer time that the network bounds (0 inside a node): how
+    much longer it takes when the NICs run at half speed (``S/B' = S/B (1 + share)``), on the
+    graph the search would find then (every speed a NIC set halves; NVLink's do not), so that
+    a per-channel ceiling or NVLink that binds first leaves the network's rate out of it."""
+    if comm.n_nodes == 1 or option.algorithm == "p2p":
+        return 0.0
+    graph = _graph(comm, option.algorithm)
+    if channels < option.channels:
+        graph = dataclasses.replace(graph, channels=graph.channels * channels / option.channels)
+    full = _algorithm_bandwidth(comm, option.op, option.algorithm, option.protocol, graph)
+    if option.algorithm in ("nvls", "nvls_tree", "collnet_direct"):
+        half = dataclasses.replace(graph, bw_inter=graph.bw_inter / 2)
+    else:
+        half = dataclasses.replace(graph, bw_intra=graph.bw_intra / 2, bw_inter=graph.bw_inter / 2)
+    slow = _algorithm_bandwidth(comm, option.op, option.algorithm, option.protocol, half)
+    return 0.0 if slow <= 0 else min(1.0, max(0.0, full / slow - 1.0))
 
 
 def estimate_parts(comm: Comm, option: Option, nbytes: float) -> tuple:
@@ -453,34 +476,77 @@ def channels_used(comm: Comm, option: Option, nbytes: float) -> int:
 @dataclass(frozen=True)
 class Predicted:
     """The time we predict for one collective (``latency_us + transfer_us``), with NCCL's choice
-    behind it and the channels it runs on."""
+    behind it and the channels it runs on.
+
+    ``hops``, ``kind``, ``local_us`` and ``net_us`` say how the time was made, for fitting the
+    measured constants (``measured.py``): ``hops`` network hops of NIC kind ``kind``, and the
+    transfer at the specs' rates split into what crosses no network (``local_us``) and what the
+    network bounds (``net_us``), combined by ``combine`` (``sum``, or ``max`` where the two run
+    at once); ``base_latency_us`` is the latency before the measured constants.
+    """
 
     option: Option
     latency_us: float
     transfer_us: float
     channels: int
+    hops: float = 0.0
+    kind: str = ""
+    local_us: float = 0.0
+    net_us: float = 0.0
+    combine: str = "sum"
+    base_latency_us: float = 0.0
 
     @property
     def time_us(self) -> float:
         return self.latency_us + self.transfer_us
 
 
+def net_hops(comm: Comm, option: Option) -> float:
+    """The network hops in ``option``'s latency (``_latency``'s inter-node steps), each of which
+    pays a NIC kind's measured hop latency."""
+    n_nodes = comm.n_nodes
+    if n_nodes == 1:
+        return 0.0
+    algorithm, op = option.algorithm, option.op
+    if algorithm == "ring":
+        if op in ("broadcast", "reduce"):
+            return 1.0
+        return 2.0 * (n_nodes - 1) if op == "all_reduce" else float(n_nodes - 1)
+    if algorithm in ("tree", "nvls_tree"):
+        return 2.0 * _log2i(n_nodes)
+    if algorithm == "pat":
+        return float(_log2i(n_nodes))
+    return 1.0  # nvls, collnet: one trip through the switch
+
+
 def predict(comm: Comm, op: str, nbytes: float, algorithms=None, protocols=None, calibration=None) -> Predicted:
     """NCCL's choice for ``nbytes``, timed as ``L' + S / B'`` (see the module docstring).
 
-    ``L' = (kernel start + L) x latency factor``; ``S / B'`` is NCCL's transfer time on the
-    channels it launches, slowed by NVLS's small chunks and with NVLS's pipeline fill, over the
-    bandwidth factor. The two factors come from ``calibration`` (a
-    :class:`~whatif.topology.fabric.Calibration`; 1 without), so a fit sees ``T = f L + X / e``.
+    ``L' = (NCCL's L + kernel + hops x hop latency) x latency factor``; ``S / B'`` is NCCL's
+    transfer time on the channels it launches, slowed by NVLS's small chunks and with NVLS's
+    pipeline fill, over the achieved fraction of the network's rate (across nodes) and the
+    bandwidth factor. Kernel, hop latency and achieved rate are the measured constants of
+    ``calibration.constants`` (``measured.py``; the public estimates without a calibration),
+    the two factors the calibration's own (1 without), so a fit sees ``T = f L + X / e``.
     """
     if comm.n_ranks == 1:
         return Predicted(Option(op, "ring", "simple", 0.0, math.inf, 1, comm.link_intra), 0.0, 0.0, 1)
+    measured = public() if calibration is None else calibration.constants
     chosen = choose(comm, op, nbytes, algorithms, protocols)
     comm, option = priced(comm, chosen)
     used = channels_used(comm, option, nbytes)
+    if calibration is not None and calibration.min_channels and option.algorithm in ("ring", "tree"):
+        used = max(used, calibration.min_channels)
     efficiency, latency_factor = (1.0, 1.0) if calibration is None else calibration.factors_for(
         option.link, option.algorithm, option.protocol)
     bandwidth = bandwidth_on(comm, option, used)
     latency, transfer = estimate_parts(comm, dataclasses.replace(option, bandwidth_gbs=bandwidth), nbytes)
     transfer = transfer * chunk_slowdown(comm, option, nbytes) + pipeline_fill_us(comm, option, nbytes, bandwidth)
-    return Predicted(chosen, (KERNEL_START_US + latency) * latency_factor, transfer / efficiency, used)
+    nic = comm.fabric.nic
+    hops = net_hops(comm, option)
+    share = network_share(comm, option, used)
+    local, net = transfer * (1.0 - share), transfer * share
+    measured_latency = latency + measured.kernel(comm.arch) + hops * measured.hop(nic.kind, nic.transport)
+    measured_transfer = local + net / measured.net_efficiency(nic.kind, nic.transport)
+    return Predicted(chosen, measured_latency * latency_factor, measured_transfer / efficiency, used,
+                     hops, nic.kind, local, net, "sum", latency)

@@ -33,7 +33,8 @@ import math
 
 from . import tuning
 from .graphs import Comm, ring_graph
-from .model import KERNEL_START_US, Option, Predicted
+from .measured import public
+from .model import Option, Predicted
 from ..units import TopologyError, as_gigabytes_per_s
 
 P2P_LL_THRESHOLD = 16384  # bytes per channel (enqueue.cc, NCCL_P2P_LL_THRESHOLD)
@@ -61,15 +62,29 @@ def _nvlink_gbs(comm: Comm) -> float:
 
 
 def _latency(comm: Comm, protocol: str, link: str, steps: int) -> float:
-    """Kernel start, the ring's base latency, and ``steps`` hops: over NVLink or PCIe at the
-    protocol's step latency, over the network at Simple's whatever the protocol (the proxy
-    thread posts every send, LL or not) plus the NIC's own."""
+    """The ring's base latency and ``steps`` hops: over NVLink or PCIe at the protocol's step
+    latency, over the network at Simple's whatever the protocol (the proxy thread posts every
+    send, LL or not) plus the NIC's own. The measured constants come on top (:func:`_timed`)."""
     p = tuning.protocol_index(protocol)
     if link == "net":
         hop = tuning.HOP_LATENCY_US["net"]["ring"][2] + comm.fabric.nic.latency_us
     else:
         hop = tuning.HOP_LATENCY_US[link]["ring"][p]
-    return KERNEL_START_US + tuning.BASE_LATENCY_US["ring"][p] + steps * hop
+    return tuning.BASE_LATENCY_US["ring"][p] + steps * hop
+
+
+def _timed(comm: Comm, option: Option, latency: float, hops: float, local: float, net: float, combine: str,
+           calibration, channels: int) -> Predicted:
+    """A point-to-point prediction with the measured constants (``measured.py``): the kernel's
+    start, the NIC kind's hop latency, and the achieved fraction of the network rate that
+    point-to-point traffic between nodes gets; then the calibration's factors."""
+    measured = public() if calibration is None else calibration.constants
+    efficiency, latency_factor = _factors(calibration, option.link, option.protocol)
+    nic = comm.fabric.nic
+    timed_latency = (latency + measured.kernel(comm.arch) + hops * measured.hop(nic.kind, nic.transport)) * latency_factor
+    net_time = net / measured.p2p_efficiency if net else 0.0
+    transfer = (max(local, net_time) if combine == "max" else local + net_time) / efficiency
+    return Predicted(option, timed_latency, transfer, channels, hops, nic.kind, local, net, combine, latency)
 
 
 def _oversubscription(comm: Comm) -> float:
@@ -97,10 +112,11 @@ def send_recv(comm: Comm, nbytes: float, protocols=None, calibration=None) -> Pr
             continue
         if protocols is None and proto == "ll" and nbytes > channels * P2P_LL_THRESHOLD:
             continue
-        efficiency, latency_factor = _factors(calibration, link, proto)
-        option = Option("send_recv", "p2p", proto, _latency(comm, proto, link, 1) * latency_factor,
-                        bw * factor * efficiency, channels, link)
-        found = Predicted(option, option.latency_us, nbytes / (1000.0 * option.bandwidth_gbs), channels)
+        option = Option("send_recv", "p2p", proto, _latency(comm, proto, link, 1), bw * factor, channels, link)
+        transfer = nbytes / (1000.0 * option.bandwidth_gbs)
+        local, net = (0.0, transfer) if crosses else (transfer, 0.0)
+        found = _timed(comm, option, option.latency_us, 1.0 if crosses else 0.0, local, net, "sum", calibration,
+                       channels)
         if best is None or found.time_us < best.time_us:
             best = found
     if best is None:
@@ -120,10 +136,10 @@ def all_to_all(comm: Comm, nbytes: float, protocols=None, calibration=None) -> P
     proto = "ll" if (protocols is None and per_peer_ll) or (protocols is not None and "simple" not in protocols) else "simple"
     if proto == "ll":
         intra_time, inter_time = intra_time / tuning.RING_LL_FACTOR, inter_time / tuning.RING_LL_FACTOR
-    efficiency, latency_factor = _factors(calibration, link, proto)
-    intra_time, inter_time = intra_time / efficiency, inter_time / efficiency
-    latency = _latency(comm, proto, link, math.ceil((n - 1) / P2P_PER_BATCH)) * latency_factor
+    steps = math.ceil((n - 1) / P2P_PER_BATCH)
+    latency = _latency(comm, proto, link, steps)
     effective = nbytes / (1000.0 * max(intra_time, inter_time)) if max(intra_time, inter_time) > 0 else math.inf
     channels = max(1, min(ring_graph(comm).channels * 2, tuning.MAX_CHANNELS // 2))
     option = Option("all_to_all", "p2p", proto, latency, effective, channels, link)
-    return Predicted(option, latency, max(intra_time, inter_time), channels)
+    return _timed(comm, option, latency, steps if comm.n_nodes > 1 else 0.0, intra_time, inter_time, "max",
+                  calibration, channels)
