@@ -167,6 +167,7 @@ class Row:
     combine: str
     gpus_per_thread: int
     calls: int
+    algorithm: str = ""
 
 
 class _Arrays:
@@ -205,13 +206,21 @@ def predict_rows(rows: Sequence[Row], m: Measured) -> np.ndarray:
                           m.host_call_us)
 
 
+LATENCY_ALGORITHMS = ("ring", "tree", "p2p")
+
+
 def _regime(row: Row) -> str:
     """``latency`` or ``bandwidth`` where one part is at least 80 % of the specs' time, else
     ``mixed``: the constants are estimated from the regimes they govern, not from protocol and
-    algorithm transitions, whose errors are the model's shape, not a constant's."""
+    algorithm transitions, whose errors are the model's shape, not a constant's. Latency rows
+    count only for rings, trees and point-to-point, whose latency NCCL builds from per-hop
+    constants; CollNet's switch aggregation and NVLS's multicast have latencies of their own,
+    which a kernel start or a NIC hop would misdescribe."""
     transfer = row.local_us + row.net_us
     share = transfer / (transfer + row.latency_us) if transfer + row.latency_us > 0 else 0.0
-    return "latency" if share <= 0.2 else "bandwidth" if share >= 0.8 else "mixed"
+    if share <= 0.2:
+        return "latency" if row.algorithm in LATENCY_ALGORITHMS or not row.algorithm else "mixed"
+    return "bandwidth" if share >= 0.8 else "mixed"
 
 
 def fit(rows: Sequence[Row], source: str = "", fit_efficiency: bool = False) -> Measured:
