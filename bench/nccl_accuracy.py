@@ -117,12 +117,6 @@ IMPLIED = (
     ("v100_aws_p3dn_", "2019-07-23", None, "gist of 2019-07-23"),
     ("gb200_oci_oke_2tray", None, "2.26.6", "the MPIJob image's nccl-2.26.6"),
 )
-# Cross-scale pairs: (calibrate on, predict) tables of one cluster.
-CROSS_SCALE = (
-    ("b200_vultr_2node_ib_allreduce.txt", "b200_vultr_1node_8gpu_allreduce.txt"),
-    ("gb200_nvl72_2rack_128gpu_allreduce_nccl2.26.2.txt", "gb200_nvl72_20rack_1440gpu_allreduce_nccl2.26.2.txt"),
-    ("a100_coreweave_sharp_32gpu_allreduce_nccl2.12_2022.txt", "a100_coreweave_16node_128gpu_allreduce_2022.txt"),
-)
 
 
 def _date_release(date: str, generation: str) -> str:
@@ -294,16 +288,12 @@ def held_out(loaded: list, rows: dict) -> dict:
 
 
 def series_of(loaded: list) -> dict:
-    """Tables measured at several scales of one cluster by one source: the folder's ``series``,
-    and the pairs named in CROSS_SCALE."""
+    """Healthy tables measured at several scales of one cluster by one source: the folder's
+    ``series``."""
     groups: dict = {}
     for entry, table, cluster in loaded:
         if entry.get("series") and entry.get("healthy"):
             groups.setdefault(entry["series"], []).append((entry, table, cluster))
-    by_file = {entry["file"]: (entry, table, cluster) for entry, table, cluster in loaded}
-    for calibrate_on, target in CROSS_SCALE:
-        if calibrate_on in by_file and target in by_file:
-            groups.setdefault(f"{calibrate_on} -> {target}", []).extend([by_file[calibrate_on], by_file[target]])
     return groups
 
 

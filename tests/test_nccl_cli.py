@@ -78,7 +78,7 @@ def test_collective_errors_are_one_line_naming_file_and_key_with_exit_2(capsys, 
 def measured_table(cluster: Cluster, op: str, n: int, bandwidth_factor: float, extra_us: float) -> str:
     """An nccl-tests table as a degraded cluster would print it: our prediction, slowed down."""
     lines = [f"# Collective test starting: {op}_perf"]
-    for size in (8, 1 << 16, 1 << 20, 1 << 24, 1 << 28, 1 << 30):
+    for size in (4**k * 8 for k in range(15)):
         cost = collective_cost(cluster, op, size)
         time = extra_us + cost.time_us / bandwidth_factor
         algbw = size / time / 1e3
@@ -96,8 +96,10 @@ def test_calibrate_fits_measured_tables_writes_a_cluster_and_says_when_the_netwo
     code, out, err = run(capsys, "calibrate", "nccl-tests", str(slow), "--cluster", str(h100), "--out", str(out_path))
     assert code == 0, err
     assert "this network delivers 25 % of the" in out and "8 x 400 Gb/s NICs" in out and "check NICs and routing" in out
-    errors = [float(line.split()[4].rstrip("%")) for line in out.splitlines() if line.startswith("ar.txt")]
-    assert len(errors) == 6 and max(abs(e) for e in errors) < 1.0
+    errors = sorted(abs(float(line.split()[4].rstrip("%"))) for line in out.splitlines() if line.startswith("ar.txt"))
+    # every (algorithm, protocol) with three or more rows fits both factors; one with fewer, the
+    # factor of what dominates its rows
+    assert len(errors) == 15 and errors[len(errors) // 2] < 1.0 and errors[-1] < 15.0
     calibrated = yaml.safe_load(out_path.read_text())
     assert calibrated["machine"] == "dgx_h100" and "net" in calibrated["nccl"]
     code, out, _ = run(capsys, "collective", str(out_path), "-b", "1G", "-e", "1G", "--json")

@@ -9,16 +9,18 @@ how much longer its steps take than NCCL's constants (a slower network stack, EF
 
     T_measured ~ f L + S / (e B)   for every row NCCL runs with that (algorithm, protocol)
 
-by least squares on the relative error (linear in ``f`` and ``1/e``), and writes them as the
-fabric's :class:`~whatif.topology.fabric.Calibration` (``e`` = ``bandwidth``, ``f`` =
-``latency``), with a ``*`` row per link class for the algorithms and protocols the tables did
-not exercise: the row-weighted geometric mean of its collectives' bandwidth factors (the link's
-own efficiency; point-to-point traffic is another matter) and no latency factor (a latency
-misfit is the model's, algorithm by algorithm, more than the link's), so a calibration at one
-scale carries to another where NCCL picks differently. Which rows belong to which (algorithm,
-protocol) is NCCL's choice on its own uncalibrated estimate, as in NCCL itself. A group whose
-rows cannot tell the two factors apart fixes the one of what dominates. ``e`` is kept within
-[0.05, 2], ``f`` within [0.2, 20].
+by least squares on the relative error with a soft-L1 loss (``_solve``: robust to a noisy row
+and to the few rows a protocol holds between two switches), and writes them as the fabric's
+:class:`~whatif.topology.fabric.Calibration` (``e`` = ``bandwidth``, ``f`` = ``latency``), on top
+of the cluster's measured constants (``nccl/measured.py``), with a ``*`` row per link class for
+the algorithms and protocols the tables did not exercise: the geometric mean of its
+collectives' bandwidth factors, weighted by the rows that inform them (the link's own
+efficiency; point-to-point traffic is another matter), and no latency factor (a latency misfit
+is the model's, algorithm by algorithm, more than the link's), so a calibration at one scale
+carries to another where NCCL picks differently. Which rows belong to which (algorithm,
+protocol) is NCCL's choice on its own uncalibrated estimate, as in NCCL itself. ``e`` is kept
+within [0.05, 2], ``f`` within [0.2, 20]. Rows the benchmark's host thread set (several GPUs
+on one thread) say nothing of the fabric and are left out.
 
 Each table's communicator is its ranks (``Table.n_ranks``) on as many of the cluster's machines
 as its hosts (or, without ``Rank`` lines, packed machine by machine): one cluster description
@@ -133,24 +135,34 @@ def decompose(table: Table, comm: Comm, choice: tuple = (None, None)) -> list:
 
 
 def _solve(latency: np.ndarray, transfer: np.ndarray, measured: np.ndarray) -> tuple:
-    """``(e, f)`` minimising sum(((f L + X / e) / T - 1)^2), within the ranges.
+    """``(e, f, n)`` for ``T = f L + X / e``: least squares on the relative error with a soft-L1
+    loss, so that one noisy row, or the few rows a protocol holds between two switches, do not
+    set them. A factor is fitted only where some rows make its term at least 5 % of the
+    modelled time (``n`` rows for ``e``), and both only from three rows up (else the one of
+    what dominates); a factor not fitted stays 1. ``e`` is kept within
+    EFFICIENCY_RANGE, ``f`` within LATENCY_RANGE."""
+    from scipy.optimize import least_squares
 
-    Both factors when the rows tell them apart (two or more rows, latency and transfer shares
-    that differ, a solution inside the ranges); otherwise the one factor of what dominates.
-    """
-    x = np.column_stack([latency / measured, transfer / measured])
-    ones = np.ones(len(measured))
-    if len(measured) >= 2 and np.linalg.cond(x) < 1e3:
-        (f, inv_e), *_ = np.linalg.lstsq(x, ones, rcond=None)
-        if LATENCY_RANGE[0] <= f <= LATENCY_RANGE[1] and 1 / EFFICIENCY_RANGE[1] <= inv_e <= 1 / EFFICIENCY_RANGE[0]:
-            return float(1 / inv_e), float(f)
-    if x[:, 0].sum() >= x[:, 1].sum():  # latency-bound: the bandwidth cannot be told
-        f, inv_e = float(np.dot(x[:, 0], ones - x[:, 1]) / np.dot(x[:, 0], x[:, 0])), 1.0
-    else:
-        f, inv_e = 1.0, float(np.dot(x[:, 1], ones - x[:, 0]) / np.dot(x[:, 1], x[:, 1]))
-    f = float(np.clip(f, *LATENCY_RANGE))
-    e = float(np.clip(1.0 / inv_e if inv_e > 0 else EFFICIENCY_RANGE[1], *EFFICIENCY_RANGE))
-    return e, f
+    total = np.maximum(latency + transfer, 1e-12)
+    fit_f, n = bool((latency / total >= 0.05).any()), int((transfer / total >= 0.05).sum())
+    if len(measured) < 3 and fit_f and n:  # too few rows for two factors: the one of what dominates
+        fit_f, n = (True, 0) if latency.sum() >= transfer.sum() else (False, n)
+    if not fit_f and not n:
+        return 1.0, 1.0, 0
+    lo = [LATENCY_RANGE[0]] * fit_f + [1 / EFFICIENCY_RANGE[1]] * bool(n)
+    hi = [LATENCY_RANGE[1]] * fit_f + [1 / EFFICIENCY_RANGE[0]] * bool(n)
+
+    def unpack(x: np.ndarray) -> tuple:
+        return (x[0] if fit_f else 1.0), (x[-1] if n else 1.0)
+
+    def residuals(x: np.ndarray) -> np.ndarray:
+        f, inv_e = unpack(x)
+        return (f * latency + inv_e * transfer) / measured - 1.0
+
+    found = least_squares(residuals, [1.0] * (fit_f + bool(n)), bounds=(lo, hi), loss="soft_l1", f_scale=0.05,
+                          x_scale="jac", ftol=1e-12, xtol=1e-12, gtol=1e-12)
+    f, inv_e = unpack(found.x)
+    return float(1.0 / inv_e), float(f), n
 
 
 def fit_tables(tables: Sequence[Table], cluster: Cluster, choices: Optional[Sequence[tuple]] = None,
@@ -175,13 +187,17 @@ def fit_tables(tables: Sequence[Table], cluster: Cluster, choices: Optional[Sequ
                 continue  # the benchmark's host thread, not the fabric, set this row's time
             key = (found.option.link, found.option.algorithm, found.option.protocol)
             groups.setdefault(key, []).append((found.latency_us, found.transfer_us, row.time_us))
-    fitted = []
+    fitted, informed = [], {}
     for key, items in sorted(groups.items()):
         latency, transfer, measured = (np.array(column, dtype=float) for column in zip(*items))
-        fitted.append((*key, *_solve(latency, transfer, measured), len(items)))
+        e, f, n = _solve(latency, transfer, measured)
+        fitted.append((*key, e, f, len(items)))
+        informed[key] = n
     for link in sorted({row[0] for row in fitted if row[1] != "p2p"}):  # for what was not measured
-        rows = [row for row in fitted if row[0] == link and row[1] != "p2p"]
-        weights = np.array([row[5] for row in rows], dtype=float)
+        rows = [row for row in fitted if row[0] == link and row[1] != "p2p" and informed[row[:3]]]
+        if not rows:
+            continue
+        weights = np.array([informed[row[:3]] for row in rows], dtype=float)
         mean = float(np.exp(np.average(np.log([row[3] for row in rows]), weights=weights)))
         fitted.append((link, "*", "*", mean, 1.0, int(weights.sum())))
     calibration = Calibration(tuple(row[:5] for row in fitted), source, version, constants)
