@@ -143,6 +143,14 @@ def nccl_version(entry: dict) -> tuple:
     return None, "unknown: the newest modelled"
 
 
+LISTED_NICS: dict = {}  # (source, GPU) -> NICs its runs' environments name; filled by load()
+
+
+def listed_nics(entry: dict) -> int:
+    listed = str((entry.get("env") or {}).get("UCX_NET_DEVICES", "")).split(",")
+    return len([d for d in listed if d.strip()])
+
+
 def cluster_config(entry: dict) -> dict:
     """A cluster description from a tables.yaml entry: GPU, NVLink, NICs and NCCL environment."""
     gpu_name = str(entry.get("gpu", "")).lower().replace(" ", "")
@@ -162,10 +170,10 @@ def cluster_config(entry: dict) -> dict:
     kind = str(entry.get("nic_kind") or "")
     gbps = entry.get("nic_gbps")
     if kind and entry.get("nics_per_node") is None:
-        # NIC count not stated: the devices the run's environment names, else one per GPU (the
-        # rail-optimised design of DGX SuperPODs and the clouds' 8-GPU shapes)
-        listed = str((entry.get("env") or {}).get("UCX_NET_DEVICES", "")).split(",")
-        nics = len([d for d in listed if d.strip()]) or per_node
+        # NIC count not stated: the devices the run's environment names, else those the same
+        # source's runs on the same GPUs name (CoreWeave's A100 manifests: ibp0..ibp3), else one
+        # per GPU (the rail-optimised design of DGX SuperPODs and the clouds' 8-GPU shapes)
+        nics = listed_nics(entry) or LISTED_NICS.get((entry.get("source_id"), entry.get("gpu")), 0) or per_node
     if kind and not gbps:
         gbps = NIC_GBPS_OF_GPU.get(gpu, 400)  # rate not stated: the GPU generation's reference NIC
     if nics and gbps:
@@ -246,6 +254,9 @@ def evaluate(entry: dict, table, cluster: Cluster) -> dict:
 def load(folder: Path) -> list:
     """``(entry, table, cluster)`` for every table of ``folder``; the clusters are spec-only."""
     entries = yaml.safe_load((folder / "tables.yaml").read_text())["tables"]
+    for entry in entries:
+        if listed_nics(entry) and entry.get("nics_per_node") is None:
+            LISTED_NICS[(entry.get("source_id"), entry.get("gpu"))] = listed_nics(entry)
     out = []
     for entry in entries:
         path = folder / "data" / entry["file"]
