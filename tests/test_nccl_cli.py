@@ -37,6 +37,15 @@ def test_collective_prints_the_table_nccl_tests_would_print(capsys, h100):
     assert busbw == pytest.approx((8 << 20) / cost.time_us / 1e3 * 2 * 15 / 16, abs=0.01)
 
 
+def test_collective_chooses_as_the_release_it_is_told(capsys, h100):
+    code, out, _ = run(capsys, "collective", str(h100), "-b", "1G", "-e", "1G", "--json", "--nccl-version", "2.17.1")
+    assert code == 0 and json.loads(out)["rows"][0]["algorithm"] != "nvls_tree"  # NVLS tree came with 2.18
+    code, out, _ = run(capsys, "collective", str(h100), "-b", "1G", "-e", "1G", "--nccl-version", "2.23.4")
+    assert code == 0 and "NCCL 2.23.4" in out.splitlines()[0] and "nvls_tree" in out
+    code, _, err = run(capsys, "collective", str(h100), "--nccl-version", "two")
+    assert code == 2 and "nccl.version" in err and len(err.strip().splitlines()) == 1
+
+
 def test_collective_json_has_bytes_time_bandwidths_and_the_choice(capsys, h100):
     code, out, _ = run(capsys, "collective", str(h100), "--op", "all_gather", "-b", "1M", "-e", "1G", "-f", "32",
                        "--algorithm", "ring", "--protocol", "simple", "--json")

@@ -25,6 +25,7 @@ from whatif.topology import Cluster, TopologyError, collective_cost, parse_size
 from whatif.topology.backends import parse_choices
 from whatif.topology.calibrate import fit_tables
 from whatif.topology.nccl.tuning import OPS
+from whatif.topology.nccl.versions import LATEST, version_text
 from whatif.topology.nccl_tests import bus_factor, read_table
 
 DTYPES = {"int8": 1, "uint8": 1, "half": 2, "bfloat16": 2, "float": 4, "int32": 4, "double": 8, "int64": 8}
@@ -48,6 +49,8 @@ def add_parsers(subparsers) -> None:
     collective.add_argument("--protocol", help="force like NCCL_PROTO: ll, ll128, simple (or a list)")
     collective.add_argument("--ranks", help="GPUs of the communicator, e.g. 0-7 or 0,8,16,24 (default: every GPU)")
     collective.add_argument("--dtype", default="float", choices=sorted(DTYPES), help="element type (default float)")
+    collective.add_argument("--nccl-version", help="the NCCL release to choose as (e.g. 2.26.2; default: the cluster's "
+                                                   "nccl: version, else the newest modelled)")
     collective.add_argument("--json", action="store_true",
                             help="rows of bytes, time_us, algbw_gbps, busbw_gbps (GB/s), algorithm, protocol")
     calibrate = subparsers.add_parser("calibrate", help="fit a cluster to measurements")
@@ -62,6 +65,8 @@ def add_parsers(subparsers) -> None:
     tests.add_argument("--op", help="the operation, for files whose header and name do not say")
     tests.add_argument("--algorithm", help="NCCL_ALGO the runs were forced to, if any")
     tests.add_argument("--protocol", help="NCCL_PROTO the runs were forced to, if any")
+    tests.add_argument("--nccl-version", help="the NCCL release the runs used (e.g. 2.26.2), if the cluster YAML "
+                                              "does not say")
 
 
 def load_cluster_config(path: Path) -> dict:
@@ -91,6 +96,16 @@ def load_cluster_config(path: Path) -> dict:
             raise TopologyError(f"{path}: {key + '.' if key else ''}{name}",
                                 "a list makes a grid in a scenario; give one value here")
     return config
+
+
+def _with_version(config: Mapping, version) -> dict:
+    """``config`` with ``nccl: {version: ...}`` set from the command line, if given."""
+    if not version:
+        return dict(config)
+    nccl = config.get("nccl")
+    if nccl is not None and not isinstance(nccl, Mapping):
+        return dict(config)  # Cluster.from_config says what is wrong with it
+    return {**config, "nccl": {**(nccl or {}), "version": str(version)}}
 
 
 def _cluster(path: Path, config: Mapping) -> Cluster:
@@ -141,7 +156,7 @@ def run_collective(args) -> int:
     op = args.op.lower().replace("-", "_")
     if op not in OPS:
         raise TopologyError("--op", f"unknown operation {args.op!r}; known: {', '.join(OPS)}")
-    cluster = _cluster(args.cluster, load_cluster_config(args.cluster))
+    cluster = _cluster(args.cluster, _with_version(load_cluster_config(args.cluster), args.nccl_version))
     ranks = _ranks(args.ranks) if args.ranks else None
     n = len(ranks) if ranks else cluster.n_gpus
     rows = []
@@ -157,7 +172,10 @@ def run_collective(args) -> int:
         print(json.dumps({"cluster": str(args.cluster), "op": op, "ranks": n, "backend": cluster.backend, "rows": rows}))
         return 0
     fabric = cluster.fabric.describe() if cluster.fabric is not None else cluster.describe()
-    print(f"# whatif collective: {op} on {n} ranks of {fabric} ({cluster.backend} backend)")
+    release = ""
+    if cluster.fabric is not None and cluster.backend == "nccl":
+        release = f", NCCL {version_text(cluster.fabric.calibration.version or LATEST)}"
+    print(f"# whatif collective: {op} on {n} ranks of {fabric} ({cluster.backend} backend{release})")
     print(f"# {'size':>10}  {'count':>12}  {'type':>8}  {'redop':>6}  {'root':>6}  {'time':>8}  {'algbw':>7}  {'busbw':>7}  "
           f"{'algorithm':>10}  {'protocol':>8}")
     print(f"# {'(B)':>10}  {'(elements)':>12}  {'':>8}  {'':>6}  {'':>6}  {'(us)':>8}  {'(GB/s)':>7}  {'(GB/s)':>7}")
@@ -172,7 +190,7 @@ def run_collective(args) -> int:
 
 
 def run_calibrate(args) -> int:
-    config = load_cluster_config(args.cluster)
+    config = _with_version(load_cluster_config(args.cluster), args.nccl_version)
     cluster = _cluster(args.cluster, config)
     tables = [read_table(path, args.op) for path in args.files]
     choice = parse_choices(args.algorithm, args.protocol)
