@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 
 from whatif.analyses import run_critical_path, run_overheads
+from whatif import comm_cli
 from whatif.collectors.capture import CaptureError, collect
 from whatif.collectors.kineto import TraceError
 from whatif.lab import cli as lab_cli
@@ -105,6 +106,7 @@ def _parser() -> argparse.ArgumentParser:
     capture.add_argument("argv", nargs=argparse.REMAINDER, metavar="COMMAND", help="the training command, after --")
     add_profile_parser(sub)
     lab_cli.add_parsers(sub)
+    comm_cli.add_parsers(sub)
     return parser
 
 
@@ -224,6 +226,8 @@ def run(args: argparse.Namespace) -> int:
         return run_critical_path(args)
     if args.command == "perfmodel":
         return run_perfmodel(args)
+    if args.command in ("collective", "calibrate"):
+        return comm_cli.run(args)
     study = TraceStudy.from_trace(args.trace, args.iteration)
     if args.command == "replay":
         schedule, report = study.replay, study.replay_report()
