@@ -14,7 +14,7 @@
   for links shared among collectives).
 """
 
-from .cluster import Cluster, Link, SharedMemory, link_presets, load_cluster, preset_names
+from .cluster import CLUSTER_KEYS, Cluster, Link, SharedMemory, link_presets, load_cluster, preset_names, with_fabric_links
 from .cost import COLLECTIVE_OPS, CollectiveCost, collective_cost, collective_plan
 from .collectives import (
     ALGORITHMS,
@@ -49,6 +49,7 @@ from .units import (
 
 __all__ = [
     "ALGORITHMS",
+    "CLUSTER_KEYS",
     "COLLECTIVE_OPS",
     "GLOO_OPS",
     "Calibration",
@@ -92,4 +93,5 @@ __all__ = [
     "ring_allreduce_time_us",
     "server_hosts",
     "simulate_plan",
+    "with_fabric_links",
 ]

@@ -60,8 +60,8 @@ LINK_KINDS = ("inter_node", "intra_node")
 _LOOP = "_loop"
 _FRAMEWORK_LOOP = re.compile(r"[a-z][a-z0-9]*_loop")  # a framework's background loop: horovod_loop
 _LINK_KEYS = ("preset", "bandwidth", "latency", "efficiency", "cpu_contention", "note")
-_CLUSTER_KEYS = ("machines", "gpus_per_machine", "intra_node", "inter_node", "server_machines", "shared_memory", "name", "note")
-_CLUSTER_KEYS += ("backend",) + FABRIC_KEYS
+CLUSTER_KEYS = ("machines", "gpus_per_machine", "intra_node", "inter_node", "server_machines", "shared_memory", "name", "note")
+CLUSTER_KEYS += ("backend",) + FABRIC_KEYS
 BACKENDS = ("nccl", "gloo")
 _SHARED_MEMORY_KEYS = ("among", "core_bandwidth", "total_bandwidth", "compute", "note")
 
@@ -461,10 +461,9 @@ class Cluster:
         """A cluster from a plain dict; errors name keys under ``key`` (e.g. ``cluster.machines``)."""
         if not isinstance(config, Mapping):
             raise TopologyError(key or "cluster", f"expected a mapping with machines, gpus_per_machine, ..., got {config!r}")
-        _check_keys(config, _CLUSTER_KEYS, key)
+        _check_keys(config, CLUSTER_KEYS, key)
+        config = with_fabric_links(config, key)
         fabric = Fabric.from_config(config, key) if wants_fabric(config) else None
-        if fabric is not None:
-            config = {"gpus_per_machine": fabric.gpus_per_machine, **fabric.legacy_links(), **config}
         backend = config.get("backend", "nccl" if fabric is not None else "gloo")
         if backend not in BACKENDS:
             raise TopologyError(_join(key, "backend"), f"must be one of {', '.join(BACKENDS)}, got {backend!r}")
@@ -495,6 +494,17 @@ class Cluster:
             calibration = Calibration.from_config(config["nccl"], _join(key, "nccl"))
             object.__setattr__(cluster, "fabric", dataclasses.replace(cluster.fabric, calibration=calibration))
         return cluster
+
+
+def with_fabric_links(config: Mapping, key: str = "") -> Mapping:
+    """``config`` with what the fabric it names supplies where it does not say: its
+    ``gpus_per_machine`` and the two links of the single-NIC model (``Fabric.legacy_links``),
+    which the parameter server and the shared-links ``Network`` use; a description without
+    fabric keys as it is. A scenario's grid fills a cluster in this way before varying it."""
+    if not isinstance(config, Mapping) or not wants_fabric(config):
+        return config
+    fabric = Fabric.from_config({k: v for k, v in config.items() if k != "machines"}, key)  # a grid may list them
+    return {"gpus_per_machine": fabric.gpus_per_machine, **fabric.legacy_links(), **config}
 
 
 def load_cluster(path: Union[str, Path], key: Optional[str] = None) -> Cluster:

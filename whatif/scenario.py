@@ -43,14 +43,14 @@ from whatif.collectors.bundle import is_bundle
 from whatif.sim.distributed import POLICIES, Straggler
 from whatif.sim.frameworks import FRAMEWORKS, FrameworkOptions
 from whatif.sim.passes.optimizations import OPTIMIZATIONS
-from whatif.topology import Cluster, TopologyError, as_gbps, parse_latency, parse_size
+from whatif.topology import CLUSTER_KEYS, Cluster, TopologyError, as_gbps, parse_latency, parse_size, with_fabric_links
 
 _TOP_KEYS = (
     "trace", "iteration", "cluster", "framework", "policy", "collective", "optimizations",
     "gradients", "stragglers", "framework_options", "replicate", "network", "profiler_overhead", "batch_size",
     "perfmodel", "name", "description",
 )
-_CLUSTER_KEYS = ("machines", "gpus_per_machine", "intra_node", "inter_node", "server_machines", "shared_memory", "name", "links")
+_CLUSTER_KEYS = CLUSTER_KEYS + ("links",)
 _OPTION_KEYS = {
     "bucket_cap": "bucket_cap_bytes",
     "first_bucket": "first_bucket_bytes",
@@ -86,7 +86,7 @@ class Scenario:
     trace: Path
     iteration: Optional[str]
     points: list[ScenarioPoint]
-    collective: str = "ring"
+    collective: Optional[str] = None  # None: the cluster's backend chooses (ring on the link models, NCCL's choice)
     optimizations: list = field(default_factory=list)
     gradient_sizes: Optional[list] = None
     gradient_total: Optional[float] = None
@@ -110,7 +110,7 @@ def _check_keys(path: Path, mapping: Any, allowed, where: str) -> None:
     for key in mapping:
         if key not in allowed:
             close = difflib.get_close_matches(str(key), list(allowed), n=1, cutoff=0.6)
-            hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(allowed)}"
+            hint = (f"; did you mean {close[0]!r}?" if close else "") + f"; known keys: {', '.join(allowed)}"
             raise ScenarioError(path, f"{where}.{key}" if where else str(key), f"unknown key{hint}")
 
 
@@ -151,6 +151,10 @@ def load_scenario(path: Path) -> Scenario:
     cluster = doc["cluster"]
     _check_keys(path, cluster, _CLUSTER_KEYS, "cluster")
     cluster = _with_links_file(path, cluster)
+    try:
+        cluster = with_fabric_links(cluster, "cluster")  # a machine: preset's GPUs and links, before the grid varies them
+    except TopologyError as err:
+        raise ScenarioError(path, err.key, err.message) from None
     frameworks = [_choice(path, "framework", f, FRAMEWORKS) for f in _as_list(doc.get("framework", "horovod"))]
     policies = [_choice(path, "policy", p, POLICIES) for p in _as_list(doc.get("policy", "fifo"))]
     for key, values in (
@@ -179,7 +183,7 @@ def load_scenario(path: Path) -> Scenario:
         trace=trace,
         iteration=None if doc.get("iteration") is None else str(doc["iteration"]),
         points=points,
-        collective=_choice(path, "collective", doc.get("collective", "ring"), _COLLECTIVES),
+        collective=None if doc.get("collective") is None else _choice(path, "collective", doc["collective"], _COLLECTIVES),
         optimizations=[_optimization(path, o) for o in _as_list(doc.get("optimizations") or [])],
     )
     _gradients(path, doc.get("gradients"), scenario)
