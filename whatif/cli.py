@@ -23,6 +23,7 @@ from whatif.perfmodel_cli import add_parser as add_perfmodel_parser
 from whatif.predict import predict_scenario
 from whatif.profiling import add_parser as add_profile_parser
 from whatif.profiling import run_profile
+from whatif.report.cluster import collective_notes
 from whatif.report.iterations import steady_median
 from whatif.report.plots import plot_scenario
 from whatif.report.timeline import write_atomically, write_timeline
@@ -149,7 +150,7 @@ def run_predict(args: argparse.Namespace) -> int:
     if args.timeline is not None:
         for label, run in outcome.runs.items():
             target = args.timeline if len(outcome.runs) == 1 else _suffixed(args.timeline, label)
-            write_timeline(run.schedule, target, protect=inputs)
+            write_timeline(run.schedule, target, protect=inputs, notes=collective_notes(run))
     if args.json:
         out = {
             "scenario": str(args.scenario),
@@ -165,7 +166,7 @@ def run_predict(args: argparse.Namespace) -> int:
           f"{outcome.bytes_per_iteration / 1e6:.1f} MB per iteration ({outcome.gradient_source})")
     if outcome.profiler_overhead is not None:
         print(outcome.profiler_overhead.describe())
-    shown = results.rename(columns=_PREDICT_COLUMNS)[list(_PREDICT_COLUMNS.values())]
+    shown = results.rename(columns=_PREDICT_COLUMNS)[[v for k, v in _PREDICT_COLUMNS.items() if k in results.columns]]
     print(shown.to_string(index=False, float_format=lambda v: f"{v:.2f}"))
     for what, path in (("plot", args.plot), ("CSV", args.csv)):
         if path is not None:
@@ -184,6 +185,7 @@ _PREDICT_COLUMNS = {
     "scaling_efficiency": "efficiency",
     "exposed_comm_ms": "exposed comm ms",
     "comm_ms": "comm ms",
+    "collectives": "collectives",
 }
 
 

@@ -11,7 +11,7 @@ import pandas as pd
 
 from whatif.collectors.iterations import find_iterations
 from whatif.collectors.load import load_trace
-from whatif.report.cluster import cluster_breakdown
+from whatif.report.cluster import cluster_breakdown, collective_mix
 from whatif.report.iterations import iteration_report, steady_median
 from whatif.sim.build import build_graph
 from whatif.sim.distributed import ClusterConfig, simulate_cluster
@@ -94,6 +94,8 @@ def predict_scenario(scenario: Scenario) -> ScenarioResult:
             "messages_per_iteration": run.messages_per_iteration,
             "comm_mb_per_iteration": run.bytes_per_iteration / 1e6,
         }
+        if point.cluster.backend == "nccl":
+            row["collectives"] = collective_mix(run)  # NCCL's choice, where NCCL chooses
         rows.append(row)
         runs[_label(row)] = run
     return ScenarioResult(
