@@ -106,6 +106,17 @@ def test_a_calibrated_links_file_brings_the_shared_memory_it_measured(tmp_path):
     assert all(p.cluster.shared_memory.compute_slowdown == 1.02 for p in points)
 
 
+def test_a_cluster_named_by_its_machine_keeps_the_machines_gpus_and_nccl(tmp_path):
+    path = write_scenario(tmp_path, GOOD_TRACE + "cluster: {machine: dgx_h100, machines: [1, 2, 4], nccl: {protocol: simple}}\n")
+    scenario = load_scenario(path)
+    assert [(p.cluster.machines, p.cluster.gpus_per_machine, p.cluster.backend) for p in scenario.points] == [
+        (1, 8, "nccl"), (2, 8, "nccl"), (4, 8, "nccl")]
+    assert all(p.cluster.fabric.nics_per_machine == 8 and p.cluster.fabric.calibration.protocol == "simple"
+               for p in scenario.points)
+    assert scenario.points[0].inter_node_gbps == pytest.approx(8 * 400), "the machine's NICs together"
+    assert scenario.collective is None, "NCCL chooses"
+
+
 def test_a_relative_trace_path_is_relative_to_the_scenario_file(tmp_path, monkeypatch):
     (tmp_path / "traces").mkdir()
     (tmp_path / "scenarios").mkdir()
@@ -163,6 +174,15 @@ BAD_SCENARIOS = {
     "a straggler without a machine": (GOOD_TRACE + CLUSTER + "stragglers: [{slowdown: 2}]\n", "stragglers[0].machine", "missing"),
     "no cluster": (GOOD_TRACE, "cluster", "missing"),
     "a size without a known unit": (GOOD_TRACE + CLUSTER + "gradients: {total: 50 MBs}\n", "gradients.total", "MBs"),
+    "a collective the link models do not run": (GOOD_TRACE + CLUSTER + "collective: tree\n", "collective", "hierarchical"),
+    "a collective NCCL does not run": (
+        GOOD_TRACE + "cluster: {machine: dgx_h100, machines: 2}\ncollective: hierarchical\n", "collective", "nvls_tree",
+    ),
+    "a typo in NCCL_ALGO": (
+        GOOD_TRACE + "cluster: {machine: dgx_h100, machines: [1, 2], nccl: {algorithm: rign}}\n",
+        "cluster.nccl.algorithm", "'ring'",
+    ),
+    "an unknown machine": (GOOD_TRACE + "cluster: {machine: dgx_h900, machines: 2}\n", "cluster.machine", "dgx_h100"),
 }
 
 NOT_A_SCENARIO = {

@@ -13,7 +13,7 @@ A scenario file looks like::
       shared_memory: {among: machine, core_bandwidth: 40GB/s, total_bandwidth: 60GB/s}  # CPU workers only
     framework: horovod                                # horovod | ddp | ps, or a list
     policy: fifo                                      # fifo | p3, or a list
-    collective: ring                                  # ring | hierarchical (all-reduce algorithm)
+    collective: ring                                  # the all-reduce: ring | hierarchical (NCCL: ring | tree | ...)
     optimizations: [amp]                              # any of whatif simulate's
     gradients: {total: 100MB}                         # or {sizes: [..]}; default: from the trace
     stragglers: [{machine: 1, slowdown: 1.5}]         # or gpu_slowdown
@@ -43,7 +43,9 @@ from whatif.collectors.bundle import is_bundle
 from whatif.sim.distributed import POLICIES, Straggler
 from whatif.sim.frameworks import FRAMEWORKS, FrameworkOptions
 from whatif.sim.passes.optimizations import OPTIMIZATIONS
-from whatif.topology import CLUSTER_KEYS, Cluster, TopologyError, as_gbps, parse_latency, parse_size, with_fabric_links
+from whatif.topology import (
+    CLUSTER_KEYS, Cluster, TopologyError, as_gbps, collective_cost, parse_latency, parse_size, with_fabric_links,
+)
 
 _TOP_KEYS = (
     "trace", "iteration", "cluster", "framework", "policy", "collective", "optimizations",
@@ -59,7 +61,6 @@ _OPTION_KEYS = {
     "partition": "partition_bytes",
     "slice": "slice_bytes",
 }
-_COLLECTIVES = ("ring", "hierarchical")
 
 
 class ScenarioError(Exception):
@@ -183,9 +184,14 @@ def load_scenario(path: Path) -> Scenario:
         trace=trace,
         iteration=None if doc.get("iteration") is None else str(doc["iteration"]),
         points=points,
-        collective=None if doc.get("collective") is None else _choice(path, "collective", doc["collective"], _COLLECTIVES),
+        collective=None if doc.get("collective") is None else str(doc["collective"]).strip().lower(),
         optimizations=[_optimization(path, o) for o in _as_list(doc.get("optimizations") or [])],
     )
+    for point in points if scenario.collective is not None else []:
+        try:  # the backend's names: ring or hierarchical on the link models, NCCL_ALGO's on a fabric
+            collective_cost(point.cluster, "all_reduce", 0.0, algorithm=scenario.collective)
+        except TopologyError as err:
+            raise ScenarioError(path, "collective", err.message) from None
     _gradients(path, doc.get("gradients"), scenario)
     scenario.stragglers = [_straggler(path, i, s, points) for i, s in enumerate(_as_list(doc.get("stragglers") or []))]
     scenario.options = _options(path, doc.get("framework_options") or {})
