@@ -50,7 +50,6 @@ def cluster_breakdown(run: ClusterSchedule, report: pd.DataFrame) -> pd.DataFram
     return pd.DataFrame(rows)
 
 
-
 def collective_mix(run: ClusterSchedule) -> str:
     """The algorithms and protocols the run's collectives used, by their share of the bytes
     communicated, largest first: ``nvls_tree/simple 96%, tree/ll128 4%``."""

@@ -12,8 +12,9 @@ after Horovod's fusion; NCCL's algorithm, protocol and channels for them) is rec
 schedule (``ClusterSchedule.collectives``), for reports and timelines.
 
 Collectives of one queue run one at a time, as NCCL's stream and Horovod's background thread run
-them, so an all-reduce takes the time of its plan on otherwise idle links: the closed forms of
-``topology.collectives``, which the topology tests hold to the link-sharing simulation. Where a
+them, so an all-reduce takes its time on an otherwise idle cluster: NCCL's model on a fabric,
+the closed forms of ``topology.collectives`` on two links, which the topology tests hold to the
+link-sharing simulation. Where a
 framework's queues overlap (a parameter server's push and pull, whose transfers meet on the
 same NICs), each message's plan (``topology.collective_plan``) runs on ``topology.network``'s
 shared links, in flight with the others. Where the workers' cores drive the link, the schedule
