@@ -100,7 +100,7 @@ def commands() -> dict[str, list[str]]:
     out["simulate batch 128 from 64 data/wide_mlp_cpu.pt.trace.json.gz"] = [
         "simulate", "data/wide_mlp_cpu.pt.trace.json.gz", "--json", "--batch-size", "128", "--from-batch-size", "64",
         "--perfmodel", str(MODELS.relative_to(REPO))]
-    scenarios = sorted((REPO / "scenarios").glob("*.yaml"))
+    scenarios = [p for p in sorted((REPO / "scenarios").glob("*.yaml")) if shared or "shared/" not in p.read_text()]
     scenarios += [WORK / name for name in EXTRA_SCENARIOS if shared or "shared" not in EXTRA_SCENARIOS[name]]
     for scenario in scenarios:
         out[f"predict {scenario.name}"] = ["predict", str(scenario.relative_to(REPO)), "--json"]

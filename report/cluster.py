@@ -1,5 +1,5 @@
 """Where a simulated cluster iteration's time goes (compute, exposed communication, idle), and
-each configuration's row of the results."""
+each configuration's row of the results, and which collectives carried its communication."""
 
 from __future__ import annotations
 
@@ -77,6 +77,7 @@ def configuration_row(config: ClusterConfig, run: ClusterSchedule, report: pd.Da
         "idle_ms": steady_median(breakdown["idle_ms"]),
         "messages_per_iteration": run.messages_per_iteration,
         "comm_mb_per_iteration": run.bytes_per_iteration / 1e6,
+        **({"collectives": collective_mix(run)} if cluster.backend == "nccl" else {}),  # NCCL's choice, where NCCL chooses
     }
 
 
@@ -108,3 +109,23 @@ def _described(config: ClusterConfig) -> dict[str, str]:
 
 def _shown(value) -> str:
     return value.describe() if hasattr(value, "describe") else str(value)
+
+
+def collective_mix(run: ClusterSchedule) -> str:
+    """The algorithms and protocols the run's collectives used, by their share of the bytes
+    communicated, largest first: ``nvls_tree/simple 96%, tree/ll128 4%``."""
+    collectives = run.collectives
+    if not len(collectives):
+        return ""
+    named = (collectives["algorithm"] + "/" + collectives["protocol"]).to_numpy()
+    shares = collectives["task_bytes"].groupby(named).sum().sort_values(ascending=False, kind="stable")
+    return ", ".join(f"{name} {100 * b / shares.sum():.0f}%" for name, b in shares.items())
+
+
+def collective_notes(run: ClusterSchedule) -> dict:
+    """Per communication task, the collective it ran in, as a timeline's event arguments."""
+    return {
+        int(c.Index): {"collective": f"{c.op} of {c.collective_bytes / 1e6:.4g} MB: {c.algorithm}/{c.protocol}, "
+                                    f"{c.channels} channels"}
+        for c in run.collectives.itertuples()
+    }

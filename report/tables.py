@@ -37,6 +37,7 @@ _RESULT_COLUMNS = {
     "scaling_efficiency": "efficiency",
     "exposed_comm_ms": "exposed comm ms",
     "comm_ms": "comm ms",
+    "collectives": "collectives",
 }
 _HELD_OUT_COLUMNS = {
     "held_out": "held-out shapes", "from_traces": "from traces", "roofline_gmae_pct": "roofline GMAE %",
@@ -61,7 +62,7 @@ def iteration_table(report: pd.DataFrame) -> str:
 
 def results_table(results: pd.DataFrame) -> str:
     """A cluster prediction's results, one row per configuration, as ``whatif predict`` shows them."""
-    shown = results.rename(columns=_RESULT_COLUMNS)[list(_RESULT_COLUMNS.values())]
+    shown = results.rename(columns=_RESULT_COLUMNS)[[v for k, v in _RESULT_COLUMNS.items() if k in results.columns]]
     return shown.to_string(index=False, float_format=lambda v: f"{v:.2f}")
 
 

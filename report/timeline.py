@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 import msgspec
 import numpy as np
@@ -15,11 +16,12 @@ from whatif.sim.engine import Schedule
 from whatif.sim.graph import TaskKind
 
 
-def write_timeline(schedule: Schedule, path: Path, protect: tuple = ()) -> None:
+def write_timeline(schedule: Schedule, path: Path, protect: tuple = (), notes: Optional[dict] = None) -> None:
     """Write one complete event per task, a track per resource, CPU threads and GPU streams in
     two processes. The file is written beside the target and renamed into place, so an
     interrupted run never leaves half a file; ``protect`` lists paths (the input trace) that
-    must never be overwritten."""
+    must never be overwritten; ``notes`` maps task ids to more event arguments (the collective a
+    communication task ran in, ``report.cluster.collective_notes``)."""
     path = Path(path)
     if any(path.resolve() == Path(p).resolve() for p in protect):
         raise OSError(f"{path}: refusing to overwrite the input trace with the timeline")
@@ -40,6 +42,7 @@ def write_timeline(schedule: Schedule, path: Path, protect: tuple = ()) -> None:
     events += [
         {"ph": "M", "name": "thread_name", "pid": pid_of[r], "tid": tid_of[r], "args": {"name": r}} for r in resources
     ]
+    notes = notes or {}
     start = schedule.start_us
     dur = schedule.end_us - schedule.start_us
     for i in range(len(tasks)):
@@ -55,6 +58,7 @@ def write_timeline(schedule: Schedule, path: Path, protect: tuple = ()) -> None:
                 "args": {
                     "context": context[i],
                     "measured_start_us": None if np.isnan(measured[i]) else float(measured[i]),
+                    **notes.get(i, {}),
                 },
             }
         )

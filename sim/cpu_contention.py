@@ -58,7 +58,7 @@ def with_cpu_contention(graph: TaskGraph, schedule: Schedule, comm: np.ndarray, 
         busy = _Union(np.concatenate([schedule.start_us[worker0_cpu], wait_start]),
                       np.concatenate([schedule.end_us[worker0_cpu], wait_end]))
         in_flight = _Union(schedule.start_us[comm], schedule.end_us[comm])
-        batch_bytes = _batch_bytes(comm_resource, schedule.start_us[comm], schedule.end_us[comm], comm_bytes)
+        batch_bytes = fused_bytes(comm_resource, schedule.start_us[comm], schedule.end_us[comm], comm_bytes)
         comm_factor = 1 + (link.comm_slowdown_at(batch_bytes) - 1) * busy.fraction_of(schedule.start_us[comm], schedule.end_us[comm])
         cpu_factor = 1 + (link.compute_slowdown - 1) * in_flight.fraction_of(schedule.start_us[cpu], schedule.end_us[cpu])
         duration = base.copy()
@@ -73,7 +73,7 @@ def with_cpu_contention(graph: TaskGraph, schedule: Schedule, comm: np.ndarray, 
     return schedule
 
 
-def _batch_bytes(resource: np.ndarray, start_us: np.ndarray, end_us: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
+def fused_bytes(resource: np.ndarray, start_us: np.ndarray, end_us: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
     """The bytes of the all-reduce each transfer went in: transfers on one resource that start
     and end together were fused into one."""
     batches = pd.DataFrame({"resource": resource, "start": start_us, "end": end_us, "nbytes": nbytes})

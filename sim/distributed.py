@@ -4,13 +4,17 @@ Every worker runs the single-GPU graph. Each message of the framework (``sim/fra
 what it sends, on which queue, under which policy, and what waits for it) becomes a task on the
 cluster's network queue that starts once its gradients are ready on every worker and the
 queue's policy (the framework's, around ``sim.policies``) picks it; it lasts as long as its
-collective takes on the cluster (``topology.collective_cost``); and what the framework makes
-wait for it (the optimizer step, or the next forward use of the layer) waits for it on every
-worker.
+collective takes on the cluster (``topology.collective_cost``, on the cluster's backend: NCCL's
+algorithms and choice on a GPU fabric, the links' closed forms on a cluster of two links); and
+what the framework makes wait for it (the optimizer step, or the next forward use of the layer)
+waits for it on every worker. Which collective each communication task ran in (its bytes,
+after Horovod's fusion; NCCL's algorithm, protocol and channels for them) is recorded beside the
+schedule (``ClusterSchedule.collectives``), for reports and timelines.
 
 Collectives of one queue run one at a time, as NCCL's stream and Horovod's background thread run
-them, so an all-reduce takes the time of its plan on otherwise idle links: the closed forms of
-``topology.collectives``, which the topology tests hold to the link-sharing simulation. Where a
+them, so an all-reduce takes its time on an otherwise idle cluster: NCCL's model on a fabric,
+the closed forms of ``topology.collectives`` on two links, which the topology tests hold to the
+link-sharing simulation. Where a
 framework's queues overlap (a parameter server's push and pull, whose transfers meet on the
 same NICs), each message's plan (``topology.collective_plan``) runs on ``topology.network``'s
 shared links, in flight with the others. Where the workers' cores drive the link, the schedule
@@ -34,7 +38,7 @@ import simpy
 
 from whatif.topology import Cluster, Network, Plan, collective_cost, collective_plan
 
-from .cpu_contention import driving_link, with_cpu_contention
+from .cpu_contention import driving_link, fused_bytes, with_cpu_contention
 from .engine import Policy, Schedule, simulate
 from .frameworks import Framework, FrameworkOptions, Message, framework
 from .frameworks.sync_points import SyncPoints, iteration_thread
@@ -61,7 +65,7 @@ class ClusterConfig:
     cluster: Cluster
     framework: str = "horovod"
     policy: str = "fifo"
-    algorithm: str = "ring"
+    algorithm: Optional[str] = None  # the all-reduce's; None: the backend's choice (ring on the link models)
     options: FrameworkOptions = field(default_factory=FrameworkOptions)
     stragglers: Sequence[Straggler] = ()
     replicate: Optional[bool] = None  # None: only when workers differ
@@ -92,6 +96,8 @@ class ClusterSchedule:
     worker0: np.ndarray  # mask of worker 0's tasks
     messages_per_iteration: float
     bytes_per_iteration: float
+    # per communication task (the index): its bytes and the collective it ran in (``_collectives``)
+    collectives: pd.DataFrame = field(default_factory=lambda: _collectives_frame([]))
 
 
 def _prices(config: ClusterConfig, fw: Framework) -> dict:
@@ -200,7 +206,32 @@ def simulate_cluster(worker: TaskGraph, gradients: Gradients, iterations: pd.Dat
         worker0,
         len(rows) / iterations_with,
         sum(nbytes) / iterations_with / len(fw.phases),
+        _collectives(config, fw, schedule, comm, nbytes),
     )
+
+
+def _collectives(config: ClusterConfig, fw: Framework, schedule: Schedule, comm: np.ndarray, nbytes: list) -> pd.DataFrame:
+    """The collective each communication task ran in, as ``topology.collective_cost`` names it:
+    the tasks of one queue that started and ended together ran as one (Horovod's fusion), and
+    their bytes together decide the algorithm and protocol, as they decide NCCL's."""
+    queue = schedule.graph.tasks["resource"].astype(str).to_numpy()[comm]
+    total = fused_bytes(queue, schedule.start_us[comm], schedule.end_us[comm], np.asarray(nbytes, dtype=float))
+    phase_of_queue = {fw.queue(phase): phase for phase in fw.phases}
+    named = {}
+    for key in dict.fromkeys(zip(queue.tolist(), total.tolist())):
+        op, algorithm = fw.collective(phase_of_queue[key[0]], config.algorithm)
+        named[key] = collective_cost(config.cluster, op, key[1], algorithm=algorithm)
+    rows = [(int(t), q, own, named[q, b]) for t, q, own, b in zip(comm.tolist(), queue.tolist(), nbytes, total.tolist())]
+    return _collectives_frame(rows)
+
+
+def _collectives_frame(rows: list) -> pd.DataFrame:
+    """``(task, queue, task_bytes, CollectiveCost)`` rows as a frame indexed by task: the task's
+    own bytes, and the op, bytes, algorithm, protocol and channels of the collective it ran in."""
+    columns = ["task", "queue", "task_bytes", "op", "collective_bytes", "algorithm", "protocol", "channels"]
+    frame = pd.DataFrame([(t, q, own, c.op, c.nbytes, c.algorithm, c.protocol, c.channels) for t, q, own, c in rows],
+                         columns=columns)
+    return frame.set_index("task")
 
 
 class _OnSharedLinks(Policy):

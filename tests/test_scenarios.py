@@ -108,6 +108,17 @@ def test_a_calibrated_links_file_brings_the_shared_memory_it_measured(tmp_path):
     assert all(p.cluster.shared_memory.compute_slowdown == 1.02 for p in points)
 
 
+def test_a_cluster_named_by_its_machine_keeps_the_machines_gpus_and_nccl(tmp_path):
+    path = write_scenario(tmp_path, GOOD_TRACE + "cluster: {machine: dgx_h100, machines: [1, 2, 4], nccl: {protocol: simple}}\n")
+    scenario = Scenario.from_file(path)
+    assert [(p.cluster.machines, p.cluster.gpus_per_machine, p.cluster.backend) for p in scenario.points] == [
+        (1, 8, "nccl"), (2, 8, "nccl"), (4, 8, "nccl")]
+    assert all(p.cluster.fabric.nics_per_machine == 8 and p.cluster.fabric.calibration.protocol == "simple"
+               for p in scenario.points)
+    assert scenario.points[0].inter_node_gbps == pytest.approx(8 * 400), "the machine's NICs together"
+    assert scenario.collective is None, "NCCL chooses"
+
+
 def test_a_relative_trace_path_is_relative_to_the_scenario_file(tmp_path, monkeypatch):
     (tmp_path / "traces").mkdir()
     (tmp_path / "scenarios").mkdir()
@@ -217,6 +228,15 @@ BAD_SCENARIOS = {
     "a typo in a framework option": (GOOD_TRACE + CLUSTER + "framework_options: {fusion: 32MB}\n",
                                      "framework_options.fusion", "'fusion_buffer'"),
     "an optimization's bad value": (GOOD_TRACE + CLUSTER + "optimizations: [faster-gpu=twice]\n", "optimizations", "twice"),
+    "a collective the link models do not run": (GOOD_TRACE + CLUSTER + "collective: tree\n", "collective", "hierarchical"),
+    "a collective NCCL does not run": (
+        GOOD_TRACE + "cluster: {machine: dgx_h100, machines: 2}\ncollective: hierarchical\n", "collective", "nvls_tree",
+    ),
+    "a typo in NCCL_ALGO": (
+        GOOD_TRACE + "cluster: {machine: dgx_h100, machines: [1, 2], nccl: {algorithm: rign}}\n",
+        "cluster.nccl.algorithm", "'ring'",
+    ),
+    "an unknown machine": (GOOD_TRACE + "cluster: {machine: dgx_h900, machines: 2}\n", "cluster.machine", "dgx_h100"),
 }
 
 NOT_A_SCENARIO = {

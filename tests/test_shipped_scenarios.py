@@ -1,8 +1,9 @@
 """The scenarios in ``scenarios/``: each loads, predicts, and its answer obeys what the question
 it asks takes for granted.
 
-Every scenario runs on a trace the repository ships, so these tests need nothing beside it. Each
-scenario is predicted once per session (all of them in about 15 s).
+Every scenario runs on a trace the repository ships, or on one of the real GPU traces in
+``../shared/traces`` beside the repository (its tests are skipped where that folder is not).
+Each scenario is predicted once per session (all of them in about 30 s).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+import yaml
 
 from whatif.pipeline import Prediction, predict
 from whatif.report.iterations import iteration_report, union_within
@@ -20,7 +22,13 @@ from whatif.scenario import Scenario
 from whatif.sim.frameworks import FrameworkOptions
 
 REPO = Path(__file__).resolve().parents[1]
-SCENARIOS = sorted((REPO / "scenarios").glob("*.yaml"))
+SHARED = REPO.parent / "shared" / "traces"
+NCCL_SCENARIO = "nccl_resnet50_dgx_v100.yaml"
+SCENARIOS = [
+    pytest.param(p, id=p.name, marks=pytest.mark.skipif(
+        "shared/traces" in p.read_text() and not SHARED.is_dir(), reason="../shared/traces is not beside the repository"))
+    for p in sorted((REPO / "scenarios").glob("*.yaml"))
+]
 BANDWIDTH_SCENARIOS = ["bandwidth_10_20_40.yaml", "bandwidth_cpu_analogue.yaml"]
 CYCLE_MS = FrameworkOptions().cycle_time_us / 1e3  # Horovod's background loop: one tick per 5 ms
 
@@ -43,21 +51,22 @@ def iteration_times_ms(name: str) -> dict:
 
 
 def test_the_shipped_scenarios_are_there():
-    names = {p.name for p in SCENARIOS}
-    assert {"p3_vs_fifo.yaml", "ring_vs_ps.yaml", "straggler.yaml", *BANDWIDTH_SCENARIOS} <= names
+    names = {p.values[0].name for p in SCENARIOS}
+    assert {"p3_vs_fifo.yaml", "ring_vs_ps.yaml", "straggler.yaml", NCCL_SCENARIO, *BANDWIDTH_SCENARIOS} <= names
 
 
-@pytest.mark.parametrize("path", SCENARIOS, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", SCENARIOS)
 def test_a_scenario_says_what_it_asks_and_uses_a_shipped_trace(path):
     header = path.read_text().split("\ntrace:")[0]
     assert header.startswith("# Question:"), "a scenario opens with the question it answers"
     scenario = Scenario.from_file(path)
     assert not Path(path.read_text().split("\ntrace:")[1].split()[0]).is_absolute(), "trace is relative"
-    assert scenario.trace.resolve().is_relative_to(REPO / "data"), "only traces the repository ships"
+    trace = scenario.trace.resolve()
+    assert trace.is_relative_to(REPO / "data") or trace.is_relative_to(SHARED.resolve()), "only shipped or shared traces"
     assert scenario.points
 
 
-@pytest.mark.parametrize("path", SCENARIOS, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", SCENARIOS)
 def test_a_scenario_predicts_every_configuration_no_faster_than_linear(path):
     scenario, outcome = predicted(path.name)
     results = outcome.results
@@ -98,7 +107,7 @@ def test_more_bandwidth_is_never_slower_under_fifo(name):
         assert (np.diff(total) <= CYCLE_MS).all(), f"time of all iterations {total} ms at {group['inter_node_gbps'].tolist()} Gbps"
 
 
-@pytest.mark.parametrize("path", SCENARIOS, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", SCENARIOS)
 def test_the_network_never_idles_while_a_message_is_ready(path):
     """A FIFO or P3 queue starts a ready message at once; Horovod's loop may first wait for its
     next tick, at most one cycle for each fused all-reduce it starts meanwhile."""
@@ -137,3 +146,30 @@ def test_a_straggler_sets_the_pace_of_every_worker():
     for row in results.itertuples():
         assert row.iteration_ms >= slowdown * outcome.iteration_ms * 0.98, row
         assert row.speedup <= row.workers / slowdown * 1.02, row
+
+
+def _nccl_variant(tmp_path: Path, **cluster) -> Prediction:
+    """The NCCL scenario with its cluster's keys changed (the trace made absolute)."""
+    doc = yaml.safe_load((REPO / "scenarios" / NCCL_SCENARIO).read_text())
+    doc["trace"] = str((REPO / "scenarios" / doc["trace"]).resolve())
+    doc["cluster"].update(cluster)
+    path = tmp_path / f"variant_{len(list(tmp_path.iterdir()))}.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return predict(Scenario.from_file(path).request())
+
+
+@pytest.mark.skipif(not SHARED.is_dir(), reason="../shared/traces is not beside the repository")
+def test_the_nccl_scenario_is_priced_by_nccl_and_more_nics_are_never_slower(tmp_path):
+    scenario, outcome = predicted(NCCL_SCENARIO)
+    assert {p.cluster.backend for p in scenario.points} == {"nccl"}
+    assert all(p.cluster.fabric.machine == "dgx_v100" and p.cluster.fabric.nics_per_machine == 4 for p in scenario.points)
+    assert outcome.results["collectives"].str.len().gt(0).all(), "every configuration names NCCL's choice"
+    four = outcome.results.set_index("machines")
+    one = _nccl_variant(tmp_path, nics_per_machine=1).results.set_index("machines")
+    tcp = _nccl_variant(tmp_path, nics_per_machine=1, nic="tcp_25").results.set_index("machines")
+    for slower, faster in ((one, four), (tcp, one)):
+        assert (faster["iteration_ms"] <= slower["iteration_ms"] * (1 + 1e-9)).all()
+        assert (faster["comm_ms"] <= slower["comm_ms"] * (1 + 1e-9)).all()
+        assert (faster.loc[1] == slower.loc[1]).drop(["inter_node_gbps"]).all(), "one node never pays the NIC"
+    assert (tcp.loc[16, "iteration_ms"] > 1.05 * four.loc[16, "iteration_ms"]), "25 GbE sockets cost at 16 nodes"
+    assert (four["iteration_ms"] < 1.01 * outcome.iteration_ms).all(), "four EDR NICs hide ResNet-50's all-reduces"

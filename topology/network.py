@@ -8,6 +8,17 @@ the receiver's intra-node ingress port; a transfer between machines crosses the 
 machine's NIC egress and the receiver machine's NIC ingress. The switch between NICs is
 non-blocking, and the hop from a GPU to its NIC is not modelled.
 
+On a GPU fabric (``fabric.py``: ``machine: dgx_h100``, or the fabric keys) a machine's NICs are
+one NIC of their summed rate and a GPU's intra-node port is its NVLink at NCCL's modelled rate
+(the cluster's ``inter_node`` and ``intra_node``, from ``Fabric.legacy_links``): transfers
+between machines share all of a machine's NICs, as NCCL's channels and a parameter server's
+many connections spread over them. What that leaves out: rail alignment (a GPU reaches the
+network through its own NIC, which caps a single flow at one NIC's rate), a host's PCIe links
+(its port runs at the GPUs' NVLink rate), and the switch tiers above the leaves (NCCL's
+all-to-all model, ``nccl/p2p.py``, charges their oversubscription; the network does not). An
+idle fabric's collective takes NCCL's time (``cost.py``); the network matters where
+collectives overlap (a parameter server's pushes and pulls).
+
 Why intra-node capacity is per endpoint rather than per machine or per GPU pair: NCCL's
 intra-node bandwidth is a property of a GPU (its NVLinks, its PCIe x16 slot), and a GPU sending
 to two peers at once splits it; a per-pair model would let a GPU send to seven peers at seven

@@ -13,7 +13,7 @@ A scenario file looks like::
       shared_memory: {among: machine, core_bandwidth: 40GB/s, total_bandwidth: 60GB/s}  # CPU workers only
     framework: horovod                                # horovod | ddp | ps, or a list
     policy: fifo                                      # fifo | p3, or a list
-    collective: ring                                  # ring | hierarchical (all-reduce algorithm)
+    collective: ring                                  # the all-reduce: ring | hierarchical (NCCL: ring | tree | ...)
     optimizations: [amp]                              # any of whatif simulate's
     gradients: {total: 100MB}                         # or {sizes: [..]}; default: from the trace
     stragglers: [{machine: 1, slowdown: 1.5}]         # or gpu_slowdown
@@ -55,7 +55,7 @@ from whatif.sim.distributed import POLICIES, ClusterConfig, Straggler
 from whatif.sim.frameworks import FRAMEWORKS, FrameworkOptions
 from whatif.sim.graph import GraphError
 from whatif.sim.passes.optimizations import OPTIMIZATIONS, optimization_name, parse_optimization
-from whatif.topology import Cluster, TopologyError, as_gbps, collective_algorithms, parse_size
+from whatif.topology import Cluster, TopologyError, as_gbps, collective_cost, parse_size, with_fabric_links
 
 from .pipeline import Request, WhatIf
 
@@ -93,7 +93,7 @@ class Scenario:
     trace: Path
     iteration: Optional[str]
     points: list[ScenarioPoint]
-    collective: str = "ring"
+    collective: Optional[str] = None  # None: the cluster's backend chooses (ring on the link models, NCCL's choice)
     optimizations: list = field(default_factory=list)
     gradient_sizes: Optional[list] = None
     gradient_total: Optional[float] = None
@@ -168,22 +168,37 @@ def _check_keys(name: str, mapping: Any, allowed, where: str) -> None:
     for key in mapping:
         if key not in allowed:
             close = difflib.get_close_matches(str(key), list(allowed), n=1, cutoff=0.6)
-            hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(allowed)}"
+            hint = (f"; did you mean {close[0]!r}?" if close else "") + f"; known keys: {', '.join(allowed)}"
             raise ScenarioError(name, f"{where}.{key}" if where else str(key), f"unknown key{hint}")
 
 
-def _choice(name: str, key: str, value, allowed) -> str:
+def _one(name: str, key: str, value, expected: str) -> None:
+    """Refuse a list or mapping where ``key`` takes one value."""
     if isinstance(value, (list, tuple, dict)):
         shape = "a mapping" if isinstance(value, dict) else "a list"
         why = (f"{key} takes one value or a list of them" if key in _GRID_KEYS
                else f"{key} is not a grid axis (lists make a grid in {', '.join(_GRID_KEYS)})")
-        raise ScenarioError(name, key, f"expected one of {', '.join(allowed)}, got {shape} {value!r}: {why}")
+        raise ScenarioError(name, key, f"expected {expected}, got {shape} {value!r}: {why}")
+
+
+def _choice(name: str, key: str, value, allowed) -> str:
+    _one(name, key, value, f"one of {', '.join(allowed)}")
     text = str(value).strip().lower()
     if text not in allowed:
         close = difflib.get_close_matches(text, list(allowed), n=1, cutoff=0.5)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise ScenarioError(name, key, f"unknown value {value!r}{hint} (choose from {', '.join(allowed)})")
     return text
+
+
+def _collective(name: str, value) -> Optional[str]:
+    """The all-reduce algorithm the scenario asks for (None: the backend's choice); each
+    cluster's backend checks the name (``ring`` or ``hierarchical`` on the link models,
+    NCCL_ALGO's names on a fabric)."""
+    if value is None:
+        return None
+    _one(name, "collective", value, "one all-reduce algorithm")
+    return str(value).strip().lower()
 
 
 def _path(base_dir: Path, value) -> Path:
@@ -219,9 +234,14 @@ def _parse(doc: Any, base_dir: Path, name: str) -> Scenario:
         trace=trace,
         iteration=None if doc.get("iteration") is None else str(doc["iteration"]),
         points=points,
-        collective=_choice(name, "collective", doc.get("collective", "ring"), collective_algorithms("all_reduce")),
+        collective=_collective(name, doc.get("collective")),
         optimizations=[_optimization(name, o) for o in _as_list(doc.get("optimizations") or [])],
     )
+    for point in points if scenario.collective is not None else []:
+        try:  # the backend's names: ring or hierarchical on the link models, NCCL_ALGO's on a fabric
+            collective_cost(point.cluster, "all_reduce", 0.0, algorithm=scenario.collective)
+        except TopologyError as err:
+            raise ScenarioError(name, "collective", err.message) from None
     _gradients(name, doc.get("gradients"), scenario)
     scenario.stragglers = [_straggler(name, i, s) for i, s in enumerate(_as_list(doc.get("stragglers") or []))]
     scenario.options = _options(name, doc.get("framework_options") or {})
@@ -248,7 +268,10 @@ def _clusters(name: str, base_dir: Path, block: Any) -> list[Cluster]:
     """Every cluster of the block's grid, validated by ``Cluster.from_config``."""
     if not isinstance(block, dict):
         raise ScenarioError(name, "cluster", f"expected a mapping, got {type(block).__name__}")
-    config = {**_CLUSTER_DEFAULTS, **_with_links_file(name, base_dir, block)}
+    try:  # a machine: preset's GPUs and links, before the defaults fill the rest and the grid varies them
+        config = {**_CLUSTER_DEFAULTS, **with_fabric_links(_with_links_file(name, base_dir, block), "cluster")}
+    except TopologyError as err:
+        raise ScenarioError(name, err.key, err.message) from None
     axes = _axes(config)
     for where, items in axes:
         if not items:

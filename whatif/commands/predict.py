@@ -11,6 +11,7 @@ from pathlib import Path
 import msgspec
 
 from whatif.pipeline import predict
+from whatif.report.cluster import collective_notes
 from whatif.report.plots import plot_scenario
 from whatif.report.tables import json_records, results_table
 from whatif.report.timeline import write_atomically, write_timeline
@@ -44,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     if args.timeline is not None:
         for label, run_ in prediction.runs.items():
             target = args.timeline if len(prediction.runs) == 1 else _suffixed(args.timeline, label)
-            write_timeline(run_.schedule, target, protect=inputs)
+            write_timeline(run_.schedule, target, protect=inputs, notes=collective_notes(run_))
     overhead = prediction.profiler_overhead
     if args.json:
         out = {
