@@ -1,0 +1,435 @@
+"""A distributed job from the traces of all its ranks: one graph per rank, joined at the collectives.
+
+Each rank's trace becomes its own dependency graph (``sim/build.py``). A collective kernel on a
+rank's GPU stream lasts, in the trace, from the moment that rank reached it to the moment the
+data arrived: the first ranks to get there spin in the kernel until the last one does, then all
+of them move the data together (in the 8-rank DLRM traces the kernels end within a few
+microseconds of each other on every rank while they start up to 7.6 ms apart). The join says
+exactly that, with the engine's primitives:
+
+* each rank's collective kernel becomes an **arrival** (the kernel's start: the task keeps the
+  kernel's place, its launch and stream-order edges, and takes no time) followed on the same
+  stream by a **completion** (the transfer), which takes over the kernel's outgoing edges
+  (stream order, synchronisations, the launch queue);
+* one **rendezvous** per collective, a task of no duration on a resource of its process group
+  (``collectives GROUP``, where the group's collectives run in order, as on an NCCL
+  communicator), waits for every member's arrival, and every member's completion waits for it.
+
+So a collective cannot complete on any rank before every rank has arrived, and then takes its
+transfer time. The transfer of rank ``r`` is what the trace measured after the last arrival:
+``end_r - max_q start_q``; replaying the joined graph therefore reproduces every rank's kernels,
+waits and iterations as measured, and the transfer is what a what-if on the collectives reprices
+(:meth:`Job.with_transfers`).
+
+Collectives are matched across ranks by process group and sequence number where the trace
+records them (c10d's ``Process Group Name`` and ``Seq``), else by their order in the group, or,
+where no group is recorded (the 2023 DLRM traces), by their order on each rank's NCCL stream;
+the op must agree at every position and the message too for the ops whose message every member
+shares (all-reduce, broadcast, reduce, all-gather, reduce-scatter), else the job is refused.
+
+The ranks' clocks: Kineto stamps events with the host's clock, so ranks of one machine share it
+and ranks of several differ by what NTP left. Each rank's clock is shifted so that its
+collectives end, in the median, when the same collectives end on the ranks it was aligned to
+(the kernels of one collective end together: the last data arrives everywhere at once);
+:attr:`Job.clock_offsets_us` says how far each clock was moved.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import numpy as np
+import pandas as pd
+
+from whatif.collectors.collectives import find_collectives
+from whatif.collectors.iterations import find_iterations
+from whatif.collectors.ranks import JobTraces
+
+from .build import build_graph
+from .engine import Schedule, simulate
+from .graph import EdgeKind, GraphError, TaskGraph, TaskKind
+from .workload import Workload
+
+#: What an arrival's name adds to its kernel's (the completion keeps the kernel's name).
+ARRIVAL_SUFFIX = " (arrival)"
+#: Ops whose message is the same on every member, so a difference means different jobs.
+SYMMETRIC_OPS = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter")
+
+
+@dataclass
+class RankInJob:
+    """Where a rank is in the joined graph: its resources are named ``prefix + resource``, and
+    its times there are its trace's plus ``shift_us``."""
+
+    rank: int
+    path: str
+    prefix: str
+    shift_us: float
+    iterations: pd.DataFrame
+
+
+@dataclass
+class Job:
+    """The joined graph of a job's ranks.
+
+    ``collectives``: one row per collective (index: its id): group, seq, op, nbytes (NaN where no
+    record gives it), name (the kernel's), rendezvous (task id), transfer_us (as measured: the
+    last-arriving rank's kernel time) and last_rank. ``members``: one row per rank of each
+    collective: collective, rank, arrival and completion (task ids).
+    """
+
+    graph: TaskGraph
+    ranks: list[RankInJob]
+    collectives: pd.DataFrame
+    members: pd.DataFrame
+    clock_offsets_us: dict = field(default_factory=dict)
+    skipped: list = field(default_factory=list)  # (path, why): files of the folder passed over
+
+    def replay(self) -> Schedule:
+        return simulate(self.graph)
+
+    def with_transfers(self, time_us: Callable[[pd.Series], float]) -> TaskGraph:
+        """A copy of the joined graph in which every collective's completions last
+        ``time_us(collective row)`` (the row of :attr:`collectives`): a collective repriced."""
+        graph = self.graph.copy()
+        durations = np.array([float(time_us(row)) for _, row in self.collectives.iterrows()])
+        if not (np.isfinite(durations).all() and (durations >= 0).all()):
+            raise GraphError("a collective's transfer time must be a finite number of microseconds >= 0")
+        ids = self.members["completion"].to_numpy()
+        graph.tasks.iloc[ids, graph.tasks.columns.get_loc("duration_us")] = durations[self.members["collective"].to_numpy()]
+        return graph
+
+    def rank_schedule(self, schedule: Schedule, rank: int) -> Schedule:
+        """One rank's part of a schedule of the joined graph (or of a graph transformed from it),
+        on the rank's own clock and resource names, as ``simulate`` would give it for that rank
+        alone: what the per-iteration reports read."""
+        where = next((r for r in self.ranks if r.rank == rank), None)
+        if where is None:
+            raise GraphError(f"no rank {rank} in this job")
+        tasks = schedule.graph.tasks
+        resource = tasks["resource"].astype(str)
+        ids = np.flatnonzero(resource.str.startswith(where.prefix).to_numpy())
+        remap = np.full(len(tasks), -1, dtype=np.int64)
+        remap[ids] = np.arange(len(ids))
+        mine = tasks.iloc[ids].reset_index(drop=True)
+        mine["resource"] = pd.Categorical(resource.iloc[ids].str.slice(len(where.prefix)).to_numpy())
+        for column in ("measured_start_us", "measured_end_us", "release_us", "order_key"):
+            mine[column] = mine[column] - where.shift_us
+        edges = schedule.graph.edges
+        inside = (remap[edges["src"].to_numpy()] >= 0) & (remap[edges["dst"].to_numpy()] >= 0)
+        edges = edges[inside].copy()
+        edges["src"] = remap[edges["src"].to_numpy()]
+        edges["dst"] = remap[edges["dst"].to_numpy()]
+        graph = TaskGraph(mine, edges.reset_index(drop=True), schedule.graph.ops, schedule.graph.workload)
+        return Schedule(
+            graph,
+            schedule.start_us[ids] - where.shift_us,
+            schedule.end_us[ids] - where.shift_us,
+            schedule.simpy_events,
+            schedule.wall_s,
+        )
+
+
+def build_job(job: JobTraces, iteration: Optional[str] = None) -> Job:
+    """Build every rank's graph, match their collectives and join them (see the module)."""
+    graphs, tables = {}, {}
+    for r in job.ranks:
+        graph = build_graph(r.trace)
+        table = find_collectives(r.trace)
+        gpu = graph.tasks["kind"].isin([int(k) for k in (TaskKind.KERNEL, TaskKind.COMM)]).to_numpy()
+        task_of_event = pd.Series(np.flatnonzero(gpu), index=graph.tasks["event"].to_numpy()[gpu])
+        table["task"] = task_of_event.reindex(table["event"].to_numpy()).to_numpy()
+        graphs[r.rank], tables[r.rank] = graph, table
+    paths = {r.rank: r.path for r in job.ranks}
+    members = match_collectives(tables, paths)
+    origin = min(r.trace.origin_us for r in job.ranks)
+    shift = {r.rank: r.trace.origin_us - origin for r in job.ranks}
+    offsets = _clock_offsets(members, shift)
+    shift = {rank: s + offsets[rank] for rank, s in shift.items()}
+    iterations = {r.rank: find_iterations(r.trace, iteration) for r in job.ranks}
+    return _join(job, graphs, members, shift, offsets, iterations)
+
+
+def match_collectives(tables: dict[int, pd.DataFrame], paths: dict[int, str]) -> pd.DataFrame:
+    """Which kernel of each rank is which collective of the job.
+
+    ``tables`` maps each rank to its :func:`~whatif.collectors.collectives.find_collectives`
+    table with a ``task`` column. Returns one row per rank of each collective: collective (id,
+    in the order of the group's collectives), rank, task, start_us, end_us (the rank's clock),
+    op, nbytes, name, group, seq. Raises :class:`GraphError` with a one-line reason where the
+    ranks' collectives do not pair up.
+    """
+    ranks = sorted(tables)
+    if all(len(t) == 0 for t in tables.values()):
+        raise GraphError(
+            f"no NCCL collective kernels in the traces of ranks {ranks[0]}..{ranks[-1]}: nothing joins them "
+            "(CPU collectives, gloo, are not joined yet)"
+        )
+    frames = []
+    for rank in ranks:
+        t = tables[rank].copy()
+        t["rank"] = rank
+        t["stream_key"] = "stream " + t["stream"].str.rsplit("stream ", n=1).str[-1]
+        frames.append(t)
+    rows = pd.concat(frames, ignore_index=True)
+    rows = _group_keys(rows)
+    out = []
+    next_id = 0
+    for group, in_group in rows.groupby("group_key", sort=False):
+        expected = _members(in_group, ranks)
+        present = sorted(in_group["rank"].unique().tolist())
+        lacking = [r for r in expected if r not in present]
+        if lacking:
+            first = present[0]
+            raise GraphError(
+                f"{paths[lacking[0]]}: rank {lacking[0]} ran no collective on {_describe(group)}, which "
+                f"rank {first} ran {int((in_group['rank'] == first).sum())} times: the traces are not of one job"
+            )
+        keyed = _sequence(in_group)
+        reference = expected[0]
+        ref = keyed[keyed["rank"] == reference].set_index("seq_key")
+        for rank in expected[1:]:
+            mine = keyed[keyed["rank"] == rank].set_index("seq_key")
+            _check_same(group, reference, ref, rank, mine, paths)
+        order = ref.sort_values("start_us").index.tolist()
+        ids = {key: next_id + i for i, key in enumerate(order)}
+        next_id += len(order)
+        keyed = keyed[keyed["rank"].isin(expected)].copy()
+        keyed["collective"] = keyed["seq_key"].map(ids)
+        keyed["seq"] = keyed["seq_key"]
+        keyed["group"] = group
+        out.append(keyed)
+    matched = pd.concat(out, ignore_index=True)
+    return matched[["collective", "rank", "task", "start_us", "end_us", "op", "nbytes", "name", "group", "seq"]].sort_values(
+        ["collective", "rank"], ignore_index=True
+    )
+
+
+def _group_keys(rows: pd.DataFrame) -> pd.DataFrame:
+    """Each kernel's group: its process group's name, else its NCCL stream, else, where the
+    ranks' streams are numbered differently but each rank has one, that one stream."""
+    rows["group_key"] = np.where(rows["group"] != "", "group " + rows["group"], rows["stream_key"])
+    unnamed = rows["group"] == ""
+    if unnamed.any():
+        streams = rows[unnamed].groupby("rank")["stream_key"].unique()
+        same = all(set(s) == set(streams.iloc[0]) for s in streams)
+        if not same and all(len(s) == 1 for s in streams):
+            rows.loc[unnamed, "group_key"] = "the NCCL stream"
+    return rows
+
+
+def _members(in_group: pd.DataFrame, ranks: list) -> list:
+    recorded = [r for r in in_group["group_ranks"].unique().tolist() if r]
+    if recorded:
+        try:
+            listed = json.loads(recorded[0])
+        except json.JSONDecodeError:
+            listed = None
+        if isinstance(listed, list) and listed and all(isinstance(r, int) for r in listed):
+            return sorted(r for r in listed if r in ranks) or ranks
+    return ranks
+
+
+def _sequence(in_group: pd.DataFrame) -> pd.DataFrame:
+    """The key that pairs a group's collectives: the recorded sequence numbers where every
+    kernel of the group has a distinct one on its rank, else the order on each rank."""
+    keyed = in_group.sort_values(["rank", "start_us"], kind="stable").copy()
+    numbered = (keyed["seq"] >= 0).all() and not keyed.duplicated(["rank", "seq"]).any()
+    keyed["seq_key"] = keyed["seq"] if numbered else keyed.groupby("rank").cumcount()
+    return keyed
+
+
+def _check_same(group, ref_rank, ref, rank, mine, paths) -> None:
+    where = f"{paths[rank]}: rank {rank}"
+    if len(mine) != len(ref) or set(mine.index) != set(ref.index):
+        raise GraphError(
+            f"{where} ran {len(mine)} collectives on {_describe(group)} and rank {ref_rank} ran {len(ref)}"
+            + ("" if len(mine) != len(ref) else ", with other sequence numbers")
+            + ": the traces are not of one job, or cover different steps"
+        )
+    for key in ref.index:
+        a, b = ref.loc[key], mine.loc[key]
+        symmetric = a["op"] in SYMMETRIC_OPS
+        sizes_differ = symmetric and np.isfinite(a["nbytes"]) and np.isfinite(b["nbytes"]) and a["nbytes"] != b["nbytes"]
+        if a["op"] != b["op"] or sizes_differ:
+            raise GraphError(
+                f"{where}'s collective #{key} on {_describe(group)} is {_what(b)} where rank {ref_rank}'s is "
+                f"{_what(a)}: the traces are not of one job"
+            )
+
+
+def _describe(group: str) -> str:
+    return group if group.startswith(("group", "the")) else f"NCCL {group}"
+
+
+def _what(row) -> str:
+    size = f" of {row['nbytes']:.0f} bytes" if np.isfinite(row["nbytes"]) else ""
+    return f"{row['op'] or row['name'][:40]}{size}"
+
+
+def _clock_offsets(members: pd.DataFrame, shift: dict) -> dict:
+    """How far to move each rank's clock so that its collectives end, in the median, with the
+    ranks already aligned (breadth first from the lowest rank)."""
+    ends = members.assign(end=members["end_us"] + members["rank"].map(shift)).pivot(
+        index="collective", columns="rank", values="end"
+    )
+    ranks = list(ends.columns)
+    offsets = {ranks[0]: 0.0}
+    frontier = [ranks[0]]
+    while frontier:
+        base = frontier.pop(0)
+        for rank in ranks:
+            if rank in offsets:
+                continue
+            shared = ends[[base, rank]].dropna()
+            if len(shared):
+                offsets[rank] = float(np.median(shared[base] + offsets[base] - shared[rank]))
+                frontier.append(rank)
+    for rank in ranks:
+        offsets.setdefault(rank, 0.0)  # shares no collective with the others: keep its clock
+    for rank in shift:
+        offsets.setdefault(rank, 0.0)
+    return offsets
+
+
+def _join(job: JobTraces, graphs: dict, members: pd.DataFrame, shift: dict, offsets: dict, iterations: dict) -> Job:
+    task_frames, edge_frames, op_frames = [], [], []
+    placed = []
+    base = 0
+    event_base = 0
+    arrival, completion = {}, {}
+    effective = {}
+    for r in job.ranks:
+        graph = graphs[r.rank]
+        mine = members[members["rank"] == r.rank]
+        split, completions = _split_collectives(graph, mine["task"].to_numpy(dtype=np.int64))
+        tasks = split.tasks.copy()
+        prefix = f"rank {r.rank}: "
+        tasks["resource"] = tasks["resource"].cat.rename_categories(lambda name, p=prefix: p + name)
+        for column in ("measured_start_us", "measured_end_us", "release_us", "order_key"):
+            tasks[column] = tasks[column] + shift[r.rank]
+        tasks["event"] = np.where(tasks["event"] >= 0, tasks["event"] + event_base, -1)
+        edges = split.edges.copy()
+        edges["src"] += base
+        edges["dst"] += base
+        ops = graph.ops.copy()
+        ops.index = ops.index + event_base
+        ops["thread"] = ops["thread"].cat.rename_categories(lambda name, p=prefix: p + name)
+        for key, kernel, done in zip(mine["collective"].tolist(), mine["task"].tolist(), completions.tolist()):
+            arrival[(key, r.rank)] = base + int(kernel)
+            completion[(key, r.rank)] = base + int(done)
+            effective[(key, r.rank)] = float(tasks["measured_end_us"].iat[int(kernel)])  # arrivals end where they start
+        task_frames.append(tasks)
+        edge_frames.append(edges)
+        op_frames.append(ops)
+        placed.append(RankInJob(r.rank, r.path, prefix, shift[r.rank], iterations[r.rank]))
+        base += len(tasks)
+        event_base += len(r.trace.events)
+    tasks = _concat_tasks(task_frames)
+    measured_end = tasks["measured_end_us"].to_numpy()
+    rows, edges, collectives, member_rows = [], [], [], []
+    for key, group in members.groupby("collective", sort=True):
+        ranks = group["rank"].tolist()
+        starts = np.array([effective[(key, q)] for q in ranks])
+        last = float(starts.max())
+        last_rank = int(ranks[int(np.argmax(starts))])
+        rendezvous = base + len(rows)
+        first = group.iloc[0]
+        rows.append(_rendezvous_row(first, last, tasks["context"].iat[arrival[(key, ranks[0])]]))
+        for q in ranks:
+            edges.append((arrival[(key, q)], rendezvous))
+            edges.append((rendezvous, completion[(key, q)]))
+            done = completion[(key, q)]
+            tasks.iat[done, tasks.columns.get_loc("duration_us")] = max(measured_end[done] - last, 0.0)
+            tasks.iat[done, tasks.columns.get_loc("measured_start_us")] = min(last, measured_end[done])
+            member_rows.append((key, q, arrival[(key, q)], done))
+        collectives.append({
+            "group": first["group"], "seq": int(first["seq"]), "op": first["op"], "nbytes": float(group["nbytes"].max()),
+            "name": first["name"], "rendezvous": rendezvous,
+            "transfer_us": float(max(measured_end[completion[(key, last_rank)]] - last, 0.0)), "last_rank": last_rank,
+        })
+    tasks = _concat_tasks([tasks, pd.DataFrame(rows)])
+    joined_edges = pd.concat(
+        edge_frames + [pd.DataFrame([(s, d, 0.0, int(EdgeKind.USER)) for s, d in edges], columns=["src", "dst", "lag_us", "kind"])],
+        ignore_index=True,
+    ).astype(edge_frames[0].dtypes.to_dict())
+    ops = pd.concat(op_frames)
+    sources = ", ".join(p.path for p in placed[:2]) + (" ..." if len(placed) > 2 else "")
+    workload = Workload(f"{len(placed)} ranks ({sources})", any(g.workload.has_gpu for g in graphs.values()))
+    graph = TaskGraph(tasks, joined_edges, ops, workload)
+    return Job(
+        graph,
+        placed,
+        pd.DataFrame(collectives),
+        pd.DataFrame(member_rows, columns=["collective", "rank", "arrival", "completion"]),
+        offsets,
+        list(job.skipped),
+    )
+
+
+def _split_collectives(graph: TaskGraph, kernels: np.ndarray) -> tuple[TaskGraph, np.ndarray]:
+    """``graph`` with each of ``kernels`` cut into an arrival (the kernel itself, now of no
+    duration) and a completion placed right after it on its stream, which takes over the
+    kernel's outgoing edges. Returns the new graph and the completions' ids."""
+    graph = graph.copy()
+    tasks = graph.tasks
+    n = len(tasks)
+    if not len(kernels):
+        return graph, np.zeros(0, dtype=np.int64)
+    duration = tasks["duration_us"].to_numpy()
+    end = tasks["measured_end_us"].to_numpy()
+    order_key = tasks["order_key"].to_numpy()
+    next_key = np.full(n, np.inf)
+    for seq in graph.resource_order():
+        next_key[seq[:-1]] = order_key[seq[1:]]
+    completions = n + np.arange(len(kernels))
+    new = tasks.iloc[kernels].copy()
+    gap = next_key[kernels] - order_key[kernels]
+    new["order_key"] = order_key[kernels] + np.where(np.isfinite(gap), gap / 2.0, 1.0)
+    new["release_us"] = -np.inf
+    new.index = completions
+    arrivals = tasks.iloc[kernels]
+    names = arrivals["name"].astype(str) + ARRIVAL_SUFFIX
+    tasks = _concat_tasks([tasks, new])
+    name_codes = tasks["name"].astype(str).to_numpy().astype(object)
+    name_codes[kernels] = names.to_numpy()
+    tasks["name"] = pd.Categorical(name_codes)
+    effective_start = end[kernels] - duration[kernels]
+    tasks.iloc[kernels, tasks.columns.get_loc("duration_us")] = 0.0
+    tasks.iloc[kernels, tasks.columns.get_loc("measured_end_us")] = effective_start
+    edges = graph.edges
+    src = edges["src"].to_numpy().copy()
+    moved = pd.Series(completions, index=kernels)
+    out = np.isin(src, kernels)
+    src[out] = moved.reindex(src[out]).to_numpy()
+    edges = edges.copy()
+    edges["src"] = src
+    graph.tasks, graph.edges = tasks, edges
+    return graph, completions
+
+
+def _rendezvous_row(first: pd.Series, last_arrival_us: float, context: str) -> dict:
+    return {
+        "name": f"{first['op'] or 'collective'} #{int(first['seq'])} rendezvous",
+        "kind": int(TaskKind.COMM),
+        "resource": f"collectives {first['group']}",
+        "duration_us": 0.0,
+        "release_us": -np.inf,
+        "order_key": last_arrival_us,
+        "measured_start_us": last_arrival_us,
+        "measured_end_us": last_arrival_us,
+        "context": f"{context} > {first['name']}" if context else str(first["name"]),
+        "operator": "",
+        "layer": "",
+        "event": -1,
+    }
+
+
+def _concat_tasks(frames: list) -> pd.DataFrame:
+    categorical = [c for c in frames[0].columns if isinstance(frames[0][c].dtype, pd.CategoricalDtype)]
+    combined = pd.concat(
+        [f.astype({c: object for c in categorical if c in f.columns}) for f in frames], ignore_index=True
+    )
+    return combined.astype({c: "category" for c in categorical})
