@@ -123,11 +123,6 @@ def _identify(trace: KinetoTrace) -> RankTrace:
 
 
 def _check_ranks(ranks: list[RankTrace], where) -> None:
-    by_rank: dict[int, RankTrace] = {}
-    for r in ranks:
-        if r.rank in by_rank:
-            raise TraceError(r.path, f"is rank {r.rank} (from its {r.rank_from}), and so is {by_rank[r.rank].path}")
-        by_rank[r.rank] = r
     worlds = {r.world_size for r in ranks if r.world_size is not None}
     if len(worlds) > 1:
         first = next(r for r in ranks if r.world_size is not None)
@@ -137,6 +132,11 @@ def _check_ranks(ranks: list[RankTrace], where) -> None:
             f"is from a job of {other.world_size} ranks but {first.path} from one of {first.world_size}: "
             "the traces are not of one job",
         )
+    by_rank: dict[int, RankTrace] = {}
+    for r in ranks:
+        if r.rank in by_rank:
+            raise TraceError(r.path, f"is rank {r.rank} (from its {r.rank_from}), and so is {by_rank[r.rank].path}")
+        by_rank[r.rank] = r
     world = worlds.pop() if worlds else len(ranks)
     missing = sorted(set(range(world)) - set(by_rank))
     extra = sorted(set(by_rank) - set(range(world)))

@@ -47,7 +47,7 @@ from whatif.collectors.collectives import find_collectives
 from whatif.collectors.iterations import find_iterations
 from whatif.collectors.ranks import JobTraces
 
-from .build import build_graph
+from .build import IDLE_GAP_US, TOLERANCE_US, build_graph
 from .engine import Schedule, simulate
 from .graph import EdgeKind, GraphError, TaskGraph, TaskKind
 from .workload import Workload
@@ -89,6 +89,25 @@ class Job:
 
     def replay(self) -> Schedule:
         return simulate(self.graph)
+
+    def simulate(self, graph: TaskGraph) -> Schedule:
+        """Simulate a graph transformed from the job's (``WhatIf.apply``, :meth:`with_transfers`).
+
+        Ranks depend on each other only through a collective's rendezvous. Removing a collective
+        (its kernels and rendezvous, ``--remove nccl``) would, by the remove primitive's rule,
+        join every rank's predecessors of it to every rank's successors, a barrier of no
+        duration; without the collective the ranks have nothing to wait for, so those bypass
+        edges between two ranks are dropped.
+        """
+        rank_of = rank_of_tasks(graph)
+        edges = graph.edges
+        src_rank = rank_of[edges["src"].to_numpy()]
+        dst_rank = rank_of[edges["dst"].to_numpy()]
+        across = (edges["kind"].to_numpy() == int(EdgeKind.BYPASS)) & (src_rank >= 0) & (dst_rank >= 0) & (src_rank != dst_rank)
+        if across.any():
+            graph = graph.copy()
+            graph.edges = edges[~across].reset_index(drop=True)
+        return simulate(graph)
 
     def with_transfers(self, time_us: Callable[[pd.Series], float]) -> TaskGraph:
         """A copy of the joined graph in which every collective's completions last
@@ -132,11 +151,26 @@ class Job:
         )
 
 
+def rank_of_tasks(graph: TaskGraph) -> np.ndarray:
+    """Each task's rank, read from its resource's name (``rank 3: cpu 12/34``); -1 for the
+    rendezvous and anything else no rank owns."""
+    labels = graph.tasks["resource"].cat.categories
+    of_label = np.array([_rank_in_label(str(label)) for label in labels] + [-1], dtype=np.int64)
+    return of_label[graph.tasks["resource"].cat.codes.to_numpy()]
+
+
+def _rank_in_label(label: str) -> int:
+    head, sep, _ = label.partition(": ")
+    if sep and head.startswith("rank ") and head[5:].isdigit():
+        return int(head[5:])
+    return -1
+
+
 def build_job(job: JobTraces, iteration: Optional[str] = None) -> Job:
     """Build every rank's graph, match their collectives and join them (see the module)."""
     graphs, tables = {}, {}
     for r in job.ranks:
-        graph = build_graph(r.trace)
+        graph = infer_stream_waits(build_graph(r.trace))
         table = find_collectives(r.trace)
         gpu = graph.tasks["kind"].isin([int(k) for k in (TaskKind.KERNEL, TaskKind.COMM)]).to_numpy()
         task_of_event = pd.Series(np.flatnonzero(gpu), index=graph.tasks["event"].to_numpy()[gpu])
@@ -150,6 +184,51 @@ def build_job(job: JobTraces, iteration: Optional[str] = None) -> Job:
     shift = {rank: s + offsets[rank] for rank, s in shift.items()}
     iterations = {r.rank: find_iterations(r.trace, iteration) for r in job.ranks}
     return _join(job, graphs, members, shift, offsets, iterations)
+
+
+def infer_stream_waits(graph: TaskGraph) -> TaskGraph:
+    """``graph`` with the waits of one GPU stream for another that the trace did not record.
+
+    ``cudaStreamWaitEvent`` makes a stream wait for another's work (the compute stream for the
+    collective that brings its input, the NCCL stream for the gradients it reduces); Kineto
+    says which event it waited for only in its ``cuda_sync`` records (torch 2.1 on, and not in
+    every trace: the DLRM ones have none). Without them the wait is in the lag of the kernel's
+    launch edge (7 ms on DLRM rank 1's compute stream, which started 2 us after a collective
+    ended), where no change to the other stream can move it. So a GPU task that started more
+    than ``IDLE_GAP_US`` after its launch allowed, within ``IDLE_GAP_US`` after a task on another
+    stream of its GPU ended, waited for that task: the edge between them takes the measured
+    latency, and the launch edge the typical one (the median launch lag). Replay is unchanged.
+    """
+    tasks, edges = graph.tasks, graph.edges
+    launch = edges[edges["kind"] == int(EdgeKind.LAUNCH)]
+    if not len(launch):
+        return graph
+    typical = float(np.median(launch["lag_us"].to_numpy()))
+    waited = launch[launch["lag_us"] > typical + IDLE_GAP_US]
+    if not len(waited):
+        return graph
+    resource = tasks["resource"].astype(str).to_numpy()
+    device = np.array([label.split("/")[0] if label.startswith("gpu ") else "" for label in resource], dtype=object)
+    end = tasks["measured_end_us"].to_numpy()
+    start = end - tasks["duration_us"].to_numpy()
+    gpu = np.flatnonzero(device != "")
+    src, dst, lag, relaxed = [], [], [], []
+    for row, task in zip(waited.index.tolist(), waited["dst"].tolist()):
+        others = gpu[(device[gpu] == device[task]) & (resource[gpu] != resource[task])]
+        ended = others[(end[others] <= start[task] + TOLERANCE_US) & (end[others] >= start[task] - IDLE_GAP_US)]
+        if not len(ended):
+            continue
+        cause = int(ended[np.argmax(end[ended])])
+        src.append(cause)
+        dst.append(int(task))
+        lag.append(float(start[task] - end[cause]))
+        relaxed.append(row)
+    if not src:
+        return graph
+    graph = graph.copy()
+    graph.edges.loc[relaxed, "lag_us"] = typical
+    graph.add_edges([(s_, d_, l_, int(EdgeKind.STREAM_WAIT)) for s_, d_, l_ in zip(src, dst, lag)])
+    return graph
 
 
 def match_collectives(tables: dict[int, pd.DataFrame], paths: dict[int, str]) -> pd.DataFrame:
