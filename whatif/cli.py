@@ -15,6 +15,7 @@ import pandas as pd
 from whatif.analyses import run_critical_path, run_overheads
 from whatif.collectors.capture import CaptureError, collect
 from whatif.collectors.kineto import TraceError
+from whatif.collectors.ranks import is_job, load_traces
 from whatif.lab import cli as lab_cli
 from whatif.lab.cluster import LabError
 from whatif.perfmodel_cli import add_batch_size_options, rebatch, run_perfmodel
@@ -24,9 +25,11 @@ from whatif.profiling import add_parser as add_profile_parser
 from whatif.profiling import run_profile
 from whatif.report.iterations import steady_median
 from whatif.report.plots import plot_scenario
+from whatif.report.ranks import job_json, rank_reports
 from whatif.report.timeline import write_atomically, write_timeline
 from whatif.scenario import ScenarioError, load_scenario
 from whatif.sim.graph import GraphError
+from whatif.sim.multirank import build_job
 from whatif.sim.passes.optimizations import OPTIMIZATIONS
 from whatif.sim.perfmodels.models import PerfModelError
 from whatif.topology import TopologyError
@@ -58,16 +61,20 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def common(p):
-        p.add_argument("trace", type=Path, help="PyTorch profiler (Kineto) trace (.json or .json.gz), or a bundle folder")
+    def common(p, ranks=False):
+        if ranks:
+            p.add_argument("trace", type=Path, nargs="+", help="PyTorch profiler (Kineto) trace (.json or .json.gz), or a bundle "
+                           "folder; or a job's per-rank traces: a folder of them, or several files")
+        else:
+            p.add_argument("trace", type=Path, help="PyTorch profiler (Kineto) trace (.json or .json.gz), or a bundle folder")
         p.add_argument("--iteration", metavar="NAME", help="annotation that marks an iteration (default: ProfilerStep#N)")
         p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
         p.add_argument("--timeline", type=Path, metavar="OUT.json", help="write the simulated timeline (Chrome trace)")
 
     replay = sub.add_parser("replay", help="simulate the unmodified trace: measured against predicted")
-    common(replay)
+    common(replay, ranks=True)
     simulate = sub.add_parser("simulate", help="apply what-ifs to the trace's graph and predict")
-    common(simulate)
+    common(simulate, ranks=True)
     simulate.add_argument(
         "--optimization",
         action="append",
@@ -118,6 +125,8 @@ _COLUMNS = {
     "gpu_busy_ms": "GPU busy ms",
     "gpu_idle_ms": "GPU idle ms",
     "sync_wait_ms": "sync wait ms",
+    "collective_wait_ms": "collective wait ms",
+    "transfer_ms": "transfer ms",
 }
 
 
@@ -224,6 +233,9 @@ def run(args: argparse.Namespace) -> int:
         return run_critical_path(args)
     if args.command == "perfmodel":
         return run_perfmodel(args)
+    if is_job(args.trace):
+        return run_job(args)
+    args.trace = args.trace[0]
     study = TraceStudy.from_trace(args.trace, args.iteration)
     if args.command == "replay":
         schedule, report = study.replay, study.replay_report()
@@ -258,6 +270,36 @@ def run(args: argparse.Namespace) -> int:
         print(_table(report))
         if args.timeline is not None:
             print(f"timeline written to {args.timeline}")
+    return 0
+
+
+def run_job(args: argparse.Namespace) -> int:
+    """``replay`` / ``simulate`` of a multi-rank job: every rank's iterations."""
+    if args.command == "simulate" and args.batch_size is not None:
+        raise UsageError("--batch-size: a multi-rank job cannot be rebatched yet; give one rank's trace")
+    job = build_job(load_traces(args.trace), args.iteration)
+    for path, why in job.skipped:
+        print(f"whatif: skipped {path}: {why}", file=sys.stderr)
+    replay = schedule = job.replay()
+    what = {}
+    if args.command == "simulate":
+        what_if = WhatIf(optimizations=args.optimization, scale=[_parse_scale(s) for s in args.scale], remove=args.remove)
+        schedule = job.simulate(what_if.apply(job.graph))
+        what = {"optimizations": list(args.optimization), "scale": list(args.scale), "remove": list(args.remove)}
+    reports = rank_reports(job, schedule, replay if args.command == "simulate" else None)
+    if args.timeline is not None:
+        write_timeline(schedule, args.timeline, protect=tuple(r.path for r in job.ranks))
+    if args.json:
+        out = {"traces": [str(p) for p in args.trace], **job_json(job, reports, schedule, _json_records), **what}
+        sys.stdout.write(msgspec.json.encode(out).decode() + "\n")
+        return 0
+    for report in reports:
+        print(f"rank {report.rank}: {report.trace}")
+        print(_table(report.iterations))
+    print(f"{len(reports)} ranks joined at {len(job.collectives)} collectives; "
+          f"clocks aligned within {max(abs(v) for v in job.clock_offsets_us.values()):.1f} us")
+    if args.timeline is not None:
+        print(f"timeline written to {args.timeline}")
     return 0
 
 
