@@ -7,6 +7,7 @@ import pytest
 import simpy
 
 from whatif.topology import (
+    GLOO_OPS,
     Cluster,
     Link,
     Network,
@@ -171,7 +172,7 @@ def test_algorithms_by_name():
 def test_an_all_reduce_costs_its_algorithms_closed_form_and_runs_its_plan(machines, gpus, algorithm):
     c = cluster(machines, gpus)
     cost = collective_cost(c, "all_reduce", 10 * MB, algorithm=algorithm)
-    assert (cost.op, cost.nbytes, cost.algorithm, cost.protocol, cost.channels) == ("all_reduce", 10 * MB, algorithm, "simple", 1)
+    assert (cost.op, cost.nbytes, cost.algorithm, cost.protocol, cost.channels) == ("all_reduce", 10 * MB, algorithm, "tcp", 1)
     assert cost.time_us == allreduce_time_us(c, 10 * MB, algorithm)
     plan = collective_plan(c, "all_reduce", 10 * MB, algorithm=algorithm)
     assert [s.transfers() for s in plan.steps] == [s.transfers() for s in plan_allreduce(c, 10 * MB, algorithm).steps]
@@ -198,7 +199,8 @@ def test_a_push_and_a_pull_are_the_two_halves_of_a_parameter_server(machines, gp
     (lambda c: collective_cost(c, "all_reduce", MB, algorithm="parameter_server"), "algorithm: "),
     (lambda c: collective_plan(c, "push", MB, algorithm="ring"), "algorithm: "),
     (lambda c: collective_cost(c, "all_reduce", MB, protocol="LL128"), "protocol: "),
-    (lambda c: collective_cost(c, "all_reduce", MB, ranks=[0, 1]), "ranks: "),
+    (lambda c: collective_cost(c, "all_reduce", MB, ranks=[0, 1, 4]), "ranks: .*as many ranks on every machine"),
+    (lambda c: collective_cost(c, "all_reduce", MB, ranks=[0, 8]), "ranks: "),
 ])
 def test_a_collective_that_is_not_modelled_is_refused_naming_the_argument(call, key):
     with pytest.raises(TopologyError, match=f"^{key}"):
@@ -239,6 +241,32 @@ def test_parameter_server_simulates_to_its_closed_form(machines, gpus, placement
     servers = 2 * machines if servers == "2m" else servers
     simulated = simulate_plan(plan_parameter_server(c, 100 * MB, servers, placement), c)
     assert simulated == pytest.approx(parameter_server_time_us(c, 100 * MB, servers, placement), rel=0.01)
+
+
+@pytest.mark.parametrize("machines, gpus", [(1, 2), (2, 1), (4, 2), (3, 4)])
+@pytest.mark.parametrize("links", [("nvlink2", "25gbe"), ({"bandwidth": "1GB/s", "latency": "1us"}, "100gbe")],
+                         ids=["nvlink2-25gbe", "slow_intra-100gbe"])
+@pytest.mark.parametrize("op", sorted(GLOO_OPS))
+def test_gloos_other_collectives_simulate_to_their_closed_forms(machines, gpus, links, op):
+    c = cluster(machines, gpus, *links)
+    cost = collective_cost(c, op, 24 * MB)
+    assert (cost.algorithm, cost.protocol, cost.channels) == (GLOO_OPS[op], "tcp", 1)
+    assert simulate_plan(collective_plan(c, op, 24 * MB), c) == pytest.approx(cost.time_us, rel=0.01)
+
+
+def test_a_gloo_collective_among_some_ranks_is_the_smaller_cluster_they_make():
+    c = cluster(4, 4, server_machines=1)
+    ranks = [5, 4, 12, 13]  # two GPUs on machines 1 and 3
+    smaller = cluster(2, 2, server_machines=1)
+    for op in ("all_reduce", "all_gather", "all_to_all", "push"):
+        assert collective_cost(c, op, 8 * MB, ranks=ranks).time_us == collective_cost(smaller, op, 8 * MB).time_us
+        plan = collective_plan(c, op, 8 * MB, ranks=ranks)
+        ends = {int(e) for step in plan.steps for e in np.r_[step.src, step.dst]}
+        hosts = {c.host(1), c.host(3)} if op == "push" else set()
+        assert ends <= set(ranks) | hosts, op
+        assert simulate_plan(plan, c) == pytest.approx(simulate_plan(collective_plan(smaller, op, 8 * MB), smaller))
+    dedicated = collective_plan(c, "pull", 8 * MB, ranks=ranks, algorithm="parameter_server/dedicated")
+    assert set(dedicated.steps[0].src.tolist()) == {c.host(4)}, "the server machine keeps its host"
 
 
 def test_parameter_server_closed_form_is_a_lower_bound_when_servers_are_uneven():

@@ -9,9 +9,19 @@ data, not code)::
     inter_node: {preset: 25gbe, efficiency: 0.85}  # a preset with overrides
     # or: inter_node: {bandwidth: 25Gbps, latency: 10us, efficiency: 0.9}
 
-Link presets live in ``presets/links.yaml``, with the numbers' sources. Every problem in a
-description is reported as a :class:`~whatif.topology.units.TopologyError` whose message is one
-line that names the offending key.
+Link presets live in ``presets/links.yaml``, with the numbers' sources.
+
+A GPU cluster can instead name its hardware (``fabric.py``): ``machine: dgx_h100`` (with
+``gpu``, ``nics_per_machine``, ``nic``, ``nvlink_domain``, ``network``, ... to override), which
+also supplies ``gpus_per_machine``, ``intra_node`` and ``inter_node``. ``backend`` says which
+family of models times its collectives (``cost.py``): ``nccl`` by default when the
+cluster names its hardware that way, ``gloo`` otherwise, so every description written before
+the fabric keys existed keeps today's models; ``backend: nccl`` on such a description derives
+the fabric from its two links. ``nccl:`` says what NCCL runs: its release, ``NCCL_ALGO`` and
+``NCCL_PROTO`` as ``algorithm`` and ``protocol``, and calibrated factors (``whatif calibrate
+nccl-tests``). Every problem in a description is reported as a
+:class:`~whatif.topology.units.TopologyError` whose message is one line that names the
+offending key.
 
 Endpoints. The network moves bytes between endpoints: GPU ``g`` (``0 <= g < n_gpus``, numbered
 machine by machine, so GPU ``g`` is on machine ``g // gpus_per_machine``) and one host CPU per
@@ -22,6 +32,7 @@ after the GPU machines.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import functools
 import re
@@ -33,6 +44,8 @@ from typing import Any, Mapping, Optional, Union
 import numpy as np
 import yaml
 
+from .fabric import FABRIC_KEYS, Fabric, fabric_from_links, wants_fabric
+from .fabric import Calibration
 from .units import (
     TopologyError,
     format_bandwidth,
@@ -48,6 +61,8 @@ _LOOP = "_loop"
 _FRAMEWORK_LOOP = re.compile(r"[a-z][a-z0-9]*_loop")  # a framework's background loop: horovod_loop
 _LINK_KEYS = ("preset", "bandwidth", "latency", "efficiency", "cpu_contention", "note")
 _CLUSTER_KEYS = ("machines", "gpus_per_machine", "intra_node", "inter_node", "server_machines", "shared_memory", "name", "note")
+_CLUSTER_KEYS += ("backend",) + FABRIC_KEYS
+BACKENDS = ("nccl", "gloo")
 _SHARED_MEMORY_KEYS = ("among", "core_bandwidth", "total_bandwidth", "compute", "note")
 
 
@@ -363,8 +378,18 @@ class Cluster:
     server_machines: int = 0
     name: str = ""
     shared_memory: Optional[SharedMemory] = None
+    backend: str = "gloo"
+    fabric: Optional[Fabric] = None
 
     def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise TopologyError("backend", f"must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.backend == "nccl" and self.fabric is None:
+            object.__setattr__(self, "fabric", fabric_from_links(
+                self.machines, self.gpus_per_machine, self.intra_node.name, self.intra_node.effective_bandwidth_bytes_per_us,
+                self.inter_node.effective_bandwidth_bytes_per_us, self.inter_node.latency_us))
+        if self.fabric is not None and (self.fabric.machines, self.fabric.gpus_per_machine) != (self.machines, self.gpus_per_machine):
+            raise TopologyError("machines", "the fabric and the cluster disagree on machines or gpus_per_machine")
         _count(self.machines, "machines", 1)
         _count(self.gpus_per_machine, "gpus_per_machine", 1)
         _count(self.server_machines, "server_machines", 0)
@@ -437,6 +462,12 @@ class Cluster:
         if not isinstance(config, Mapping):
             raise TopologyError(key or "cluster", f"expected a mapping with machines, gpus_per_machine, ..., got {config!r}")
         _check_keys(config, _CLUSTER_KEYS, key)
+        fabric = Fabric.from_config(config, key) if wants_fabric(config) else None
+        if fabric is not None:
+            config = {"gpus_per_machine": fabric.gpus_per_machine, **fabric.legacy_links(), **config}
+        backend = config.get("backend", "nccl" if fabric is not None else "gloo")
+        if backend not in BACKENDS:
+            raise TopologyError(_join(key, "backend"), f"must be one of {', '.join(BACKENDS)}, got {backend!r}")
         for required in ("machines", "gpus_per_machine", "intra_node", "inter_node"):
             if required not in config:
                 examples = {
@@ -446,7 +477,7 @@ class Cluster:
                     "inter_node": f"inter_node: 25gbe (presets: {', '.join(preset_names('inter_node'))})",
                 }
                 raise TopologyError(_join(key, required), f"missing; write e.g. {examples[required]}")
-        return cls(
+        cluster = cls(
             machines=_count(config["machines"], _join(key, "machines"), 1),
             gpus_per_machine=_count(config["gpus_per_machine"], _join(key, "gpus_per_machine"), 1),
             intra_node=Link.from_config(config["intra_node"], _join(key, "intra_node"), "intra_node"),
@@ -457,7 +488,13 @@ class Cluster:
                 SharedMemory.from_config(config["shared_memory"], _join(key, "shared_memory"))
                 if config.get("shared_memory") is not None else None
             ),
+            backend=backend,
+            fabric=fabric,
         )
+        if cluster.fabric is not None and config.get("nccl") and fabric is None:
+            calibration = Calibration.from_config(config["nccl"], _join(key, "nccl"))
+            object.__setattr__(cluster, "fabric", dataclasses.replace(cluster.fabric, calibration=calibration))
+        return cluster
 
 
 def load_cluster(path: Union[str, Path], key: Optional[str] = None) -> Cluster:

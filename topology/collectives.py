@@ -1,4 +1,4 @@
-"""Gradient all-reduce algorithms, each as a plan of transfers and as a closed form.
+"""Collectives on a cluster's two links, each as a plan of transfers and as a closed form.
 
 ``plan_*`` functions say what an algorithm sends, step by step (a :class:`~.plan.Plan`, timed
 by ``network.py`` with links shared among whatever else is running); ``*_time_us`` functions
@@ -54,6 +54,22 @@ another (each waits for the last transfer of the previous one).
   Exact when servers spread evenly (``P`` a multiple of the machine count); otherwise the
   busiest link's transfers can finish before the others and the formula is a lower bound.
   Server-side summation is not modelled.
+
+The other collectives, as Gloo runs them over these links (``gloo_time_us`` and ``plan_gloo``;
+``S`` is nccl-tests' "size" for the operation, see ``cost.py``):
+
+* all-gather and reduce-scatter: Gloo's ring, ``n-1`` steps in which every GPU sends ``S/n``
+  to its neighbour, like one half of the ring all-reduce: ``T = (n-1) max over links used
+  (L + S / (n B))``;
+* broadcast and reduce: the root (GPU 0) sends ``S`` to every other GPU at once (receives
+  from every one, for reduce), Gloo's one-to-all: its intra-node port carries ``g-1`` of them,
+  its NIC ``n-g``: ``T = max(L_i + (g-1) S / B_i, L_n + (n-g) S / B_n)``, each term where it
+  has transfers;
+* all-to-all: every GPU sends ``S/n`` to every other at once (Gloo posts every pair's send):
+  a GPU's intra-node port carries ``g-1`` of them, a NIC ``g (n-g)``:
+  ``T = max(L_i + (g-1) S / (n B_i), L_n + g (n-g) S / (n B_n))``;
+* send/recv: every GPU sends ``S`` to its neighbour in the ring order, one step:
+  ``T = max over links used (L + S / B)``.
 """
 
 from __future__ import annotations
@@ -88,6 +104,11 @@ def _step_time_us(link: Link, nbytes: float) -> float:
     return link.latency_us + nbytes / link.effective_bandwidth_bytes_per_us
 
 
+def _links_used(cluster: Cluster) -> list:
+    """The links a ring over every GPU, machine by machine, crosses."""
+    return ([cluster.intra_node] if cluster.gpus_per_machine > 1 else []) + ([cluster.inter_node] if cluster.machines > 1 else [])
+
+
 # -- ring ----------------------------------------------------------------------------------------
 
 
@@ -107,10 +128,7 @@ def ring_allreduce_time_us(cluster: Cluster, size_bytes: float) -> float:
     n = cluster.n_gpus
     if n == 1:
         return 0.0
-    links = ([cluster.intra_node] if cluster.gpus_per_machine > 1 else []) + (
-        [cluster.inter_node] if cluster.machines > 1 else []
-    )
-    return 2 * (n - 1) * max(_step_time_us(link, size / n) for link in links)
+    return 2 * (n - 1) * max(_step_time_us(link, size / n) for link in _links_used(cluster))
 
 
 # -- hierarchical --------------------------------------------------------------------------------
@@ -192,6 +210,50 @@ def parameter_server_time_us(
         nic_bytes = max(g * (p_servers - fewest), most * (n - g)) * shard
         phase = max(phase, _step_time_us(nic, nic_bytes))
     return 2 * phase
+
+
+# -- the other collectives, as Gloo runs them ----------------------------------------------------
+
+GLOO_OPS = {"all_gather": "ring", "reduce_scatter": "ring", "broadcast": "direct", "reduce": "direct",
+            "all_to_all": "direct", "send_recv": "p2p"}  # each op's one schedule
+
+
+def plan_gloo(cluster: Cluster, op: str, size_bytes: float) -> Plan:
+    """The transfers of ``op`` (one of :data:`GLOO_OPS`) over every GPU; see the module docstring."""
+    size = _check_size(size_bytes)
+    n = cluster.n_gpus
+    name = f"{GLOO_OPS[op]}/{op}"
+    if n == 1:
+        return Plan(name, size, ())
+    gpus = np.arange(n)
+    if op in ("all_gather", "reduce_scatter"):
+        steps = (_ring_step(gpus.reshape(1, n), size / n),) * (n - 1)
+    elif op == "send_recv":
+        steps = (_ring_step(gpus.reshape(1, n), size),)
+    elif op == "all_to_all":
+        src = np.repeat(gpus, n - 1)
+        steps = (Step(src, (src + np.tile(np.arange(1, n), n)) % n, size / n),)
+    else:  # one-to-all from GPU 0, or all-to-one into it
+        root, others = np.zeros(n - 1, dtype=np.int64), gpus[1:]
+        steps = (Step(root, others, size) if op == "broadcast" else Step(others, root, size),)
+    return Plan(name, size, steps)
+
+
+def gloo_time_us(cluster: Cluster, op: str, size_bytes: float) -> float:
+    """The closed form of :func:`plan_gloo`'s schedule on an idle cluster; see the module docstring."""
+    size = _check_size(size_bytes)
+    n, g = cluster.n_gpus, cluster.gpus_per_machine
+    if n == 1:
+        return 0.0
+    if op in ("all_gather", "reduce_scatter"):
+        return (n - 1) * max(_step_time_us(link, size / n) for link in _links_used(cluster))
+    if op == "send_recv":
+        return max(_step_time_us(link, size) for link in _links_used(cluster))
+    chunk = size / n if op == "all_to_all" else size
+    intra_count, nic_count = (g - 1, g * (n - g)) if op == "all_to_all" else (g - 1, n - g)
+    terms = [_step_time_us(cluster.intra_node, intra_count * chunk)] if intra_count else []
+    terms += [_step_time_us(cluster.inter_node, nic_count * chunk)] if nic_count else []
+    return max(terms)
 
 
 # -- by name -------------------------------------------------------------------------------------

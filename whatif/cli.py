@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 
 from whatif.analyses import run_critical_path, run_overheads
+from whatif import comm_cli
 from whatif.collectors.capture import CaptureError, collect
 from whatif.collectors.kineto import TraceError
 from whatif.collectors.ranks import is_job, load_traces
@@ -112,6 +113,7 @@ def _parser() -> argparse.ArgumentParser:
     capture.add_argument("argv", nargs=argparse.REMAINDER, metavar="COMMAND", help="the training command, after --")
     add_profile_parser(sub)
     lab_cli.add_parsers(sub)
+    comm_cli.add_parsers(sub)
     return parser
 
 
@@ -233,6 +235,8 @@ def run(args: argparse.Namespace) -> int:
         return run_critical_path(args)
     if args.command == "perfmodel":
         return run_perfmodel(args)
+    if args.command in ("collective", "calibrate"):
+        return comm_cli.run(args)
     if is_job(args.trace):
         return run_job(args)
     args.trace = args.trace[0]

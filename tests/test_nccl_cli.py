@@ -1,0 +1,135 @@
+"""Specification of `whatif collective` and `whatif calibrate nccl-tests`."""
+
+import json
+
+import pytest
+import yaml
+
+from whatif.cli import main
+from whatif.topology import Cluster, collective_cost
+
+H100 = "machine: dgx_h100\nmachines: 2\n"
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture
+def h100(tmp_path):
+    path = tmp_path / "h100.yaml"
+    path.write_text(H100)
+    return path
+
+
+def test_collective_prints_the_table_nccl_tests_would_print(capsys, h100):
+    code, out, _ = run(capsys, "collective", str(h100), "--op", "all_reduce", "--min-bytes", "8M", "--max-bytes", "64M")
+    assert code == 0
+    lines = [line for line in out.splitlines() if not line.startswith("#")]
+    assert [int(line.split()[0]) for line in lines] == [8 << 20, 16 << 20, 32 << 20, 64 << 20]
+    first = lines[0].split()
+    cost = collective_cost(Cluster.from_config(yaml.safe_load(H100)), "all_reduce", 8 << 20)
+    assert float(first[5]) == pytest.approx(cost.time_us, abs=0.01)
+    assert first[-2:] == [cost.algorithm, cost.protocol]
+    busbw = float(first[7])
+    assert busbw == pytest.approx((8 << 20) / cost.time_us / 1e3 * 2 * 15 / 16, abs=0.01)
+
+
+def test_collective_chooses_as_the_release_it_is_told(capsys, h100):
+    code, out, _ = run(capsys, "collective", str(h100), "-b", "1G", "-e", "1G", "--json", "--nccl-version", "2.17.1")
+    assert code == 0 and json.loads(out)["rows"][0]["algorithm"] != "nvls_tree"  # NVLS tree came with 2.18
+    code, out, _ = run(capsys, "collective", str(h100), "-b", "1G", "-e", "1G", "--nccl-version", "2.23.4")
+    assert code == 0 and "NCCL 2.23.4" in out.splitlines()[0] and "nvls_tree" in out
+    code, _, err = run(capsys, "collective", str(h100), "--nccl-version", "two")
+    assert code == 2 and "nccl.version" in err and len(err.strip().splitlines()) == 1
+
+
+def test_collective_json_has_bytes_time_bandwidths_and_the_choice(capsys, h100):
+    code, out, _ = run(capsys, "collective", str(h100), "--op", "all_gather", "-b", "1M", "-e", "1G", "-f", "32",
+                       "--algorithm", "ring", "--protocol", "simple", "--json")
+    rows = json.loads(out)["rows"]
+    assert code == 0 and len(rows) == 3
+    assert set(rows[0]) >= {"bytes", "time_us", "algbw_gbps", "busbw_gbps", "algorithm", "protocol"}
+    assert {(r["algorithm"], r["protocol"]) for r in rows} == {("ring", "simple")}
+    assert rows[0]["busbw_gbps"] == pytest.approx(rows[0]["algbw_gbps"] * 15 / 16)
+
+
+def test_collective_takes_a_whole_scenario_and_a_group_of_ranks(capsys, tmp_path):
+    scenario = tmp_path / "s.yaml"
+    scenario.write_text("trace: t.json\ncluster:\n  machine: dgx_h100\n  machines: 4\nframework: ddp\n")
+    code, out, _ = run(capsys, "collective", str(scenario), "--ranks", "0-7", "-b", "1G", "-e", "1G", "--json")
+    assert code == 0 and json.loads(out)["ranks"] == 8 and json.loads(out)["rows"][0]["algorithm"] == "nvls"
+
+
+@pytest.mark.parametrize(
+    "text, argv, where",
+    [
+        ("machine: dgx_h100\nmachines: [1, 2]\n", [], "machines"),
+        ("machine: dgx_h999\nmachines: 2\n", [], "machine"),
+        ("machine: dgx_h100\nmachines: 2\n", ["--op", "gather"], "--op"),
+        ("machine: dgx_h100\nmachines: 2\n", ["--algorithm", "nvls_tree,foo"], "--algorithm"),
+        ("machine: dgx_h100\nmachines: 2\n", ["--ranks", "0-99"], "--ranks"),
+        ("machine: [dgx_h100\n", [], "not valid YAML"),
+    ],
+)
+def test_collective_errors_are_one_line_naming_file_and_key_with_exit_2(capsys, tmp_path, text, argv, where):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    code, out, err = run(capsys, "collective", str(path), *argv)
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and where in err
+    assert "Traceback" not in err
+    if not where.startswith("--"):
+        assert str(path) in err
+
+
+def measured_table(cluster: Cluster, op: str, n: int, bandwidth_factor: float, extra_us: float) -> str:
+    """An nccl-tests table as a degraded cluster would print it: our prediction, slowed down."""
+    lines = [f"# Collective test starting: {op}_perf"]
+    for size in (4**k * 8 for k in range(15)):
+        cost = collective_cost(cluster, op, size)
+        time = extra_us + cost.time_us / bandwidth_factor
+        algbw = size / time / 1e3
+        busbw = algbw * (2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n)
+        lines.append(f"{size:>12} {size // 4:>12} float sum -1 {time:10.2f} {algbw:7.2f} {busbw:7.2f} 0 "
+                     f"{time:10.2f} {algbw:7.2f} {busbw:7.2f} 0")
+    return "\n".join(lines) + "\n"
+
+
+def test_calibrate_fits_measured_tables_writes_a_cluster_and_says_when_the_network_is_slow(capsys, tmp_path, h100):
+    cluster = Cluster.from_config(yaml.safe_load(H100))
+    slow = tmp_path / "ar.txt"
+    slow.write_text(measured_table(cluster, "all_reduce", 16, 0.25, 0.0))
+    out_path = tmp_path / "calibrated.yaml"
+    code, out, err = run(capsys, "calibrate", "nccl-tests", str(slow), "--cluster", str(h100), "--out", str(out_path))
+    assert code == 0, err
+    assert "this network delivers 25 % of the" in out and "8 x 400 Gb/s NICs" in out and "check NICs and routing" in out
+    errors = sorted(abs(float(line.split()[4].rstrip("%"))) for line in out.splitlines() if line.startswith("ar.txt"))
+    # every (algorithm, protocol) with three or more rows fits both factors; one with fewer, the
+    # factor of what dominates its rows
+    assert len(errors) == 15 and errors[len(errors) // 2] < 1.0 and errors[-1] < 15.0
+    calibrated = yaml.safe_load(out_path.read_text())
+    assert calibrated["machine"] == "dgx_h100" and "net" in calibrated["nccl"]
+    code, out, _ = run(capsys, "collective", str(out_path), "-b", "1G", "-e", "1G", "--json")
+    row = json.loads(out)["rows"][0]
+    assert row["time_us"] == pytest.approx(collective_cost(cluster, "all_reduce", 1 << 30).time_us / 0.25, rel=0.01)
+
+
+def test_calibrate_reads_tables_at_several_scales_and_ops(capsys, tmp_path, h100):
+    one = Cluster.from_config({"machine": "dgx_h100", "machines": 1})
+    two = Cluster.from_config(yaml.safe_load(H100))
+    files = []
+    for name, cluster, op, n in (("one_ag.txt", one, "all_gather", 8), ("two_ar.txt", two, "all_reduce", 16)):
+        path = tmp_path / name
+        path.write_text(measured_table(cluster, op, n, 0.9, 3.0))
+        files.append(str(path))
+    code, out, _ = run(capsys, "calibrate", "nccl-tests", *files, "--cluster", str(h100), "--out", str(tmp_path / "c.yaml"))
+    assert code == 0 and "nvlink" in out and "net" in out and "this network delivers" not in out
+
+
+def test_calibrate_errors_name_the_file_and_line(capsys, tmp_path, h100):
+    bad = tmp_path / "bad.txt"
+    bad.write_text("# Collective test starting: all_reduce_perf\n        1024   256  float sum -1  12.x  0.1 0.1 0\n")
+    code, _, err = run(capsys, "calibrate", "nccl-tests", str(bad), "--cluster", str(h100), "--out", str(tmp_path / "o.yaml"))
+    assert code == 2 and f"{bad}:2" in err and len(err.strip().splitlines()) == 1

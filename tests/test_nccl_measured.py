@@ -1,0 +1,118 @@
+"""The measured constants: what they add, how a cluster names them, and how they are estimated."""
+
+import dataclasses
+
+import pytest
+
+from whatif.topology import Cluster, TopologyError, collective_cost
+from whatif.topology.calibrate import decompose, table_comm, table_time_us
+from whatif.topology.nccl.graphs import Comm
+from whatif.topology.nccl.measured import SPEC, Measured, Row, fit, predict_rows, public
+from whatif.topology.nccl.model import predict
+from whatif.topology.nccl_tests import parse_text
+
+
+def cluster(machine="dgx_h100", machines=1, measured="spec", **nccl) -> Cluster:
+    return Cluster.from_config({"machine": machine, "machines": machines, "nccl": {"measured": measured, **nccl}})
+
+
+CONSTANTS = {"kernel_us": {"hopper": 3.0, "ampere": 2.0}, "hop_us": {"ib": 4.0, "efa2": 25.0},
+             "p2p_efficiency": 0.5, "host_launch_us": 4.0, "host_call_us": 0.5}
+
+
+def test_the_kernel_start_comes_on_top_of_nccls_latency_by_gpu_generation():
+    spec, measured = cluster(), cluster(measured=CONSTANTS)
+    for size in (8, 1 << 30):
+        gap = collective_cost(measured, "all_reduce", size).time_us - collective_cost(spec, "all_reduce", size).time_us
+        assert gap == pytest.approx(3.0)
+    a100 = collective_cost(cluster("dgx_a100", measured=CONSTANTS), "all_reduce", 8).time_us
+    assert a100 - collective_cost(cluster("dgx_a100"), "all_reduce", 8).time_us == pytest.approx(2.0)
+
+
+def test_every_network_hop_pays_its_nic_kinds_latency():
+    spec, measured = cluster(machines=4), cluster(machines=4, measured=CONSTANTS)
+    found = predict(Comm.of(spec.fabric), "all_reduce", 8)  # a tree: 2 log2(4) network hops
+    assert (found.option.algorithm, found.hops) == ("tree", 4.0)
+    gap = collective_cost(measured, "all_reduce", 8).time_us - collective_cost(spec, "all_reduce", 8).time_us
+    assert gap == pytest.approx(3.0 + 4 * 4.0)
+    p5 = collective_cost(cluster("p5", 2, measured=CONSTANTS), "all_reduce", 8).time_us
+    assert p5 - collective_cost(cluster("p5", 2), "all_reduce", 8).time_us == pytest.approx(3.0 + 2 * 25.0)  # EFAv2
+
+
+def test_all_to_all_between_nodes_moves_at_the_point_to_point_efficiency():
+    spec, measured = cluster(machines=2), cluster(machines=2, measured=CONSTANTS)
+    size = 1 << 32  # bandwidth-bound: the network share (half the buffer) sets the time
+    base = predict(Comm.of(spec.fabric), "all_reduce", 8)
+    assert base.kind == "ib"
+    slow = collective_cost(measured, "all_to_all", size).time_us
+    fast = collective_cost(spec, "all_to_all", size).time_us
+    assert slow / fast == pytest.approx(2.0, rel=0.01)
+
+
+def test_a_cluster_names_its_constants_spec_public_or_its_own():
+    assert cluster().fabric.calibration.constants == SPEC
+    assert Cluster.from_config({"machine": "dgx_h100", "machines": 1}).fabric.calibration.constants == public()
+    own = cluster(measured=CONSTANTS).fabric.calibration.constants
+    assert (own.kernel("hopper"), own.hop("efa2"), own.p2p_efficiency) == (3.0, 25.0, 0.5)
+    assert Measured.from_config(own.as_config()) == own
+    for bad in ({"kernel_us": {"hopper": -1}}, {"hop_us": {"carrier_pigeon": 1}}, {"colour": 1}, 7):
+        with pytest.raises(TopologyError, match="measured"):
+            cluster(measured=bad)
+
+
+def test_the_public_constants_are_shipped_and_sane():
+    found = public()
+    assert found != SPEC and 0 < found.kernel("hopper") < 20 and found.hop("efa1") > found.hop("ib")
+    assert len(found.fitted_on) >= 15
+
+
+def test_nccl_tests_host_thread_bounds_a_table_when_one_thread_drives_several_gpus():
+    text = "# nThread 1 nGpus 8 minBytes 8 maxBytes 8 step: 2(factor)\n" \
+           "           8             2     float     sum      -1    35.00    0.00    0.00      0\n"
+    table = parse_text(text, "t.txt", "all_reduce")
+    assert table.gpus_per_thread == 8
+    c = cluster("dgx_a100", measured=CONSTANTS)
+    comm = table_comm(c.fabric, dataclasses.replace(table, n_ranks=8))[1]
+    found = predict(comm, "all_reduce", 8, calibration=c.fabric.calibration)
+    assert table_time_us(table, comm, found, c.fabric.calibration.constants) == pytest.approx(8 * (4.0 + 0.5))
+
+
+def test_the_fit_recovers_constants_it_generated():
+    truth = Measured(kernel_us=(("hopper", 5.0),), hop_us=(("efa2", 30.0), ("ib", 2.0)), p2p_efficiency=0.4)
+    rows = []
+    for table, kind, hops in (("a", "efa2", 2), ("b", "ib", 4), ("c", "ib", 2)):
+        for latency in (20.0, 25.0, 30.0):
+            rows.append(Row(table, "hopper", 0.0, latency, hops, kind, 0.5, 0.0, False, "sum", 1, 1))
+    for net in (2000.0, 4000.0):
+        rows.append(Row("d", "hopper", 0.0, 30.0, 2, "ib", 100.0, net, True, "max", 1, 32))
+    rows = [dataclasses.replace(r, measured_us=float(t)) for r, t in zip(rows, predict_rows(rows, truth))]
+    found = fit(rows)
+    assert found.kernel("hopper") == pytest.approx(5.0, abs=0.2)
+    assert found.hop("efa2") == pytest.approx(30.0, rel=0.02) and found.hop("ib") == pytest.approx(2.0, abs=0.2)
+    assert found.p2p_efficiency == pytest.approx(0.4, rel=0.02)
+
+
+def test_decompose_splits_a_table_into_what_the_constants_act_on():
+    text = "\n".join(f"{s:>12} {s // 4:>12}     float     sum      -1    100.0    1.00    1.00      0"
+                     for s in (8, 1 << 30))
+    c = cluster(machines=2)
+    table = parse_text(text, "two_node_allreduce.txt", "all_reduce")
+    table = dataclasses.replace(table, n_ranks=16)
+    comm = table_comm(c.fabric, table)[1]
+    small, large = decompose(table, comm)
+    assert small.hops == 2 and small.kind == "ib" and small.latency_us > small.local_us + small.net_us
+    # NVLS tree on two H100 nodes: its per-channel ceiling (57.7 GB/s) binds before the NICs (96)
+    assert large.net_us < 0.3 * (large.local_us + large.net_us)
+    _, ring = decompose(table, comm, (frozenset({"ring"}), None))
+    assert ring.net_us == pytest.approx(ring.local_us + ring.net_us)  # a ring across nodes: the NICs
+
+
+def test_nccl_min_nchannels_lifts_per_channel_ceilings_but_not_the_nics():
+    plain, more = cluster(machines=16), cluster(machines=16, min_channels=64)
+    size = 1 << 34
+    forced = dict(algorithm="ring", protocol="ll128")
+    assert collective_cost(more, "all_reduce", size, **forced).time_us < collective_cost(plain, "all_reduce", size,
+                                                                                        **forced).time_us
+    simple = dict(algorithm="ring", protocol="simple")  # the NICs bound Simple: more channels, same time
+    assert collective_cost(more, "all_reduce", size, **simple).time_us == pytest.approx(
+        collective_cost(plain, "all_reduce", size, **simple).time_us)

@@ -1,0 +1,177 @@
+"""Specification of the NCCL model: each algorithm against its closed form, and NCCL's choice."""
+
+import pytest
+
+from whatif.topology import Cluster, TopologyError, collective_cost, collective_plan, simulate_plan
+from whatif.topology.nccl import tuning
+from whatif.topology.nccl.graphs import Comm, ring_graph, tree_graph
+from whatif.topology.nccl.measured import public
+from whatif.topology.nccl.model import options
+
+GB = 1e9
+BIG = 2**33  # 8 GiB: every channel busy, no tree correction, NVLS at its largest chunk
+
+
+def cluster(machine="dgx_a100", machines=1, measured="spec", **overrides) -> Cluster:
+    """A cluster priced from NCCL's constants and the specs alone (``measured: spec``), so that
+    the closed forms below hold; ``measured=None`` takes the public tables' constants."""
+    nccl = {"measured": measured} if measured else {}
+    return Cluster.from_config({"machine": machine, "machines": machines, **overrides, "nccl": nccl})
+
+
+def time_us(c, op, nbytes, **force):
+    return collective_cost(c, op, nbytes, **force).time_us
+
+
+# -- closed forms on toy topologies --------------------------------------------------------------
+
+
+def test_a_ring_all_reduce_on_one_nvswitch_node_is_steps_times_hop_plus_bytes_over_the_ring():
+    c = cluster("dgx_a100", gpus_per_machine=4, nics_per_machine=4)
+    # four A100s: 12 NVLinks x 20 GB/s = 240 GB/s each; the search takes 6 channels of 40,
+    # duplicated to 12 of 20 (search.cc); bus bandwidth 240, algorithm bandwidth 240 n / 2(n-1)
+    graph = ring_graph(Comm.of(c.fabric))
+    assert (graph.channels, graph.bw_intra) == (12, 20.0)
+    n = 4
+    latency = tuning.BASE_LATENCY_US["ring"][2] + 2 * (n - 1) * tuning.HOP_LATENCY_US["nvlink"]["ring"][2]
+    bandwidth_bytes_per_us = 240 * n / (2 * (n - 1)) * 1e3
+    expected = latency + BIG / bandwidth_bytes_per_us
+    assert time_us(c, "all_reduce", BIG, algorithm="ring", protocol="simple") == pytest.approx(expected)
+
+
+def test_all_gather_and_reduce_scatter_are_rings_of_n_minus_one_steps():
+    c = cluster("dgx_a100")
+    n = 8
+    latency = tuning.BASE_LATENCY_US["ring"][2] + (n - 1) * tuning.HOP_LATENCY_US["nvlink"]["ring"][2]
+    expected = latency + BIG / (240 * n / (n - 1) * 1e3)
+    for op in ("all_gather", "reduce_scatter"):
+        assert time_us(c, op, BIG, algorithm="ring", protocol="simple") == pytest.approx(expected)
+
+
+def test_broadcast_is_a_pipelined_chain_at_the_full_bus_bandwidth():
+    c = cluster("dgx_a100")
+    latency = tuning.BASE_LATENCY_US["ring"][2] + tuning.HOP_LATENCY_US["nvlink"]["ring"][2]
+    for op in ("broadcast", "reduce"):
+        assert time_us(c, op, BIG, protocol="simple") == pytest.approx(latency + BIG / 240e3)
+
+
+def test_ll_keeps_half_the_ring_and_at_most_the_architectures_ceiling():
+    c = cluster("dgx_h100")  # ring 360 GB/s; LL: min(141, 180) = 141 (Hopper, one node)
+    n = 8
+    latency = tuning.BASE_LATENCY_US["ring"][0] + 2 * (n - 1) * tuning.HOP_LATENCY_US["nvlink"]["ring"][0]
+    expected = latency + BIG / (141.0 * n / (2 * (n - 1)) * 1e3)
+    assert time_us(c, "all_reduce", BIG, algorithm="ring", protocol="ll") == pytest.approx(expected)
+
+
+def test_a_two_node_tree_moves_the_message_once_each_way_at_the_faster_intra_node_speed():
+    c = cluster("p4d", 2)  # 4 x 100G EFA: the ring runs 4 channels of 12 GB/s, the tree 4 of 24 inside
+    comm = Comm.of(c.fabric)
+    assert (ring_graph(comm).bw_inter, tree_graph(comm).bw_intra) == (12.0, 24.0)
+    bus = min(4 * 24 * tuning.TREE_ALLREDUCE_FACTOR, 4 * tuning.TREE_MAX_BW["ampere"][1])
+    p, ppn = 2, 8
+    nic = c.fabric.nic.latency_us
+    latency = tuning.BASE_LATENCY_US["tree"][p] + 2 * (
+        (ppn - 1) * tuning.HOP_LATENCY_US["nvlink"]["tree"][p] + (tuning.HOP_LATENCY_US["net"]["tree"][p] + 2 * nic))
+    expected = latency + BIG / (bus * 0.5 * 1e3)
+    assert time_us(c, "all_reduce", BIG, algorithm="tree", protocol="simple") == pytest.approx(expected)
+
+
+def test_nvls_on_one_h100_node_is_nvlink_sharps_efficiency_on_doubled_channels():
+    c = cluster("dgx_h100")
+    n = 8  # 8 heads of 40 GB/s (8 x 40 <= 18 x 20.6); x 0.85 x 7/8 x 2 per head; 25 us
+    bus = 8 * 40 * tuning.NVLS_EFFICIENCY["hopper"] * 7 / 8 * 2
+    algbw = bus * n / (2 * (n - 1)) * 1e3
+    fill = 128 * 1024 / (algbw / (16 * 8))  # one 128 KiB chunk through one of 16 x 8 lanes
+    expected = tuning.HOP_LATENCY_US["nvlink"]["nvls"][2] + BIG / algbw + fill
+    assert time_us(c, "all_reduce", BIG, algorithm="nvls") == pytest.approx(expected)
+
+
+def test_send_recv_and_all_to_all_move_their_bytes_over_the_link_they_cross():
+    one = cluster("dgx_a100")
+    latency = tuning.BASE_LATENCY_US["ring"][2] + tuning.HOP_LATENCY_US["nvlink"]["ring"][2]
+    assert time_us(one, "send_recv", BIG) == pytest.approx(latency + BIG / 240e3)
+    n = 8  # each rank sends 7/8 of its buffer over its NVLink
+    assert time_us(one, "all_to_all", BIG) == pytest.approx(latency + BIG * (n - 1) / n / 240e3)
+    two = cluster("dgx_a100", 2)  # across nodes: the node's 8 HDR NICs at 24 GB/s, shared by its 8 ranks
+    assert time_us(two, "all_to_all", BIG) == pytest.approx(
+        tuning.BASE_LATENCY_US["ring"][2] + 2 * tuning.HOP_LATENCY_US["net"]["ring"][2]
+        + BIG * (16 - 8) / 16 / 24e3)
+
+
+def test_fewer_channels_move_small_messages_more_slowly_than_the_tuners_estimate():
+    c = cluster("dgx_a100")
+    small = collective_cost(c, "all_reduce", 256 * 1024, algorithm="ring", protocol="simple")
+    large = collective_cost(c, "all_reduce", 64 * 2**20, algorithm="ring", protocol="simple")
+    assert small.channels < large.channels == 24
+
+
+def test_an_oversubscribed_spine_slows_all_to_all_between_leaves():
+    flat = cluster("dgx_h100", 64)
+    tapered = cluster("dgx_h100", 64, network={"machines_per_leaf": 16, "oversubscription": 2})
+    assert time_us(tapered, "all_to_all", GB) > 1.4 * time_us(flat, "all_to_all", GB)
+
+
+# -- NCCL's choice -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "machine, machines, nbytes, algorithm, protocol",
+    [
+        ("dgx_a100", 1, 1 << 30, "ring", "simple"),   # large all-reduce on one node without NVLS
+        ("dgx_a100", 1, 8, "ring", "ll"),             # tiny: LL's low latency
+        ("dgx_a100", 4, 64 * 1024, "tree", None),     # small across nodes: the tree's log-depth latency
+        ("dgx_a100", 4, 1 << 30, "ring", "simple"),   # large across more than two nodes: the ring
+        ("p4d", 2, 1 << 30, "tree", "simple"),        # two nodes, few NICs: the tree sends half a ring's bytes
+        ("dgx_a100", 2, 1 << 30, "ring", "simple"),   # ... unless per-channel tree ceilings cap it (A100)
+        ("dgx_h100", 1, 1 << 30, "nvls", "simple"),   # H100 NVSwitch: NVLink SHARP
+        ("dgx_h100", 1, 8, "ring", "ll"),
+        ("dgx_h100", 2, 1 << 30, "nvls_tree", "simple"),  # NVLS inside nodes, a tree between them
+        ("dgx_h100", 4, 16 << 20, "nvls_tree", "simple"),
+    ],
+)
+def test_the_chooser_picks_what_nccl_picks_in_textbook_cases(machine, machines, nbytes, algorithm, protocol):
+    cost = collective_cost(cluster(machine, machines), "all_reduce", nbytes)
+    assert cost.algorithm == algorithm and (protocol is None or cost.protocol == protocol)
+
+
+def test_pat_serves_small_all_gathers_with_one_gpu_per_node_and_never_all_reduce():
+    c = cluster("dgx_h100", 64)
+    dp = list(range(0, c.n_gpus, 8))  # one GPU of every machine
+    assert collective_cost(c, "all_gather", 64 * 1024, ranks=dp).algorithm == "pat"
+    assert collective_cost(c, "all_reduce", 64 * 1024, ranks=dp).algorithm != "pat"
+    assert all(o.algorithm != "pat" for o in options(Comm.of(c.fabric), "all_gather"))  # eight GPUs a node
+
+
+def test_nccl_algo_and_proto_force_or_exclude_like_the_environment_variables():
+    c = cluster("dgx_h100")
+    assert collective_cost(c, "all_reduce", 1 << 30, algorithm="ring").algorithm == "ring"
+    assert collective_cost(c, "all_reduce", 1 << 30, algorithm="^nvls").algorithm == "ring"
+    assert collective_cost(c, "all_reduce", 1 << 30, algorithm="Ring,Tree", protocol="LL128").protocol == "ll128"
+    with pytest.raises(TopologyError, match="no algorithm nvls_tree"):
+        collective_cost(c, "all_reduce", 1 << 30, algorithm="nvls_tree")  # one node: NCCL has none
+
+
+def test_a_tensor_parallel_group_inside_a_node_costs_what_one_node_costs():
+    big, one = cluster("dgx_h100", 16), cluster("dgx_h100", 1)
+    inside = collective_cost(big, "all_reduce", 64e6, ranks=range(8, 16))
+    assert inside == collective_cost(one, "all_reduce", 64e6)
+    across = collective_cost(big, "all_reduce", 64e6, ranks=range(0, 128, 8))
+    assert across.time_us > inside.time_us
+
+
+def test_every_operation_has_a_plan_of_transfers_that_the_network_can_time():
+    c = cluster("dgx_h100", 2)
+    for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all", "send_recv"):
+        plan = collective_plan(c, op, 64e6)
+        assert len(plan) >= 1 and simulate_plan(plan, c) > 0
+
+
+def test_bad_arguments_are_one_line_errors():
+    c = cluster("dgx_h100")
+    for call, key in ((lambda: collective_cost(c, "allreduce_x", 1), "op"),
+                      (lambda: collective_cost(c, "all_reduce", -1), "nbytes"),
+                      (lambda: collective_cost(c, "all_reduce", 1, ranks=[0, 99]), "ranks"),
+                      (lambda: collective_cost(c, "all_reduce", 1, protocol="ll256"), "protocol")):
+        with pytest.raises(TopologyError) as err:
+            call()
+        assert err.value.key == key and "\n" not in str(err.value)

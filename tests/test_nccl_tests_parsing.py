@@ -1,0 +1,146 @@
+"""Specification of reading nccl-tests output: every real format, and one-line errors."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from whatif.topology import TopologyError
+from whatif.topology.nccl_tests import bus_factor, parse_text, read_table
+
+REPO = Path(__file__).resolve().parent.parent
+COLLECTED = REPO / "bench" / "nccl_tests" / "data"
+
+# nccl-tests 2.13+: header, Rank lines, redop and root columns, #wrong (an H100 node, abridged)
+CURRENT = """\
+# nccl-tests version 2.13.10 nccl-headers=22105 nccl-library=22105
+# Collective test starting: all_reduce_perf
+# nThread 1 nGpus 1 minBytes 8 maxBytes 8589934592 step: 2(factor) warmup iters: 5 iters: 20 agg iters: 1 validation: 1 graph: 0
+#
+# Using devices
+#  Rank  0 Group  0 Pid  41 on node-a device  0 [0000:18:00] NVIDIA H100 80GB HBM3
+#  Rank  1 Group  0 Pid  42 on node-a device  1 [0000:2a:00] NVIDIA H100 80GB HBM3
+#  Rank  2 Group  0 Pid  43 on node-b device  0 [0000:18:00] NVIDIA H100 80GB HBM3
+#  Rank  3 Group  0 Pid  44 on node-b device  1 [0000:2a:00] NVIDIA H100 80GB HBM3
+#
+#                                                              out-of-place                       in-place
+#       size         count      type   redop    root     time   algbw   busbw #wrong     time   algbw   busbw #wrong
+#        (B)    (elements)                               (us)  (GB/s)  (GB/s)            (us)  (GB/s)  (GB/s)
+           8             2     float     sum      -1    29.92    0.00    0.00      0    29.42    0.00    0.00      0
+     1048576        262144     float     sum      -1    87.08   12.04   18.06      0    77.82   13.47   20.21      0
+  8589934592    2147483648     float     sum      -1    34448  249.36  374.04      0    34440  249.42  374.13      0
+# Out of bounds values : 0 OK
+# Avg bus bandwidth    : 130.7
+"""
+
+# nccl-tests 1.x / NCCL 2.4: no root column, "error" instead of #wrong, no header line (a V100 run)
+OLD = """\
+ nThread 1 nGpus 1 minBytes 8 maxBytes 1073741824 step: 2(factor) warmup iters: 5 iters: 20 validation: 1
+                                                     out-of-place                       in-place
+       size         count    type   redop     time   algbw   busbw  error     time   algbw   busbw  error
+        (B)    (elements)                     (us)  (GB/s)  (GB/s)            (us)  (GB/s)  (GB/s)
+           8             2   float     sum    145.4    0.00    0.00  1e-07    143.9    0.00    0.00  1e-07
+   1073741824     268435456   float     sum    10711  100.25  187.97  1e-07    10706  100.29  188.05  1e-07
+"""
+
+# MPI and srun prefixes, NCCL log lines in between, an all-gather's size-0 row (AWS runs)
+PREFIXED = """\
+[1,0]<stdout>:# Collective test starting: all_gather_perf
+[1,0]<stdout>:#       size         count      type   redop    root     time   algbw   busbw #wrong     time   algbw   busbw #wrong
+node-a:123:456 [0] NCCL INFO Channel 00/32 : 0 1 2 3
+[1,0]<stdout>:           0             0     float    none      -1     0.11    0.00    0.00      0     0.11    0.00    0.00      0
+[1,0]<stdout>:     1048576         16384     float    none      -1    46.45   22.57   21.16      0    45.90   22.84   21.42      0
+0:   1073741824      16777216     float    none      -1    14640   73.34   68.76      0    14630   73.39   68.81      0
+"""
+
+
+def test_a_current_table_gives_its_op_ranks_hosts_gpu_and_out_of_place_times():
+    table = parse_text(CURRENT, "h100.txt")
+    assert (table.op, table.n_ranks, table.hosts, table.gpu) == ("all_reduce", 4, 2, "NVIDIA H100 80GB HBM3")
+    assert [r.time_us for r in table.rows] == [29.92, 87.08, 34448.0]
+    assert table.rows[-1].size_bytes == 8589934592 and table.rows[-1].line == 16
+
+
+def test_an_old_table_without_root_and_with_error_columns_reads_the_same_way():
+    table = parse_text(OLD, "p3dn_allreduce_nccl2.4.8.txt")
+    assert table.op == "all_reduce"  # from the file name: old tables have no header line
+    assert table.n_ranks == 16        # 2(n-1)/n = 187.97 / 100.25
+    assert [r.time_us for r in table.rows] == [145.4, 10711.0]
+
+
+def test_launcher_prefixes_and_log_lines_are_skipped_and_size_zero_rows_dropped():
+    table = parse_text(PREFIXED, "run.log")
+    assert table.op == "all_gather" and len(table.rows) == 2 and table.rows[0].size_bytes == 1048576
+
+
+def test_the_op_comes_from_the_header_then_op_then_the_file_name():
+    rows = CURRENT.split("# Collective test starting: all_reduce_perf\n")[1]
+    assert parse_text(rows, "x.txt", op="broadcast").op == "broadcast"
+    assert parse_text(rows, "b200_reducescatter.txt").op == "reduce_scatter"
+    with pytest.raises(TopologyError, match="give --op"):
+        parse_text(rows, "x.txt")
+    with pytest.raises(TopologyError, match="header says all_reduce, but --op says all_gather"):
+        parse_text(CURRENT, "x.txt", op="all_gather")
+
+
+@pytest.mark.parametrize(
+    "text, line, message",
+    [
+        (CURRENT.replace("    87.08   12.04", "    8x.08   12.04"), 15, "time '8x.08' is not a number"),
+        (CURRENT.replace("   87.08   12.04   18.06      0    77.82   13.47   20.21      0", "   87.08"), 15,
+         "a row needs time, algbw, busbw"),
+        (CURRENT.replace("     1048576        262144     float     sum      -1    87.08   12.04   18.06      0    77.82"
+                         "   13.47   20.21      0", "     1048576        262144"), 15, "a truncated row"),
+        (CURRENT.replace("29.92", "0.00"), 14, "must be positive"),
+    ],
+)
+def test_a_malformed_row_is_a_one_line_error_naming_file_and_line(text, line, message):
+    with pytest.raises(TopologyError) as err:
+        parse_text(text, "bad.txt")
+    assert err.value.key == f"bad.txt:{line}" and message in err.value.message and "\n" not in str(err.value)
+
+
+def test_a_file_without_rows_or_that_does_not_exist_is_an_error(tmp_path):
+    with pytest.raises(TopologyError, match="no nccl-tests rows"):
+        parse_text("# Collective test starting: all_reduce_perf\n# Out of bounds values : 0 OK\n", "empty.txt")
+    with pytest.raises(TopologyError) as err:
+        read_table(tmp_path / "missing.txt")
+    assert "missing.txt" in str(err.value)
+
+
+@pytest.mark.skipif(not COLLECTED.is_dir(), reason="bench/nccl_tests/data is not in this checkout")
+@pytest.mark.parametrize("path", sorted(COLLECTED.glob("*.txt")) if COLLECTED.is_dir() else [], ids=lambda p: p.name)
+def test_every_collected_public_output_parses(path):
+    table = read_table(path)
+    assert table.rows and all(r.time_us > 0 for r in table.rows)
+    listed = {e["file"]: e for e in yaml.safe_load((COLLECTED.parent / "tables.yaml").read_text())["tables"]}[path.name]
+    # ranks from the numbers where they tell (not for factor 1, nor for latency rows of 0.00 GB/s)
+    latency_only = max(r.busbw_gbps for r in table.rows) < 1
+    assert table.n_ranks == listed["ranks"] or (not table.n_ranks and (table.op in ("send_recv", "broadcast", "reduce")
+                                                                       or latency_only))
+
+
+def _rows(n: int, op: str = "all_reduce") -> str:
+    """Rows whose printed busbw / algbw (2 decimals) say ``n`` ranks."""
+    out = []
+    for size, algbw in ((2**30, 55.48), (2**32, 169.24), (2**34, 183.83)):
+        busbw = algbw * bus_factor(op, n)
+        out.append(f"{size:>12} {size // 4:>12}     float     sum      -1  {size / algbw / 1e3:>9.0f}  {algbw:6.2f}  "
+                   f"{busbw:6.2f}      0")
+    return "\n".join(out) + "\n"
+
+
+def test_a_large_communicators_rank_count_is_the_one_its_rounded_bandwidths_and_rank_lines_allow():
+    # 2 decimals of busbw / algbw cannot tell 1020 ranks from 1024: the Rank lines can, and
+    # without a complete listing the count with the most factors of two (nodes of 8 GPUs)
+    assert parse_text(_rows(1024), "t_allreduce.txt").n_ranks == 1024
+    listed = "#  Rank 1019 Group  0 Pid 1 on h device  3 [0000:2c:00] NVIDIA H100\n"
+    assert parse_text(listed + _rows(1024), "t_allreduce.txt").n_ranks == 1020
+    pasted = "#  Rank  143 Group  0 Pid 1 on h device  3 [0000:2c:00] NVIDIA GB200\n"  # from another run
+    assert parse_text(pasted + _rows(128), "t_allreduce.txt").n_ranks == 128
+
+
+def test_the_header_says_how_many_gpus_one_thread_drives():
+    assert parse_text("# nThread 1 nGpus 8 minBytes 8 maxBytes 8\n" + _rows(8), "t_allreduce.txt").gpus_per_thread == 8
+    assert parse_text("nThread 1 nGpus 1 minBytes 8 maxBytes 8\n" + _rows(8), "t_allreduce.txt").gpus_per_thread == 1
+    assert parse_text(_rows(8), "t_allreduce.txt").gpus_per_thread == 1

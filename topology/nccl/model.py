@@ -1,0 +1,552 @@
+"""Collectives as NCCL runs them: every algorithm and protocol's cost, and NCCL's choice.
+
+One formula prices every (algorithm, protocol) of a collective on a communicator::
+
+    T(S) = L + S / B
+
+``L`` a latency and ``B`` an algorithm bandwidth (bytes of the collective's nccl-tests "size"
+per second), both from the tables of ``tuning.py`` and the channels of ``graphs.py``, exactly
+as NCCL's tuner computes them (``src/graph/tuning.cc``, ``ncclTopoTuneModel`` and
+``ncclTopoGetAlgoTime``; NCCL 2.30's formulas below, each release's from ``versions.py``):
+
+* ``B``: the graph's channels times their speed (``bw_intra`` within one or two nodes,
+  ``bw_inter`` beyond) is a bus bandwidth; each protocol keeps its share (LL half of it and at
+  most ``LL_MAX_BW``, LL128 120/128 up to a per-channel ceiling, Simple all of it); Tree keeps
+  92 % up to ``TREE_MAX_BW`` per channel; NVLS is NVLink SHARP's efficiency on ``bw_intra``
+  (doubled for all-reduce, which pipelines reduce and broadcast), capped between nodes by the
+  NICs; PAT keeps 75 %. The bus bandwidth becomes the algorithm bandwidth by nccl-tests' own
+  factor: ``n / (2(n-1))`` for a ring all-reduce, ``n / (n-1)`` for all-gather and
+  reduce-scatter, 1 for broadcast and reduce; a tree moves the whole message up and down (1/2).
+* ``L``: a base latency per algorithm and protocol, plus a per-step latency by link class
+  (NVLink, PCI, network) times the steps: ``2(n-1)`` ring steps for all-reduce of which
+  ``2(nodes-1)`` cross the network, ``2 ((ppn-1) + log2 nodes)`` tree steps, one NVLS step
+  inside a node plus the tree's ``2 log2 nodes`` across them; a ring across nodes pays at least
+  the CPU's network post overhead per step (3x with Simple) and, from 64 bytes per channel and
+  rank, 1.4 times its latency (NCCL's "plateau").
+
+NCCL picks the (algorithm, protocol) with the smallest ``T`` (``topoGetAlgoInfo``), and so does
+:func:`choose`, with the tables and formulas of the cluster's NCCL release (``nccl:
+{version: 2.26.2}``; ``versions.py``: which algorithms exist, LL's share, the per-hop
+latencies, NVLS's pricing, the search's speeds); ``NCCL_ALGO`` / ``NCCL_PROTO`` become
+``algorithm`` / ``protocol``.
+
+Where we depart from NCCL's estimate, in :func:`predict` (the time we report; the choice stays
+NCCL's, made on NCCL's estimate, as NCCL itself makes it):
+
+* *the newest tables price every release's choice* (:func:`priced`): an older release's
+  constants were its tuner's guesses for choosing; the newest are NCCL's best account of what
+  the same algorithm does on the same hardware (LL moves half the bus bandwidth whatever 2.7
+  assumed).
+* *channels in use.* For small messages NCCL launches fewer channels (``topoGetAlgoInfo``: while
+  ``bytes < channels x threads x threshold`` one fewer); we price them with the tuner's own
+  formula on that many channels (:func:`bandwidth_on`), so per-channel ceilings shrink with them.
+* *NVLS chunks and pipeline.* NVLS and NVLS tree cut small messages into small chunks
+  (``calcCollChunking``), each paying a synchronisation, and take one chunk time per stage to
+  fill their pipeline (:func:`chunk_slowdown`, :func:`pipeline_fill_us`).
+* *what only measurements know* (``measured.py``): the kernel's start, the same for every
+  algorithm, so NCCL leaves it out; what a network hop costs beyond NCCL's InfiniBand constants
+  and what fraction of the line rate a NIC kind delivers. Estimated from the public tables
+  (or none, ``measured: spec``).
+* *the fabric's own efficiency*, per link class and (algorithm, protocol), and a latency factor:
+  1 from specs, fitted by ``whatif calibrate nccl-tests`` (``calibration`` of the fabric).
+
+Not modelled: kernels that got faster or slower between releases (beyond what the tuner's
+tables say), user-buffer registration and symmetric kernels, CUDA graphs, and congestion from
+other jobs. Point-to-point (send/recv,
+all-to-all) is not in NCCL's tuner; see ``p2p.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from ..units import TopologyError
+from . import tuning
+from .graphs import Comm, Graph, collnet_graph, comm_channels, nvls_channels, nvls_graph, ring_graph, tree_graph
+from .measured import public
+from .versions import LATEST, extra, tuner
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")
+
+NVLS_CHUNK_SYNC_US = 2 * 3.4  # see chunk_slowdown
+
+
+@dataclass(frozen=True)
+class Option:
+    """One (algorithm, protocol) for one collective on one communicator, as NCCL's tuner sees it.
+
+    ``latency_us`` and ``bandwidth_gbs`` (algorithm bandwidth, GB/s) are NCCL's; ``link`` is the
+    class of the link that bounds it (``net`` across nodes); ``channels`` the CUDA blocks it may use.
+    """
+
+    op: str
+    algorithm: str
+    protocol: str
+    latency_us: float
+    bandwidth_gbs: float
+    channels: int
+    link: str
+
+
+def _log2i(n: int) -> int:
+    return max(0, int(n).bit_length() - 1)
+
+
+def _bus_bandwidth(comm: Comm, op: str, algorithm: str, protocol: str, graph: Graph) -> float:
+    """NCCL's bus bandwidth (GB/s) of one (algorithm, protocol) under ``comm.tuner``'s release;
+    0 where NCCL would not use it."""
+    t = comm.tuner
+    arch, col = comm.arch, tuning.nodes_column(comm.n_nodes)
+    n_nodes, ppn = comm.n_nodes, comm.n_ranks / comm.n_nodes
+    collnet = algorithm.startswith("collnet")
+    bw = graph.bw_intra if (n_nodes <= 2 or collnet) else graph.bw_inter
+    channels = graph.channels
+    if algorithm in ("nvls", "nvls_tree"):
+        if t.nvls == "efficiency":  # 2.28+
+            if graph.channels < 2:
+                return 0.0
+            intra = graph.bw_intra * t.nvls_efficiency[arch] * (graph.channels - 1) / graph.channels
+            intra *= 2.0 if op == "all_reduce" else (ppn - 1) / ppn
+            inter = graph.bw_inter * (2 if (n_nodes <= 2 and algorithm == "nvls_tree") else 1)
+            cap = t.nvls_tree_max_bw[arch][col] if algorithm == "nvls_tree" else math.inf
+            bw = min(intra, inter if n_nodes > 1 else math.inf, cap)
+        elif t.nvls == "min":  # 2.19-2.27
+            if algorithm == "nvls" and op != "all_reduce" and t.version >= (2, 27, 0):
+                bw = min(graph.bw_intra * (ppn - 1) / ppn, graph.bw_inter * 0.9)
+            elif algorithm == "nvls":
+                bw = min(graph.bw_intra, graph.bw_inter)
+            else:
+                bw = min(graph.bw_intra, graph.bw_inter if n_nodes <= 2 else graph.bw_inter / 2)
+        elif t.nvls == "2.17":  # the ring graph's channels at its intra-node speed
+            ring = ring_graph(comm)
+            bw, channels = ring.bw_intra, ring.channels
+    bus = channels * bw
+    blocks = graph.blocks if channels == graph.channels else channels
+    if arch in t.bus_cap:
+        bus = min(bus, t.bus_cap[arch])
+    per_op = extra(t, "ring_ll128_max_bw_per_op")
+    if n_nodes == 1:
+        ll_max = t.ll_max_bw.get(arch, (math.inf,) * 3)[col]
+    else:
+        ll_max = t.ll_max_bw_multinode.get("amd" if comm.fabric.cpu == "amd" else "intel", (math.inf,) * 3)[col]
+    if algorithm == "ring" and protocol == "ll":
+        share = tuning.RING_LL_FACTOR
+        if t.ring_ll == "quarter":
+            share = 0.25 if (n_nodes > 1 or op in ("all_reduce", "reduce")) else 1.0 / 3.0
+        bus = min(ll_max, bus * share)
+    if algorithm == "ring" and protocol == "ll128":
+        per_channel = per_op[op] if per_op else t.ring_ll128_max_bw[arch][col]
+        share = t.ll128_one_ppn if ppn < 2 else tuning.RING_LL128_FACTOR
+        bus = min(bus * share, blocks * per_channel)
+    if algorithm == "tree" and op == "all_reduce":
+        if t.tree_absolute_max_bw is not None:  # 2.7: whole-communicator caps
+            caps = t.tree_absolute_max_bw[0 if n_nodes <= 2 else 1]
+            bus = min(bus * t.tree_factor, caps[1] if (protocol == "ll128" and arch == "ampere") else caps[0])
+        else:
+            bus = min(bus * t.tree_factor, blocks * t.tree_max_bw[arch][col])
+    if algorithm == "tree" and protocol == "ll":
+        bus = min(bus * t.tree_ll_factor, ll_max)
+    if algorithm == "tree" and protocol == "ll128":
+        factor = tuning.TREE_LL128_ONE_NODE_FACTOR if n_nodes == 1 else t.tree_ll128_multinode_factor
+        per_channel = per_op[op] if per_op else t.tree_ll128_max_bw[arch][col]
+        bus = min(bus * factor, blocks * per_channel * t.tree_ll128_cap_factor)
+    if algorithm == "pat":
+        bus *= t.pat_factor
+    if collnet and protocol != "simple":
+        return 0.0
+    if algorithm == "collnet_direct":
+        if op in ("all_gather", "reduce_scatter"):
+            bus = ppn * min(graph.bw_intra, graph.bw_inter * 0.9)
+        else:
+            factor = ppn / graph.channels
+            bus /= factor - (factor - 1) / 2
+            if comm.fabric.gpu.compute_capability >= 90:
+                bus *= t.collnet_hopper_factor
+    if algorithm == "collnet_chain":
+        bus *= t.collnet_chain_factor
+    if algorithm in ("nvls", "collnet_direct") and op in ("all_gather", "reduce_scatter") and n_nodes > 1:
+        return 0.0
+    return bus
+
+
+def _latency(comm: Comm, op: str, algorithm: str, protocol: str, graph: Graph) -> float:
+    """NCCL's latency (us) of one (algorithm, protocol) under ``comm.tuner``'s release."""
+    t = comm.tuner
+    p = tuning.protocol_index(protocol)
+    n, n_nodes = comm.n_ranks, comm.n_nodes
+    ppn = n // n_nodes
+    nic_extra = comm.fabric.nic.latency_us
+    intra_lat = t.hop_latency[graph.link_intra][algorithm][p]
+    if n_nodes > 1 and protocol == "ll":
+        intra_lat *= t.ll_intra_multinode
+    inter_algorithm = "tree" if (comm.ppn == 1 and t.ppn1_tree_net_latency) else algorithm
+    inter_lat = t.hop_latency["net"][inter_algorithm][p] + nic_extra
+    if protocol == "simple":
+        inter_lat += nic_extra  # the flush after a Simple receive
+    base = t.base_latency[algorithm][p]
+    if algorithm == "ring":
+        steps = 2 * (n - 1) if op == "all_reduce" else n - 1 if op in ("all_gather", "reduce_scatter") else n
+        if op in ("broadcast", "reduce"):
+            return base + t.hop_latency["net" if n_nodes > 1 else graph.link_intra]["ring"][p]
+        overhead = 0.0
+        if n_nodes > 1 and t.net_overhead:
+            overhead = tuning.NET_OVERHEAD_US[comm.fabric.cpu] * (3 if protocol == "simple" else 1)
+        intra_lat = max(intra_lat, overhead)
+        if n_nodes == 1:
+            inter_steps = 0
+        elif op == "all_reduce":
+            inter_steps = 2 * n_nodes if t.inter_steps == "2n" else 2 * (n_nodes - 1)
+        else:
+            inter_steps = n_nodes - 1
+        return base + (steps - inter_steps) * intra_lat + inter_steps * inter_lat
+    if algorithm == "tree":
+        return base + 2 * ((ppn - 1) * intra_lat + _log2i(n_nodes) * inter_lat) if op == "all_reduce" else base
+    if algorithm == "collnet_direct":
+        return base + 2 * (min(1, ppn - 1) * intra_lat + (ppn - 1) * t.collnet_serialization_us) + inter_lat
+    if algorithm == "collnet_chain":
+        return base + 2 * (ppn - 1) * intra_lat + (inter_lat if t.collnet_chain_net_latency else 0.0)
+    if algorithm == "nvls":
+        if t.nvls in ("2.17", "2.18"):
+            return base + (t.hop_latency["net"]["nvls"][p] if n_nodes > 1 else 0.0)
+        return intra_lat + (inter_lat if n_nodes > 1 else 0.0)
+    if algorithm == "nvls_tree":
+        if t.nvls == "2.18":
+            return base + 2 * (n_nodes - 1) * t.hop_latency["net"]["nvls_tree"][p]
+        return base + intra_lat + 2 * _log2i(n_nodes) * inter_lat
+    return base + _log2i(n_nodes) * (inter_lat / 3.5) + n * 2.8  # pat
+
+
+def _allowed(comm: Comm, op: str, algorithm: str, protocol: str) -> bool:
+    """Which (algorithm, protocol) NCCL considers for ``op`` on ``comm`` (tuning.cc, enqueue.cc),
+    in ``comm.tuner``'s release."""
+    t = comm.tuner
+    if not t.has(algorithm):
+        return False
+    if op in ("broadcast", "reduce") and algorithm != "ring":
+        return False
+    if op in ("all_gather", "reduce_scatter") and algorithm not in ("pat", "ring", "nvls", "collnet_direct"):
+        return False
+    if op in ("all_gather", "reduce_scatter") and algorithm == "nvls" and not t.nvls_ag_rs:
+        return False
+    if op in ("all_gather", "reduce_scatter") and algorithm == "collnet_direct" and t.version < (2, 20, 0):
+        return False
+    if op == "all_reduce" and algorithm == "pat":
+        return False
+    if algorithm in ("nvls", "nvls_tree", "collnet_direct", "collnet_chain", "pat") and protocol != "simple":
+        return False
+    if algorithm == "pat" and comm.n_nodes != comm.n_ranks:
+        return False  # PAT: one GPU per node
+    if algorithm == "nvls_tree" and comm.n_nodes == 1:
+        return False
+    if algorithm == "nvls" and comm.n_nodes > 1 and not comm.fabric.network.sharp:
+        return False
+    if algorithm in ("nvls", "nvls_tree") and op != "all_reduce" and comm.ppn > tuning.MAX_NVLS_ARITY:
+        return False
+    if algorithm.startswith("collnet") and comm.ppn > tuning.MAX_DIRECT_ARITY + 1:
+        return False
+    if algorithm == "collnet_direct" and not comm.fabric.nvswitch:
+        return False
+    if protocol == "ll128" and (not comm.fabric.nvlink or comm.arch not in t.ll128_archs):
+        return False  # LL128 needs NVLink (or NVB) paths inside a node, and a GPU its release enables it on
+    return True
+
+
+def _graph(comm: Comm, algorithm: str) -> Optional[Graph]:
+    if algorithm in ("nvls", "nvls_tree"):
+        return nvls_graph(comm)
+    if algorithm == "collnet_direct":
+        return collnet_graph(comm)
+    if algorithm == "collnet_chain":
+        return tree_graph(comm) if collnet_graph(comm) is not None else None
+    return ring_graph(comm) if algorithm == "ring" else tree_graph(comm)
+
+
+def _algorithm_bandwidth(comm: Comm, op: str, algorithm: str, protocol: str, graph: Graph) -> float:
+    """NCCL's algorithm bandwidth (GB/s of nccl-tests size); 0 where NCCL would not use it."""
+    bus = _bus_bandwidth(comm, op, algorithm, protocol, graph)
+    if bus <= 0:
+        return 0.0
+    n, t = comm.n_ranks, comm.tuner
+    gather = op in ("all_gather", "reduce_scatter")
+    steps = 2 * (n - 1) if op == "all_reduce" else n - 1 if gather else n
+    if algorithm == "ring" or (algorithm in ("nvls", "nvls_tree") and not gather and t.nvls == "efficiency"):
+        return bus * n / steps
+    if algorithm in ("nvls", "nvls_tree") and t.nvls != "efficiency":  # NCCL's ratios before 2.28
+        if gather and t.version >= (2, 23, 0):
+            return bus
+        if t.nvls == "min":
+            return bus * 5.0 / 6.0
+        if algorithm == "nvls_tree":  # 2.18
+            return bus * 0.7 * comm.n_nodes / (2 * (comm.n_nodes - 1))
+        return bus * 0.75
+    return bus * 0.5 if not gather else bus
+
+
+def options(comm: Comm, op: str) -> list:
+    """Every (algorithm, protocol) NCCL would consider for ``op``, with its latency and bandwidth."""
+    if op not in COLLECTIVES:
+        raise TopologyError("op", f"NCCL's tuner prices {', '.join(COLLECTIVES)}, not {op!r}")
+    found = []
+    for algorithm in tuning.ALGORITHMS:
+        for protocol in tuning.PROTOCOLS:
+            if _allowed(comm, op, algorithm, protocol):
+                option = _option(comm, op, algorithm, protocol)
+                if option is not None:
+                    found.append(option)
+    return found
+
+
+def _option(comm: Comm, op: str, algorithm: str, protocol: str) -> Optional[Option]:
+    """One (algorithm, protocol) as ``comm.tuner``'s release prices it, or None where it has no graph
+    or no bandwidth."""
+    graph = _graph(comm, algorithm)
+    if graph is None:
+        return None
+    bandwidth = _algorithm_bandwidth(comm, op, algorithm, protocol, graph)
+    if bandwidth <= 0:
+        return None
+    channels = nvls_channels(comm) if algorithm in ("nvls", "nvls_tree") else comm_channels(comm, ring_graph(comm))
+    link = "net" if comm.n_nodes > 1 else graph.link_intra
+    return Option(op, algorithm, protocol, _latency(comm, op, algorithm, protocol, graph), bandwidth, channels, link)
+
+
+def priced(comm: Comm, option: Option) -> tuple:
+    """``(comm, option)`` to time ``option`` with: the newest release's tables (its per-algorithm
+    bandwidths and latencies are NCCL's best account of what the hardware does; an older
+    release's tables decide only what that release picks), or the release's own where the
+    newest has no such option."""
+    newest = comm.with_tuner(tuner(LATEST))
+    if newest is comm:
+        return comm, option
+    again = _option(newest, option.op, option.algorithm, option.protocol)
+    return (newest, again) if again is not None else (comm, option)
+
+
+def bandwidth_on(comm: Comm, option: Option, channels: int) -> float:
+    """``option``'s bandwidth when NCCL launches only ``channels`` of its channels: the tuner's
+    formula on a graph of proportionally fewer channels, so per-channel ceilings shrink with
+    them and whole-GPU ones (LL's) do not."""
+    if channels == option.channels:
+        return option.bandwidth_gbs
+    graph = _graph(comm, option.algorithm)
+    if channels > option.channels:  # NCCL_MIN_NCHANNELS: more blocks on the same links
+        more = dataclasses.replace(graph, cap_channels=graph.channels * channels / option.channels)
+        return _algorithm_bandwidth(comm, option.op, option.algorithm, option.protocol, more)
+    fewer = dataclasses.replace(graph, channels=graph.channels * channels / option.channels)
+    return _algorithm_bandwidth(comm, option.op, option.algorithm, option.protocol, fewer)
+
+
+def network_share(comm: Comm, option: Option, channels: int) -> float:
+    """The share of ``option``'s transfer time that the network bounds (0 inside a node): how
+    much longer it takes when the NICs run at half speed (``S/B' = S/B (1 + share)``), on the
+    graph the search would find then (every speed a NIC set halves; NVLink's do not), so that
+    a per-channel ceiling or NVLink that binds first leaves the network's rate out of it."""
+    if comm.n_nodes == 1 or option.algorithm == "p2p":
+        return 0.0
+    graph = _graph(comm, option.algorithm)
+    if channels < option.channels:
+        graph = dataclasses.replace(graph, channels=graph.channels * channels / option.channels)
+    full = _algorithm_bandwidth(comm, option.op, option.algorithm, option.protocol, graph)
+    if option.algorithm in ("nvls", "nvls_tree", "collnet_direct"):
+        half = dataclasses.replace(graph, bw_inter=graph.bw_inter / 2)
+    else:
+        half = dataclasses.replace(graph, bw_intra=graph.bw_intra / 2, bw_inter=graph.bw_inter / 2)
+    slow = _algorithm_bandwidth(comm, option.op, option.algorithm, option.protocol, half)
+    return 0.0 if slow <= 0 else min(1.0, max(0.0, full / slow - 1.0))
+
+
+def estimate_parts(comm: Comm, option: Option, nbytes: float) -> tuple:
+    """NCCL's estimate (``ncclTopoGetAlgoTime``) as ``(latency_us, transfer_us)``."""
+    t = comm.tuner
+    bw, lat = option.bandwidth_gbs, option.latency_us
+    log_size = _log2i(int(nbytes) >> 6) if nbytes >= 64 else -1
+    table = t.tree_correction[option.protocol]
+    if option.op == "all_reduce" and 0 <= log_size < len(table):
+        blackwell_x86 = comm.arch == "blackwell" and comm.fabric.cpu != "arm" and t.nvls_tree_blackwell_correction
+        if option.algorithm == "tree" or (option.algorithm == "nvls_tree" and blackwell_x86):
+            bw *= table[log_size]
+    if option.algorithm == "ring" and option.protocol == "simple" and comm.n_nodes > 1 and option.op == "all_reduce":
+        if t.plateau == "per_channel":
+            plateau = nbytes / (option.channels * comm.n_ranks) >= 64
+        else:
+            plateau = nbytes >= comm.n_ranks / 16.0 * 65536
+        if plateau:
+            threshold, below, above = t.plateau_factor
+            lat *= below if comm.fabric.gpu.compute_capability < threshold else above
+    return lat, nbytes / (1000.0 * bw)
+
+
+def nccl_estimate_us(comm: Comm, option: Option, nbytes: float) -> float:
+    """NCCL's own time estimate, the one it chooses by."""
+    return sum(estimate_parts(comm, option, nbytes))
+
+
+def choose(comm: Comm, op: str, nbytes: float, algorithms=None, protocols=None) -> Option:
+    """The option NCCL picks for ``nbytes``: the cheapest estimate among those allowed.
+
+    ``algorithms`` / ``protocols`` (sets of names, None for all) restrict the choice as
+    ``NCCL_ALGO`` / ``NCCL_PROTO`` do.
+    """
+    every = options(comm, op)
+    candidates = [o for o in every if (algorithms is None or o.algorithm in algorithms)
+                  and (protocols is None or o.protocol in protocols)]
+    if not candidates:
+        forced = " and ".join(f"{what} {'/'.join(sorted(names))}" for what, names in
+                              (("algorithm", algorithms), ("protocol", protocols)) if names is not None)
+        known = sorted({f"{o.algorithm}/{o.protocol}" for o in every})
+        raise TopologyError("algorithm" if algorithms is not None else "protocol",
+                            f"NCCL has no {forced} for {op} on this communicator; it has {', '.join(known)}")
+    return min(candidates, key=lambda o: nccl_estimate_us(comm, o, nbytes))
+
+
+def nvls_chunk(comm: Comm, option: Option, nbytes: float) -> tuple:
+    """``(chunk, largest chunk, concurrent chunks)`` NCCL's NVLS / NVLS tree kernels use for
+    ``nbytes`` (calcCollChunking), or None for other algorithms."""
+    if option.algorithm not in ("nvls", "nvls_tree"):
+        return None
+    graph = nvls_graph(comm)
+    ops = option.channels * graph.channels
+    if option.algorithm == "nvls":
+        largest = tuning.NVLS_CHUNK
+        if comm.n_nodes > 1 and option.bandwidth_gbs * 2 * (comm.n_ranks - 1) / comm.n_ranks < 150:
+            largest = tuning.NVLS_SLOW_NET_CHUNK
+        steps = tuning.NVLS_CHUNK_STEPS
+    else:
+        largest = tuning.NVLS_TREE_MAX_CHUNK_FROM_4_NODES if comm.n_nodes >= 4 else tuning.NVLS_CHUNK
+        steps = tuning.NVLS_TREE_CHUNK_STEPS
+    chunk = largest
+    for times, smaller in steps:
+        if nbytes < times * ops * chunk and chunk > smaller:
+            chunk = smaller
+    return chunk, largest, ops
+
+
+def chunk_slowdown(comm: Comm, option: Option, nbytes: float) -> float:
+    """How much longer NVLS moves its bytes in the small chunks it uses for ``nbytes`` than in
+    its largest (1 for other algorithms): every chunk pays a synchronisation ``tau`` on top of
+    its bytes at one lane's share ``b`` of the bandwidth, so a chunk ``c`` runs at
+    ``c / (c + tau b)`` of the lane's speed. ``tau``: one reduce and one multicast step over
+    NVLink, twice NCCL's NVLink step (tuning.cc, ring/simple 3.4 us). The per-chunk view is
+    ours, not NCCL's."""
+    found = nvls_chunk(comm, option, nbytes)
+    if found is None:
+        return 1.0
+    chunk, largest, ops = found
+    tau_b = NVLS_CHUNK_SYNC_US * option.bandwidth_gbs * 1e3 / ops
+    return (1 + tau_b / chunk) / (1 + tau_b / largest)
+
+
+def pipeline_fill_us(comm: Comm, option: Option, nbytes: float, bandwidth_gbs: float) -> float:
+    """The time NVLS's pipeline takes to fill: a chunk passes ``depth`` stages one after the other
+    (reduce through the switch, then multicast; NVLS tree's ``2 log2 nodes`` network hops up and
+    down the tree, the reduction folded into the first and the multicast into the last), and
+    only once the first chunk is through is every stage busy, so
+    ``(depth - 1) x chunk / b`` comes on top of the bytes at full speed (``b`` one lane's
+    bandwidth). 0 for algorithms whose every link is busy from the start (rings) or whose mid
+    sizes NCCL's own estimate corrects (trees)."""
+    found = nvls_chunk(comm, option, nbytes)
+    if found is None:
+        return 0.0
+    chunk, _, ops = found
+    depth = 1 + 2 * _log2i(comm.n_nodes) if option.algorithm == "nvls_tree" else 2
+    lane_bytes_per_us = bandwidth_gbs * 1e3 / ops
+    return (depth - 1) * min(chunk, nbytes / ops) / lane_bytes_per_us
+
+
+def channels_used(comm: Comm, option: Option, nbytes: float) -> int:
+    """Channels NCCL launches for ``nbytes`` (topoGetAlgoInfo's thread-threshold rule)."""
+    if option.algorithm in ("nvls", "nvls_tree", "collnet_direct"):
+        return option.channels
+    threads = tuning.MAX_THREADS[option.protocol]
+    threshold = tuning.THREAD_THRESHOLD[option.protocol]
+    if option.algorithm == "ring" and option.protocol == "ll":
+        threshold *= comm.n_ranks
+    channels = option.channels
+    while nbytes < channels * threads * threshold and channels >= 2:
+        channels -= 1
+    return channels
+
+
+# -- our prediction ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Predicted:
+    """The time we predict for one collective (``latency_us + transfer_us``), with NCCL's choice
+    behind it and the channels it runs on.
+
+    ``hops``, ``kind``, ``local_us`` and ``net_us`` say how the time was made, for fitting the
+    measured constants (``measured.py``): ``hops`` network hops of NIC kind ``kind``, and the
+    transfer at the specs' rates split into what crosses no network (``local_us``) and what the
+    network bounds (``net_us``), combined by ``combine`` (``sum``, or ``max`` where the two run
+    at once); ``base_latency_us`` is the latency before the measured constants.
+    """
+
+    option: Option
+    latency_us: float
+    transfer_us: float
+    channels: int
+    hops: float = 0.0
+    kind: str = ""
+    local_us: float = 0.0
+    net_us: float = 0.0
+    combine: str = "sum"
+    base_latency_us: float = 0.0
+
+    @property
+    def time_us(self) -> float:
+        return self.latency_us + self.transfer_us
+
+
+def net_hops(comm: Comm, option: Option) -> float:
+    """The network hops in ``option``'s latency (``_latency``'s inter-node steps), each of which
+    pays a NIC kind's measured hop latency."""
+    n_nodes = comm.n_nodes
+    if n_nodes == 1:
+        return 0.0
+    algorithm, op = option.algorithm, option.op
+    if algorithm == "ring":
+        if op in ("broadcast", "reduce"):
+            return 1.0
+        return 2.0 * (n_nodes - 1) if op == "all_reduce" else float(n_nodes - 1)
+    if algorithm in ("tree", "nvls_tree"):
+        return 2.0 * _log2i(n_nodes)
+    if algorithm == "pat":
+        return float(_log2i(n_nodes))
+    return 1.0  # nvls, collnet: one trip through the switch
+
+
+def predict(comm: Comm, op: str, nbytes: float, algorithms=None, protocols=None, calibration=None) -> Predicted:
+    """NCCL's choice for ``nbytes``, timed as ``L' + S / B'`` (see the module docstring).
+
+    ``L' = (NCCL's L + kernel + hops x hop latency) x latency factor``; ``S / B'`` is NCCL's
+    transfer time on the channels it launches, slowed by NVLS's small chunks and with NVLS's
+    pipeline fill, over the achieved fraction of the network's rate (across nodes) and the
+    bandwidth factor. Kernel, hop latency and achieved rate are the measured constants of
+    ``calibration.constants`` (``measured.py``; the public estimates without a calibration),
+    the two factors the calibration's own (1 without), so a fit sees ``T = f L + X / e``.
+    """
+    if comm.n_ranks == 1:
+        return Predicted(Option(op, "ring", "simple", 0.0, math.inf, 1, comm.link_intra), 0.0, 0.0, 1)
+    measured = public() if calibration is None else calibration.constants
+    chosen = choose(comm, op, nbytes, algorithms, protocols)
+    comm, option = priced(comm, chosen)
+    used = channels_used(comm, option, nbytes)
+    if calibration is not None and calibration.min_channels and option.algorithm in ("ring", "tree"):
+        used = max(used, calibration.min_channels)
+    efficiency, latency_factor = (1.0, 1.0) if calibration is None else calibration.factors_for(
+        option.link, option.algorithm, option.protocol)
+    bandwidth = bandwidth_on(comm, option, used)
+    latency, transfer = estimate_parts(comm, dataclasses.replace(option, bandwidth_gbs=bandwidth), nbytes)
+    transfer = transfer * chunk_slowdown(comm, option, nbytes) + pipeline_fill_us(comm, option, nbytes, bandwidth)
+    nic = comm.fabric.nic
+    hops = net_hops(comm, option)
+    share = network_share(comm, option, used)
+    local, net = transfer * (1.0 - share), transfer * share
+    measured_latency = latency + measured.kernel(comm.arch) + hops * measured.hop(nic.kind, nic.transport)
+    measured_transfer = local + net / measured.net_efficiency(nic.kind, nic.transport)
+    return Predicted(chosen, measured_latency * latency_factor, measured_transfer / efficiency, used,
+                     hops, nic.kind, local, net, "sum", latency)

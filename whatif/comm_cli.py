@@ -1,0 +1,223 @@
+"""``whatif collective`` (a simulated nccl-tests) and ``whatif calibrate nccl-tests``.
+
+``whatif collective CLUSTER.yaml --op all_reduce --min-bytes 8M --max-bytes 8G`` prints the
+table nccl-tests would print for the cluster (``topology.collective_cost`` at every size), with
+the algorithm and protocol NCCL would pick. ``whatif calibrate nccl-tests FILE... --cluster
+CLUSTER.yaml --out CALIBRATED.yaml`` fits the cluster's NCCL calibration to measured tables
+(``topology.calibrate``), prints every row's error after the fit and what looks broken, and
+writes the calibrated cluster, which ``whatif collective`` and scenarios read.
+
+``CLUSTER.yaml`` is a scenario's ``cluster:`` block on its own, or a whole scenario (its
+``cluster:`` is used; ``links: FILE`` is merged as scenarios merge it). Errors are one line
+that names the file and the key.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Mapping
+
+import yaml
+
+from whatif.topology import Cluster, TopologyError, collective_cost, parse_size
+from whatif.topology.calibrate import fit_tables
+from whatif.topology.nccl.tuning import OPS, parse_choices
+from whatif.topology.nccl.versions import LATEST, version_text
+from whatif.topology.nccl_tests import bus_factor, read_table
+
+DTYPES = {"int8": 1, "uint8": 1, "half": 2, "bfloat16": 2, "float": 4, "int32": 4, "double": 8, "int64": 8}
+REDOP = {"all_reduce": "sum", "reduce_scatter": "sum", "reduce": "sum"}
+ROOTED = ("broadcast", "reduce")
+
+
+def add_parsers(subparsers) -> None:
+    """Register ``collective`` and ``calibrate`` on the ``whatif`` command's subparsers."""
+    collective = subparsers.add_parser(
+        "collective", help="a simulated nccl-tests: one collective's time at every size on a cluster",
+        description="Print the table nccl-tests would print on CLUSTER.yaml. algbw and busbw are in GB/s "
+                    "(1e9 bytes/s), as nccl-tests prints them; busbw is nccl-tests' bus bandwidth.")
+    collective.add_argument("cluster", type=Path, help="a cluster YAML (a scenario's cluster: block) or a scenario")
+    collective.add_argument("--op", default="all_reduce", help=f"one of {', '.join(OPS)} (default all_reduce)")
+    collective.add_argument("--min-bytes", "-b", default="8M", help="smallest size (default 8M; K, M, G are powers of 2)")
+    collective.add_argument("--max-bytes", "-e", default="8G", help="largest size (default 8G)")
+    collective.add_argument("--step-factor", "-f", type=float, default=2.0, help="multiply the size by this (default 2)")
+    collective.add_argument("--algorithm", help="force like NCCL_ALGO: ring, tree, nvls, nvls_tree, collnet_direct, "
+                                                "collnet_chain, pat; a list (ring,tree) or ^nvls excludes")
+    collective.add_argument("--protocol", help="force like NCCL_PROTO: ll, ll128, simple (or a list)")
+    collective.add_argument("--ranks", help="GPUs of the communicator, e.g. 0-7 or 0,8,16,24 (default: every GPU)")
+    collective.add_argument("--dtype", default="float", choices=sorted(DTYPES), help="element type (default float)")
+    collective.add_argument("--nccl-version", help="the NCCL release to choose as (e.g. 2.26.2; default: the cluster's "
+                                                   "nccl: version, else the newest modelled)")
+    collective.add_argument("--json", action="store_true",
+                            help="rows of bytes, time_us, algbw_gbps, busbw_gbps (GB/s), algorithm, protocol")
+    calibrate = subparsers.add_parser("calibrate", help="fit a cluster to measurements")
+    what = calibrate.add_subparsers(dest="calibrate_command", required=True)
+    tests = what.add_parser("nccl-tests", help="fit the NCCL model to nccl-tests outputs",
+                            description="Fit per link class and algorithm/protocol the bandwidth efficiency and "
+                                        "latency factor the specs cannot know, print each row's error after the fit, "
+                                        "and write the calibrated cluster YAML.")
+    tests.add_argument("files", type=Path, nargs="+", help="nccl-tests outputs (any op, size range and scale)")
+    tests.add_argument("--cluster", type=Path, required=True, help="the cluster they ran on (YAML, or a scenario)")
+    tests.add_argument("--out", type=Path, required=True, help="calibrated cluster YAML to write")
+    tests.add_argument("--op", help="the operation, for files whose header and name do not say")
+    tests.add_argument("--algorithm", help="NCCL_ALGO the runs were forced to, if any")
+    tests.add_argument("--protocol", help="NCCL_PROTO the runs were forced to, if any")
+    tests.add_argument("--nccl-version", help="the NCCL release the runs used (e.g. 2.26.2), if the cluster YAML "
+                                              "does not say")
+
+
+def load_cluster_config(path: Path) -> dict:
+    """The cluster mapping in ``path``: a cluster YAML or a scenario's ``cluster:`` block."""
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as err:
+        raise TopologyError(str(path), err.strerror or str(err)) from None
+    except yaml.YAMLError as err:
+        raise TopologyError(str(path), f"not valid YAML ({str(err).splitlines()[0]})") from None
+    if not isinstance(data, Mapping):
+        raise TopologyError(str(path), "expected a mapping with machines, gpus_per_machine, ... or a cluster: block")
+    key = "cluster" if "cluster" in data else ""
+    config = dict(data[key]) if key else dict(data)
+    if "links" in config:
+        links_path = Path(str(config.pop("links")))
+        links_path = links_path if links_path.is_absolute() else path.parent / links_path
+        try:
+            links = yaml.safe_load(links_path.read_text(encoding="utf-8")) or {}
+        except (OSError, yaml.YAMLError):
+            raise TopologyError(f"{path}: {key + '.' if key else ''}links", f"cannot read {links_path}") from None
+        for name in ("intra_node", "inter_node", "shared_memory"):
+            if name in links and not isinstance(config.get(name), str):
+                config[name] = {**links[name], **config[name]} if isinstance(config.get(name), Mapping) else links[name]
+    for name, value in config.items():
+        if isinstance(value, list):
+            raise TopologyError(f"{path}: {key + '.' if key else ''}{name}",
+                                "a list makes a grid in a scenario; give one value here")
+    return config
+
+
+def _with_version(config: Mapping, version) -> dict:
+    """``config`` with ``nccl: {version: ...}`` set from the command line, if given."""
+    if not version:
+        return dict(config)
+    nccl = config.get("nccl")
+    if nccl is not None and not isinstance(nccl, Mapping):
+        return dict(config)  # Cluster.from_config says what is wrong with it
+    return {**config, "nccl": {**(nccl or {}), "version": str(version)}}
+
+
+def _cluster(path: Path, config: Mapping) -> Cluster:
+    try:
+        return Cluster.from_config(config)
+    except TopologyError as err:
+        raise TopologyError(f"{path}: {err.key}", err.message) from None
+
+
+def _ranks(text: str) -> list:
+    ranks = []
+    for part in text.split(","):
+        first, _, last = part.strip().partition("-")
+        try:
+            ranks.extend(range(int(first), int(last or first) + 1))
+        except ValueError:
+            raise TopologyError("--ranks", f"expected GPU ids like 0-7 or 0,8,16, got {text!r}") from None
+    return ranks
+
+
+def _nccl_size(text: str, key: str) -> float:
+    """A size as nccl-tests reads it: K, M, G, T are powers of 1024 (8M = 8388608); units like
+    8MB or 1GiB as ``parse_size`` reads them."""
+    value = str(text).strip()
+    if value[-1:].upper() in "KMGT" and value[:-1].replace(".", "", 1).isdigit():
+        return float(value[:-1]) * 1024 ** ("KMGT".index(value[-1].upper()) + 1)
+    return parse_size(value, key)
+
+
+def _sizes(args, op: str, n_ranks: int) -> list:
+    lo, hi = _nccl_size(args.min_bytes, "--min-bytes"), _nccl_size(args.max_bytes, "--max-bytes")
+    if hi < lo:
+        raise TopologyError("--max-bytes", f"{args.max_bytes} is below --min-bytes {args.min_bytes}")
+    if not args.step_factor > 1:
+        raise TopologyError("--step-factor", f"must be above 1, got {args.step_factor}")
+    elem = DTYPES[args.dtype]
+    sizes, size = [], lo
+    while size <= hi * (1 + 1e-12):
+        count = int(size) // elem
+        if op in ("all_gather", "reduce_scatter", "all_to_all"):  # nccl-tests rounds to whole 16-byte shares
+            count = (count // n_ranks) // max(1, 16 // elem) * max(1, 16 // elem) * n_ranks
+        sizes.append(count * elem)
+        size *= args.step_factor
+    return sizes
+
+
+def run_collective(args) -> int:
+    op = args.op.lower().replace("-", "_")
+    if op not in OPS:
+        raise TopologyError("--op", f"unknown operation {args.op!r}; known: {', '.join(OPS)}")
+    cluster = _cluster(args.cluster, _with_version(load_cluster_config(args.cluster), args.nccl_version))
+    ranks = _ranks(args.ranks) if args.ranks else None
+    n = len(ranks) if ranks else cluster.n_gpus
+    rows = []
+    for size in _sizes(args, op, n):
+        if size == 0:
+            continue
+        cost = collective_cost(cluster, op, size, ranks=ranks, algorithm=args.algorithm, protocol=args.protocol)
+        algbw = size / cost.time_us / 1e3 if cost.time_us > 0 else math.inf
+        rows.append({"bytes": int(size), "count": int(size) // DTYPES[args.dtype], "time_us": cost.time_us,
+                     "algbw_gbps": algbw, "busbw_gbps": algbw * bus_factor(op, n),
+                     "algorithm": cost.algorithm, "protocol": cost.protocol, "channels": cost.channels})
+    if args.json:
+        print(json.dumps({"cluster": str(args.cluster), "op": op, "ranks": n, "backend": cluster.backend, "rows": rows}))
+        return 0
+    fabric = cluster.fabric.describe() if cluster.fabric is not None else cluster.describe()
+    release = ""
+    if cluster.fabric is not None and cluster.backend == "nccl":
+        release = f", NCCL {version_text(cluster.fabric.calibration.version or LATEST)}"
+    print(f"# whatif collective: {op} on {n} ranks of {fabric} ({cluster.backend} backend{release})")
+    print(f"# {'size':>10}  {'count':>12}  {'type':>8}  {'redop':>6}  {'root':>6}  {'time':>8}  {'algbw':>7}  {'busbw':>7}  "
+          f"{'algorithm':>10}  {'protocol':>8}")
+    print(f"# {'(B)':>10}  {'(elements)':>12}  {'':>8}  {'':>6}  {'':>6}  {'(us)':>8}  {'(GB/s)':>7}  {'(GB/s)':>7}")
+    for row in rows:
+        root = "0" if op in ROOTED else "-1"
+        print(f"  {row['bytes']:>10}  {row['count']:>12}  {args.dtype:>8}  {REDOP.get(op, 'none'):>6}  {root:>6}  "
+              f"{row['time_us']:>8.2f}  {row['algbw_gbps']:>7.2f}  {row['busbw_gbps']:>7.2f}  "
+              f"{row['algorithm']:>10}  {row['protocol']:>8}")
+    if rows:
+        print(f"# Avg bus bandwidth    : {sum(r['busbw_gbps'] for r in rows) / len(rows):.3f}")
+    return 0
+
+
+def run_calibrate(args) -> int:
+    config = _with_version(load_cluster_config(args.cluster), args.nccl_version)
+    cluster = _cluster(args.cluster, config)
+    tables = [read_table(path, args.op) for path in args.files]
+    choice = parse_choices(args.algorithm, args.protocol)
+    sources = ", ".join(str(p) for p in args.files)
+    fit = fit_tables(tables, cluster, [choice] * len(tables), source=f"whatif calibrate nccl-tests {sources}")
+    print(f"{'file':<40} {'size':>12} {'measured us':>12} {'fitted us':>10} {'error':>8}  chosen")
+    for row in fit.rows:
+        print(f"{Path(row.table).name[:40]:<40} {row.size_bytes:>12.0f} {row.measured_us:>12.2f} {row.predicted_us:>10.2f} "
+              f"{row.error_pct:>+7.1f}%  {row.algorithm}/{row.protocol}")
+    errors = sorted(abs(r.error_pct) for r in fit.rows)
+    print(f"\n{len(errors)} rows: median |error| {errors[len(errors) // 2]:.1f} %, max {errors[-1]:.1f} %")
+    print("fitted (link, algorithm/protocol: bandwidth factor, latency factor, rows):")
+    for link, algorithm, protocol, bandwidth, latency, count in fit.groups:
+        name = "any other" if algorithm == "*" else f"{algorithm}/{protocol}"
+        print(f"  {link:<6} {name:<20} bandwidth x{bandwidth:.3f}  latency x{latency:.3f}  ({count} rows)")
+    for note in fit.diagnoses:
+        print(note)
+    out = {**{k: v for k, v in config.items() if k != "nccl"}, "nccl": fit.cluster.fabric.calibration.as_config()}
+    args.out.write_text(yaml.safe_dump(out, sort_keys=False), encoding="utf-8")
+    print(f"written to {args.out}")
+    return 0
+
+
+def run(args) -> int:
+    """Run ``collective`` or ``calibrate``; errors are TopologyErrors (one line)."""
+    try:
+        return run_collective(args) if args.command == "collective" else run_calibrate(args)
+    except TopologyError as err:
+        if err.key in ("algorithm", "protocol", "ranks", "op"):  # an option's value: name the option
+            raise TopologyError(f"--{err.key}", err.message) from None
+        raise
