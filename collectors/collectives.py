@@ -10,6 +10,8 @@ A trace says what a collective kernel did in up to four places, read here in thi
    (``Input Dims`` and ``Input type``: the 2023 DLRM traces have only this);
 4. the kernel's name (``ncclKernel_AllReduce_RING_LL_Sum_float``, ``ncclDevKernel_SendRecv``):
    the op, but not the message, and a ``SendRecv`` kernel may be an all-to-all or a send/recv.
+   The name also says which algorithm and protocol NCCL chose (``RING``, ``LL``), except for
+   point-to-point work (all-to-all, send/recv), whose kernels carry a nominal ``RING_SIMPLE``.
 
 The launch is found by the kernel's correlation id, and the operator and the annotation are the
 innermost ones around the launch call on its thread. Ops are named as ``topology`` prices them
@@ -29,7 +31,7 @@ import pandas as pd
 
 from .kineto import EventKind, KinetoTrace, element_bytes
 
-COLUMNS = ["event", "stream", "start_us", "end_us", "name", "op", "nbytes", "group", "group_ranks", "seq"]
+COLUMNS = ["event", "stream", "start_us", "end_us", "name", "op", "nbytes", "algorithm", "protocol", "group", "group_ranks", "seq"]
 
 #: c10d's and NCCL's names of a collective, lower-cased, without underscores: the op topology prices
 _OPS = {
@@ -44,6 +46,10 @@ _OPS = {
     "barrier": "barrier",
 }
 _KERNEL_OP = re.compile(r"nccl(?:Dev)?Kernel_([A-Za-z]+)", re.IGNORECASE)
+#: NCCL names a kernel for the algorithm and protocol it runs: ncclKernel_AllReduce_RING_LL_Sum_float
+#: (NCCL 2.x to 2.18), ncclDevKernel_AllReduce_Sum_f32_RING_LL (2.19 on)
+_KERNEL_CHOICE = re.compile(r"_(RING|TREE|COLLNET_DIRECT|COLLNET_CHAIN|NVLS_TREE|NVLS|PAT)_(LL128|LL|SIMPLE)(?:_|\(|$)")
+_POINT_TO_POINT = ("all_to_all", "send_recv")
 
 
 def op_name(name: str) -> str:
@@ -56,7 +62,9 @@ def op_name(name: str) -> str:
 def find_collectives(trace: KinetoTrace) -> pd.DataFrame:
     """One row per NCCL kernel of ``trace``, in start order: ``event`` (its row in
     ``trace.events``), ``stream`` (its GPU thread label), ``start_us``, ``end_us``, ``name``, ``op``
-    ("" where nothing names one), ``nbytes`` (NaN where no record gives the message), ``group``
+    ("" where nothing names one), ``nbytes`` (NaN where no record gives the message),
+    ``algorithm`` and ``protocol`` (NCCL's choice, lower-cased as ``topology`` names it: ``ring``,
+    ``ll``; "" where the kernel's name does not say, or for point-to-point work), ``group``
     (the process group's name, "" where unrecorded), ``group_ranks`` (its global ranks as text, ""
     where unrecorded) and ``seq`` (its sequence number in the group, -1 where unrecorded)."""
     ev = trace.events
@@ -89,11 +97,19 @@ def find_collectives(trace: KinetoTrace) -> pd.DataFrame:
             "name": names[k],
             "op": op,
             "nbytes": _message_bytes(trace, op, record, note),
+            **_choice(names[k], op),
             "group": _first_text(ev["process_group"], (k, comms)),
             "group_ranks": _first_text(ev["group_ranks"], (k, comms)),
             "seq": _first_number(ev["collective_seq"].to_numpy(), (k, comms)),
         })
     return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def _choice(kernel: str, op: str) -> dict:
+    match = _KERNEL_CHOICE.search(kernel)
+    if match is None or op in _POINT_TO_POINT:
+        return {"algorithm": "", "protocol": ""}
+    return {"algorithm": match.group(1).lower(), "protocol": match.group(2).lower()}
 
 
 class _Enclosing:

@@ -19,7 +19,7 @@ So a collective cannot complete on any rank before every rank has arrived, and t
 transfer time. The transfer of rank ``r`` is what the trace measured after the last arrival:
 ``end_r - max_q start_q``; replaying the joined graph therefore reproduces every rank's kernels,
 waits and iterations as measured, and the transfer is what a what-if on the collectives reprices
-(:meth:`Job.with_transfers`).
+(:meth:`Job.with_collectives`).
 
 Collectives are matched across ranks by process group and sequence number where the trace
 records them (c10d's ``Process Group Name`` and ``Seq``), else by their order in the group, or,
@@ -45,7 +45,9 @@ import pandas as pd
 
 from whatif.collectors.collectives import find_collectives
 from whatif.collectors.iterations import find_iterations
-from whatif.collectors.ranks import JobTraces
+from whatif.collectors.ranks import JobTraces, RankTrace
+
+from whatif.topology import Cluster, collective_cost
 
 from .build import IDLE_GAP_US, TOLERANCE_US, build_graph
 from .engine import Schedule, simulate
@@ -75,8 +77,9 @@ class Job:
     """The joined graph of a job's ranks.
 
     ``collectives``: one row per collective (index: its id): group, seq, op, nbytes (NaN where no
-    record gives it), name (the kernel's), rendezvous (task id), transfer_us (as measured: the
-    last-arriving rank's kernel time) and last_rank. ``members``: one row per rank of each
+    record gives it), algorithm and protocol (NCCL's, from the kernel's name; "" where it does not
+    say), ranks (its members), name (the kernel's), rendezvous (task id), transfer_us (as
+    measured: the last-arriving rank's kernel time after the last arrival) and last_rank. ``members``: one row per rank of each
     collective: collective, rank, arrival and completion (task ids).
     """
 
@@ -91,7 +94,7 @@ class Job:
         return simulate(self.graph)
 
     def simulate(self, graph: TaskGraph) -> Schedule:
-        """Simulate a graph transformed from the job's (``WhatIf.apply``, :meth:`with_transfers`).
+        """Simulate a graph transformed from the job's (``WhatIf.apply``, :meth:`with_collectives`).
 
         Ranks depend on each other only through a collective's rendezvous. Removing a collective
         (its kernels and rendezvous, ``--remove nccl``) would, by the remove primitive's rule,
@@ -109,15 +112,42 @@ class Job:
             graph.edges = edges[~across].reset_index(drop=True)
         return simulate(graph)
 
-    def with_transfers(self, time_us: Callable[[pd.Series], float]) -> TaskGraph:
-        """A copy of the joined graph in which every collective's completions last
-        ``time_us(collective row)`` (the row of :attr:`collectives`): a collective repriced."""
+    def with_collectives(
+        self, transfer_us: Callable[[pd.Series], float], skew_us: Optional[Callable[[pd.Series], float]] = None
+    ) -> TaskGraph:
+        """A copy of the joined graph with every collective repriced: its completions last
+        ``transfer_us(row)`` (``row``: the collective's row of :attr:`collectives`), and, given
+        ``skew_us``, its rendezvous lasts ``skew_us(row)``: the collective then completes that long
+        after the last of the job's ranks arrived, as if a rank the job does not hold (a straggler
+        known only by how long the others waited for it) arrived then."""
         graph = self.graph.copy()
-        durations = np.array([float(time_us(row)) for _, row in self.collectives.iterrows()])
-        if not (np.isfinite(durations).all() and (durations >= 0).all()):
-            raise GraphError("a collective's transfer time must be a finite number of microseconds >= 0")
-        ids = self.members["completion"].to_numpy()
-        graph.tasks.iloc[ids, graph.tasks.columns.get_loc("duration_us")] = durations[self.members["collective"].to_numpy()]
+        duration = graph.tasks.columns.get_loc("duration_us")
+        transfers = _times(self.collectives, transfer_us, "transfer")
+        graph.tasks.iloc[self.members["completion"].to_numpy(), duration] = transfers[self.members["collective"].to_numpy()]
+        if skew_us is not None:
+            graph.tasks.iloc[self.collectives["rendezvous"].to_numpy(), duration] = _times(self.collectives, skew_us, "skew")
+        return graph
+
+    def entering(self, offsets_us: Optional[dict] = None, graph: Optional[TaskGraph] = None) -> TaskGraph:
+        """A copy of ``graph`` (the job's, by default) in which rank ``r`` starts its first
+        iteration ``offsets_us[r]`` after the last rank started its own in the traces (0 where not
+        given: every rank enters together). That removes the skew with which the ranks entered
+        the traced steps (a profiler that started on each rank at another moment, a previous step
+        that ended apart), or sets one: a negative offset makes a rank come early."""
+        offsets_us = offsets_us or {}
+        unknown = set(offsets_us) - {r.rank for r in self.ranks}
+        if unknown:
+            raise GraphError(f"no rank {sorted(unknown)[0]} in this job")
+        graph = (graph if graph is not None else self.graph).copy()
+        starts = {r.rank: float(r.iterations["start_us"].min()) + r.shift_us for r in self.ranks}
+        # the simulation starts at 0: an early rank makes the others later instead
+        latest = max(starts.values()) - min([0.0] + [float(v) for v in offsets_us.values()])
+        rank_of = rank_of_tasks(graph)
+        release = graph.tasks["release_us"].to_numpy().copy()
+        for rank, start in starts.items():
+            mine = (rank_of == rank) & np.isfinite(release)
+            release[mine] += latest + float(offsets_us.get(rank, 0.0)) - start
+        graph.tasks["release_us"] = release
         return graph
 
     def rank_schedule(self, schedule: Schedule, rank: int) -> Schedule:
@@ -151,6 +181,31 @@ class Job:
         )
 
 
+def transfer_on(cluster: Cluster) -> Callable[[pd.Series], float]:
+    """The time of a collective (a row of :attr:`Job.collectives`) on ``cluster``, by
+    ``topology.collective_cost``: its op and message among its ranks (rank ``k`` on the
+    cluster's GPU ``k``), with the algorithm and protocol its kernel's name says NCCL chose;
+    for :meth:`Job.with_collectives`."""
+
+    def time_us(row: pd.Series) -> float:
+        if not np.isfinite(row["nbytes"]):
+            raise GraphError(f"collective #{row.name} ({row['op'] or row['name'][:40]}) has no recorded message size to price")
+        ranks = None if len(row["ranks"]) == cluster.n_gpus else list(row["ranks"])
+        return collective_cost(
+            cluster, row["op"], float(row["nbytes"]), ranks=ranks,
+            algorithm=row["algorithm"] or None, protocol=row["protocol"] or None,
+        ).time_us
+
+    return time_us
+
+
+def _times(collectives: pd.DataFrame, time_us: Callable[[pd.Series], float], what: str) -> np.ndarray:
+    times = np.array([float(time_us(row)) for _, row in collectives.iterrows()], dtype=np.float64)
+    if not (np.isfinite(times).all() and (times >= 0).all()):
+        raise GraphError(f"a collective's {what} time must be a finite number of microseconds >= 0")
+    return times
+
+
 def rank_of_tasks(graph: TaskGraph) -> np.ndarray:
     """Each task's rank, read from its resource's name (``rank 3: cpu 12/34``); -1 for the
     rendezvous and anything else no rank owns."""
@@ -168,14 +223,11 @@ def _rank_in_label(label: str) -> int:
 
 def build_job(job: JobTraces, iteration: Optional[str] = None) -> Job:
     """Build every rank's graph, match their collectives and join them (see the module)."""
-    graphs, tables = {}, {}
+    graphs, tables, built = {}, {}, {}
     for r in job.ranks:
-        graph = infer_stream_waits(build_graph(r.trace))
-        table = find_collectives(r.trace)
-        gpu = graph.tasks["kind"].isin([int(k) for k in (TaskKind.KERNEL, TaskKind.COMM)]).to_numpy()
-        task_of_event = pd.Series(np.flatnonzero(gpu), index=graph.tasks["event"].to_numpy()[gpu])
-        table["task"] = task_of_event.reindex(table["event"].to_numpy()).to_numpy()
-        graphs[r.rank], tables[r.rank] = graph, table
+        if id(r.trace) not in built:  # ranks that are copies of one trace share its graph
+            built[id(r.trace)] = _rank_graph(r.trace)
+        graphs[r.rank], tables[r.rank] = built[id(r.trace)]
     paths = {r.rank: r.path for r in job.ranks}
     members = match_collectives(tables, paths)
     origin = min(r.trace.origin_us for r in job.ranks)
@@ -184,6 +236,28 @@ def build_job(job: JobTraces, iteration: Optional[str] = None) -> Job:
     shift = {rank: s + offsets[rank] for rank, s in shift.items()}
     iterations = {r.rank: find_iterations(r.trace, iteration) for r in job.ranks}
     return _join(job, graphs, members, shift, offsets, iterations)
+
+
+def replicate_rank(rank: RankTrace, copies: int, iteration: Optional[str] = None) -> Job:
+    """A job of ``copies`` identical ranks, each running ``rank``'s trace: what one rank's trace
+    says of the whole job. Identical ranks compute identical schedules, so one copy gives the
+    answer of all of them (as the data-parallel predictions do); more show it. Each collective
+    first lasts as the rank measured it, waits included (:meth:`Job.with_collectives`
+    reprices it)."""
+    if copies < 1:
+        raise GraphError(f"a job needs one rank or more, not {copies}")
+    ranks = [RankTrace(k, rank.trace, rank.world_size, rank.backend, rank.rank_from) for k in range(copies)]
+    return build_job(JobTraces(ranks), iteration)
+
+
+def _rank_graph(trace) -> tuple[TaskGraph, pd.DataFrame]:
+    """A rank's graph and its collectives, each with its task in the graph."""
+    graph = infer_stream_waits(build_graph(trace))
+    table = find_collectives(trace)
+    gpu = graph.tasks["kind"].isin([int(k) for k in (TaskKind.KERNEL, TaskKind.COMM)]).to_numpy()
+    task_of_event = pd.Series(np.flatnonzero(gpu), index=graph.tasks["event"].to_numpy()[gpu])
+    table["task"] = task_of_event.reindex(table["event"].to_numpy()).to_numpy()
+    return graph, table
 
 
 def infer_stream_waits(graph: TaskGraph) -> TaskGraph:
@@ -281,7 +355,7 @@ def match_collectives(tables: dict[int, pd.DataFrame], paths: dict[int, str]) ->
         keyed["group"] = group
         out.append(keyed)
     matched = pd.concat(out, ignore_index=True)
-    return matched[["collective", "rank", "task", "start_us", "end_us", "op", "nbytes", "name", "group", "seq"]].sort_values(
+    return matched[["collective", "rank", "task", "start_us", "end_us", "op", "nbytes", "algorithm", "protocol", "name", "group", "seq"]].sort_values(
         ["collective", "rank"], ignore_index=True
     )
 
@@ -426,6 +500,7 @@ def _join(job: JobTraces, graphs: dict, members: pd.DataFrame, shift: dict, offs
             member_rows.append((key, q, arrival[(key, q)], done))
         collectives.append({
             "group": first["group"], "seq": int(first["seq"]), "op": first["op"], "nbytes": float(group["nbytes"].max()),
+            "algorithm": first["algorithm"], "protocol": first["protocol"], "ranks": tuple(ranks),
             "name": first["name"], "rendezvous": rendezvous,
             "transfer_us": float(max(measured_end[completion[(key, last_rank)]] - last, 0.0)), "last_rank": last_rank,
         })

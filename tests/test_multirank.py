@@ -22,7 +22,8 @@ from whatif.collectors.ranks import load_traces
 from whatif.report.iterations import iteration_report
 from whatif.report.ranks import rank_reports
 from whatif.sim.graph import GraphError, cpu_work
-from whatif.sim.multirank import build_job, rank_of_tasks
+from whatif.sim.multirank import build_job, rank_of_tasks, replicate_rank, transfer_on
+from whatif.topology import Cluster
 from whatif.study import WhatIf
 
 DLRM = SHARED_TRACES / "param-dlrm-8rank"
@@ -205,7 +206,7 @@ def test_removing_the_collectives_lets_every_rank_run_at_its_own_pace(dlrm):
 
 def test_repricing_the_collectives_sets_every_ranks_transfer(dlrm):
     job, replay = dlrm
-    graph = job.with_transfers(lambda row: 1000.0 if row["op"] == "all_reduce" else 0.0)
+    graph = job.with_collectives(lambda row: 1000.0 if row["op"] == "all_reduce" else 0.0)
     priced = graph.tasks["duration_us"].to_numpy()[job.members["completion"].to_numpy()]
     ops = job.collectives["op"].to_numpy()[job.members["collective"].to_numpy()]
     assert (priced == np.where(ops == "all_reduce", 1000.0, 0.0)).all()
@@ -214,6 +215,62 @@ def test_repricing_the_collectives_sets_every_ranks_transfer(dlrm):
     assert schedule.end_us[completions] - schedule.start_us[completions] == pytest.approx(priced)
     slowest = max(r.iterations["predicted_ms"].iat[0] for r in rank_reports(job, schedule, replay))
     assert slowest > 19.901, "three all-reduces of 1 ms each lengthen the job's step"
+
+
+def test_ranks_entering_together_lose_the_skew_they_entered_with(dlrm):
+    job, replay = dlrm
+    steps = [r.iterations["predicted_ms"].iat[0] for r in rank_reports(job, job.simulate(job.entering()))]
+    # rank 1 entered 7.5 ms before rank 7 and waited for it; entering together, no rank waits that long
+    assert max(steps) < 15.0 and steps[1] < 14.0
+    early = job.simulate(job.entering({7: -2000.0}))
+    assert rank_reports(job, early)[7].iterations["collective_wait_ms"].iat[0] > 2.0
+
+
+# -- one rank's trace for the whole job ---------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def dgx1():
+    return Cluster.from_config({"machine": "dgx_v100", "machines": 1})
+
+
+def test_the_kernel_names_tell_nccls_algorithm_and_protocol(dlrm):
+    job, _ = dlrm
+    reduces = job.collectives[job.collectives["op"] == "all_reduce"]
+    assert set(zip(reduces["algorithm"], reduces["protocol"])) == {("ring", "ll")}
+    assert (job.collectives.loc[job.collectives["op"] == "all_to_all", "algorithm"] == "").all(), "point-to-point"
+
+
+def test_the_collective_model_prices_the_dlrm_transfers_near_what_they_took(dlrm, dgx1):
+    job, _ = dlrm
+    price = transfer_on(dgx1)
+    ratios = np.array([price(c) / c["transfer_us"] for _, c in job.collectives.iterrows()])
+    assert ((ratios > 0.75) & (ratios < 1.1)).all(), ratios
+    assert price(job.collectives.iloc[4]) == pytest.approx(86.0, rel=0.02), "the 1.6 MB ring/LL all-reduce"
+
+
+def test_replicas_of_one_rank_are_one_rank_many_times(dgx1):
+    if not DLRM.is_dir():
+        pytest.skip(NO_SHARED)
+    rank0 = load_traces(DLRM).ranks[0]
+    price = transfer_on(dgx1)
+    steps = {}
+    for copies in (1, 8):
+        job = replicate_rank(rank0, copies)
+        schedule = job.simulate(job.with_collectives(price, lambda c: 0.0))
+        steps[copies] = [r.iterations["predicted_ms"].iat[0] for r in rank_reports(job, schedule)]
+    assert steps[8] == pytest.approx(steps[1] * 8)
+    # without any skew the step is rank 7's, the rank that entered last and waited least
+    assert steps[1][0] == pytest.approx(12.509, rel=0.01)
+
+
+def test_a_replica_that_enters_early_waits_for_the_others(dgx1):
+    if not DLRM.is_dir():
+        pytest.skip(NO_SHARED)
+    job = replicate_rank(load_traces(DLRM).ranks[0], 2)
+    graph = job.with_collectives(transfer_on(dgx1), lambda c: 0.0)
+    steps = [r.iterations["predicted_ms"].iat[0] for r in rank_reports(job, job.simulate(job.entering({1: -2000.0}, graph)))]
+    # it waits the 2 ms at the first collective, less what its early start let it do ahead
+    assert 1.5 < steps[1] - steps[0] <= 2.0 + 1e-6
 
 
 # -- refusing what is not one job ---------------------------------------------------------------
