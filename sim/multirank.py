@@ -23,9 +23,10 @@ waits and iterations as measured, and the transfer is what a what-if on the coll
 
 Collectives are matched across ranks by process group and sequence number where the trace
 records them (c10d's ``Process Group Name`` and ``Seq``), else by their order in the group, or,
-where no group is recorded (the 2023 DLRM traces), by their order on each rank's NCCL stream;
-the op must agree at every position and the message too for the ops whose message every member
-shares (all-reduce, broadcast, reduce, all-gather, reduce-scatter), else the job is refused.
+where no group is recorded (the 2023 DLRM traces), by their order on each rank's NCCL stream
+(``sim/matching.py``). Each rank's graph first gets the stream waits its trace did not record
+(``sim/passes/stream_waits.py``), so that a collective's delay reaches the compute stream that
+waits for it.
 
 The ranks' clocks: Kineto stamps events with the host's clock, so ranks of one machine share it
 and ranks of several differ by what NTP left. Each rank's clock is shifted so that its
@@ -36,7 +37,6 @@ collectives end, in the median, when the same collectives end on the ranks it wa
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -46,18 +46,17 @@ import pandas as pd
 from whatif.collectors.collectives import find_collectives
 from whatif.collectors.iterations import find_iterations
 from whatif.collectors.ranks import JobTraces, RankTrace
-
 from whatif.topology import Cluster, collective_cost
 
-from .build import IDLE_GAP_US, TOLERANCE_US, build_graph
+from .build import build_graph
 from .engine import Schedule, simulate
 from .graph import EdgeKind, GraphError, TaskGraph, TaskKind
+from .matching import match_collectives
+from .passes.stream_waits import infer_stream_waits
 from .workload import Workload
 
 #: What an arrival's name adds to its kernel's (the completion keeps the kernel's name).
 ARRIVAL_SUFFIX = " (arrival)"
-#: Ops whose message is the same on every member, so a difference means different jobs.
-SYMMETRIC_OPS = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter")
 
 
 @dataclass
@@ -258,168 +257,6 @@ def _rank_graph(trace) -> tuple[TaskGraph, pd.DataFrame]:
     task_of_event = pd.Series(np.flatnonzero(gpu), index=graph.tasks["event"].to_numpy()[gpu])
     table["task"] = task_of_event.reindex(table["event"].to_numpy()).to_numpy()
     return graph, table
-
-
-def infer_stream_waits(graph: TaskGraph) -> TaskGraph:
-    """``graph`` with the waits of one GPU stream for another that the trace did not record.
-
-    ``cudaStreamWaitEvent`` makes a stream wait for another's work (the compute stream for the
-    collective that brings its input, the NCCL stream for the gradients it reduces); Kineto
-    says which event it waited for only in its ``cuda_sync`` records (torch 2.1 on, and not in
-    every trace: the DLRM ones have none). Without them the wait is in the lag of the kernel's
-    launch edge (7 ms on DLRM rank 1's compute stream, which started 2 us after a collective
-    ended), where no change to the other stream can move it. So a GPU task that started more
-    than ``IDLE_GAP_US`` after its launch allowed, within ``IDLE_GAP_US`` after a task on another
-    stream of its GPU ended, waited for that task: the edge between them takes the measured
-    latency, and the launch edge the typical one (the median launch lag). Replay is unchanged.
-    """
-    tasks, edges = graph.tasks, graph.edges
-    launch = edges[edges["kind"] == int(EdgeKind.LAUNCH)]
-    if not len(launch):
-        return graph
-    typical = float(np.median(launch["lag_us"].to_numpy()))
-    waited = launch[launch["lag_us"] > typical + IDLE_GAP_US]
-    if not len(waited):
-        return graph
-    resource = tasks["resource"].astype(str).to_numpy()
-    device = np.array([label.split("/")[0] if label.startswith("gpu ") else "" for label in resource], dtype=object)
-    end = tasks["measured_end_us"].to_numpy()
-    start = end - tasks["duration_us"].to_numpy()
-    gpu = np.flatnonzero(device != "")
-    src, dst, lag, relaxed = [], [], [], []
-    for row, task in zip(waited.index.tolist(), waited["dst"].tolist()):
-        others = gpu[(device[gpu] == device[task]) & (resource[gpu] != resource[task])]
-        ended = others[(end[others] <= start[task] + TOLERANCE_US) & (end[others] >= start[task] - IDLE_GAP_US)]
-        if not len(ended):
-            continue
-        cause = int(ended[np.argmax(end[ended])])
-        src.append(cause)
-        dst.append(int(task))
-        lag.append(float(start[task] - end[cause]))
-        relaxed.append(row)
-    if not src:
-        return graph
-    graph = graph.copy()
-    graph.edges.loc[relaxed, "lag_us"] = typical
-    graph.add_edges([(s_, d_, l_, int(EdgeKind.STREAM_WAIT)) for s_, d_, l_ in zip(src, dst, lag)])
-    return graph
-
-
-def match_collectives(tables: dict[int, pd.DataFrame], paths: dict[int, str]) -> pd.DataFrame:
-    """Which kernel of each rank is which collective of the job.
-
-    ``tables`` maps each rank to its :func:`~whatif.collectors.collectives.find_collectives`
-    table with a ``task`` column. Returns one row per rank of each collective: collective (id,
-    in the order of the group's collectives), rank, task, start_us, end_us (the rank's clock),
-    op, nbytes, name, group, seq. Raises :class:`GraphError` with a one-line reason where the
-    ranks' collectives do not pair up.
-    """
-    ranks = sorted(tables)
-    if all(len(t) == 0 for t in tables.values()):
-        raise GraphError(
-            f"no NCCL collective kernels in the traces of ranks {ranks[0]}..{ranks[-1]}: nothing joins them "
-            "(CPU collectives, gloo, are not joined yet)"
-        )
-    frames = []
-    for rank in ranks:
-        t = tables[rank].copy()
-        t["rank"] = rank
-        t["stream_key"] = "stream " + t["stream"].str.rsplit("stream ", n=1).str[-1]
-        frames.append(t)
-    rows = pd.concat(frames, ignore_index=True)
-    rows = _group_keys(rows)
-    out = []
-    next_id = 0
-    for group, in_group in rows.groupby("group_key", sort=False):
-        expected = _members(in_group, ranks)
-        present = sorted(in_group["rank"].unique().tolist())
-        lacking = [r for r in expected if r not in present]
-        if lacking:
-            first = present[0]
-            raise GraphError(
-                f"{paths[lacking[0]]}: rank {lacking[0]} ran no collective on {_describe(group)}, which "
-                f"rank {first} ran {int((in_group['rank'] == first).sum())} times: the traces are not of one job"
-            )
-        keyed = _sequence(in_group)
-        reference = expected[0]
-        ref = keyed[keyed["rank"] == reference].set_index("seq_key")
-        for rank in expected[1:]:
-            mine = keyed[keyed["rank"] == rank].set_index("seq_key")
-            _check_same(group, reference, ref, rank, mine, paths)
-        order = ref.sort_values("start_us").index.tolist()
-        ids = {key: next_id + i for i, key in enumerate(order)}
-        next_id += len(order)
-        keyed = keyed[keyed["rank"].isin(expected)].copy()
-        keyed["collective"] = keyed["seq_key"].map(ids)
-        keyed["seq"] = keyed["seq_key"]
-        keyed["group"] = group
-        out.append(keyed)
-    matched = pd.concat(out, ignore_index=True)
-    return matched[["collective", "rank", "task", "start_us", "end_us", "op", "nbytes", "algorithm", "protocol", "name", "group", "seq"]].sort_values(
-        ["collective", "rank"], ignore_index=True
-    )
-
-
-def _group_keys(rows: pd.DataFrame) -> pd.DataFrame:
-    """Each kernel's group: its process group's name, else its NCCL stream, else, where the
-    ranks' streams are numbered differently but each rank has one, that one stream."""
-    rows["group_key"] = np.where(rows["group"] != "", "group " + rows["group"], rows["stream_key"])
-    unnamed = rows["group"] == ""
-    if unnamed.any():
-        streams = rows[unnamed].groupby("rank")["stream_key"].unique()
-        same = all(set(s) == set(streams.iloc[0]) for s in streams)
-        if not same and all(len(s) == 1 for s in streams):
-            rows.loc[unnamed, "group_key"] = "the NCCL stream"
-    return rows
-
-
-def _members(in_group: pd.DataFrame, ranks: list) -> list:
-    recorded = [r for r in in_group["group_ranks"].unique().tolist() if r]
-    if recorded:
-        try:
-            listed = json.loads(recorded[0])
-        except json.JSONDecodeError:
-            listed = None
-        if isinstance(listed, list) and listed and all(isinstance(r, int) for r in listed):
-            return sorted(r for r in listed if r in ranks) or ranks
-    return ranks
-
-
-def _sequence(in_group: pd.DataFrame) -> pd.DataFrame:
-    """The key that pairs a group's collectives: the recorded sequence numbers where every
-    kernel of the group has a distinct one on its rank, else the order on each rank."""
-    keyed = in_group.sort_values(["rank", "start_us"], kind="stable").copy()
-    numbered = (keyed["seq"] >= 0).all() and not keyed.duplicated(["rank", "seq"]).any()
-    keyed["seq_key"] = keyed["seq"] if numbered else keyed.groupby("rank").cumcount()
-    return keyed
-
-
-def _check_same(group, ref_rank, ref, rank, mine, paths) -> None:
-    where = f"{paths[rank]}: rank {rank}"
-    if len(mine) != len(ref) or set(mine.index) != set(ref.index):
-        raise GraphError(
-            f"{where} ran {len(mine)} collectives on {_describe(group)} and rank {ref_rank} ran {len(ref)}"
-            + ("" if len(mine) != len(ref) else ", with other sequence numbers")
-            + ": the traces are not of one job, or cover different steps"
-        )
-    for key in ref.index:
-        a, b = ref.loc[key], mine.loc[key]
-        symmetric = a["op"] in SYMMETRIC_OPS
-        sizes_differ = symmetric and np.isfinite(a["nbytes"]) and np.isfinite(b["nbytes"]) and a["nbytes"] != b["nbytes"]
-        if a["op"] != b["op"] or sizes_differ:
-            raise GraphError(
-                f"{where}'s collective #{key} on {_describe(group)} is {_what(b)} where rank {ref_rank}'s is "
-                f"{_what(a)}: the traces are not of one job"
-            )
-
-
-def _describe(group: str) -> str:
-    return group if group.startswith(("group", "the")) else f"NCCL {group}"
-
-
-def _what(row) -> str:
-    size = f" of {row['nbytes']:.0f} bytes" if np.isfinite(row["nbytes"]) else ""
-    return f"{row['op'] or row['name'][:40]}{size}"
 
 
 def _clock_offsets(members: pd.DataFrame, shift: dict) -> dict:
