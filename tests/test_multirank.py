@@ -21,7 +21,9 @@ from whatif.collectors.kineto import TraceError
 from whatif.collectors.ranks import load_traces
 from whatif.report.iterations import iteration_report
 from whatif.report.ranks import rank_reports
-from whatif.sim.graph import GraphError, cpu_work
+from whatif.sim.engine import simulate
+from whatif.sim.graph import EdgeKind, GraphError, TaskKind, cpu_work
+from whatif.sim.passes.stream_waits import infer_stream_waits
 from whatif.sim.multirank import build_job, rank_of_tasks, replicate_rank, transfer_on
 from whatif.topology import Cluster
 from whatif.study import WhatIf
@@ -376,3 +378,23 @@ def test_simulate_of_a_folder_prints_each_ranks_iterations(capsys):
         assert f"rank {k}: {dlrm_rank(k)}" in out
     assert out.count("ProfilerStep#10") == 8
     assert "speed-up" in out and "collective wait ms" in out
+
+
+# -- the stream waits a trace did not record ------------------------------------------------------
+
+def test_inferred_stream_waits_leave_every_replay_as_it_was(traces, kineto_trace):
+    graph = traces.study(kineto_trace).graph
+    inferred = infer_stream_waits(graph)
+    assert len(inferred.tasks) == len(graph.tasks) and len(inferred.edges) >= len(graph.edges)
+    before, after = simulate(graph), simulate(inferred)
+    np.testing.assert_allclose(after.start_us, before.start_us, atol=1e-6)
+    np.testing.assert_allclose(after.end_us, before.end_us, atol=1e-6)
+
+
+def test_a_compute_kernel_that_waited_for_a_collective_now_waits_on_it(traces):
+    graph = traces.study("param-dlrm-8rank/worker1.json.gz").graph
+    inferred = infer_stream_waits(graph)
+    added = inferred.edges.iloc[len(graph.edges):]
+    assert (added["kind"] == int(EdgeKind.STREAM_WAIT)).all() and len(added) == 3
+    assert (inferred.tasks["kind"].to_numpy()[added["src"].to_numpy()] == int(TaskKind.COMM)).all()
+    assert (added["lag_us"] <= 5.0).all(), "2 to 5 us after the collective ended"
