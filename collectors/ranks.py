@@ -79,7 +79,11 @@ def load_traces(paths_or_folder: Union[str, Path, Sequence[Union[str, Path]]]) -
             ranks.append(_identify(load_trace(path)))
     where = paths[0] if len(paths) == 1 else ", ".join(str(p) for p in paths)
     if len(ranks) < 2:
-        raise TraceError(where, f"a multi-rank job needs two or more rank traces; found {len(ranks)}")
+        raise TraceError(
+            where,
+            f"a multi-rank job needs two or more rank traces, found {len(ranks)} (one trace: give its file; "
+            "a capture bundle is a folder with a bundle.json)",
+        )
     _check_ranks(ranks, where)
     return JobTraces(sorted(ranks, key=lambda r: r.rank), skipped)
 

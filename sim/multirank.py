@@ -78,8 +78,10 @@ class Job:
     ``collectives``: one row per collective (index: its id): group, seq, op, nbytes (NaN where no
     record gives it), algorithm and protocol (NCCL's, from the kernel's name; "" where it does not
     say), ranks (its members), name (the kernel's), rendezvous (task id), transfer_us (as
-    measured: the last-arriving rank's kernel time after the last arrival) and last_rank. ``members``: one row per rank of each
-    collective: collective, rank, arrival and completion (task ids).
+    measured: the last-arriving rank's kernel time) and last_rank. ``members``: one row per rank
+    of each collective: collective, rank, arrival and completion (task ids). Task ids are those of
+    :attr:`graph` and of copies of it that change durations only (:meth:`with_collectives`,
+    ``graph.scale``); a removal renumbers tasks.
     """
 
     graph: TaskGraph
