@@ -86,6 +86,12 @@ class _Args(msgspec.Struct, gc=False):
     message_elements: int = msgspec.field(name="In msg nelems", default=-1)
     message_dtype: str = msgspec.field(name="dtype", default="")
     sequence_nr: int = msgspec.field(name="Sequence number", default=-1)
+    # a collective, as c10d records it on record_param_comms and on its NCCL kernel (torch 2.x)
+    collective_name: str = msgspec.field(name="Collective name", default="")
+    out_elements: int = msgspec.field(name="Out msg nelems", default=-1)
+    process_group: msgspec.Raw = msgspec.field(name="Process Group Name", default=msgspec.Raw())
+    group_ranks: msgspec.Raw = msgspec.field(name="Process Group Ranks", default=msgspec.Raw())
+    collective_seq: int = msgspec.field(name="Seq", default=-1)
 
 
 class _Event(msgspec.Struct, gc=False):
@@ -118,7 +124,14 @@ class KinetoTrace:
     the cuda_sync fields (sync_kind, wait_on_stream, wait_on_record_correlation), and the message
     of a collective kernel (message_elements, message_dtype: NCCL's "In msg nelems", "dtype"),
     and the autograd sequence number (sequence_nr: the same on a forward operator and on the
-    backward node it created; -1 where there is none).
+    backward node it created; -1 where there is none). A collective's record (c10d's
+    ``record_param_comms`` and, from torch 2.1, its NCCL kernel) adds collective_name (c10d's
+    name: ``allreduce``, ``all_to_all``...), out_elements ("Out msg nelems"), process_group (the
+    group's name), group_ranks (its global ranks, as text: ``[0, 1]``) and collective_seq (the
+    collective's sequence number in its group, torch 2.5 on); "" or -1 where absent.
+
+    ``input_dims`` and ``input_types`` hold the recorded inputs of operators, and of the
+    ``nccl:*`` annotations c10d wraps each collective in (their input is the message).
     """
 
     path: str
@@ -245,8 +258,8 @@ def read_kineto(path: Union[str, Path]) -> KinetoTrace:
     threads = [thread_of(k, ev, a) for k, ev, a in zip(kinds, kept, args)]
     names = [ev.name for ev in kept]
     ts = [ev.ts for ev in kept]
-    input_dims = {i: a.input_dims for i, a in enumerate(args) if len(a.input_dims) and kinds[i] == EventKind.CPU_OP}
-    input_types = {i: a.input_types for i, a in enumerate(args) if len(a.input_types) and kinds[i] == EventKind.CPU_OP}
+    input_dims = {i: a.input_dims for i, a in enumerate(args) if len(a.input_dims) and _has_inputs(kinds[i], names[i])}
+    input_types = {i: a.input_types for i, a in enumerate(args) if len(a.input_types) and _has_inputs(kinds[i], names[i])}
     concrete_inputs = {i: a.concrete_inputs for i, a in enumerate(args) if len(a.concrete_inputs) and kinds[i] == EventKind.CPU_OP}
     ts_arr = np.asarray(ts, dtype=np.float64)
     base_time = _json_or(doc.baseTimeNanoseconds, None)
@@ -269,6 +282,11 @@ def read_kineto(path: Union[str, Path]) -> KinetoTrace:
             "message_elements": np.asarray([a.message_elements for a in args], dtype=np.int64),
             "message_dtype": pd.Categorical([a.message_dtype for a in args]),
             "sequence_nr": np.asarray([a.sequence_nr for a in args], dtype=np.int64),
+            "collective_name": pd.Categorical([a.collective_name for a in args]),
+            "out_elements": np.asarray([a.out_elements for a in args], dtype=np.int64),
+            "process_group": pd.Categorical([_text(a.process_group) if len(a.process_group) else "" for a in args]),
+            "group_ranks": pd.Categorical([_text(a.group_ranks) if len(a.group_ranks) else "" for a in args]),
+            "collective_seq": np.asarray([a.collective_seq for a in args], dtype=np.int64),
         }
     )
     return KinetoTrace(
@@ -288,6 +306,39 @@ def _looks_like_annotation(name: str) -> bool:
     """The 2021 schema files record_function ranges under ``Operator``; their names give them
     away (``ProfilerStep#3``, ``Optimizer.step#SGD.step``, ``## forward ##``)."""
     return "#" in name and "::" not in name
+
+
+#: Bytes per element of the dtype names profilers and c10d write (``float``, ``Float``, ``c10::Half``,
+#: ``long int``), lower-cased
+_BYTES_PER_ELEMENT = {
+    "float": 4, "float32": 4, "c10::half": 2, "half": 2, "float16": 2, "c10::bfloat16": 2, "bfloat16": 2,
+    "double": 8, "float64": 8, "int": 4, "int32": 4, "long int": 8, "long": 8, "int64": 8,
+    "bool": 1, "byte": 1, "char": 1, "signed char": 1, "unsigned char": 1, "uint8": 1, "int8": 1,
+}
+
+
+def element_bytes(dtype: str) -> int:
+    """Bytes of one element of a profiler's or c10d's dtype name (``float``, ``c10::Half``,
+    ``long int``...); 4 where unknown."""
+    return _BYTES_PER_ELEMENT.get(str(dtype).strip().lower(), 4)
+
+
+def _has_inputs(kind: int, name: str) -> bool:
+    """Whose recorded inputs are kept: operators', and those of the ``nccl:*`` annotation around
+    a collective (c10d's record of its message)."""
+    return kind == EventKind.CPU_OP or (kind == EventKind.ANNOTATION and name.startswith("nccl:"))
+
+
+def _text(raw: msgspec.Raw) -> str:
+    """A value the profiler writes as a string in one version and a number or list in another
+    (a process group's name, its ranks), as text: ``"0"``, ``"[0, 1]"``; "" where absent."""
+    if not len(raw):
+        return ""
+    try:
+        value = msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        return ""
+    return value if isinstance(value, str) else msgspec.json.encode(value).decode().replace(",", ", ")
 
 
 def _json_or(raw: msgspec.Raw, default):

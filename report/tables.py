@@ -25,6 +25,8 @@ _ITERATION_COLUMNS = {
     "gpu_busy_ms": "GPU busy ms",
     "gpu_idle_ms": "GPU idle ms",
     "sync_wait_ms": "sync wait ms",
+    "collective_wait_ms": "collective wait ms",
+    "transfer_ms": "transfer ms",
 }
 _RESULT_COLUMNS = {
     "machines": "machines",

@@ -34,10 +34,10 @@ import numpy as np
 import pandas as pd
 
 from whatif.collectors.bundle import BundledTrace
-from whatif.collectors.kineto import CPU_KINDS, EventKind, KinetoTrace
+from whatif.collectors.kineto import CPU_KINDS, EventKind, KinetoTrace, element_bytes
 
 from .graph import EdgeKind, GraphError, TaskGraph, TaskKind
-from .workload import GRADIENT_READY_COLUMNS, OPERATOR_KINDS, PARAMETER_COLUMNS, Workload, element_bytes
+from .workload import GRADIENT_READY_COLUMNS, OPERATOR_KINDS, PARAMETER_COLUMNS, Workload
 
 #: A thread that was idle this long was waiting for something, not computing (microseconds).
 IDLE_GAP_US = 50.0

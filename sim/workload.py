@@ -30,13 +30,11 @@ from typing import Optional
 import numpy as np
 import pandas as pd
 
+from whatif.collectors.kineto import element_bytes
+
 OPERATOR_KINDS = ("operator", "annotation", "python")
 PARAMETER_COLUMNS = ["name", "layer", "shape", "numel", "dtype", "element_size", "requires_grad"]
 GRADIENT_READY_COLUMNS = ["step", "parameter", "at_us", "thread"]
-_BYTES_PER_ELEMENT = {
-    "float": 4, "float32": 4, "c10::half": 2, "half": 2, "c10::bfloat16": 2, "bfloat16": 2,
-    "double": 8, "float64": 8, "int": 4, "long int": 8, "int64": 8, "bool": 1,
-}
 
 
 @dataclass
@@ -81,11 +79,6 @@ def empty_operators() -> pd.DataFrame:
         },
         index=pd.Index(np.zeros(0, dtype=np.int64)),
     )
-
-
-def element_bytes(dtype: str) -> int:
-    """Bytes of one element of a profiler's dtype name (``float``, ``c10::Half``, ...); 4 where unknown."""
-    return _BYTES_PER_ELEMENT.get(str(dtype).lower(), 4)
 
 
 def decode_inputs(text) -> list:

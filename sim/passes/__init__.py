@@ -10,6 +10,8 @@ carries, ``sim/workload.py``) and its own parameters, never the trace. One modul
 * ``profiler_overhead``: the profiler's own cost taken out of a profiled trace;
 * ``shared_memory``: each CPU task's memory traffic, and its slowdown beside peers that share
   its memory system;
+* ``stream_waits``: the waits of one GPU stream for another that the trace did not record, where
+  a collective's delay must reach the compute stream (the ranks of a job);
 * ``operator_units``: not a pass, the view of the operator table that the shape-driven passes
   read (the unit an operator performance model times).
 """

@@ -23,9 +23,14 @@ class UsageError(Exception):
     """A command-line value that is well-formed for argparse but means nothing."""
 
 
-def add_trace_options(parser) -> None:
-    """The argument and options of the commands that read one trace."""
-    parser.add_argument("trace", type=Path, help="PyTorch profiler (Kineto) trace (.json or .json.gz), or a bundle folder")
+def add_trace_options(parser, ranks: bool = False) -> None:
+    """The argument and options of the commands that read one trace (``ranks``: or a job's
+    per-rank traces, a folder of them or several files)."""
+    if ranks:
+        parser.add_argument("trace", type=Path, nargs="+", help="PyTorch profiler (Kineto) trace (.json or .json.gz), "
+                            "or a bundle folder; or a job's per-rank traces: a folder of them, or several files")
+    else:
+        parser.add_argument("trace", type=Path, help="PyTorch profiler (Kineto) trace (.json or .json.gz), or a bundle folder")
     parser.add_argument("--iteration", metavar="NAME", help="annotation that marks an iteration (default: ProfilerStep#N)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--timeline", type=Path, metavar="OUT.json", help="write the simulated timeline (Chrome trace)")

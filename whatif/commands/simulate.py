@@ -6,6 +6,10 @@ scalings, removals) and a batch size, and reports each iteration beside the unch
 every prediction does, it takes the profiler's overhead out of a bundle that timed plain steps
 (``--profiler-overhead keep`` leaves it in), from the what-if and the unchanged job alike, so
 the speed-up is the what-if's alone.
+
+Given a job's per-rank traces (a folder of them, or several files), both build the job
+(``collectors/ranks.py``, ``sim/multirank.py``: the ranks joined at their collectives), apply the
+what-ifs to every rank, and report each rank's iterations.
 """
 
 from __future__ import annotations
@@ -18,10 +22,13 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
+from whatif.collectors.ranks import is_job, load_traces
 from whatif.pipeline import Prediction, Request, WhatIf, predict
 from whatif.report.iterations import steady_median
+from whatif.report.ranks import job_json, rank_reports
 from whatif.report.tables import iteration_table, json_records
 from whatif.report.timeline import write_timeline
+from whatif.sim.multirank import build_job
 from whatif.sim.passes.optimizations import OPTIMIZATIONS
 
 from . import UsageError, add_trace_options
@@ -30,9 +37,9 @@ from .perfmodel import load_for_cli
 
 def add_parsers(sub) -> None:
     replay = sub.add_parser("replay", help="simulate the unmodified trace: measured against predicted")
-    add_trace_options(replay)
+    add_trace_options(replay, ranks=True)
     simulate = sub.add_parser("simulate", help="apply what-ifs to the trace's graph and predict")
-    add_trace_options(simulate)
+    add_trace_options(simulate, ranks=True)
     simulate.add_argument(
         "--optimization",
         action="append",
@@ -52,6 +59,9 @@ def add_parsers(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if is_job(args.trace):
+        return run_job(args)
+    args.trace = args.trace[0]
     if args.command == "replay":
         prediction = predict(Request(args.trace, args.iteration, remove_profiler_overhead=False))
         report, what = prediction.report, {}
@@ -78,6 +88,36 @@ def run(args: argparse.Namespace) -> int:
         print(iteration_table(report))
         if args.timeline is not None:
             print(f"timeline written to {args.timeline}")
+    return 0
+
+
+def run_job(args: argparse.Namespace) -> int:
+    """``replay`` / ``simulate`` of a multi-rank job: every rank's iterations."""
+    if args.command == "simulate" and args.batch_size is not None:
+        raise UsageError("--batch-size: a multi-rank job cannot be rebatched yet; give one rank's trace")
+    job = build_job(load_traces(args.trace), args.iteration)
+    for path, why in job.skipped:
+        print(f"whatif: skipped {path}: {why}", file=sys.stderr)
+    replay = schedule = job.replay()
+    what = {}
+    if args.command == "simulate":
+        what_if = WhatIf(optimizations=args.optimization, scale=[_parse_scale(s) for s in args.scale], remove=args.remove)
+        schedule = job.simulate(what_if.apply(job.graph))
+        what = {"optimizations": list(args.optimization), "scale": list(args.scale), "remove": list(args.remove)}
+    reports = rank_reports(job, schedule, replay if args.command == "simulate" else None)
+    if args.timeline is not None:
+        write_timeline(schedule, args.timeline, protect=tuple(r.path for r in job.ranks))
+    if args.json:
+        out = {"traces": [str(p) for p in args.trace], **job_json(job, reports, schedule), **what}
+        sys.stdout.write(msgspec.json.encode(out).decode() + "\n")
+        return 0
+    for report in reports:
+        print(f"rank {report.rank}: {report.trace}")
+        print(iteration_table(report.iterations))
+    print(f"{len(reports)} ranks joined at {len(job.collectives)} collectives; "
+          f"clocks aligned within {max(abs(v) for v in job.clock_offsets_us.values()):.1f} us")
+    if args.timeline is not None:
+        print(f"timeline written to {args.timeline}")
     return 0
 
 
