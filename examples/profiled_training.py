@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile, schedule
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 WARMUP_STEPS = 3
 PROFILED_STEPS = 5
@@ -40,6 +40,15 @@ def with_batch_size(loader: DataLoader, batch_size: int | None) -> DataLoader:
         return loader
     generator = torch.Generator().manual_seed(0)
     return DataLoader(loader.dataset, batch_size=batch_size, shuffle=True, drop_last=True, generator=generator)
+
+
+def shard(loader: DataLoader, rank: int, size: int) -> DataLoader:
+    """The same loader over data-parallel rank ``rank``'s ``1/size`` of the data set, batches of
+    the same size (every data-parallel run, and what one worker compares them with)."""
+    if size == 1:
+        return loader
+    sampler = DistributedSampler(loader.dataset, num_replicas=size, rank=rank, shuffle=True, seed=0, drop_last=True)
+    return DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=sampler, drop_last=True)
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: nn.Module, inputs, labels,

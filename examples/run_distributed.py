@@ -1,9 +1,10 @@
-"""Time an example model's training steps on one worker, under Horovod or under PyTorch DDP (Gloo).
+"""Time an example model's training steps on one worker, under Horovod, PyTorch DDP or a parallel family (Gloo).
 
 These runs are the ground truth that predictions are checked against: the same model, batch and
-training step as the single-worker trace (``examples/profiled_training.py``), data-parallel over
-``world_size`` CPU workers, each worker with its own batch of the same size (a shard of the
-data set) and ``--threads`` intra-op threads.
+training step as the single-worker trace (``examples/profiled_training.py``), over
+``world_size`` CPU workers with ``--threads`` intra-op threads each. Data-parallel ranks each
+get their own batch of the same size (a shard of the data set); ranks that split the model
+(tensor, pipeline) share theirs.
 
 - ``single``: one process, no communication.
 - ``horovod``: ``hvd.init()``, the initial parameters and optimizer state broadcast from rank 0,
@@ -12,16 +13,24 @@ data set) and ``--threads`` intra-op threads.
   ``horovodrun --gloo -np N -H localhost:N python examples/run_distributed.py ...``.
 - ``ddp``: ``DistributedDataParallel`` over the Gloo backend with its default 25 MB buckets,
   rendezvous by env:// (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE), as ``torchrun`` sets them.
+- ``fsdp``, ``tp`` (``--sequence-parallel``), ``pp`` (``--microbatches``, ``--schedule``),
+  ``ep`` (``--model moe``) and ``fsdp+tp`` (``--tensor``): FSDP2, DTensor tensor parallelism,
+  ``torch.distributed.pipelining``, expert parallelism by all-to-all, and FSDP2 over tensor
+  parallelism, launched like DDP (``examples/parallel.py`` says how each is set up).
 
 An iteration is the time from one step's end to the next one's: loading the batch, forward,
 backward and the optimizer step, whose end is synchronous with the communication (DDP's
 backward waits for its last bucket, Horovod's ``step()`` for its last all-reduce) and with the
-compute (``loss.item()``). Every worker records its iteration times after ``--warmup`` steps;
-rank 0 gathers them and writes the JSON report: the run's settings, ``median_ms`` (rank 0's
-median iteration) and per worker its rank, host, median, every iteration time, where its steps
-went (page faults, each phase's wall and training-thread CPU time, the other threads' CPU time)
-and a hash of its parameters after the last step (the same on every worker when the gradients
-were averaged).
+compute (``loss.item()``); a pipeline step is the schedule's run (every microbatch forward
+and backward, the phase ``schedule``) and the optimizer step. Every worker records its iteration
+times after ``--warmup`` steps; rank 0 gathers them and writes the JSON report: the run's
+settings (the parallel families' degrees and options under ``parallelism``), ``median_ms``
+(rank 0's median iteration) and per worker its rank, host, median, every iteration time, where
+its steps went (page faults, each phase's wall and training-thread CPU time, the other threads'
+CPU time), its coordinates in the parallel layout, its loss in every step from the first
+(warm-up included; NaN on pipeline stages without the loss), the bytes of parameters it holds
+and a hash of them after the last step (the same on every worker when the gradients were
+averaged; each rank's own shard under FSDP, TP, PP and EP).
 
 Usage::
 
@@ -45,18 +54,38 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 
-from profiled_training import endless, gradient_bytes, train_step, with_batch_size
+import parallel
+from profiled_training import endless, gradient_bytes, shard, train_step, with_batch_size
 
-MODELS = ("convnet", "vgg", "wide_mlp", "transformer")
-FRAMEWORKS = ("single", "horovod", "ddp")
+MODELS = ("convnet", "vgg", "wide_mlp", "transformer", "moe")
+FRAMEWORKS = ("single", "horovod", "ddp") + parallel.FAMILIES
 # Horovod 0.28.1's defaults when the environment sets nothing (horovod/common/operations.cc).
 HOROVOD_DEFAULT_FUSION_THRESHOLD_BYTES = 128 * 1024 * 1024
 HOROVOD_DEFAULT_CYCLE_TIME_MS = 1.0
 
 
-class SingleWorker:
+class DataParallelWorker:
+    """What the data-parallel workers share: every rank its own data, the plain training step."""
+
+    @property
+    def data_rank(self) -> int:
+        return self.rank
+
+    @property
+    def data_size(self) -> int:
+        return self.size
+
+    @property
+    def coordinates(self) -> dict:
+        return {"data": self.rank, "tensor": 0, "pipeline": 0}
+
+    def step(self, model, optimizer, loss_fn, inputs, labels, mark) -> float:
+        return train_step(model, optimizer, loss_fn, inputs, labels, mark=mark)
+
+
+class SingleWorker(DataParallelWorker):
     """One process: nothing to wrap, nothing to send."""
 
     rank, size = 0, 1
@@ -74,7 +103,7 @@ class SingleWorker:
         pass
 
 
-class HorovodWorker:
+class HorovodWorker(DataParallelWorker):
     """A Horovod worker: all-reduces gradients in ``optimizer.step()`` through its background thread."""
 
     def __init__(self) -> None:
@@ -108,7 +137,7 @@ class HorovodWorker:
         self.hvd.shutdown()
 
 
-class DDPWorker:
+class DDPWorker(DataParallelWorker):
     """A PyTorch DDP worker on the Gloo backend: all-reduces gradient buckets during backward."""
 
     def __init__(self) -> None:
@@ -142,6 +171,13 @@ class DDPWorker:
 WORKERS = {"single": SingleWorker, "horovod": HorovodWorker, "ddp": DDPWorker}
 
 
+def start_worker(framework: str, options: parallel.ParallelOptions):
+    """This process's worker of ``framework`` (a parallel family's with ``options``)."""
+    if framework in parallel.WORKERS:
+        return parallel.WORKERS[framework](options)
+    return WORKERS[framework]()
+
+
 def build_model(name: str) -> tuple[nn.Module, DataLoader]:
     """The model and data loader of ``examples/NAME.py``."""
     if name not in MODELS:
@@ -150,25 +186,17 @@ def build_model(name: str) -> tuple[nn.Module, DataLoader]:
     return importlib.import_module(name).build()
 
 
-def shard(loader: DataLoader, rank: int, size: int) -> DataLoader:
-    """The same loader over this worker's ``1/size`` of the data set, batches of the same size."""
-    if size == 1:
-        return loader
-    sampler = DistributedSampler(loader.dataset, num_replicas=size, rank=rank, shuffle=True, seed=0, drop_last=True)
-    return DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=sampler, drop_last=True)
-
-
 class PhaseClock:
     """Where a worker's steps go: each phase's wall time and its CPU time on the training
     thread, and the CPU time the process's other threads (the framework's communication) took
     per step. On a worker pinned to one core, a phase's wall time beyond its own CPU time is
-    what those threads and waiting took from it, which the simulator's CPU contention models."""
-
-    PHASES = ("forward", "backward", "step")
+    what those threads and waiting took from it, which the simulator's CPU contention models.
+    The phases are those the step marks: forward, backward and step, or a pipeline's schedule
+    and step."""
 
     def __init__(self) -> None:
-        self.wall_ms = {phase: [] for phase in self.PHASES}
-        self.cpu_ms = {phase: [] for phase in self.PHASES}
+        self.wall_ms: dict = {}  # phase -> its times, in the order the phases came
+        self.cpu_ms: dict = {}
         self.restart()
 
     def restart(self) -> None:
@@ -177,8 +205,8 @@ class PhaseClock:
 
     def mark(self, phase: str) -> None:
         wall, cpu = time.perf_counter(), time.thread_time()
-        self.wall_ms[phase].append((wall - self.last_wall) * 1e3)
-        self.cpu_ms[phase].append((cpu - self.last_cpu) * 1e3)
+        self.wall_ms.setdefault(phase, []).append((wall - self.last_wall) * 1e3)
+        self.cpu_ms.setdefault(phase, []).append((cpu - self.last_cpu) * 1e3)
         self.last_wall, self.last_cpu = wall, cpu
 
     def medians(self) -> dict:
@@ -188,16 +216,16 @@ class PhaseClock:
         }
 
 
-def time_iterations(model, optimizer, loader: DataLoader, warmup: int, steps: int) -> tuple[list[float], dict]:
-    """Run ``warmup`` then ``steps`` training steps; each timed step's wall time in milliseconds,
-    and per timed step: the process's minor page faults (a capture records its own, and
-    ``whatif validate`` holds the two side by side), the phases' medians (``PhaseClock``) and
-    the CPU time of the threads other than the training thread."""
+def time_iterations(worker, model, optimizer, loader: DataLoader, warmup: int, steps: int) -> tuple[list[float], dict]:
+    """Run ``warmup`` then ``steps`` training steps (``worker.step``); each timed step's wall
+    time in milliseconds, and: the process's minor page faults per timed step (a capture records
+    its own, and ``whatif validate`` holds the two side by side), the phases' medians
+    (``PhaseClock``), the CPU time per timed step of the threads other than the training thread,
+    and every step's loss."""
     loss_fn = nn.CrossEntropyLoss()
     batches = endless(loader)
     model.train()
-    for _ in range(warmup):
-        train_step(model, optimizer, loss_fn, *next(batches))
+    losses = [worker.step(model, optimizer, loss_fn, *next(batches), lambda phase: None) for _ in range(warmup)]
     times_ms = []
     clock = PhaseClock()
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -206,7 +234,7 @@ def time_iterations(model, optimizer, loader: DataLoader, warmup: int, steps: in
     for _ in range(steps):
         start = end
         clock.restart()
-        train_step(model, optimizer, loss_fn, *next(batches), mark=clock.mark)
+        losses.append(worker.step(model, optimizer, loss_fn, *next(batches), clock.mark))
         end = time.perf_counter()
         times_ms.append((end - start) * 1e3)
     # the two clocks are read one after the other: a few microseconds apart, never below zero
@@ -215,6 +243,7 @@ def time_iterations(model, optimizer, loader: DataLoader, warmup: int, steps: in
         "page_faults_per_step": (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / steps,
         **clock.medians(),
         "other_threads_cpu_ms_per_step": other_threads_cpu / steps * 1e3,
+        "losses": losses,
     }
 
 
@@ -222,23 +251,37 @@ def fingerprint(model: nn.Module) -> str:
     """SHA-1 of the parameters' bytes: equal on every worker iff they trained in lockstep."""
     digest = hashlib.sha1()
     for parameter in model.parameters():
-        digest.update(parameter.detach().cpu().contiguous().numpy().tobytes())
+        digest.update(local(parameter).detach().cpu().contiguous().numpy().tobytes())
     return digest.hexdigest()
 
 
-def run(model_name: str, framework: str, steps: int, warmup: int, threads: int, batch_size=None) -> tuple[int, dict]:
+def local(parameter: torch.Tensor) -> torch.Tensor:
+    """The part of a parameter this worker holds (a DTensor's local shard)."""
+    return parameter.to_local() if hasattr(parameter, "to_local") else parameter
+
+
+def parameter_bytes(model: nn.Module) -> int:
+    """Bytes of parameters this worker holds."""
+    return sum(local(p).numel() * p.element_size() for p in model.parameters())
+
+
+def run(model_name: str, framework: str, steps: int, warmup: int, threads: int, batch_size=None,
+        options: parallel.ParallelOptions = parallel.ParallelOptions()) -> tuple[int, dict]:
     """Train ``model_name`` under ``framework``; this worker's rank and the run's report."""
     torch.set_num_threads(threads)
-    worker = WORKERS[framework]()
+    worker = start_worker(framework, options)
     try:
         model, loader = build_model(model_name)
         loader = with_batch_size(loader, batch_size)
+        whole_model_gradient_bytes = gradient_bytes(model)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         model_for_training, optimizer = worker.prepare(model, optimizer)
-        times_ms, where = time_iterations(model_for_training, optimizer, shard(loader, worker.rank, worker.size), warmup, steps)
+        trained = getattr(model_for_training, "module", model_for_training)  # DDP's wrapped model
+        data = shard(loader, worker.data_rank, worker.data_size)
+        times_ms, where = time_iterations(worker, model_for_training, optimizer, data, warmup, steps)
         mine = {"rank": worker.rank, "hostname": socket.gethostname(), "pid": os.getpid(),
-                "median_ms": statistics.median(times_ms), "iteration_ms": times_ms, **where,
-                "parameters_sha1": fingerprint(model)}
+                "coordinates": worker.coordinates, "median_ms": statistics.median(times_ms), "iteration_ms": times_ms,
+                **where, "parameter_bytes": parameter_bytes(trained), "parameters_sha1": fingerprint(trained)}
         workers = worker.gather(mine)
         report = {
             "model": model_name,
@@ -246,7 +289,7 @@ def run(model_name: str, framework: str, steps: int, warmup: int, threads: int, 
             "world_size": worker.size,
             "threads": threads,
             "batch_size": loader.batch_size,
-            "gradient_bytes": gradient_bytes(model),
+            "gradient_bytes": whole_model_gradient_bytes,
             "warmup_steps": warmup,
             "steps": steps,
             "torch_version": torch.__version__,
@@ -269,13 +312,24 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per worker (default: 1)")
     parser.add_argument("--batch-size", type=int, help="per-worker batch size (default: the example's)")
     parser.add_argument("--json", type=Path, help="where rank 0 writes the report (default: standard output)")
+    defaults = parallel.ParallelOptions()
+    parser.add_argument("--tensor", type=int, default=defaults.tensor,
+                        help=f"fsdp+tp: tensor-parallel ranks, the rest data parallel (default: {defaults.tensor})")
+    parser.add_argument("--sequence-parallel", action="store_true", help="tp, fsdp+tp: shard norms and residuals by sequence")
+    parser.add_argument("--microbatches", type=int, default=defaults.microbatches,
+                        help=f"pp: microbatches per batch (default: {defaults.microbatches})")
+    parser.add_argument("--schedule", choices=parallel.SCHEDULES, default=defaults.schedule,
+                        help=f"pp: the pipeline schedule (default: {defaults.schedule})")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0 or args.threads < 1 or (args.batch_size is not None and args.batch_size < 1):
         parser.error("--steps, --threads and --batch-size must be at least 1, --warmup at least 0")
-    rank, report = run(args.model, args.framework, args.steps, args.warmup, args.threads, args.batch_size)
+    if args.tensor < 1 or args.microbatches < 1:
+        parser.error("--tensor and --microbatches must be at least 1")
+    options = parallel.ParallelOptions(args.tensor, args.sequence_parallel, args.microbatches, args.schedule)
+    rank, report = run(args.model, args.framework, args.steps, args.warmup, args.threads, args.batch_size, options)
     if rank == 0:
         write_report(report, args)
-    if args.framework == "ddp":  # see DDPWorker.close
+    if args.framework not in ("single", "horovod"):  # see DDPWorker.close
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)

@@ -8,6 +8,11 @@ token embedding, which is the last gradient backward produces and the first one 
 A step on a batch of 8 sequences takes about 130 ms on one core, so the model sits between the
 compute-bound convnet and the communication-bound wide MLP.
 
+The attention's fused projection lays its outputs out head by head (each head's query, key and
+value side by side), as Megatron-LM does, so that splitting it by columns over tensor-parallel
+ranks gives each rank whole heads (``examples/parallel.py``). The classifier's ``embed`` and
+``classify`` are the parts before and after the blocks, which pipeline stages reuse.
+
 The training loop and profiler settings are those of ``examples/profiled_training.py``.
 
 Usage::
@@ -39,19 +44,23 @@ NUM_SEQUENCES = 1024
 
 
 class SelfAttention(nn.Module):
-    """Multi-head self-attention: one projection to queries, keys and values, one out."""
+    """Multi-head self-attention: one projection to queries, keys and values, one out.
+
+    ``qkv``'s outputs are head-major (head, then query/key/value, then the head's features) and
+    the head count is read from them, so the same code runs on a tensor-parallel rank that holds
+    a column slice of ``qkv`` (some whole heads) and a row slice of ``out``."""
 
     def __init__(self, d_model: int, num_heads: int) -> None:
         super().__init__()
-        self.num_heads = num_heads
+        self.head_dim = d_model // num_heads
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.out = nn.Linear(d_model, d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, length, d_model = x.shape
-        q, k, v = self.qkv(x).view(batch, length, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+        batch, length, _ = x.shape
+        q, k, v = self.qkv(x).view(batch, length, -1, 3, self.head_dim).permute(3, 0, 2, 1, 4)
         attended = F.scaled_dot_product_attention(q, k, v)
-        return self.out(attended.transpose(1, 2).reshape(batch, length, d_model))
+        return self.out(attended.transpose(1, 2).reshape(batch, length, -1))
 
 
 class EncoderBlock(nn.Module):
@@ -81,9 +90,16 @@ class TransformerClassifier(nn.Module):
         self.head = nn.Linear(D_MODEL, num_classes)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.classify(self.blocks(self.embed(tokens)))
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """What the first block reads: token plus position embeddings."""
         positions = torch.arange(tokens.shape[1], device=tokens.device)
-        x = self.token_embedding(tokens) + self.position_embedding(positions)
-        return self.head(self.norm(self.blocks(x)).mean(dim=1))
+        return self.token_embedding(tokens) + self.position_embedding(positions)
+
+    def classify(self, x: torch.Tensor) -> torch.Tensor:
+        """The logits from the last block's output."""
+        return self.head(self.norm(x).mean(dim=1))
 
 
 def build() -> tuple[nn.Module, DataLoader]:

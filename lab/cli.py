@@ -16,7 +16,7 @@ import msgspec
 from whatif.topology import as_gbps, parse_bandwidth, parse_latency
 
 from .calibrate import add_shared_memory, calibrate
-from .cluster import LabError, LabSpec, run_job
+from .cluster import FRAMEWORKS, LabError, LabSpec, run_job
 from .validate import as_record
 from .validate import validate as validate_point
 
@@ -32,7 +32,8 @@ def add_parsers(sub) -> None:
     lab_run.add_argument("--gpus-per-machine", type=int, default=1, help="workers per machine")
     lab_run.add_argument("--bandwidth", default="200Mbps", help="each machine's NIC, both directions (e.g. 200Mbps)")
     lab_run.add_argument("--latency", default="0", help="added one-way latency (needs sch_netem)")
-    lab_run.add_argument("--framework", choices=("horovod", "ddp"), default="horovod")
+    lab_run.add_argument("--framework", choices=FRAMEWORKS, default="horovod",
+                         help="the environment the workers get: Horovod's, or torch.distributed's (DDP and the other families)")
     lab_run.add_argument("--threads", type=int, default=1, help="torch threads (and cores) per worker")
     lab_run.add_argument("--out", type=Path, default=Path("lab-out"), help="folder for logs and per-rank reports")
     lab_run.add_argument("--timeout", type=float, default=900.0, help="seconds before the workers are stopped")
@@ -44,7 +45,7 @@ def add_parsers(sub) -> None:
     lab_cal.add_argument("--shared-memory-into", type=Path, metavar="YAML",
                          help="measure only the workers' shared memory, into this existing topology YAML")
     validate = sub.add_parser("validate", help="capture 1x1, predict, run for real on the lab, compare (root)")
-    validate.add_argument("--model", required=True, help="an example model: convnet, vgg, wide_mlp, transformer")
+    validate.add_argument("--model", required=True, help="an example model: convnet, vgg, wide_mlp, transformer, moe")
     validate.add_argument("--machines", type=int, default=2)
     validate.add_argument("--gpus-per-machine", type=int, default=1, help="workers per machine")
     validate.add_argument("--bandwidth", default="200Mbps")

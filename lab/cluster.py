@@ -144,18 +144,12 @@ class EmulatedCluster:
     # -- workers ---------------------------------------------------------------------------------
 
     def workers(self) -> list[Worker]:
-        """Ranks machine by machine, each pinned to its own cores where the box has enough."""
+        """Ranks machine by machine, pinned: see :func:`pin`."""
         spec = self.spec
-        cores = os.cpu_count() or 1
-        needed = spec.workers * spec.threads_per_worker
-        out = []
-        for rank in range(spec.workers):
-            pinned = None
-            if needed <= cores:
-                first = rank * spec.threads_per_worker
-                pinned = list(range(first, first + spec.threads_per_worker))
-            out.append(Worker(rank, rank // spec.gpus_per_machine, rank % spec.gpus_per_machine, pinned))
-        return out
+        return [
+            Worker(rank, rank // spec.gpus_per_machine, rank % spec.gpus_per_machine, pin(spec, rank, os.cpu_count() or 1))
+            for rank in range(spec.workers)
+        ]
 
     def command(self, worker: Worker, argv: Sequence[str]) -> list[str]:
         """``argv`` run as ``worker``: in its machine's namespace, under its hostname, pinned."""
@@ -174,6 +168,25 @@ class EmulatedCluster:
         proc.log_file = out
         self.processes.append(proc)
         return proc
+
+
+def pin(spec: LabSpec, rank: int, cores: int) -> list[int]:
+    """The cores worker ``rank`` runs on, of the box's ``cores``.
+
+    Where the box has a core for every thread, each worker gets cores of its own. Where it has
+    fewer, the machines share the box's cores out, as even as they go (machine m takes
+    ``cores // machines`` cores from ``m * cores // machines``, at least one, wrapping around),
+    and every worker of a machine runs on all of its machine's cores: the lab is then a cluster
+    of smaller machines whose workers share their machine's cores (two machines of one core and
+    two workers each, on a 2-core box), never another machine's, so that the simulation can hold
+    a machine's workers to its cores."""
+    threads = spec.threads_per_worker
+    if spec.workers * threads <= cores:
+        return list(range(rank * threads, (rank + 1) * threads))
+    machine = rank // spec.gpus_per_machine
+    per_machine = max(cores // spec.machines, 1)
+    first = machine * cores // spec.machines if spec.machines <= cores else machine % cores
+    return sorted({(first + c) % cores for c in range(per_machine)})
 
 
 def _check_can_run(spec: LabSpec) -> None:
@@ -253,7 +266,9 @@ def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-FRAMEWORKS = ("horovod", "ddp")
+#: ``torch.distributed`` families that rendezvous as DDP does (``examples/parallel.py``)
+TORCH_FAMILIES = ("fsdp", "tp", "pp", "ep", "fsdp+tp")
+FRAMEWORKS = ("horovod", "ddp") + TORCH_FAMILIES
 
 
 @dataclass
@@ -270,7 +285,8 @@ def run_job(
     """Run ``argv`` as every worker of ``framework`` on an emulated cluster of ``spec``.
 
     Each worker gets the environment its framework reads (Horovod's Gloo variables, or PyTorch's
-    ``MASTER_ADDR`` / ``RANK`` / ``WORLD_SIZE``), ``OMP_NUM_THREADS`` = threads per worker,
+    ``MASTER_ADDR`` / ``RANK`` / ``WORLD_SIZE`` for DDP and the other ``torch.distributed``
+    families), ``OMP_NUM_THREADS`` = threads per worker,
     ``WHATIF_LAB_OUT`` = ``out_dir`` for per-rank reports, and the variables in ``env`` (the
     job's own settings, e.g. Horovod's fusion threshold); logs go to ``out_dir/rank<r>.log``.
     """

@@ -31,7 +31,7 @@ import statistics
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from whatif.collectors.bundle import is_bundle, read_bundle
 from whatif.collectors.capture import STEADY_ALLOCATOR, CaptureError, collect
@@ -43,7 +43,7 @@ from .cluster import LabError, LabSpec, run_job
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
-MODELS = ("convnet", "vgg", "wide_mlp", "transformer")
+MODELS = ("convnet", "vgg", "wide_mlp", "transformer", "moe")
 FUSION_BUFFER_BYTES = 64 * 1024 * 1024
 CYCLE_TIME_MS = 5.0
 CAPTURE_STEPS = 8
@@ -195,15 +195,16 @@ def predict(trace: Path, links_file: Path, machines: int, gpus: int, bandwidth_m
 
 
 def measure(model: str, spec: LabSpec, framework: str, out: Path, steps: int = 20, warmup: int = 5,
-            batch_size: Optional[int] = None, allocator: Optional[dict] = None) -> dict:
-    """The real run: every worker's iteration times, median after warm-up."""
+            batch_size: Optional[int] = None, allocator: Optional[dict] = None, options: Sequence[str] = ()) -> dict:
+    """The real run: every worker's iteration times, median after warm-up (``options``: more
+    arguments of ``examples/run_distributed.py``, a parallel family's settings)."""
     report = out / "report.json"
     argv = [
         sys.executable, str(_examples() / "run_distributed.py"), "--model", model,
         "--framework", framework if spec.workers > 1 else "single",
         "--steps", str(steps), "--warmup", str(warmup), "--threads", str(spec.threads_per_worker),
         "--json", str(report),
-    ] + ([] if batch_size is None else ["--batch-size", str(batch_size)])
+    ] + ([] if batch_size is None else ["--batch-size", str(batch_size)]) + list(options)
     horovod = {"HOROVOD_FUSION_THRESHOLD": str(FUSION_BUFFER_BYTES), "HOROVOD_CYCLE_TIME": f"{CYCLE_TIME_MS:g}"}
     result = run_job(spec, framework, argv, out, timeout_s=1800, env={**horovod, **(allocator or {})})
     if any(result.exit_codes):

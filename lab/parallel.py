@@ -1,0 +1,358 @@
+"""Real runs of today's parallelism on the lab, the ground truth for the parallel predictions.
+
+For each setting (a family of ``examples/parallel.py`` on an example transformer, a cluster
+shape and a NIC rate) the harness
+
+1. captures the single-worker trace the prediction starts from, once per model and batch size
+   (``validate.capture``: ``whatif collect`` of the example on one core, three processes, the
+   one of median speed kept), at the batch one rank computes on: a data-parallel rank's batch
+   (FSDP, EP, the data dimension of FSDP+TP), the tensor-parallel group's shared batch (TP) or
+   the whole pipeline batch (PP), and for a pipeline also one microbatch. The bundle's
+   ``layers.json`` names every leaf module under its block (``blocks.N....``, the units) with
+   its parameters, its forward and backward intervals, and the trace records every operator's
+   input shapes (the GEMMs', the attention's, the router's and experts');
+2. runs the setting for real ``repeats`` times on an emulated cluster (``cluster.run_job``,
+   ``examples/run_distributed.py --framework FAMILY``), ``steps`` timed iterations after
+   ``warmup``, and takes the median run's median iteration, as ``whatif validate`` does;
+3. asks ``predictor`` (when given) for the predicted iteration and writes one record per
+   setting: every setting, the parallel degrees in the scenario's vocabulary
+   (``parallelism``: the scenario's ``parallelism:`` block of issue 28), the measured time with every run's median and
+   their spread, every rank's median, where rank 0's steps went, the captures, and
+   ``predicted_ms`` (empty without a predictor).
+
+CPU. The box has two cores. A 2-rank setting gets a core per worker (``cluster.pin``); a 4-rank
+setting (FSDP+TP on 2 machines x 2 workers) runs as two 1-core machines, each machine's two
+workers sharing its core, which the simulation must model as a machine whose workers share one
+core (processor sharing), and the capture it starts from has a core to itself.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import statistics
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+from whatif.collectors.bundle import read_bundle
+from whatif.collectors.capture import STEADY_ALLOCATOR
+
+from .cluster import TORCH_FAMILIES, LabError, LabSpec, pin
+from .validate import capture, measure
+
+#: The variants a campaign can run: name -> (family, model, settings).
+VARIANTS = {
+    "fsdp": ("fsdp", "transformer", {}),
+    "tp": ("tp", "transformer", {}),
+    "tp+sp": ("tp", "transformer", {"sequence_parallel": True}),
+    "pp-gpipe": ("pp", "transformer", {"schedule": "gpipe"}),
+    "pp-1f1b": ("pp", "transformer", {"schedule": "1f1b"}),
+    "ep": ("ep", "moe", {}),
+    "fsdp+tp": ("fsdp+tp", "transformer", {}),
+}
+#: variants that need more than two ranks (their smallest layout is 2 machines x 2 workers)
+FOUR_RANKS = ("fsdp+tp",)
+LOOPBACK_MBPS = 1000.0  # the NIC rate of a one-machine setting, whose workers talk over loopback
+#: what a predictor is called with: the setting, the captures ("step", and "microbatch" for a
+#: pipeline) and the work folder (where ``validate.links(bandwidth, work)`` keeps calibrations);
+#: it returns the predicted iteration in milliseconds
+Predictor = Callable[["ParallelSetting", dict, Path], float]
+
+
+@dataclass(frozen=True)
+class ParallelSetting:
+    """One real run's settings. ``bandwidth_mbps`` None: one machine, its workers on loopback."""
+
+    family: str
+    model: str
+    machines: int
+    gpus_per_machine: int
+    bandwidth_mbps: Optional[float]
+    batch_size: int = 8  # per data-parallel rank; the whole pipeline's batch (the examples' own: 8)
+    tensor: int = 2  # fsdp+tp
+    sequence_parallel: bool = False
+    microbatches: int = 4  # pp
+    schedule: str = "1f1b"  # pp
+
+    def __post_init__(self) -> None:
+        if self.family not in TORCH_FAMILIES:
+            raise LabError(f"unknown family {self.family!r}; choose from {', '.join(TORCH_FAMILIES)}")
+        if self.family == "pp" and self.batch_size % self.microbatches:
+            raise LabError(f"a batch of {self.batch_size} does not split into {self.microbatches} microbatches")
+        if self.family == "fsdp+tp" and self.world % self.tensor:
+            raise LabError(f"{self.tensor} tensor-parallel ranks do not divide {self.world} ranks")
+
+    @property
+    def world(self) -> int:
+        return self.machines * self.gpus_per_machine
+
+    @property
+    def variant(self) -> str:
+        if self.family == "pp":
+            return f"pp-{self.schedule}"
+        return self.family + ("+sp" if self.sequence_parallel else "")
+
+    @property
+    def label(self) -> str:
+        where = "loopback" if self.bandwidth_mbps is None else f"{self.bandwidth_mbps:g} Mbps"
+        return f"{self.variant} {self.model} {self.machines}x{self.gpus_per_machine} @ {where}"
+
+    def options(self) -> list[str]:
+        """The family's arguments of ``examples/run_distributed.py``."""
+        if self.family == "pp":
+            return ["--microbatches", str(self.microbatches), "--schedule", self.schedule]
+        out = ["--sequence-parallel"] if self.sequence_parallel and self.family in ("tp", "fsdp+tp") else []
+        return out + (["--tensor", str(self.tensor)] if self.family == "fsdp+tp" else [])
+
+    def parallelism(self) -> dict:
+        """The setting as the scenario's ``parallelism`` block: ranks in Megatron's order
+        (tensor fastest, then data, then pipeline), the blocks as units."""
+        w = self.world
+        degrees = {
+            "fsdp": {"data": w, "fsdp": True},
+            "tp": {"data": 1, "tensor": w, "sequence_parallel": self.sequence_parallel},
+            "pp": {"data": 1, "pipeline": {"stages": w, "microbatches": self.microbatches, "schedule": self.schedule}},
+            "ep": {"data": w, "expert": w},
+            "fsdp+tp": {"data": w // self.tensor, "tensor": self.tensor, "fsdp": True,
+                        "sequence_parallel": self.sequence_parallel},
+        }[self.family]
+        return {**degrees, "placement": ["tensor", "data", "pipeline"], "units": r"blocks\.\d+"}
+
+    def degrees(self) -> dict:
+        """data, tensor, pipeline and expert ranks, as the run reports them."""
+        block = self.parallelism()
+        pipeline = block.get("pipeline", {"stages": 1})["stages"]
+        return {"data": block["data"], "tensor": block.get("tensor", 1), "pipeline": pipeline,
+                "expert": block.get("expert", 1)}
+
+    def capture_batches(self) -> dict:
+        """The batch sizes to capture: what one rank computes in a step, and a microbatch."""
+        out = {"step": self.batch_size}
+        if self.family == "pp":
+            out["microbatch"] = self.batch_size // self.microbatches
+        return out
+
+    def spec(self) -> LabSpec:
+        return LabSpec(self.machines, self.gpus_per_machine,
+                       LOOPBACK_MBPS if self.bandwidth_mbps is None else self.bandwidth_mbps)
+
+
+def default_settings(variants=tuple(VARIANTS), bandwidths=(200.0, 1000.0), loopback: bool = True,
+                     batch_size: int = 8, microbatches: int = 4) -> list[ParallelSetting]:
+    """The campaign: every variant on 2 machines x 1 worker at every bandwidth and, with
+    ``loopback``, on 1 machine x 2 workers; FSDP+TP on 2 machines x 2 workers (tensor parallel
+    inside a machine, over loopback, and FSDP across the NICs)."""
+    out = []
+    for name in variants:
+        if name not in VARIANTS:
+            raise LabError(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
+        family, model, settings = VARIANTS[name]
+        shapes = [(2, 2)] if name in FOUR_RANKS else [(2, 1)] + ([(1, 2)] if loopback else [])
+        for machines, gpus in shapes:
+            for bandwidth in bandwidths if machines > 1 else [None]:
+                extra = {"microbatches": microbatches} if family == "pp" else {}
+                out.append(ParallelSetting(family, model, machines, gpus, bandwidth, batch_size, **settings, **extra))
+    return out
+
+
+@dataclass
+class ParallelPoint:
+    """One setting measured (and predicted)."""
+
+    setting: ParallelSetting
+    status: str  # "ok" or "failed: why"
+    measured_ms: float = float("nan")  # the median run's median iteration
+    runs_ms: list = field(default_factory=list)  # every run's median iteration
+    spread_pct: float = float("nan")  # (slowest - fastest run) / measured
+    iteration_iqr_pct: float = float("nan")  # rank 0's iterations in the median run: interquartile range / median
+    workers_ms: list = field(default_factory=list)  # every rank's median in the median run
+    cores: list = field(default_factory=list)  # the cores each rank was pinned to
+    phase_wall_ms: list = field(default_factory=list)  # every rank's phases (median run)
+    other_threads_cpu_ms: list = field(default_factory=list)  # every rank's communication threads' CPU per step
+    parameter_bytes: list = field(default_factory=list)  # every rank's parameters
+    captures: dict = field(default_factory=dict)  # "step" / "microbatch" -> bundle path
+    capture_plain_ms: dict = field(default_factory=dict)  # the same -> its median step without the profiler
+    predicted_ms: Optional[float] = None
+    error_pct: Optional[float] = None
+    prediction_error: Optional[str] = None  # what the predictor raised
+    steps: int = 0
+    warmup: int = 0
+
+
+def run_setting(setting: ParallelSetting, work: Path, repeats: int = 3, steps: int = 20, warmup: int = 5,
+                predictor: Optional[Predictor] = None, steady_allocator: bool = False) -> ParallelPoint:
+    """Capture (once per model and batch, kept in ``work``), run ``repeats`` times, predict."""
+    if repeats < 1 or steps < 1 or warmup < 0:
+        raise LabError("repeats and steps must be at least 1, warm-up at least 0")
+    work = work.resolve()
+    allocator = STEADY_ALLOCATOR if steady_allocator else None
+    bundles = {kind: capture(setting.model, work, batch_size=batch, allocator=allocator)
+               for kind, batch in setting.capture_batches().items()}
+    plain = {kind: _median(read_bundle(path).unprofiled_step_ms) for kind, path in bundles.items()}
+    run_dir = work / "parallel_runs" / run_name(setting)
+    reports = [
+        measure(setting.model, setting.spec(), setting.family, run_dir / f"run{r}", steps=steps, warmup=warmup,
+                batch_size=setting.batch_size, allocator=allocator, options=setting.options())
+        for r in range(repeats)
+    ]
+    _check_degrees(setting, reports[0])
+    runs = [float(report["median_ms"]) for report in reports]
+    measured = statistics.median(runs)
+    median_run = min(reports, key=lambda report: abs(float(report["median_ms"]) - measured))
+    workers = median_run["workers"]
+    point = ParallelPoint(
+        setting, "ok", measured, runs, 100.0 * (max(runs) - min(runs)) / measured,
+        100.0 * _iqr(workers[0]["iteration_ms"]) / float(workers[0]["median_ms"]),
+        [float(w["median_ms"]) for w in workers],
+        [pin(setting.spec(), rank, _cores()) for rank in range(setting.world)],
+        [w["phase_wall_ms"] for w in workers],
+        [float(w["other_threads_cpu_ms_per_step"]) for w in workers],
+        [int(w["parameter_bytes"]) for w in workers],
+        {kind: str(path) for kind, path in bundles.items()}, plain, steps=steps, warmup=warmup,
+    )
+    if predictor is not None:
+        predict_point(point, predictor, work)
+    return point
+
+
+def predict_point(point: ParallelPoint, predictor: Predictor, work: Path) -> None:
+    """Fill ``point``'s prediction from ``predictor``; what it raises is kept in ``prediction_error``
+    (a campaign goes on to the next setting), its last line and where it was raised."""
+    point.predicted_ms = point.error_pct = point.prediction_error = None
+    try:
+        predicted = float(predictor(point.setting, {k: Path(v) for k, v in point.captures.items()}, work))
+    except Exception as err:  # noqa: BLE001 - kept in the record, one line
+        where = traceback.extract_tb(err.__traceback__)[-1]
+        point.prediction_error = f"{type(err).__name__}: {err} ({Path(where.filename).name}:{where.lineno})"
+        return
+    point.predicted_ms = predicted
+    point.error_pct = 100.0 * (predicted - point.measured_ms) / point.measured_ms
+
+
+def run_name(setting: ParallelSetting) -> str:
+    where = "loopback" if setting.bandwidth_mbps is None else f"{setting.bandwidth_mbps:g}mbps"
+    return f"{setting.variant}_{setting.model}_{setting.machines}x{setting.gpus_per_machine}_{where}_batch{setting.batch_size}" + (
+        f"_mb{setting.microbatches}" if setting.family == "pp" else "")
+
+
+def _check_degrees(setting: ParallelSetting, report: dict) -> None:
+    """The run did what the setting says (the degrees examples/parallel.py reported)."""
+    ran = {k: report["parallelism"][k] for k in ("data", "tensor", "pipeline", "expert")}
+    if ran != setting.degrees():
+        raise LabError(f"{setting.label} ran as {ran}, not {setting.degrees()}")
+
+
+def _cores() -> int:
+    return os.cpu_count() or 1
+
+
+def _median(values: list) -> float:
+    return float(statistics.median(values)) if values else float("nan")
+
+
+def _iqr(values: list) -> float:
+    if len(values) < 4:
+        return max(values) - min(values) if values else float("nan")
+    low, _, high = statistics.quantiles(values, n=4)
+    return high - low
+
+
+# -- the campaign's files ---------------------------------------------------------------------
+
+COLUMNS = [
+    "variant", "family", "model", "machines", "gpus_per_machine", "world", "bandwidth_mbps", "batch_size",
+    "data", "tensor", "pipeline", "expert", "fsdp", "sequence_parallel", "microbatches", "schedule",
+    "status", "measured_ms", "predicted_ms", "error_pct", "runs_ms", "spread_pct", "iteration_iqr_pct",
+    "workers_ms", "cores", "other_threads_cpu_ms", "capture_step_plain_ms", "capture_microbatch_plain_ms",
+    "capture_step", "capture_microbatch", "steps", "warmup", "prediction_error",
+]
+
+
+def as_record(point: ParallelPoint) -> dict:
+    """The point as JSON: its setting, its parallelism block and everything measured."""
+    record = asdict(point)
+    record["setting"] = {**asdict(point.setting), "variant": point.setting.variant, "world": point.setting.world}
+    record["parallelism"] = point.setting.parallelism()
+    return record
+
+
+def csv_row(point: ParallelPoint) -> dict:
+    s = point.setting
+    degrees = s.degrees()
+    joined = lambda values, f="{:.2f}": ";".join(f.format(v) for v in values)  # noqa: E731
+    row = {
+        "variant": s.variant, "family": s.family, "model": s.model, "machines": s.machines,
+        "gpus_per_machine": s.gpus_per_machine, "world": s.world, "bandwidth_mbps": s.bandwidth_mbps,
+        "batch_size": s.batch_size, **degrees, "fsdp": s.family in ("fsdp", "fsdp+tp"),
+        "sequence_parallel": s.sequence_parallel, "microbatches": s.microbatches if s.family == "pp" else None,
+        "schedule": s.schedule if s.family == "pp" else None, "status": point.status,
+        "predicted_ms": point.predicted_ms, "error_pct": point.error_pct, "prediction_error": point.prediction_error,
+        "steps": point.steps, "warmup": point.warmup,
+    }
+    if point.status == "ok":
+        row.update(
+            measured_ms=point.measured_ms, runs_ms=joined(point.runs_ms), spread_pct=point.spread_pct,
+            iteration_iqr_pct=point.iteration_iqr_pct, workers_ms=joined(point.workers_ms),
+            cores=";".join(",".join(map(str, c)) for c in point.cores),
+            other_threads_cpu_ms=joined(point.other_threads_cpu_ms),
+            capture_step_plain_ms=point.capture_plain_ms.get("step"),
+            capture_microbatch_plain_ms=point.capture_plain_ms.get("microbatch"),
+            capture_step=point.captures.get("step"), capture_microbatch=point.captures.get("microbatch"),
+        )
+    return {c: ("" if row.get(c) is None else row[c]) for c in COLUMNS}
+
+
+def run_campaign(settings: list, out: Path, repeats: int = 3, steps: int = 20, warmup: int = 5,
+                 predictor: Optional[Predictor] = None, steady_allocator: bool = False, resume: bool = False,
+                 progress: Callable[[str], None] = print) -> list[ParallelPoint]:
+    """Every setting measured in turn into ``out``/parallel_validation.{csv,json} (rewritten as
+    each finishes, so an interrupted campaign keeps what it measured; ``resume`` skips the
+    settings measured already), captures and logs under ``out``/work."""
+    out.mkdir(parents=True, exist_ok=True)
+    json_path = out / "parallel_validation.json"
+    done = _read_records(json_path) if resume else []
+    finished = {run_name(ParallelSetting(**_setting_fields(r["setting"]))) for r in done if r["status"] == "ok"}
+    records = [r for r in done if r["status"] == "ok"]
+    points = []
+    for setting in settings:
+        if run_name(setting) in finished:
+            continue
+        try:
+            point = run_setting(setting, out / "work", repeats, steps, warmup, predictor, steady_allocator)
+        except LabError as err:
+            point = ParallelPoint(setting, f"failed: {err}", steps=steps, warmup=warmup)
+        points.append(point)
+        records.append(as_record(point))
+        write_campaign(out, records)
+        shown = f"{point.measured_ms:.1f} ms (runs {', '.join(f'{ms:.1f}' for ms in point.runs_ms)}; spread {point.spread_pct:.1f} %)" \
+            if point.status == "ok" else point.status
+        progress(f"{setting.label}: {shown}")
+    return points
+
+
+def _setting_fields(record: dict) -> dict:
+    return {k: v for k, v in record.items() if k not in ("variant", "world")}
+
+
+def _read_records(path: Path) -> list:
+    return json.loads(path.read_text())["points"] if path.exists() else []
+
+
+def write_campaign(out: Path, records: list) -> None:
+    """``records`` (``as_record``) as the campaign's JSON and CSV in ``out``."""
+    points = [point_of_record(r) for r in records]
+    (out / "parallel_validation.json").write_text(json.dumps({"points": records}, indent=1) + "\n")
+    with (out / "parallel_validation.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, COLUMNS)
+        writer.writeheader()
+        for point in points:
+            writer.writerow(csv_row(point))
+
+
+def point_of_record(record: dict) -> ParallelPoint:
+    """A point back from its JSON record."""
+    fields = {k: v for k, v in record.items() if k not in ("setting", "parallelism")}
+    return ParallelPoint(ParallelSetting(**_setting_fields(record["setting"])), **fields)
