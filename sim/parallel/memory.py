@@ -96,15 +96,19 @@ def gpu_memory_bytes(cluster) -> Optional[float]:
 
 
 def memory_per_gpu(graph: TaskGraph, units: Units, par: Parallelism, optimizer: str = "adam",
-                   dtype_bytes: Optional[int] = None) -> MemoryBreakdown:
+                   dtype_bytes: Optional[int] = None, parameter_bytes: Optional[float] = None) -> MemoryBreakdown:
     """Memory per GPU of ``graph``'s job under ``par`` (formulas in the module's docstring).
-    ``dtype_bytes``: the parameters' element size (None: the bundle's, else 4)."""
+    ``dtype_bytes``: the parameters' element size (None: the bundle's, else 4);
+    ``parameter_bytes``: the model's parameters as traced where no bundle lists them (a
+    data-parallel job's gradient bytes per step), counted outside units and replicated."""
     if optimizer not in OPTIMIZER_STATE_BYTES:
         raise ParallelismError("optimizer", f"unknown optimizer {optimizer!r} (choose from {', '.join(OPTIMIZER_STATE_BYTES)})")
     e = dtype_bytes or _parameter_dtype_bytes(graph)
     state_bytes = OPTIMIZER_STATE_BYTES[optimizer][0 if e >= 4 else 1]
     stages = stage_units(len(units), par)
     unit_params, unit_experts, before, after = _parameter_elements(graph, units)
+    if parameter_bytes is not None and not len(graph.workload.parameters):
+        before[0] += max(parameter_bytes / _parameter_dtype_bytes(graph) - unit_params.sum(), 0.0)
     # per unit: tensor parallel divides it, expert parallel its experts
     unit_share = (unit_params - unit_experts * (1 - 1 / par.expert)) / par.tensor
     outside = lambda at: at[0] + at[1] / par.tensor + at[2] / par.expert  # noqa: E731
