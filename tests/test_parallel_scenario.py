@@ -103,6 +103,10 @@ def test_comm_names_carry_dimension_and_bytes():
     name = comm_name("reduce_scatter", "fsdp", 3159040)
     assert comm_dimension(name) == "fsdp" and comm_bytes(name) == pytest.approx(3159040)
     assert comm_dimension("ncclKernel_AllReduce_RING_LL") == "other"
+    # as the family passes write them
+    assert comm_bytes("all-reduce tensor 1048576 B") == 1048576
+    assert comm_bytes("all_gather data 3.159 MB unit 3 forward") == pytest.approx(3.159e6)
+    assert comm_dimension("send_recv pipeline 0.524288MB activation stage 0->1") == "pipeline"
 
 
 def test_a_parallel_job_and_plain_data_parallelism_through_the_pipeline(tensor_pass):

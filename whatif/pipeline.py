@@ -233,8 +233,8 @@ def _simulate_clusters(prediction: Prediction) -> None:
             job = parallelize(without_comm, _units(units, without_comm, par, True), par, config.cluster,
                               request.optimizer, request.gpu_memory_bytes)
             schedule = simulate(job.graph)
-            run = ClusterSchedule(schedule, job.comm_tasks(), np.ones(len(job.graph.tasks), dtype=bool), 0.0, 0.0)
-            report = iteration_report(schedule, study.iterations)
+            run = ClusterSchedule(schedule, job.comm_tasks(), job.rank0(), 0.0, 0.0)
+            report = iteration_report(schedule, study.iterations, run.worker0)
             rows.append(parallel_row(config, job, run, report, prediction.iteration_ms))
             runs.append(run)
             continue

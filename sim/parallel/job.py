@@ -17,9 +17,11 @@ another family is modelled by the ZeRO / FSDP pass (``zero >= 1``); with ``zero:
 gradient all-reduce of the data groups beside a model-parallel family is not modelled yet and is
 refused.
 
-The COMM tasks the passes insert name their dimension (``tensor``, ``data``, ``pipeline``,
-``expert``, ``fsdp``): :func:`comm_name` writes such a name, :func:`comm_dimension` reads it
-back, and the report splits exposed communication by it.
+The COMM tasks the passes insert name their dimension and bytes (``tensor``, ``data``,
+``pipeline``, ``expert``, ``fsdp``; ``1.05MB``, ``3.159 MB``, ``1048576 B``): :func:`comm_name`
+writes such a name, :func:`comm_dimension` and :func:`comm_bytes` read one back, and the report
+splits exposed communication by dimension. Rank 0 is the whole graph, or its ``stage 0: ``
+resources where the pipeline pass built one graph of every stage.
 """
 
 from __future__ import annotations
@@ -40,7 +42,9 @@ from .units import Units, find_units
 #: The dimensions a COMM task's name may carry, the first that occurs in it counting.
 COMM_DIMENSIONS = ("tensor", "sequence", "expert", "fsdp", "zero", "data", "pipeline")
 _COMM_DIMENSION = re.compile(r"\b(" + "|".join(COMM_DIMENSIONS) + r")\b")
-_COMM_BYTES = re.compile(r"\b(\d+(?:\.\d+)?(?:e[+-]?\d+)?)MB\b")
+_COMM_BYTES = re.compile(r"\b(\d+(?:\.\d+)?(?:e[+-]?\d+)?) ?(B|kB|KB|MB|GB)\b")
+_UNIT_BYTES = {"B": 1.0, "kB": 1e3, "KB": 1e3, "MB": 1e6, "GB": 1e9}
+_STAGE = re.compile(r"^stage (\d+): ")
 #: What a family's key is in the scenario, for the refusals.
 _FAMILY_KEY = {"tensor": "parallelism.tensor", "expert": "parallelism.expert", "fsdp": "parallelism.zero",
                "pipeline": "parallelism.pipeline"}
@@ -64,6 +68,15 @@ class ParallelJob:
     def fits(self) -> Optional[bool]:
         return fits(self.memory, self.gpu_memory_bytes) if self.memory is not None else None
 
+    def rank0(self) -> np.ndarray:
+        """Mask of rank 0's tasks: the first stage's where the pipeline pass named its
+        resources ``stage D: ...``, else every task."""
+        resource = self.graph.tasks["resource"].astype(str)
+        stage = resource.str.extract(_STAGE)[0]
+        if stage.isna().all():
+            return np.ones(len(resource), dtype=bool)
+        return (stage == "0").to_numpy()
+
     def comm_tasks(self) -> np.ndarray:
         """Ids of the graph's communication tasks."""
         return np.flatnonzero(self.graph.tasks["kind"].to_numpy() == int(TaskKind.COMM))
@@ -75,9 +88,10 @@ def comm_name(op: str, dimension: str, nbytes: float) -> str:
 
 
 def comm_bytes(name: str) -> float:
-    """The bytes a :func:`comm_name` carries (0 where the name says none)."""
+    """The bytes a COMM task's name carries (``1.05MB``, ``3.159 MB``, ``1048576 B``; 0 where
+    it says none)."""
     match = _COMM_BYTES.search(str(name))
-    return float(match.group(1)) * 1e6 if match else 0.0
+    return float(match.group(1)) * _UNIT_BYTES[match.group(2)] if match else 0.0
 
 
 def comm_dimension(name: str) -> str:
