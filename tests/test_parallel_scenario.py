@@ -128,3 +128,27 @@ def test_a_parallel_job_and_plain_data_parallelism_through_the_pipeline(tensor_p
     job = parallelize(prediction.worker, find_units(prediction.worker), Parallelism(tensor=2), cluster)
     assert job.passes == ["tensor"] and job.ranks_of["tensor"] == (0, 1)
     assert len(job.comm_tasks()) == 4 * len(prediction.report)
+
+
+def _one_step_stand_in(graph, units, par, cluster, ranks_of):
+    """A stand-in pipeline pass in the shape of the real one: one step's graph, every resource
+    named after its stage, so no traced iteration span holds it."""
+    graph = graph.copy()
+    keep = graph.tasks["context"].astype(str).str.startswith("ProfilerStep#5").to_numpy()
+    graph.remove(np.flatnonzero(~keep))
+    graph.tasks["resource"] = graph.tasks["resource"].cat.rename_categories(lambda r: f"stage 0: {r}")
+    return graph
+
+
+def test_a_job_of_one_built_step_is_reported_by_its_span(monkeypatch):
+    monkeypatch.setitem(PASSES, "pipeline", _one_step_stand_in)
+    study = TraceStudy.from_trace(TRANSFORMER)
+    cluster = Cluster.from_config({"machines": 1, "gpus_per_machine": 2, **LINKS})
+    config = ClusterConfig(cluster, framework="ddp", parallelism=Parallelism(pipeline=2, microbatches=2))
+    prediction = predict(Request(study, clusters=[config]))
+    run = next(iter(prediction.runs.values()))
+    row = prediction.results.iloc[0]
+    span = run.schedule.end_us.max() - run.schedule.start_us.min()
+    assert row["iteration_ms"] == pytest.approx(span / 1e3)
+    assert row["compute_ms"] + row["idle_ms"] == pytest.approx(row["iteration_ms"])
+    assert row["speedup"] == pytest.approx(prediction.iteration_ms / row["iteration_ms"])  # one data replica

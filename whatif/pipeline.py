@@ -234,7 +234,7 @@ def _simulate_clusters(prediction: Prediction) -> None:
                               request.optimizer, request.gpu_memory_bytes)
             schedule = simulate(job.graph)
             run = ClusterSchedule(schedule, job.comm_tasks(), job.rank0(), 0.0, 0.0)
-            report = iteration_report(schedule, study.iterations, run.worker0)
+            report = _job_report(schedule, study.iterations, run.worker0)
             rows.append(parallel_row(config, job, run, report, prediction.iteration_ms))
             runs.append(run)
             continue
@@ -268,3 +268,15 @@ def _units(cache: dict, graph: TaskGraph, par: Parallelism, required: bool) -> U
             raise found
         return no_units(graph)
     return found
+
+
+def _job_report(schedule: Schedule, iterations: pd.DataFrame, rank0: np.ndarray) -> pd.DataFrame:
+    """A parallel job's iterations, as the traced iterations' spans find them on rank 0; where
+    a pass built the graph of one step anew (the pipeline pass's stages and microbatches: no
+    traced span holds it), one row, the step from the first task to the last on any rank."""
+    report = iteration_report(schedule, iterations, rank0)
+    if report["predicted_ms"].notna().any() or not len(schedule.start_us):
+        return report
+    lo, hi = float(np.min(schedule.start_us)), float(np.max(schedule.end_us))
+    return pd.DataFrame([{"name": "step", "measured_ms": np.nan, "predicted_ms": (hi - lo) / 1e3, "error_pct": np.nan,
+                          "span_start_us": lo, "span_end_us": hi}])
