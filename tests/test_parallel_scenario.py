@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 import pytest
 from trace_corpus import REPO
 
@@ -152,3 +153,21 @@ def test_a_job_of_one_built_step_is_reported_by_its_span(monkeypatch):
     assert row["iteration_ms"] == pytest.approx(span / 1e3)
     assert row["compute_ms"] + row["idle_ms"] == pytest.approx(row["iteration_ms"])
     assert row["speedup"] == pytest.approx(prediction.iteration_ms / row["iteration_ms"])  # one data replica
+
+
+def test_the_plot_splits_exposed_communication_by_dimension(tmp_path):
+    from whatif.report.plots import _exposed_by_dimension, plot_scenario
+
+    results = pd.DataFrame({
+        "machines": [1, 1], "gpus_per_machine": [2, 2], "workers": [2, 2], "inter_node_gbps": [0.1, 0.1],
+        "framework": ["ddp", "ddp"], "policy": ["fifo", "fifo"], "parallelism": ["dp2", "dp1 tp2"],
+        "speedup": [1.8, 1.5], "compute_ms": [300.0, 200.0], "exposed_comm_ms": [20.0, 30.0], "idle_ms": [10.0, 5.0],
+        "exposed_tensor_ms": [np.nan, 20.0], "exposed_data_ms": [np.nan, 20.0],
+    })
+    frame = results.copy()
+    colours, names = _exposed_by_dimension(frame)
+    assert list(colours)[1:3] == ["plot_exposed_tensor_ms", "plot_exposed_data_ms"]
+    assert frame.loc[1, ["plot_exposed_tensor_ms", "plot_exposed_data_ms"]].tolist() == [15.0, 15.0]
+    assert frame.loc[0, "plot_exposed_other"] == 20.0  # plain data parallelism: the cluster's own
+    plot_scenario(results, tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").stat().st_size > 0
