@@ -23,7 +23,8 @@ from whatif.sim.engine import simulate
 from whatif.sim.graph import EdgeKind, GraphError, TaskKind
 from whatif.sim.parallel import Parallelism
 from whatif.sim.parallel.expert import ExpertParallelChange, apply_expert
-from whatif.sim.parallel.tensor import TensorParallelChange, apply_tensor
+from whatif.sim.parallel.tensor import TensorParallelChange, apply_tensor, shard_dims
+from whatif.sim.perfmodels.models import load_models
 from whatif.sim.parallel.units import PHASE_BACKWARD, PHASE_FORWARD, find_units
 from whatif.topology import Cluster, collective_cost
 
@@ -188,6 +189,32 @@ def test_one_tensor_rank_leaves_the_graph_as_it_is(dense):
     assert apply_tensor(graph, units, Parallelism(data=8), FAST, {"tensor": (0,)}) is graph
     with pytest.raises(GraphError, match="parallelism.tensor: 2 ranks"):
         apply_tensor(graph, units, Parallelism(data=4, tensor=2), FAST, {"tensor": (0, 1, 2)})
+
+
+def test_a_shard_divides_the_dimension_megatron_splits():
+    assert shard_dims("aten::linear", [[4, 16, 64], [192, 64], [192]], 2) == [[4, 16, 64], [96, 64], [96]]
+    assert shard_dims("aten::addmm", [[192], [64, 64], [64, 192]], 4) == [[48], [64, 64], [64, 48]]
+    assert shard_dims("aten::mm", [[64, 192], [192, 64]], 2) == [[64, 192], [192, 32]]
+    assert shard_dims("aten::bmm", [[16, 16, 16], [16, 16, 16]], 4) == [[4, 16, 16], [4, 16, 16]]
+    q = [4, 4, 16, 16]
+    assert shard_dims("aten::scaled_dot_product_attention", [q, q, q], 2) == [[4, 2, 16, 16]] * 3
+    assert shard_dims("aten::gelu", [[64, 256], []], 2) == [[64, 128], []]
+    assert shard_dims("aten::linear", [[4, 16, 64], [10, 64], [10]], 4) is None, "10 outputs do not split 4 ways"
+
+
+def test_with_operator_models_a_cpu_shard_takes_its_roofline_ratio(dense, quick_models_file):
+    graph, units = dense
+    plain = tensor(graph, units, 2).tasks["duration_us"].to_numpy()[:len(graph.tasks)]
+    out = apply_tensor(graph, units, Parallelism(data=4, tensor=2), FAST, {"tensor": (0, 1)},
+                       models=load_models(quick_models_file))
+    assert "roofline" in out.last_note(TensorParallelChange).rule
+    before = graph.tasks["duration_us"].to_numpy()
+    after = out.tasks["duration_us"].to_numpy()[:len(graph.tasks)]
+    shrunk = np.flatnonzero(plain < before)
+    assert np.array_equal(np.flatnonzero(after < before - 1e-12), shrunk), "the same tasks shrink"
+    ratio = after[shrunk] / before[shrunk]
+    assert (ratio <= 1 + 1e-9).all() and (ratio > 0.4).all()
+    assert not np.allclose(ratio, 0.5), "small shards are memory bound: the roofline keeps more than half"
 
 
 def test_in_a_mixture_of_experts_block_only_attention_is_tensor_parallel(moe):

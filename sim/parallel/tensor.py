@@ -54,6 +54,7 @@ the first block and gathering it after the last under sequence parallelism) are 
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Optional
@@ -67,6 +68,8 @@ from whatif.topology import collective_cost
 from ..graph import GPU_TASK_KINDS, EdgeKind, GraphError, TaskGraph, TaskKind
 from ..passes.batch_size import parameter_shapes
 from ..perfmodels.families import FAMILY_OF, VIEW_OPS
+from ..perfmodels.models import PerfModels
+from ..perfmodels.shapes import operator_units
 from ..workload import decode_inputs
 from . import PASSES, Parallelism
 from .units import PHASE_BACKWARD, PHASE_FORWARD, Units
@@ -98,7 +101,7 @@ class TensorParallelChange:
         per_op = self.collectives.groupby("op")["nbytes"].agg(["size", "sum"]) if len(self.collectives) else None
         ops = ", ".join(f"{int(n)} {op} ({total / 1e6:.3g} MB)" for op, (n, total) in per_op.iterrows()) if per_op is not None else "none"
         text = (f"tensor parallel over {self.tensor} ranks{' with sequence parallelism' if self.sequence_parallel else ''}: "
-                f"{self.pairs} column/row pairs, {self.scaled_tasks} tasks x 1/{self.tensor}; collectives: {ops}")
+                f"{self.pairs} column/row pairs, {self.scaled_tasks} tasks shrunk ({self.rule}); collectives: {ops}")
         if self.unmatched_backward:
             text += f"; {self.unmatched_backward} unit backwards left as traced (linears unmatched)"
         return text
@@ -329,9 +332,12 @@ def compute_tasks(calls: Calls, cpu: np.ndarray, families=None) -> np.ndarray:
 # -- the pass -------------------------------------------------------------------------------------
 
 
-def apply_tensor(graph: TaskGraph, units: Units, par: Parallelism, cluster, ranks_of: dict) -> TaskGraph:
+def apply_tensor(graph: TaskGraph, units: Units, par: Parallelism, cluster, ranks_of: dict,
+                 models: Optional[PerfModels] = None) -> TaskGraph:
     """One tensor-parallel rank's graph (see the module's docstring); what was done is the new
-    graph's last note, a :class:`TensorParallelChange`. ``tensor == 1`` returns ``graph``."""
+    graph's last note, a :class:`TensorParallelChange`. ``tensor == 1`` returns ``graph``.
+    ``models``: operator models of the traced CPU, to shrink its operators by their roofline
+    ratio instead of the 1/t rule (:class:`Shrink`)."""
     t = par.tensor
     if t == 1:
         return graph
@@ -342,6 +348,8 @@ def apply_tensor(graph: TaskGraph, units: Units, par: Parallelism, cluster, rank
     dispatch = by_unit_iteration(calls, calls.rows_named([DISPATCH]), PHASE_FORWARD)
     ops = graph.ops
     factor = np.ones(len(graph.tasks))
+    shrink = Shrink(graph, t, models)
+    change.rule = shrink.rule
     sp = par.sequence_parallel
     for (unit, it), fwd in forward.items():
         if (unit, it) in dispatch:
@@ -360,13 +368,13 @@ def apply_tensor(graph: TaskGraph, units: Units, par: Parallelism, cluster, rank
         for col, row in pairs:
             in_bytes, out_bytes = np.prod(linear_shapes(ops, col)[::2]), np.prod(linear_shapes(ops, row)[1:])
             where = (unit, PHASE_FORWARD, it)
-            _shard_pair(calls, comm, factor, t, sp, col, row, gather_bytes=in_bytes, reduce_bytes=out_bytes, where=where)
+            _shard_pair(calls, comm, factor, shrink, sp, col, row, gather_bytes=in_bytes, reduce_bytes=out_bytes, where=where)
             if matched:
                 where = (unit, PHASE_BACKWARD, it)
-                _shard_pair(calls, comm, factor, t, sp, back_of[row], back_of[col], gather_bytes=out_bytes,
+                _shard_pair(calls, comm, factor, shrink, sp, back_of[row], back_of[col], gather_bytes=out_bytes,
                             reduce_bytes=in_bytes, where=where)
         if sp:
-            _shard_rest(calls, units, factor, unit, it, fwd, bwd if matched else [], paired_until, t)
+            _shard_rest(calls, units, factor, shrink, unit, it, fwd, bwd if matched else [], paired_until)
     change.scaled_tasks = int((factor != 1.0).sum())
     graph.scale(np.arange(len(graph.tasks)), factor)
     change.collectives = comm.commit()
@@ -385,14 +393,15 @@ def rank_pass(graph: TaskGraph, units: Units, cluster, ranks_of: dict, group: st
     return graph, calls, Collectives(graph, calls, cluster, group, ranks, f"comm {group}")
 
 
-def _shard_pair(calls: Calls, comm: "Collectives", factor: np.ndarray, t: int, sp: bool, first: int, last: int, *,
+def _shard_pair(calls: Calls, comm: "Collectives", factor: np.ndarray, shrink: "Shrink", sp: bool, first: int, last: int, *,
                 gather_bytes: float, reduce_bytes: float, where: tuple) -> None:
     """One column/row pair in one phase (forward: column call then row call; backward: the row
     layer's backward node then the column layer's): its span's compute x 1/t, then an
     all-reduce after it, or with sequence parallelism an all-gather before and a reduce-scatter
     after."""
     inside = calls.span_tasks(calls.op_thread[first], calls.op_start[first], calls.op_end[last])
-    factor[compute_tasks(calls, inside)] = 1.0 / t
+    chosen = compute_tasks(calls, inside)
+    factor[chosen] = shrink(chosen)
     if sp:
         comm.before(calls.first_task(first), "all_gather", gather_bytes, *where)
         comm.after(calls.last_task(last), "reduce_scatter", reduce_bytes, *where)
@@ -400,8 +409,8 @@ def _shard_pair(calls: Calls, comm: "Collectives", factor: np.ndarray, t: int, s
         comm.after(calls.last_task(last), "all_reduce", reduce_bytes, *where)
 
 
-def _shard_rest(calls: Calls, units: Units, factor: np.ndarray, unit: int, it: int, fwd: list, bwd: list,
-                paired_until: int, t: int) -> None:
+def _shard_rest(calls: Calls, units: Units, factor: np.ndarray, shrink: "Shrink", unit: int, it: int, fwd: list,
+                bwd: list, paired_until: int) -> None:
     """Sequence parallelism: the unit's other element-wise, norm and reduction work in this
     iteration takes 1/t, outside a mixture of experts (from the first unpaired linear call in
     forward, up to the end of its backward node)."""
@@ -420,7 +429,88 @@ def _shard_rest(calls: Calls, units: Units, factor: np.ndarray, unit: int, it: i
                 mine = mine[calls.start[mine] >= calls.op_end[unpaired_back]]
         chosen = compute_tasks(calls, mine, SEQUENCE_FAMILIES)
         chosen = chosen[factor[chosen] == 1.0]
-        factor[chosen] = 1.0 / t
+        factor[chosen] = shrink(chosen)
+
+
+class Shrink:
+    """The factor of each compute task of a 1/t shard: the rule's 1/t, or on a CPU trace with
+    operator models the batch-size pass's method (``passes/batch_size.py``): the roofline ratio
+    ``model(shard's shapes) / model(traced shapes)`` of the outermost modelled operator around
+    the task, without the learned correction. The shard's shapes (:func:`shard_dims`): a GEMM's
+    output columns (``N``) / t, a batched GEMM's batch / t, attention's heads / t, and the
+    largest tensors' largest dimension divisible by t for element-wise, norm and reduction work.
+    Where a shape does not divide or a family has no model, the rule's 1/t."""
+
+    def __init__(self, graph: TaskGraph, t: int, models: Optional[PerfModels]):
+        self.t, self.event = t, graph.tasks["event"].to_numpy()
+        self.ratio: dict = {}
+        self.rule = "compute of the sharded spans x 1/t (no operator models)"
+        if models is None or graph.workload.has_gpu:
+            return
+        units = operator_units(graph.ops)
+        heads = units[(units["unit"] == units["row"]).to_numpy()]
+        ops, dims, types, args = (heads[c].tolist() for c in ("op", "dims", "types", "args"))
+        sharded = [shard_dims(op, d, t) for op, d in zip(ops, dims)]
+        ok = [i for i, d in enumerate(sharded) if d is not None]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            pick = lambda values: [values[i] for i in ok]  # noqa: E731
+            before = models.predict_us(pick(ops), pick(dims), pick(types), pick(args), learned=False)
+            after = models.predict_us(pick(ops), [sharded[i] for i in ok], pick(types), pick(args), learned=False)
+        ratio = after / before
+        good = np.isfinite(ratio) & (ratio > 0)
+        of_head = {int(heads["row"].iat[i]): float(min(r, 1.0)) for i, r, g in zip(ok, ratio, good) if g}
+        self.ratio = {int(r): of_head[int(u)] for r, u in zip(units["row"], units["unit"]) if int(u) in of_head}
+        self.rule = (f"compute of the sharded spans x its operator's roofline ratio at the 1/t shard "
+                     f"({len(of_head)} calls modelled), else x 1/t")
+
+    def __call__(self, tasks: np.ndarray) -> np.ndarray:
+        default = 1.0 / self.t
+        return np.array([self.ratio.get(int(self.event[i]), default) for i in tasks.tolist()], dtype=float)
+
+
+def shard_dims(op: str, dims: list, t: int) -> Optional[list]:
+    """``dims`` of one call at its 1/t tensor-parallel shard (see :class:`Shrink`); None where
+    the shard's dimension does not divide by t or the call recorded no shapes."""
+    shapes = [d if _is_shape(d) else None for d in dims]
+    out = list(dims)
+
+    def cut(i: int, axis: int) -> bool:
+        d = shapes[i] if i < len(shapes) else None
+        if d is None or not -len(d) <= axis < len(d) or d[axis] % t:
+            return False
+        d = list(d)
+        d[axis] //= t
+        out[i] = d
+        return True
+
+    family = FAMILY_OF.get(op)
+    if op in ("aten::bmm", "aten::baddbmm"):
+        first = 1 if op == "aten::baddbmm" else 0
+        return out if cut(first, 0) and cut(first + 1, 0) and (first == 0 or cut(0, 0)) else None
+    if family == "gemm":
+        if op == "aten::linear":
+            ok = cut(1, 0)
+            if len(shapes) > 2 and shapes[2] is not None:
+                ok &= cut(2, 0)
+            return out if ok else None
+        first = 1 if op == "aten::addmm" else 0
+        ok = cut(first + 1, -1)
+        if first and shapes[0] is not None:
+            ok &= cut(0, -1)
+        return out if ok else None
+    if family == "attention":
+        four = [i for i, d in enumerate(shapes) if d is not None and len(d) == 4]
+        return out if four and all(cut(i, 1) for i in four) else None
+    sized = [(int(np.prod(d)), i) for i, d in enumerate(shapes) if d is not None]
+    if not sized:
+        return None
+    biggest = max(n for n, _ in sized)
+    for i in [i for n, i in sized if n == biggest]:
+        axis = max((a for a, v in enumerate(shapes[i]) if v % t == 0 and v >= t), key=lambda a: shapes[i][a], default=None)
+        if axis is None or not cut(i, axis):
+            return None
+    return out
 
 
 PASSES[GROUP] = apply_tensor
