@@ -300,5 +300,8 @@ def test_on_a_gpu_trace_the_all_reduce_waits_for_the_gemm_kernel_and_blocks_the_
     kernels = graph.tasks["kind"].to_numpy() == int(TaskKind.KERNEL)
     halved = np.isclose(out.tasks["duration_us"].to_numpy()[:len(graph.tasks)], graph.tasks["duration_us"].to_numpy() / 2)
     assert (halved & kernels).sum() >= 6, "the paired GEMMs' kernels, at least"
+    with pytest.raises(GraphError, match="parallelism.tensor: no pair of linear layers"):
+        apply_tensor(graph, find_units(graph, r"## optimizer ##|Optimizer\.step"), Parallelism(data=4, tensor=2), FAST,
+                     {"tensor": (0, 1)})
     with pytest.raises(GraphError, match="no mixture-of-experts layer"):
         apply_expert(graph, units, Parallelism(data=8, expert=8), FAST, {"expert": tuple(range(8))})

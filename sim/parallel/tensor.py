@@ -26,19 +26,20 @@ visits the unit's linears in reverse: its linear-backward nodes (``AddmmBackward
 ``MmBackward0``) are matched to the forward calls from the last; where their counts differ the
 unit's backward is left as traced and the note says so.
 
-**What shrinks (the stated rule).** The pass has no operator models to ask (its signature
-carries none, and GPU kernels would need models of that GPU), so it follows a rule: the compute
-of a pair's span (from the column-parallel call's start to the row-parallel call's end, in
-backward from the row-parallel layer's backward node to the column-parallel one's), GEMMs,
-attention and the element-wise kernels between them, all acting on the 1/t shard, takes 1/t of
-its traced time; with sequence parallelism the element-wise, normalisation and reduction work
-of the rest of the unit (outside a mixture of experts) does too. Compute is, on a GPU trace,
-every kernel, copy and memset those spans launched; on a CPU trace, the self time of the
-modelled operators there (``perfmodels.families``) other than views and the composite
+**What shrinks.** The compute of a pair's span (from the column-parallel call's start to the
+row-parallel call's end, in backward from the row-parallel layer's backward node to the
+column-parallel one's), GEMMs, attention and the element-wise kernels between them, all acting
+on the 1/t shard, shrinks; with sequence parallelism the element-wise, normalisation and
+reduction work of the rest of the unit (outside a mixture of experts) does too. Compute is, on a
+GPU trace, every kernel, copy and memset those spans launched; on a CPU trace, the self time of
+the modelled operators there (``perfmodels.families``) other than views and the composite
 wrappers whose self time is dispatch (``aten::linear``, ``aten::matmul``,
-``aten::scaled_dot_product_attention``). CPU dispatch and Python time stay as traced: every
-rank still launches every operator. A memory-bound kernel shrinks less than 1/t in reality;
-the rule overstates the gain of small shards.
+``aten::scaled_dot_product_attention``). By how much: given operator models of the traced CPU
+(the optional ``models``), each call's roofline ratio between its shard's shapes and its traced
+ones, as the batch-size pass rescales a batch (:class:`Shrink`); else, and on a GPU trace (whose
+kernels would need models of that GPU), the stated rule: 1/t. The rule overstates the gain of
+small, memory-bound shards. CPU dispatch and Python time stay as traced: every rank still
+launches every operator.
 
 **Where the collectives go.** Each is a COMM task on the rank's ``comm tensor`` resource (the
 communication stream, one collective at a time), priced by ``topology.collective_cost(cluster,
@@ -375,6 +376,9 @@ def apply_tensor(graph: TaskGraph, units: Units, par: Parallelism, cluster, rank
                             reduce_bytes=in_bytes, where=where)
         if sp:
             _shard_rest(calls, units, factor, shrink, unit, it, fwd, bwd if matched else [], paired_until)
+    if not change.pairs:
+        raise GraphError(f"parallelism.tensor: no pair of linear layers (column- then row-parallel) found in the "
+                         f"forward of the {len(units)} units ({units.pattern}) of {graph.workload.source}")
     change.scaled_tasks = int((factor != 1.0).sum())
     graph.scale(np.arange(len(graph.tasks)), factor)
     change.collectives = comm.commit()
