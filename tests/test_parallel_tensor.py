@@ -23,7 +23,7 @@ from whatif.sim.engine import simulate
 from whatif.sim.graph import EdgeKind, GraphError, TaskKind
 from whatif.sim.parallel import Parallelism
 from whatif.sim.parallel.expert import ExpertParallelChange, apply_expert
-from whatif.sim.parallel.tensor import TensorParallelChange, apply_tensor, shard_dims
+from whatif.sim.parallel.tensor import TensorParallelChange, apply_tensor, shard_dims, with_collectives
 from whatif.sim.perfmodels.models import load_models
 from whatif.sim.parallel.units import PHASE_BACKWARD, PHASE_FORWARD, find_units
 from whatif.topology import Cluster, collective_cost
@@ -265,6 +265,21 @@ def test_a_rank_runs_its_local_experts_on_every_ranks_tokens(moe):
     assert apply_expert(graph, units, Parallelism(data=8), FAST, {"expert": (0,)}) is graph
     with pytest.raises(GraphError, match="does not divide the 4 experts"):
         apply_expert(graph, units, Parallelism(data=8, expert=8), FAST, {"expert": tuple(range(8))})
+
+
+def test_tensor_then_expert_parallel_compose_on_one_rank(moe):
+    graph, units = moe
+    par = Parallelism(data=4, tensor=2, expert=2)
+    ranks = {"tensor": (0, 1), "expert": (0, 2)}
+    tp = apply_tensor(graph, units, par, FAST, ranks)
+    tp_units = with_collectives(units, tp, tp.last_note(TensorParallelChange).collectives)
+    assert len(tp_units.task_unit) == len(tp.tasks)
+    both = apply_expert(tp, tp_units, par, FAST, ranks)
+    assert len(both.last_note(TensorParallelChange).collectives) == 2 * BLOCKS * STEPS
+    assert len(both.last_note(ExpertParallelChange).collectives) == 4 * BLOCKS * STEPS
+    comm = both.tasks["resource"].astype(str).value_counts()
+    assert comm["comm tensor"] == 2 * BLOCKS * STEPS and comm["comm expert"] == 4 * BLOCKS * STEPS
+    assert simulate(both).end_us.max() > 0
 
 
 def test_sharded_embeddings_exchange_the_pooled_lookups_forward_and_backward(tmp_path):

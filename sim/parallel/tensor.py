@@ -54,6 +54,7 @@ the first block and gathering it after the last under sequence parallelism) are 
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import warnings
 from dataclasses import dataclass, field
@@ -328,6 +329,20 @@ def compute_tasks(calls: Calls, cpu: np.ndarray, families=None) -> np.ndarray:
     keep = [c for c in cpu.tolist() if names[c] in FAMILY_OF and names[c] not in VIEW_OPS and names[c] not in COMPOSITE
             and (families is None or FAMILY_OF[names[c]] in families)]
     return np.asarray(keep, dtype=np.int64)
+
+
+def with_collectives(units: Units, graph: TaskGraph, collectives: pd.DataFrame) -> Units:
+    """``units`` for ``graph``, which a pass made by appending tasks to the graph ``units``
+    describe: the appended tasks get the unit and phase of the collectives they are (rows of a
+    note's ``collectives``), other appended tasks none."""
+    extra = len(graph.tasks) - len(units.task_unit)
+    task_unit = np.concatenate([units.task_unit, np.full(extra, -1, dtype=units.task_unit.dtype)])
+    task_phase = np.concatenate([units.task_phase, np.zeros(extra, dtype=units.task_phase.dtype)])
+    if len(collectives):
+        ids = collectives["task"].to_numpy(dtype=np.int64)
+        task_unit[ids] = collectives["unit"].to_numpy()
+        task_phase[ids] = collectives["phase"].to_numpy()
+    return dataclasses.replace(units, task_unit=task_unit, task_phase=task_phase)
 
 
 # -- the pass -------------------------------------------------------------------------------------
