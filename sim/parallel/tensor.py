@@ -100,8 +100,8 @@ class TensorParallelChange:
     rule: str = "compute of the sharded spans x 1/t (no operator models)"
 
     def describe(self) -> str:
-        per_op = self.collectives.groupby("op")["nbytes"].agg(["size", "sum"]) if len(self.collectives) else None
-        ops = ", ".join(f"{int(n)} {op} ({total / 1e6:.3g} MB)" for op, (n, total) in per_op.iterrows()) if per_op is not None else "none"
+        per_op = self.collectives.groupby("op")["nbytes"].agg(["size", "sum"])
+        ops = ", ".join(f"{int(n)} {op} ({total / 1e6:.3g} MB)" for op, (n, total) in per_op.iterrows()) or "none"
         text = (f"tensor parallel over {self.tensor} ranks{' with sequence parallelism' if self.sequence_parallel else ''}: "
                 f"{self.pairs} column/row pairs, {self.scaled_tasks} tasks shrunk ({self.rule}); collectives: {ops}")
         if self.unmatched_backward:
@@ -436,8 +436,9 @@ def _shard_rest(calls: Calls, units: Units, factor: np.ndarray, shrink: "Shrink"
     for phase, rows in ((PHASE_FORWARD, fwd), (PHASE_BACKWARD, bwd)):
         if not rows:
             continue
-        mine = np.flatnonzero((units.task_unit == unit) & (units.task_phase == phase) & ~calls.gpu
-                              & np.isfinite(calls.start))
+        n = len(units.task_unit)  # tasks a pass appended after ``units`` was found belong to none
+        mine = np.flatnonzero((units.task_unit == unit) & (units.task_phase == phase) & ~calls.gpu[:n]
+                              & np.isfinite(calls.start[:n]))
         lo, hi = (calls.steps[it] if it < len(calls.steps) else (-np.inf, np.inf))
         mine = mine[(calls.start[mine] >= lo) & (calls.start[mine] < hi)]
         if paired_until < len(fwd):
