@@ -1,0 +1,322 @@
+"""The tensor-parallel and expert-parallel passes (``sim/parallel/tensor.py``, ``expert.py``) on
+real traces: small models built from the lab's own blocks (``examples/transformer.py``'s
+``EncoderBlock``, ``examples/moe.py``'s ``MoEBlock``, a DLRM-style bag of embeddings) captured
+under :class:`Capture` on CPU once per session, and the shared DLRM GPU trace.
+
+The collectives are counted per block (or MoE layer) and iteration and their bytes held to the
+shard sizes computed by hand from the models' configuration below.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import sys
+
+import numpy as np
+import pytest
+
+from trace_corpus import REPO, SHARED_TRACES
+from whatif.collectors.load import load_trace
+from whatif.sim.build import build_graph
+from whatif.sim.engine import simulate
+from whatif.sim.graph import EdgeKind, GraphError, TaskKind
+from whatif.sim.parallel import Parallelism
+from whatif.sim.parallel.expert import ExpertParallelChange, apply_expert
+from whatif.sim.parallel.tensor import TensorParallelChange, apply_tensor, shard_dims, with_collectives
+from whatif.sim.perfmodels.models import load_models
+from whatif.sim.parallel.units import PHASE_BACKWARD, PHASE_FORWARD, find_units
+from whatif.topology import Cluster, collective_cost
+
+torch = pytest.importorskip("torch", reason="the passes are tested on traces captured with torch (pip install -e '.[test]')")
+from torch import nn  # noqa: E402
+
+from whatif.collectors.capture import Capture  # noqa: E402
+
+D_MODEL, HEADS, FEED_FORWARD, LENGTH, BATCH, VOCAB, BLOCKS = 64, 4, 256, 16, 4, 512, 2
+STEPS, WARMUP = 3, 2
+TABLES, BAG_DIM, ROWS, BAG = 3, 32, 1000, 5
+FAST = Cluster.from_config({"machine": "dgx_h100", "machines": 1})
+
+
+def examples():
+    sys.path.insert(0, str(REPO / "examples"))
+    try:
+        return importlib.import_module("transformer"), importlib.import_module("moe")
+    finally:
+        sys.path.remove(str(REPO / "examples"))
+
+
+class Blocks(nn.Module):
+    """Token embeddings, ``BLOCKS`` of the lab's blocks and a linear head on the mean token."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        transformer, moe = examples()
+        self.token_embedding = nn.Embedding(VOCAB, D_MODEL)
+        make = (lambda: transformer.EncoderBlock(D_MODEL, HEADS, FEED_FORWARD)) if kind == "dense" else (
+            lambda: moe.MoEBlock(D_MODEL, HEADS))
+        self.blocks = nn.Sequential(*(make() for _ in range(BLOCKS)))
+        self.head = nn.Linear(D_MODEL, 10)
+
+    def forward(self, x):
+        return self.head(self.blocks(self.token_embedding(x)).mean(1))
+
+
+class Bags(nn.Module):
+    """DLRM's sparse side: ``TABLES`` embedding bags (sum pooling), their outputs concatenated
+    into an MLP."""
+
+    def __init__(self):
+        super().__init__()
+        self.tables = nn.ModuleList(nn.EmbeddingBag(ROWS, BAG_DIM, mode="sum") for _ in range(TABLES))
+        self.top = nn.Sequential(nn.Linear(TABLES * BAG_DIM, 64), nn.ReLU(), nn.Linear(64, 10))
+
+    def forward(self, x):
+        return self.top(torch.cat([table(x[:, i]) for i, table in enumerate(self.tables)], dim=1))
+
+
+def capture(kind: str, folder):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        model = Bags() if kind == "bags" else Blocks(kind)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        generator = torch.Generator().manual_seed(0)
+        with Capture(folder / f"{kind}.bundle", model=model, warmup=WARMUP, steps=STEPS, batch_size=BATCH) as cap:
+            while True:
+                shape = (BATCH, TABLES, BAG) if kind == "bags" else (BATCH, LENGTH)
+                x = torch.randint(0, VOCAB if kind != "bags" else ROWS, shape, generator=generator)
+                y = torch.randint(0, 10, (BATCH,), generator=generator)
+                optimizer.zero_grad()
+                nn.functional.cross_entropy(model(x), y).backward()
+                optimizer.step()
+                if not cap.step():
+                    break
+        graph = build_graph(load_trace(cap.bundle))
+        return graph, (find_units(graph) if kind != "bags" else find_units(graph, r"tables\.\d+"))
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    return capture("dense", tmp_path_factory.mktemp("tp"))
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    return capture("moe", tmp_path_factory.mktemp("ep"))
+
+
+def tensor(graph, units, t, sequence_parallel=False, cluster=FAST):
+    par = Parallelism(data=8 // t, tensor=t, sequence_parallel=sequence_parallel)
+    return apply_tensor(graph, units, par, cluster, {"tensor": tuple(range(t))})
+
+
+def per_block(collectives):
+    return collectives.groupby(["unit", "iteration", "phase", "op"]).size()
+
+
+# -- tensor parallelism ---------------------------------------------------------------------------
+
+
+def test_tensor_parallel_all_reduces_twice_forward_and_twice_backward_per_block(dense):
+    graph, units = dense
+    out = tensor(graph, units, 2)
+    note = out.last_note(TensorParallelChange)
+    counts = per_block(note.collectives)
+    assert len(counts) == BLOCKS * STEPS * 2, "every block of every iteration, forward and backward"
+    assert (counts == 2).all() and set(note.collectives["op"]) == {"all_reduce"}
+    assert len(note.collectives) == 4 * BLOCKS * STEPS
+    # the block's activation: batch x sequence x hidden x 4 bytes (float32), forward and backward
+    assert set(note.collectives["nbytes"]) == {BATCH * LENGTH * D_MODEL * 4}
+    comm = out.tasks.iloc[note.collectives["task"].to_numpy()]
+    assert (comm["kind"] == int(TaskKind.COMM)).all() and set(comm["resource"].astype(str)) == {"comm tensor"}
+    expected = collective_cost(FAST, "all_reduce", BATCH * LENGTH * D_MODEL * 4, ranks=(0, 1)).time_us
+    assert np.allclose(comm["duration_us"], expected)
+    assert note.pairs == 2 * BLOCKS * STEPS and note.unmatched_backward == 0
+
+
+def test_sequence_parallel_turns_each_all_reduce_into_a_reduce_scatter_and_an_all_gather(dense):
+    graph, units = dense
+    note = tensor(graph, units, 2, sequence_parallel=True).last_note(TensorParallelChange)
+    counts = per_block(note.collectives)
+    assert len(note.collectives) == 8 * BLOCKS * STEPS
+    assert set(counts.index.get_level_values("op")) == {"all_gather", "reduce_scatter"} and (counts == 2).all()
+    assert set(note.collectives["nbytes"]) == {BATCH * LENGTH * D_MODEL * 4}, "the same total bytes as the all-reduce"
+    plain = tensor(graph, units, 2).last_note(TensorParallelChange)
+    assert note.scaled_tasks > plain.scaled_tasks, "norms and residual adds shard along the sequence too"
+
+
+def test_the_collectives_sit_on_the_critical_path_of_the_thread(dense):
+    graph, units = dense
+    out = tensor(graph, units, 4)
+    note = out.last_note(TensorParallelChange)
+    edges, tasks = out.edges, out.tasks
+    operator = tasks["operator"].astype(str).to_numpy()
+    for tid, phase in zip(note.collectives["task"], note.collectives["phase"]):
+        into = edges[(edges["dst"] == tid) & (edges["kind"] == int(EdgeKind.USER))]["src"].tolist()
+        out_of = edges[(edges["src"] == tid) & (edges["kind"] == int(EdgeKind.USER))]["dst"].tolist()
+        assert len(into) == 1 and len(out_of) == 1
+        assert tasks["resource"].iat[into[0]] == tasks["resource"].iat[out_of[0]], "the thread waits for it"
+        if phase == PHASE_FORWARD:  # after the row-parallel layer's last task
+            assert operator[into[0]] == "aten::linear"
+    schedule = simulate(out)
+    for tid in note.collectives["task"]:
+        after = edges[(edges["src"] == tid)]["dst"].iat[0]
+        assert schedule.start_us[after] >= schedule.end_us[tid] - 1e-6
+
+
+def test_gemm_time_shrinks_and_the_step_gets_faster_with_more_tensor_ranks_on_nvlink(dense):
+    graph, units = dense
+    names = graph.tasks["name"].astype(str).to_numpy()
+    in_units = (units.task_unit >= 0) & np.isin(units.task_phase, [PHASE_FORWARD, PHASE_BACKWARD])
+    gemm = np.flatnonzero(in_units & np.isin(names, ["aten::addmm", "aten::mm"]))
+    traced = graph.tasks["duration_us"].to_numpy()[gemm].sum()
+    makespans = [simulate(graph).end_us.max()]
+    for t in (2, 4, 8):
+        out = tensor(graph, units, t)
+        shrunk = out.tasks["duration_us"].to_numpy()[gemm].sum()
+        assert shrunk < traced * (1 / t + 0.15), f"the blocks' GEMMs at t={t}"
+        makespans.append(simulate(out).end_us.max())
+    assert all(a > b for a, b in zip(makespans, makespans[1:])), makespans
+
+
+def test_one_tensor_rank_leaves_the_graph_as_it_is(dense):
+    graph, units = dense
+    assert apply_tensor(graph, units, Parallelism(data=8), FAST, {"tensor": (0,)}) is graph
+    with pytest.raises(GraphError, match="parallelism.tensor: 2 ranks"):
+        apply_tensor(graph, units, Parallelism(data=4, tensor=2), FAST, {"tensor": (0, 1, 2)})
+
+
+def test_a_shard_divides_the_dimension_megatron_splits():
+    assert shard_dims("aten::linear", [[4, 16, 64], [192, 64], [192]], 2) == [[4, 16, 64], [96, 64], [96]]
+    assert shard_dims("aten::addmm", [[192], [64, 64], [64, 192]], 4) == [[48], [64, 64], [64, 48]]
+    assert shard_dims("aten::mm", [[64, 192], [192, 64]], 2) == [[64, 192], [192, 32]]
+    assert shard_dims("aten::bmm", [[16, 16, 16], [16, 16, 16]], 4) == [[4, 16, 16], [4, 16, 16]]
+    q = [4, 4, 16, 16]
+    assert shard_dims("aten::scaled_dot_product_attention", [q, q, q], 2) == [[4, 2, 16, 16]] * 3
+    assert shard_dims("aten::gelu", [[64, 256], []], 2) == [[64, 128], []]
+    assert shard_dims("aten::linear", [[4, 16, 64], [10, 64], [10]], 4) is None, "10 outputs do not split 4 ways"
+
+
+def test_with_operator_models_a_cpu_shard_takes_its_roofline_ratio(dense, quick_models_file):
+    graph, units = dense
+    plain = tensor(graph, units, 2).tasks["duration_us"].to_numpy()[:len(graph.tasks)]
+    out = apply_tensor(graph, units, Parallelism(data=4, tensor=2), FAST, {"tensor": (0, 1)},
+                       models=load_models(quick_models_file))
+    assert "roofline" in out.last_note(TensorParallelChange).rule
+    before = graph.tasks["duration_us"].to_numpy()
+    after = out.tasks["duration_us"].to_numpy()[:len(graph.tasks)]
+    shrunk = np.flatnonzero(plain < before)
+    assert np.array_equal(np.flatnonzero(after < before - 1e-12), shrunk), "the same tasks shrink"
+    ratio = after[shrunk] / before[shrunk]
+    assert (ratio <= 1 + 1e-9).all() and (ratio > 0.4).all()
+    assert not np.allclose(ratio, 0.5), "small shards are memory bound: the roofline keeps more than half"
+
+
+def test_in_a_mixture_of_experts_block_only_attention_is_tensor_parallel(moe):
+    graph, units = moe
+    note = tensor(graph, units, 2).last_note(TensorParallelChange)
+    assert (per_block(note.collectives) == 1).all() and len(note.collectives) == 2 * BLOCKS * STEPS
+    assert note.pairs == BLOCKS * STEPS, "QKV and out; the router stays replicated, the experts are the expert pass's"
+
+
+# -- expert parallelism ---------------------------------------------------------------------------
+
+
+def test_expert_parallel_all_to_alls_around_each_moe_layer_of_the_buffer(moe):
+    graph, units = moe
+    _, moe_module = examples()
+    experts, top_k, factor = moe_module.NUM_EXPERTS, moe_module.TOP_K, moe_module.CAPACITY_FACTOR
+    capacity = math.ceil(factor * top_k * BATCH * LENGTH / experts)
+    out = apply_expert(graph, units, Parallelism(data=4, expert=2), FAST, {"expert": (0, 1)})
+    note = out.last_note(ExpertParallelChange)
+    assert note.experts == experts and note.layers == BLOCKS * STEPS
+    counts = note.collectives.groupby(["unit", "iteration", "phase"]).size()
+    assert len(counts) == BLOCKS * STEPS * 2 and (counts == 2).all(), "dispatch and combine, forward and backward"
+    assert len(note.collectives) == 4 * BLOCKS * STEPS and set(note.collectives["op"]) == {"all_to_all"}
+    assert set(note.collectives["nbytes"]) == {experts * capacity * D_MODEL * 4}
+    comm = out.tasks.iloc[note.collectives["task"].to_numpy()]
+    assert set(comm["resource"].astype(str)) == {"comm expert"}
+    assert np.allclose(comm["duration_us"], collective_cost(FAST, "all_to_all", experts * capacity * D_MODEL * 4,
+                                                            ranks=(0, 1)).time_us)
+
+
+def test_a_rank_runs_its_local_experts_on_every_ranks_tokens(moe):
+    graph, units = moe
+    _, moe_module = examples()
+    ops = graph.ops
+    name = ops["name"].astype(str)
+    windows = list(zip(ops.loc[name == "moe.dispatch", "start_us"], ops.loc[name == "moe.combine", "start_us"]))
+    addmm = graph.tasks["name"].astype(str).to_numpy() == "aten::addmm"
+    start = graph.tasks["measured_start_us"].to_numpy()
+    for ep in (2, 4):
+        out = apply_expert(graph, units, Parallelism(data=4, expert=ep), FAST, {"expert": tuple(range(ep))})
+        before, after = graph.tasks["duration_us"].to_numpy(), out.tasks["duration_us"].to_numpy()[:len(graph.tasks)]
+        for lo, hi in windows:
+            mine = np.flatnonzero(addmm & (start >= lo) & (start < hi))
+            kept = mine[after[mine] > 0]
+            # the traced experts each have two linears; a rank keeps E / ep of them at ep times the rows
+            assert len(kept) * ep == len(mine)
+            assert np.allclose(after[kept], ep * before[kept])
+    assert apply_expert(graph, units, Parallelism(data=8), FAST, {"expert": (0,)}) is graph
+    with pytest.raises(GraphError, match="does not divide the 4 experts"):
+        apply_expert(graph, units, Parallelism(data=8, expert=8), FAST, {"expert": tuple(range(8))})
+
+
+def test_tensor_then_expert_parallel_compose_on_one_rank(moe):
+    graph, units = moe
+    par = Parallelism(data=4, tensor=2, expert=2)
+    ranks = {"tensor": (0, 1), "expert": (0, 2)}
+    tp = apply_tensor(graph, units, par, FAST, ranks)
+    tp_units = with_collectives(units, tp, tp.last_note(TensorParallelChange).collectives)
+    assert len(tp_units.task_unit) == len(tp.tasks)
+    both = apply_expert(tp, tp_units, par, FAST, ranks)
+    assert len(both.last_note(TensorParallelChange).collectives) == 2 * BLOCKS * STEPS
+    assert len(both.last_note(ExpertParallelChange).collectives) == 4 * BLOCKS * STEPS
+    comm = both.tasks["resource"].astype(str).value_counts()
+    assert comm["comm tensor"] == 2 * BLOCKS * STEPS and comm["comm expert"] == 4 * BLOCKS * STEPS
+    assert simulate(both).end_us.max() > 0
+
+
+def test_sharded_embeddings_exchange_the_pooled_lookups_forward_and_backward(tmp_path):
+    graph, units = capture("bags", tmp_path)
+    out = apply_expert(graph, units, Parallelism(data=2, expert=2), FAST, {"expert": (0, 1)})
+    note = out.last_note(ExpertParallelChange)
+    assert note.kind == "embeddings" and note.layers == STEPS
+    counts = note.collectives.groupby(["iteration", "phase"]).size()
+    assert len(counts) == 2 * STEPS and (counts == 1).all()
+    assert set(note.collectives["nbytes"]) == {TABLES * BATCH * BAG_DIM * 4}, "every table's pooled [batch, dim]"
+
+
+# -- a shared GPU trace ---------------------------------------------------------------------------
+
+
+DLRM = SHARED_TRACES / "param-dlrm-8rank" / "worker0.json.gz"
+
+
+@pytest.mark.skipif(not DLRM.exists(), reason=f"the shared DLRM traces are not at {DLRM}")
+def test_on_a_gpu_trace_the_all_reduce_waits_for_the_gemm_kernel_and_blocks_the_stream():
+    graph = build_graph(load_trace(DLRM))
+    # DLRM's MLPs under DistributedDataParallel.forward: one unit (no module names: forward only)
+    units = find_units(graph, r"DistributedDataParallel\.forward")
+    out = apply_tensor(graph, units, Parallelism(data=4, tensor=2), FAST, {"tensor": (0, 1)})
+    note = out.last_note(TensorParallelChange)
+    assert note.pairs == 3 and len(note.collectives) == 3 and note.unmatched_backward == 1
+    tasks, edges = out.tasks, out.edges
+    for tid in note.collectives["task"]:
+        src = edges.loc[edges["dst"] == tid, "src"].iat[0]
+        dst = edges.loc[edges["src"] == tid, "dst"].iat[0]
+        assert tasks["kind"].iat[src] == int(TaskKind.KERNEL) and tasks["kind"].iat[dst] == int(TaskKind.KERNEL)
+        assert tasks["resource"].iat[src] == tasks["resource"].iat[dst], "the compute stream waits for it"
+    kernels = graph.tasks["kind"].to_numpy() == int(TaskKind.KERNEL)
+    halved = np.isclose(out.tasks["duration_us"].to_numpy()[:len(graph.tasks)], graph.tasks["duration_us"].to_numpy() / 2)
+    assert (halved & kernels).sum() >= 6, "the paired GEMMs' kernels, at least"
+    with pytest.raises(GraphError, match="parallelism.tensor: no pair of linear layers"):
+        apply_tensor(graph, find_units(graph, r"## optimizer ##|Optimizer\.step"), Parallelism(data=4, tensor=2), FAST,
+                     {"tensor": (0, 1)})
+    with pytest.raises(GraphError, match="no mixture-of-experts layer"):
+        apply_expert(graph, units, Parallelism(data=8, expert=8), FAST, {"expert": tuple(range(8))})
