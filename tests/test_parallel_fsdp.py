@@ -12,21 +12,23 @@ step is the single-process step less (d-1)/d of its optimizer, and on a slow lin
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 import pytest
 
-from trace_corpus import REPO
+from trace_corpus import NO_SHARED, REPO, SHARED_TRACES
 from whatif import TraceStudy
 from whatif.report.iterations import iteration_report
 from whatif.sim.engine import simulate
-from whatif.sim.graph import TaskKind
+from whatif.sim.graph import GPU_TASK_KINDS, EdgeKind, TaskKind
 from whatif.sim.parallel import PASSES, Parallelism
 from whatif.sim.parallel.fsdp import ShardedDataParallel, apply_fsdp
-from whatif.sim.parallel.units import PHASE_BACKWARD, PHASE_FORWARD, PHASE_OPTIMIZER, find_units
+from whatif.sim.parallel.units import TABLE_COLUMNS, PHASE_BACKWARD, PHASE_FORWARD, PHASE_OPTIMIZER, Units, find_units
 from whatif.topology import Cluster, Link
 
 BUNDLE = REPO / "data" / "transformer_cpu.bundle"
 RANKS = (0, 1, 2, 3)
 BLOCKS = 4  # examples/transformer.py's NUM_LAYERS
+GPU_TRACE = SHARED_TRACES / "hta-ddp-resnet50" / "v100_1gpu_rank0.json.gz"  # ResNet-50 on one V100
 
 
 @pytest.fixture(scope="module")
@@ -187,3 +189,72 @@ def test_the_pass_is_registered_for_the_fsdp_family():
 def test_without_sharding_the_graph_is_untouched(study, units):
     par = Parallelism(data=len(RANKS), zero=0)
     assert apply_fsdp(study.graph, units, par, FAST, {"data": RANKS}) is study.graph
+
+
+# -- a GPU trace -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gpu_study():
+    if not GPU_TRACE.exists():
+        pytest.skip(NO_SHARED)
+    return TraceStudy.from_trace(GPU_TRACE)
+
+
+def cut_units(study, count: int = 4, unit_bytes: float = 25e6) -> Units:
+    """Units for a trace that records no modules (HTA's ResNet-50 has none): each iteration's
+    forward operators on the training thread (those before its first autograd function) cut
+    into ``count`` runs of equal length, its backward operators (on autograd's thread) into as
+    many in reverse, the first and last tenth of each left to the root; the optimizer step is
+    phase 3; GPU tasks take their launch's unit and phase, as ``find_units`` gives them."""
+    graph = study.graph
+    start = graph.tasks["measured_start_us"].to_numpy()
+    resource = graph.tasks["resource"].astype(str).to_numpy().astype(str)
+    thread = resource == f"cpu {study.iterations['thread'].iloc[0]}"
+    on_cpu = np.char.startswith(resource, "cpu ")
+    backward, optimizer = graph.match(r"autograd::engine::evaluate_function"), graph.match(r"Optimizer\.step#")
+    unit = np.full(len(start), -1, dtype=np.int64)
+    phase = np.zeros(len(start), dtype=np.int8)
+    for it in study.iterations.itertuples():
+        inside = on_cpu & (start >= it.start_us) & (start < it.end_us)
+        first_backward = start[inside & backward].min()
+        forward_ids = np.flatnonzero(inside & thread & (start < first_backward) & ~optimizer)
+        backward_ids = np.flatnonzero(inside & ~thread & (start >= first_backward))
+        phase[forward_ids], phase[backward_ids], phase[inside & optimizer] = 1, 2, 3
+        forward_ids, backward_ids = forward_ids[np.argsort(start[forward_ids])], backward_ids[np.argsort(start[backward_ids])]
+        for k, run in enumerate(np.array_split(forward_ids[len(forward_ids) // 10:], count)):
+            unit[run] = k
+        for k, run in enumerate(np.array_split(backward_ids[: len(backward_ids) * 9 // 10], count)):
+            unit[run] = count - 1 - k
+    launch = graph.edges[graph.edges["kind"] == int(EdgeKind.LAUNCH)]
+    unit[launch["dst"].to_numpy()] = unit[launch["src"].to_numpy()]
+    phase[launch["dst"].to_numpy()] = phase[launch["src"].to_numpy()]
+    table = pd.DataFrame({"unit": range(count), "name": [f"part {k}" for k in range(count)], "param_bytes": unit_bytes,
+                          "activation_bytes": 0.0, "forward_us": 0.0, "backward_us": 0.0})[TABLE_COLUMNS]
+    return Units("cut by hand", unit, phase, table)
+
+
+def test_on_a_gpu_trace_the_gpu_streams_wait_for_the_gathers_not_the_cpu(gpu_study):
+    units = cut_units(gpu_study)
+    par = Parallelism(data=len(RANKS), zero=3)
+    base = predicted_ms(gpu_study, gpu_study.graph)
+    fast = apply_fsdp(gpu_study.graph, units, par, FAST, {"data": RANKS})
+    assert (predicted_ms(gpu_study, fast) <= base + 1e-6).all()
+    out = apply_fsdp(gpu_study.graph, units, par, cluster(1250.0), {"data": RANKS})  # 10 Gb/s
+    note = out.last_note(ShardedDataParallel)
+    c = note.collectives
+    assert len(c) == len(gpu_study.iterations) * 3 * 4  # no parameter record: the root holds none, sends none
+    gpu_kinds = [int(k) for k in GPU_TASK_KINDS]
+    gathers = c.loc[c["op"] == "all_gather", "task"].to_numpy()
+    waiters = out.edges.loc[out.edges["src"].isin(gathers), "dst"].to_numpy()
+    assert len(waiters) and out.tasks["kind"].iloc[waiters].isin(gpu_kinds).all()
+    schedule = simulate(out)
+    edges = out.edges
+    for row in c[c["op"] == "all_gather"].itertuples():
+        waiters = edges.loc[edges["src"] == row.task, "dst"].to_numpy()
+        phase = PHASE_FORWARD if row.phase == "forward" else PHASE_BACKWARD
+        assert len(waiters), f"nothing waits for {row}"
+        assert (units.task_unit[waiters] == row.unit).all() and (units.task_phase[waiters] == phase).all()
+        assert (schedule.start_us[waiters] >= schedule.end_us[row.task] - 1e-6).all()
+    steady = slice(1, None)  # the first profiled step is short: the profiler starts mid-step
+    assert (predicted_ms(gpu_study, out)[steady] > base[steady] * 1.2).all()
