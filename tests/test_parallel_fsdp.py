@@ -182,6 +182,32 @@ def test_zero_1_all_reduces_then_gathers_the_updated_parameters_once(study, unit
     assert (predicted_ms(study, out) > base).all()
 
 
+def test_under_tensor_parallelism_a_rank_gathers_its_tensor_shard_of_each_block(study, units):
+    par = Parallelism(data=len(RANKS), tensor=2, zero=3)
+    note = apply_fsdp(study.graph, units, par, FAST, {"data": RANKS}).last_note(ShardedDataParallel)
+    c = note.collectives
+    for unit, nbytes in zip(units.table["unit"], units.table["param_bytes"]):
+        assert (c.loc[c["unit"] == unit, "nbytes"] == nbytes / 2).all()
+    root = bundle_bytes(study) - units.table["param_bytes"].sum()
+    assert (c.loc[c["unit"] == -1, "nbytes"] == root).all(), "the embeddings and head are replicated, not split"
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_the_units_follow_the_graph_the_pass_returns(study, units, zero):
+    out, note = sharded(study, units, zero)
+    after = note.units_after(units, out)
+    n = len(study.graph.tasks)
+    assert len(after.task_unit) == len(out.tasks) and len(after.task_phase) == len(out.tasks)
+    assert (after.task_unit[:n] == units.task_unit).all() and (after.task_phase[:n] == units.task_phase).all()
+    c = note.collectives
+    forward = c.loc[c["phase"] == "forward", "task"].to_numpy()
+    assert (after.task_phase[forward] == PHASE_FORWARD).all()
+    assert (after.task_unit[c["task"].to_numpy()] == c["unit"].to_numpy()).all()
+    if zero == 1:  # optimizer.step() waits for the gather: its wait is in the optimizer phase
+        assert len(note.waits) == len(study.iterations)
+        assert (after.task_phase[list(note.waits)] == PHASE_OPTIMIZER).all()
+
+
 def test_the_pass_is_registered_for_the_fsdp_family():
     assert PASSES["fsdp"] is apply_fsdp
 

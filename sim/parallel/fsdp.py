@@ -60,7 +60,7 @@ memory rate limit beyond the one-unit prefetch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Optional
 
@@ -94,6 +94,22 @@ class ShardedDataParallel:
     reshard_after_forward: bool
     optimizer_scale: float
     collectives: pd.DataFrame
+    waits: dict  # the zero-length tasks that wait for a collective where the step does: id -> the task it follows
+
+    def units_after(self, units: Units, graph: TaskGraph) -> Units:
+        """``units`` (found on the graph the pass was given) for the pass's output ``graph``:
+        each collective in the unit and phase it serves (the root's, -1, for the root's and
+        ZeRO's whole-model ones), each zero-length wait in those of the task it follows."""
+        unit = np.full(len(graph.tasks), -1, dtype=np.int64)
+        phase = np.zeros(len(graph.tasks), dtype=np.asarray(units.task_phase).dtype)
+        n = len(units.task_unit)
+        unit[:n], phase[:n] = units.task_unit, units.task_phase
+        for wait, after in self.waits.items():
+            unit[wait], phase[wait] = unit[after], phase[after]
+        tasks = self.collectives["task"].to_numpy()
+        unit[tasks] = self.collectives["unit"].to_numpy()
+        phase[tasks] = self.collectives["phase"].map(_PHASE_NUMBERS).to_numpy()
+        return replace(units, task_unit=unit, task_phase=phase)
 
     def per_iteration(self) -> pd.DataFrame:
         """Count, bytes and time of each op per iteration (medians over iterations)."""
@@ -141,8 +157,8 @@ def apply_fsdp(graph: TaskGraph, units: Units, par: Parallelism, cluster, ranks_
     out = graph.copy()
     optimizer = np.flatnonzero((phase == OPTIMIZER) & (graph.tasks["kind"].to_numpy() != int(TaskKind.WAIT)))
     out.scale(optimizer, 1.0 / d)
-    table = plan.insert(out, price)
-    out.notes.append(ShardedDataParallel(zero, d, bool(reshard_after_forward), 1.0 / d, table))
+    table, waits = plan.insert(out, price)
+    out.notes.append(ShardedDataParallel(zero, d, bool(reshard_after_forward), 1.0 / d, table, waits))
     return out
 
 
@@ -312,10 +328,11 @@ class _Plan:
 
     # -- into the graph ----------------------------------------------------------------------------
 
-    def insert(self, graph: TaskGraph, price) -> pd.DataFrame:
+    def insert(self, graph: TaskGraph, price) -> tuple[pd.DataFrame, dict]:
         """Add the collectives to ``graph`` (a copy of the planned one, same task ids), each a
         COMM task on its queue in the order planned, and the zero-length tasks that wait for
-        them where the step itself does (``returns_after``)."""
+        them where the step itself does (``returns_after``). Returns the collectives' table and
+        the zero-length tasks, each with the task it follows."""
         returns = {}
         for c in self.collectives:
             if c.returns_after is not None and c.returns_after not in returns:
@@ -344,10 +361,11 @@ class _Plan:
             combined = pd.concat([tasks.astype({c: object for c in categorical}), pd.DataFrame(rows)], ignore_index=True)
             graph.tasks = combined.astype({c: "category" for c in categorical})
             graph.add_edges(edges)
-        return pd.DataFrame(table, columns=COLLECTIVE_COLUMNS)
+        return pd.DataFrame(table, columns=COLLECTIVE_COLUMNS), {int(w): int(a) for a, w in returns.items()}
 
 
 _PHASES = {FORWARD: "forward", BACKWARD: "backward", OPTIMIZER: "optimizer"}
+_PHASE_NUMBERS = {name: number for number, name in _PHASES.items()}
 
 
 def _row(c: _Collective, time_us: float, key: float, tasks: pd.DataFrame) -> dict:
