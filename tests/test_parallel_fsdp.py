@@ -282,5 +282,11 @@ def test_on_a_gpu_trace_the_gpu_streams_wait_for_the_gathers_not_the_cpu(gpu_stu
         assert len(waiters), f"nothing waits for {row}"
         assert (units.task_unit[waiters] == row.unit).all() and (units.task_phase[waiters] == phase).all()
         assert (schedule.start_us[waiters] >= schedule.end_us[row.task] - 1e-6).all()
+    # the optimizer's first kernel waits for the iteration's last reduce-scatter
+    optimizer = np.flatnonzero(units.task_phase == PHASE_OPTIMIZER)
+    for it, rows in c[c["op"] == "reduce_scatter"].groupby("iteration"):
+        waiters = edges.loc[edges["src"] == rows["task"].iloc[-1], "dst"].to_numpy()
+        assert len(waiters) and np.isin(waiters, optimizer).all()
+        assert out.tasks["kind"].iloc[waiters].isin(gpu_kinds).all()
     steady = slice(1, None)  # the first profiled step is short: the profiler starts mid-step
     assert (predicted_ms(gpu_study, out)[steady] > base[steady] * 1.2).all()

@@ -195,7 +195,6 @@ class _Plan:
 
     def __init__(self, graph: TaskGraph, unit_of: np.ndarray, phase: np.ndarray):
         tasks = graph.tasks
-        self.graph = graph
         kind = tasks["kind"].to_numpy()
         resource = tasks["resource"].astype(str).to_numpy().astype(str)
         gpu = np.isin(kind, _GPU_COMPUTE) & (phase > 0)
@@ -241,8 +240,8 @@ class _Plan:
         return list(out.values())
 
     def issued_at(self, t: Optional[int]) -> list[int]:
-        """Where a collective issued as task ``t`` starts is issued: once ``t``'s resource has
-        finished the task before it."""
+        """What a collective issued where task ``t`` starts waits for: the task before ``t`` on
+        its resource (nothing where ``t`` is the first)."""
         if t is None or self.previous[t] < 0:
             return []
         return [int(self.previous[t])]
@@ -299,6 +298,7 @@ class _Plan:
         last_backward = self.last(self.tasks_of(it, BACKWARD))
         if last_backward is not None:
             ready.append((self.end[last_backward], ROOT, last_backward))
+        ready = [r for r in ready if nbytes.get(r[1], 0.0) > 0]  # the last one sent is the one awaited
         waiters = self.firsts_per_resource(self.tasks_of(it, OPTIMIZER))
         if not waiters and it + 1 < self.iterations:
             waiters = self.firsts_per_resource(self.tasks_of(it + 1, FORWARD))
