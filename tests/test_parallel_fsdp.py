@@ -247,7 +247,8 @@ def cut_units(study, count: int = 4, unit_bytes: float = 25e6) -> Units:
         forward_ids = np.flatnonzero(inside & thread & (start < first_backward) & ~optimizer)
         backward_ids = np.flatnonzero(inside & ~thread & (start >= first_backward))
         phase[forward_ids], phase[backward_ids], phase[inside & optimizer] = 1, 2, 3
-        forward_ids, backward_ids = forward_ids[np.argsort(start[forward_ids])], backward_ids[np.argsort(start[backward_ids])]
+        forward_ids = forward_ids[np.argsort(start[forward_ids])]
+        backward_ids = backward_ids[np.argsort(start[backward_ids])]
         for k, run in enumerate(np.array_split(forward_ids[len(forward_ids) // 10:], count)):
             unit[run] = k
         for k, run in enumerate(np.array_split(backward_ids[: len(backward_ids) * 9 // 10], count)):

@@ -116,13 +116,17 @@ class ShardedDataParallel:
         c = self.collectives
         if c.empty:
             return pd.DataFrame(columns=["op", "count", "nbytes", "time_us"])
-        per = c.groupby(["iteration", "op"]).agg(count=("task", "size"), nbytes=("nbytes", "sum"), time_us=("time_us", "sum"))
+        per = c.groupby(["iteration", "op"]).agg(count=("task", "size"), nbytes=("nbytes", "sum"),
+                                                  time_us=("time_us", "sum"))
         return per.groupby("op").median().reset_index()
 
     def describe(self) -> str:
         name = "FSDP2 (ZeRO-3)" if self.zero == 3 else f"ZeRO-{self.zero}"
-        parts = [f"{int(r.count)} {r.op} ({r.nbytes / 1e6:.1f} MB, {r.time_us / 1e3:.2f} ms)" for r in self.per_iteration().itertuples()]
-        reshard = "" if self.zero != 3 else (", resharded after forward" if self.reshard_after_forward else ", kept after forward")
+        parts = [f"{int(r.count)} {r.op} ({r.nbytes / 1e6:.1f} MB, {r.time_us / 1e3:.2f} ms)"
+                 for r in self.per_iteration().itertuples()]
+        reshard = ""
+        if self.zero == 3:
+            reshard = ", resharded after forward" if self.reshard_after_forward else ", kept after forward"
         return (f"{name} over {self.ranks} ranks{reshard}: per iteration {', '.join(parts) or 'no collectives'}; "
                 f"optimizer on 1/{self.ranks} of the parameters (its tasks x {self.optimizer_scale:.3g})")
 
@@ -170,7 +174,9 @@ def _unit_bytes(graph: TaskGraph, table: pd.DataFrame, tensor: int) -> dict:
     (embeddings and head replicated, as ``examples/parallel.py`` runs them)."""
     whole = {int(u): float(b) for u, b in zip(table["unit"], table["param_bytes"])}
     parameters = graph.workload.parameters
-    total = float((parameters["numel"].astype(float) * parameters["element_size"].astype(float)).sum()) if len(parameters) else 0.0
+    total = 0.0
+    if len(parameters):
+        total = float((parameters["numel"].astype(float) * parameters["element_size"].astype(float)).sum())
     sizes = {u: b / tensor for u, b in whole.items()}
     sizes[ROOT] = max(total - sum(whole.values()), 0.0)
     return sizes
@@ -272,7 +278,8 @@ class _Plan:
             for unit in backward[1:]:
                 start, waiters = self.span(it, BACKWARD, unit)
                 if reshard_after_forward:
-                    self._add("all_gather", nbytes.get(unit, 0.0), unit, BACKWARD, it, self.issued_at(previous_start), waiters)
+                    issued = self.issued_at(previous_start)
+                    self._add("all_gather", nbytes.get(unit, 0.0), unit, BACKWARD, it, issued, waiters)
                 previous_start = start if start is not None else previous_start
             self._reduce(it, nbytes, "reduce_scatter")
 
@@ -305,7 +312,8 @@ class _Plan:
         end = None if waiters else self._last_on_iteration_thread(it, BACKWARD)
         for k, (_, unit, last) in enumerate(ready):
             final = k == len(ready) - 1
-            self._add(op, nbytes.get(unit, 0.0), unit, BACKWARD, it, [last], waiters if final else [], end if final else None)
+            self._add(op, nbytes.get(unit, 0.0), unit, BACKWARD, it, [last], waiters if final else [],
+                      end if final else None)
 
     def _last_on_iteration_thread(self, it: int, phase: int) -> Optional[int]:
         """The last CPU task of ``it``'s ``phase`` (else of the whole iteration) on the thread
@@ -324,7 +332,8 @@ class _Plan:
         if nbytes <= 0:
             return
         queue = f"network {GROUP}: {op}"
-        self.collectives.append(_Collective(op, float(nbytes), unit, phase, it, list(after), list(waiters), queue, returns_after))
+        self.collectives.append(_Collective(op, float(nbytes), unit, phase, it, list(after), list(waiters), queue,
+                                            returns_after))
 
     # -- into the graph ----------------------------------------------------------------------------
 
@@ -355,7 +364,8 @@ class _Plan:
             waiters = c.waiters + ([returns[c.returns_after]] if c.returns_after is not None else [])
             edges += [(int(a), tid, 0.0, int(EdgeKind.USER)) for a in c.after]
             edges += [(tid, int(w), 0.0, int(EdgeKind.USER)) for w in waiters]
-            table.append((tid, c.iteration, c.unit, _PHASES[c.phase], c.op, c.nbytes, GROUP, cost.time_us, cost.algorithm, cost.protocol))
+            table.append((tid, c.iteration, c.unit, _PHASES[c.phase], c.op, c.nbytes, GROUP, cost.time_us,
+                          cost.algorithm, cost.protocol))
         if rows:
             categorical = [c for c in tasks.columns if isinstance(tasks[c].dtype, pd.CategoricalDtype)]
             combined = pd.concat([tasks.astype({c: object for c in categorical}), pd.DataFrame(rows)], ignore_index=True)
