@@ -132,8 +132,12 @@ def test_on_a_slow_link_the_step_grows_and_each_unit_waits_for_its_gather(study,
     out, note = sharded(study, units, 3, SLOW)
     slow = predicted_ms(study, out)
     assert (slow > fast * 1.2).all(), (slow, fast)
-    schedule = simulate(out)
+    # bounds: at least the all-gathers' queue, at most the step with every collective exposed
     c = note.collectives
+    per_op_ms = c.pivot_table(index="iteration", columns="op", values="time_us", aggfunc="sum") / 1e3
+    assert (slow >= per_op_ms["all_gather"].to_numpy()).all()
+    assert (slow <= fast + per_op_ms.sum(axis=1).to_numpy() + 1e-6).all()
+    schedule = simulate(out)
     for row in c[(c["op"] == "all_gather") & (c["unit"] >= 0)].itertuples():
         phase = PHASE_FORWARD if row.phase == "forward" else PHASE_BACKWARD
         own = np.flatnonzero((units.task_unit == row.unit) & (units.task_phase == phase))
