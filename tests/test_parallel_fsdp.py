@@ -212,6 +212,18 @@ def test_the_units_follow_the_graph_the_pass_returns(study, units, zero):
         assert (after.task_phase[list(note.waits)] == PHASE_OPTIMIZER).all()
 
 
+def test_a_unit_without_backward_tasks_has_its_gradients_reduced_with_the_roots(study, units):
+    """As a plain trace gives them: module names on the forward only."""
+    unit = units.task_unit.copy()
+    unit[(unit == BLOCKS - 1) & (units.task_phase == PHASE_BACKWARD)] = -1
+    forward_only = Units(units.pattern, unit, units.task_phase, units.table)
+    _, note = sharded(study, forward_only, 3)
+    c = note.collectives[note.collectives["op"] == "reduce_scatter"]
+    for it, rows in c.groupby("iteration"):
+        assert sorted(rows["unit"]) == [-1] + list(range(BLOCKS - 1))
+        assert rows["nbytes"].sum() == bundle_bytes(study)
+
+
 def test_the_pass_is_registered_for_the_fsdp_family():
     assert PASSES["fsdp"] is apply_fsdp
 

@@ -52,10 +52,19 @@ for all-reduce). Each inserted task is a COMM task whose name says its op, bytes
 unit; the pass's note (:class:`ShardedDataParallel`) lists them with the algorithm and protocol
 chosen, so reports can split exposed communication by kind.
 
+Iterations are told apart by the units' phases: in measured order, a forward task after a
+backward or optimizer one starts the next (on the GPU tasks and on the CPU tasks apart, since
+the GPU runs behind). A unit with no backward task found (a plain trace names the modules of
+forward only) has its gradients reduced with the root's. Under tensor parallelism a rank holds
+and gathers 1/tensor of each unit's parameters and the whole root (embeddings and head
+replicated, as ``examples/parallel.py`` runs them); the units' table is the whole model's.
+
 Not modelled: FSDP2's copy-in and copy-out kernels around each collective, the padding of
 shards to a multiple of d, a mixed-precision reduce dtype, the all-gather and reduce-scatter
 queues sharing links (each collective is priced on an otherwise idle cluster), and FSDP2's
-memory rate limit beyond the one-unit prefetch.
+memory rate limit beyond the one-unit prefetch; and, on CPU workers whose cores drive the link
+(Gloo), the CPU time the collectives take from compute (``sim/cpu_contention.py`` models it for
+the data-parallel frameworks, not here).
 """
 
 from __future__ import annotations
@@ -296,24 +305,25 @@ class _Plan:
         """Each unit's gradients after its backward, in the order they are ready, and the root's
         after the whole backward; the optimizer's first tasks wait for them all (the next
         forward's, or the iteration's end, where the trace has no optimizer step)."""
-        ready = []
+        ready, unplaced = [], 0.0
         for unit in self.units:
             last = self.last(self.tasks_of(it, BACKWARD, unit))
             if last is not None:
-                ready.append((self.end[last], unit, last))
+                ready.append((self.end[last], unit, last, nbytes.get(unit, 0.0)))
+            else:  # no backward task found for it (a plain trace names forward modules only)
+                unplaced += nbytes.get(unit, 0.0)
         ready.sort()
         last_backward = self.last(self.tasks_of(it, BACKWARD))
         if last_backward is not None:
-            ready.append((self.end[last_backward], ROOT, last_backward))
-        ready = [r for r in ready if nbytes.get(r[1], 0.0) > 0]  # the last one sent is the one awaited
+            ready.append((self.end[last_backward], ROOT, last_backward, nbytes.get(ROOT, 0.0) + unplaced))
+        ready = [r for r in ready if r[3] > 0]  # the last one sent is the one awaited
         waiters = self.firsts_per_resource(self.tasks_of(it, OPTIMIZER))
         if not waiters and it + 1 < self.iterations:
             waiters = self.firsts_per_resource(self.tasks_of(it + 1, FORWARD))
         end = None if waiters else self._last_on_iteration_thread(it, BACKWARD)
-        for k, (_, unit, last) in enumerate(ready):
+        for k, (_, unit, last, size) in enumerate(ready):
             final = k == len(ready) - 1
-            self._add(op, nbytes.get(unit, 0.0), unit, BACKWARD, it, [last], waiters if final else [],
-                      end if final else None)
+            self._add(op, size, unit, BACKWARD, it, [last], waiters if final else [], end if final else None)
 
     def _last_on_iteration_thread(self, it: int, phase: int) -> Optional[int]:
         """The last CPU task of ``it``'s ``phase`` (else of the whole iteration) on the thread
