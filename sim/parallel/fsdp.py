@@ -1,0 +1,423 @@
+"""FSDP2 and ZeRO on one data-parallel rank: parameters gathered, gradients reduced, shards stepped.
+
+:func:`apply_fsdp` turns the graph of one training process into the graph of one rank of a
+``d``-way sharded data-parallel job; every rank runs the same graph, so one is simulated (the
+data-parallel fast path). ZeRO's stages are those of Rajbhandari et al. (SC 2020); stage 3 is
+modelled as PyTorch's FSDP2 runs it (``torch.distributed.fsdp.fully_shard``, the design
+torchtitan uses; Zhao et al., VLDB 2023 for FSDP), with every unit of ``units.py`` a
+``fully_shard`` unit and the root (the parameters outside every unit: embeddings, final norm,
+head) wrapped last, as ``examples/parallel.py`` does.
+
+The rules, for ``zero = 3``:
+
+* **All-gathers.** A unit's parameters (its ``param_bytes``) are all-gathered before its forward
+  and, when ``reshard_after_forward`` (FSDP2's default), again before its backward; the root's
+  once per iteration, before the forward, since FSDP2 keeps the root unsharded after forward.
+  They run one at a time in the order they are issued on a queue of their own (FSDP2's
+  all-gather stream), ``network data: all_gather``.
+* **Prefetch, one unit ahead.** In forward the order is the root, then the units; the root's
+  all-gather is issued where the iteration's forward starts (after the previous step's
+  optimizer updated the shards), and the next one's where the previous one's compute starts
+  (its first task could start: its resource's previous task is done). In backward the order is
+  the root, then the units reversed: FSDP2's implicit backward prefetch, a unit's pre-backward
+  hook issuing the all-gather of the next unit in backward order.
+* **Waits.** On each compute resource (the GPU streams on a GPU trace, the CPU threads on a CPU
+  one) the first task of a unit's forward (of its backward) waits for that unit's all-gather,
+  as FSDP2 makes the compute stream wait for the all-gather's event.
+* **Reduce-scatters.** A unit's gradients (the same bytes) are reduce-scattered after its last
+  backward task, on a queue of their own (FSDP2's reduce-scatter stream), overlapping the
+  backward of the units before it; the root's after the iteration's last backward task (FSDP2's
+  final callback). The first optimizer task on each compute resource waits for the iteration's
+  reduce-scatters, as the final callback makes the compute stream wait for them.
+* **Optimizer.** Each rank steps its 1/d of the parameters: every task of the optimizer phase is
+  scaled by 1/d. Per-element work shrinks so; the per-operator launch costs of a sharded
+  optimizer do not (each rank still steps a shard of every parameter), so on a CPU-bound
+  optimizer this is a lower bound.
+
+For ``zero = 1`` and ``2`` (DeepSpeed's stages, gradients bucketed as the units): each unit's
+gradients are all-reduced (1: each rank then keeps its shard) or reduce-scattered (2) after its
+backward, the root's after the iteration's backward, on ``network data: all_reduce`` or
+``reduce_scatter``; the optimizer, on 1/d, waits for them; then one all-gather of all the
+parameters after the optimizer's last task, which ``optimizer.step()`` waits for before it
+returns, as DeepSpeed's step gathers the updated partitions before returning (a zero-length task
+after the step's last CPU task waits for it). Where a trace has no optimizer step, the
+iteration's last CPU task is followed by such a task waiting for the gradients' reductions.
+``zero = 0`` returns the graph untouched: data parallelism without sharding is DDP's path
+(``sim/frameworks/ddp.py``), and so is a group of one rank.
+
+Every collective is priced by ``topology.collective_cost(cluster, op, nbytes, ranks=the data
+group)``, ``nbytes`` in nccl-tests' convention (``docs/communication.md``: d times a rank's
+shard for all-gather and reduce-scatter, which is the unit's parameter bytes; the whole buffer
+for all-reduce). Each inserted task is a COMM task whose name says its op, bytes, group and
+unit; the pass's note (:class:`ShardedDataParallel`) lists them with the algorithm and protocol
+chosen, so reports can split exposed communication by kind.
+
+Iterations are told apart by the units' phases: in measured order, a forward task after a
+backward or optimizer one starts the next (on the GPU tasks and on the CPU tasks apart, since
+the GPU runs behind). A unit with no backward task found (a plain trace names the modules of
+forward only) has its gradients reduced with the root's. Under tensor parallelism a rank holds
+and gathers 1/tensor of each unit's parameters and the whole root (embeddings and head
+replicated, as ``examples/parallel.py`` runs them); the units' table is the whole model's.
+
+Not modelled: FSDP2's copy-in and copy-out kernels around each collective, the padding of
+shards to a multiple of d, a mixed-precision reduce dtype, the all-gather and reduce-scatter
+queues sharing links (each collective is priced on an otherwise idle cluster), and FSDP2's
+memory rate limit beyond the one-unit prefetch; and, on CPU workers whose cores drive the link
+(Gloo), the CPU time the collectives take from compute (``sim/cpu_contention.py`` models it for
+the data-parallel frameworks, not here).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from typing import Optional
+
+import numpy as np
+import pandas as pd
+
+from whatif.topology import collective_cost
+
+from ..graph import EdgeKind, GraphError, TaskGraph, TaskKind
+from . import PASSES, Parallelism
+from .units import PHASE_BACKWARD as BACKWARD
+from .units import PHASE_FORWARD as FORWARD
+from .units import PHASE_OPTIMIZER as OPTIMIZER
+from .units import Units
+
+ROOT = -1
+GROUP = "data"
+_GPU_COMPUTE = (int(TaskKind.KERNEL), int(TaskKind.MEMCPY), int(TaskKind.MEMSET))
+_CPU_COMPUTE = (int(TaskKind.CPU), int(TaskKind.RUNTIME), int(TaskKind.GAP))
+COLLECTIVE_COLUMNS = ["task", "iteration", "unit", "phase", "op", "nbytes", "group", "time_us", "algorithm", "protocol"]
+
+
+@dataclass(frozen=True)
+class ShardedDataParallel:
+    """What :func:`apply_fsdp` inserted: one row per collective task (``collectives``, columns
+    :data:`COLLECTIVE_COLUMNS`; ``unit`` -1 is the root, ``phase`` ``forward``, ``backward`` or
+    ``optimizer``), and the factor the optimizer's tasks were scaled by."""
+
+    zero: int
+    ranks: int
+    reshard_after_forward: bool
+    optimizer_scale: float
+    collectives: pd.DataFrame
+    waits: dict  # the zero-length tasks that wait for a collective where the step does: id -> the task it follows
+
+    def units_after(self, units: Units, graph: TaskGraph) -> Units:
+        """``units`` (found on the graph the pass was given) for the pass's output ``graph``:
+        each collective in the unit and phase it serves (the root's, -1, for the root's and
+        ZeRO's whole-model ones), each zero-length wait in those of the task it follows."""
+        unit = np.full(len(graph.tasks), -1, dtype=np.int64)
+        phase = np.zeros(len(graph.tasks), dtype=np.asarray(units.task_phase).dtype)
+        n = len(units.task_unit)
+        unit[:n], phase[:n] = units.task_unit, units.task_phase
+        for wait, after in self.waits.items():
+            unit[wait], phase[wait] = unit[after], phase[after]
+        tasks = self.collectives["task"].to_numpy()
+        unit[tasks] = self.collectives["unit"].to_numpy()
+        phase[tasks] = self.collectives["phase"].map(_PHASE_NUMBERS).to_numpy()
+        return replace(units, task_unit=unit, task_phase=phase)
+
+    def per_iteration(self) -> pd.DataFrame:
+        """Count, bytes and time of each op per iteration (medians over iterations)."""
+        c = self.collectives
+        if c.empty:
+            return pd.DataFrame(columns=["op", "count", "nbytes", "time_us"])
+        per = c.groupby(["iteration", "op"]).agg(count=("task", "size"), nbytes=("nbytes", "sum"),
+                                                  time_us=("time_us", "sum"))
+        return per.groupby("op").median().reset_index()
+
+    def describe(self) -> str:
+        name = "FSDP2 (ZeRO-3)" if self.zero == 3 else f"ZeRO-{self.zero}"
+        parts = [f"{int(r.count)} {r.op} ({r.nbytes / 1e6:.1f} MB, {r.time_us / 1e3:.2f} ms)"
+                 for r in self.per_iteration().itertuples()]
+        reshard = ""
+        if self.zero == 3:
+            reshard = ", resharded after forward" if self.reshard_after_forward else ", kept after forward"
+        return (f"{name} over {self.ranks} ranks{reshard}: per iteration {', '.join(parts) or 'no collectives'}; "
+                f"optimizer on 1/{self.ranks} of the parameters (its tasks x {self.optimizer_scale:.3g})")
+
+
+def apply_fsdp(graph: TaskGraph, units: Units, par: Parallelism, cluster, ranks_of: dict) -> TaskGraph:
+    """One rank of ``par``'s sharded data parallelism (``par.zero`` 1, 2 or 3; for 3,
+    ``par.reshard_after_forward``) on ``graph``, as the module's docstring states; ``units`` is
+    ``find_units(graph)``, ``ranks_of["data"]`` the GPUs of this rank's data-parallel group.
+    Returns a new graph whose last note is a :class:`ShardedDataParallel`; ``zero = 0`` or a
+    group of one rank returns ``graph`` itself."""
+    zero = par.zero
+    ranks = tuple(ranks_of.get(GROUP, ()))
+    if zero == 0 or len(ranks) <= 1:
+        return graph
+    reshard_after_forward = par.reshard_after_forward
+    d = len(ranks)
+    unit_of = np.asarray(units.task_unit, dtype=np.int64)
+    phase = np.asarray(units.task_phase, dtype=np.int64)
+    if len(unit_of) != len(graph.tasks) or len(phase) != len(graph.tasks):
+        raise GraphError("the units were found on another graph: run find_units on the graph given to apply_fsdp")
+    plan = _Plan(graph, unit_of, phase)
+    nbytes = _unit_bytes(graph, units.table, par.tensor)
+    if zero == 3:
+        plan.fully_sharded(nbytes, reshard_after_forward)
+    else:
+        plan.sharded_optimizer(nbytes, "all_reduce" if zero == 1 else "reduce_scatter")
+
+    @lru_cache(maxsize=None)
+    def price(op: str, size: float):
+        return collective_cost(cluster, op, size, ranks=ranks)
+
+    out = graph.copy()
+    optimizer = np.flatnonzero((phase == OPTIMIZER) & (graph.tasks["kind"].to_numpy() != int(TaskKind.WAIT)))
+    out.scale(optimizer, 1.0 / d)
+    table, waits = plan.insert(out, price)
+    out.notes.append(ShardedDataParallel(zero, d, bool(reshard_after_forward), 1.0 / d, table, waits))
+    return out
+
+
+def _unit_bytes(graph: TaskGraph, table: pd.DataFrame, tensor: int) -> dict:
+    """This rank's parameter bytes of each unit by unit index, and the root's (-1): every
+    parameter the capture recorded that no unit holds; 0 where the graph carries no parameter
+    record. Under tensor parallelism a rank holds 1/tensor of each unit (Megatron's split of a
+    block; its few replicated norm and bias bytes counted as split too) and the whole root
+    (embeddings and head replicated, as ``examples/parallel.py`` runs them)."""
+    whole = {int(u): float(b) for u, b in zip(table["unit"], table["param_bytes"])}
+    parameters = graph.workload.parameters
+    total = 0.0
+    if len(parameters):
+        total = float((parameters["numel"].astype(float) * parameters["element_size"].astype(float)).sum())
+    sizes = {u: b / tensor for u, b in whole.items()}
+    sizes[ROOT] = max(total - sum(whole.values()), 0.0)
+    return sizes
+
+
+@dataclass
+class _Collective:
+    op: str
+    nbytes: float
+    unit: int
+    phase: int
+    iteration: int
+    after: list  # task ids it waits for
+    waiters: list  # task ids that wait for it
+    queue: str
+    returns_after: Optional[int] = None  # a zero-length task put after this one waits for it
+
+
+class _Plan:
+    """The collectives of every iteration, where they are issued and what waits for them, found
+    on the compute tasks of the unmodified graph."""
+
+    def __init__(self, graph: TaskGraph, unit_of: np.ndarray, phase: np.ndarray):
+        tasks = graph.tasks
+        kind = tasks["kind"].to_numpy()
+        resource = tasks["resource"].astype(str).to_numpy().astype(str)
+        gpu = np.isin(kind, _GPU_COMPUTE) & (phase > 0)
+        cpu = np.isin(kind, _CPU_COMPUTE) & (phase > 0) & np.char.startswith(resource, "cpu ")
+        self.compute = gpu if gpu.any() else cpu
+        self.cpu = cpu
+        self.unit_of, self.phase, self.resource = unit_of, phase, resource
+        self.start = tasks["measured_start_us"].to_numpy(dtype=float)
+        self.end = tasks["measured_end_us"].to_numpy(dtype=float)
+        self.iteration = _iterations(phase, self.start, self.compute)
+        self.cpu_iteration = _iterations(phase, self.start, cpu)
+        self.previous = np.full(len(tasks), -1, dtype=np.int64)
+        for seq in graph.resource_order():
+            self.previous[seq[1:]] = seq[:-1]
+        self.units = sorted({int(u) for u in unit_of[self.compute] if u >= 0})
+        self.collectives: list[_Collective] = []
+        if not self.compute.any():
+            raise GraphError("no task of the graph is in a forward, backward or optimizer phase: nothing to shard")
+
+    # -- the spans ---------------------------------------------------------------------------------
+
+    @property
+    def iterations(self) -> int:
+        return int(self.iteration.max()) + 1
+
+    def tasks_of(self, it: int, phase: int, unit: Optional[int] = None) -> np.ndarray:
+        mask = self.compute & (self.iteration == it) & (self.phase == phase)
+        if unit is not None:
+            mask &= self.unit_of == unit
+        return np.flatnonzero(mask)
+
+    def first(self, ids: np.ndarray) -> Optional[int]:
+        return int(ids[np.argmin(self.start[ids])]) if len(ids) else None
+
+    def last(self, ids: np.ndarray) -> Optional[int]:
+        return int(ids[np.argmax(self.end[ids])]) if len(ids) else None
+
+    def firsts_per_resource(self, ids: np.ndarray) -> list[int]:
+        """The first task on each resource among ``ids``: what waits for a collective."""
+        out = {}
+        for t in ids[np.argsort(self.start[ids], kind="stable")].tolist():
+            out.setdefault(self.resource[t], t)
+        return list(out.values())
+
+    def issued_at(self, t: Optional[int]) -> list[int]:
+        """What a collective issued where task ``t`` starts waits for: the task before ``t`` on
+        its resource (nothing where ``t`` is the first)."""
+        if t is None or self.previous[t] < 0:
+            return []
+        return [int(self.previous[t])]
+
+    def span(self, it: int, phase: int, unit: int) -> tuple[Optional[int], list[int]]:
+        """The task whose start a unit's phase starts with, and those that wait for its
+        parameters; the root's start is the phase's first task."""
+        whole = self.tasks_of(it, phase)
+        own = self.tasks_of(it, phase, unit)
+        if unit == ROOT:
+            start = self.first(whole)
+            return start, sorted(set(self.firsts_per_resource(own)) | ({start} if start is not None else set()))
+        return self.first(own), self.firsts_per_resource(own)
+
+    # -- the rules ---------------------------------------------------------------------------------
+
+    def fully_sharded(self, nbytes: dict, reshard_after_forward: bool) -> None:
+        for it in range(self.iterations):
+            forward = [ROOT] + self.units
+            previous_start = None
+            for k, unit in enumerate(forward):
+                start, waiters = self.span(it, FORWARD, unit)
+                issue = start if k == 0 else previous_start
+                self._add("all_gather", nbytes.get(unit, 0.0), unit, FORWARD, it, self.issued_at(issue), waiters)
+                previous_start = start if start is not None else previous_start
+            backward = [ROOT] + self.units[::-1]
+            previous_start, _ = self.span(it, BACKWARD, ROOT)
+            for unit in backward[1:]:
+                start, waiters = self.span(it, BACKWARD, unit)
+                if reshard_after_forward:
+                    issued = self.issued_at(previous_start)
+                    self._add("all_gather", nbytes.get(unit, 0.0), unit, BACKWARD, it, issued, waiters)
+                previous_start = start if start is not None else previous_start
+            self._reduce(it, nbytes, "reduce_scatter")
+
+    def sharded_optimizer(self, nbytes: dict, reduce_op: str) -> None:
+        total = sum(nbytes.values())
+        for it in range(self.iterations):
+            self._reduce(it, nbytes, reduce_op)
+            stepped = self.last(self.tasks_of(it, OPTIMIZER))
+            stepped = stepped if stepped is not None else self.last(self.tasks_of(it, BACKWARD))
+            returns = self._last_on_iteration_thread(it, OPTIMIZER)
+            self._add("all_gather", total, ROOT, OPTIMIZER, it, [stepped] if stepped is not None else [], [], returns)
+
+    def _reduce(self, it: int, nbytes: dict, op: str) -> None:
+        """Each unit's gradients after its backward, in the order they are ready, and the root's
+        after the whole backward; the optimizer's first tasks wait for them all (the next
+        forward's, or the iteration's end, where the trace has no optimizer step)."""
+        ready, unplaced = [], 0.0
+        for unit in self.units:
+            last = self.last(self.tasks_of(it, BACKWARD, unit))
+            if last is not None:
+                ready.append((self.end[last], unit, last, nbytes.get(unit, 0.0)))
+            else:  # no backward task found for it (a plain trace names forward modules only)
+                unplaced += nbytes.get(unit, 0.0)
+        ready.sort()
+        last_backward = self.last(self.tasks_of(it, BACKWARD))
+        if last_backward is not None:
+            ready.append((self.end[last_backward], ROOT, last_backward, nbytes.get(ROOT, 0.0) + unplaced))
+        ready = [r for r in ready if r[3] > 0]  # the last one sent is the one awaited
+        waiters = self.firsts_per_resource(self.tasks_of(it, OPTIMIZER))
+        if not waiters and it + 1 < self.iterations:
+            waiters = self.firsts_per_resource(self.tasks_of(it + 1, FORWARD))
+        end = None if waiters else self._last_on_iteration_thread(it, BACKWARD)
+        for k, (_, unit, last, size) in enumerate(ready):
+            final = k == len(ready) - 1
+            self._add(op, size, unit, BACKWARD, it, [last], waiters if final else [], end if final else None)
+
+    def _last_on_iteration_thread(self, it: int, phase: int) -> Optional[int]:
+        """The last CPU task of ``it``'s ``phase`` (else of the whole iteration) on the thread
+        that runs most of the iteration."""
+        ids = np.flatnonzero(self.cpu & (self.cpu_iteration == it))
+        if not len(ids):
+            return None
+        if (self.phase[ids] == phase).any():
+            ids = ids[self.phase[ids] == phase]
+        thread = pd.Series(self.resource[ids]).value_counts().index[0]
+        ids = ids[self.resource[ids] == thread]
+        return int(ids[np.argmax(self.end[ids])])
+
+    def _add(self, op: str, nbytes: float, unit: int, phase: int, it: int, after: list, waiters: list,
+             returns_after: Optional[int] = None) -> None:
+        if nbytes <= 0:
+            return
+        queue = f"network {GROUP}: {op}"
+        self.collectives.append(_Collective(op, float(nbytes), unit, phase, it, list(after), list(waiters), queue,
+                                            returns_after))
+
+    # -- into the graph ----------------------------------------------------------------------------
+
+    def insert(self, graph: TaskGraph, price) -> tuple[pd.DataFrame, dict]:
+        """Add the collectives to ``graph`` (a copy of the planned one, same task ids), each a
+        COMM task on its queue in the order planned, and the zero-length tasks that wait for
+        them where the step itself does (``returns_after``). Returns the collectives' table and
+        the zero-length tasks, each with the task it follows."""
+        returns = {}
+        for c in self.collectives:
+            if c.returns_after is not None and c.returns_after not in returns:
+                after = c.returns_after
+                returns[after] = graph.insert(after, None, f"wait for {c.op} {GROUP}", 0.0)
+                graph.tasks.loc[returns[after], ["measured_start_us", "measured_end_us"]] = self.end[after]
+        tasks = graph.tasks
+        base = len(tasks)
+        keys = {}
+        resource = tasks["resource"].astype(str)
+        rows, edges, table = [], [], []
+        for k, c in enumerate(self.collectives):
+            if c.queue not in keys:
+                on_queue = tasks["order_key"][resource == c.queue]
+                keys[c.queue] = float(on_queue.max()) + 1.0 if len(on_queue) else 0.0
+            cost = price(c.op, c.nbytes)
+            tid = base + k
+            rows.append(_row(c, cost.time_us, keys[c.queue], tasks))
+            keys[c.queue] += 1.0
+            waiters = c.waiters + ([returns[c.returns_after]] if c.returns_after is not None else [])
+            edges += [(int(a), tid, 0.0, int(EdgeKind.USER)) for a in c.after]
+            edges += [(tid, int(w), 0.0, int(EdgeKind.USER)) for w in waiters]
+            table.append((tid, c.iteration, c.unit, _PHASES[c.phase], c.op, c.nbytes, GROUP, cost.time_us,
+                          cost.algorithm, cost.protocol))
+        if rows:
+            categorical = [c for c in tasks.columns if isinstance(tasks[c].dtype, pd.CategoricalDtype)]
+            combined = pd.concat([tasks.astype({c: object for c in categorical}), pd.DataFrame(rows)], ignore_index=True)
+            graph.tasks = combined.astype({c: "category" for c in categorical})
+            graph.add_edges(edges)
+        return pd.DataFrame(table, columns=COLLECTIVE_COLUMNS), {int(w): int(a) for a, w in returns.items()}
+
+
+_PHASES = {FORWARD: "forward", BACKWARD: "backward", OPTIMIZER: "optimizer"}
+_PHASE_NUMBERS = {name: number for number, name in _PHASES.items()}
+
+
+def _row(c: _Collective, time_us: float, key: float, tasks: pd.DataFrame) -> dict:
+    unit = "root" if c.unit == ROOT else f"unit {c.unit}"
+    name = f"{c.op} {GROUP} {c.nbytes / 1e6:.3f} MB {unit} {_PHASES[c.phase]}"
+    row = {column: np.nan for column in tasks.columns}
+    row.update({
+        "name": name,
+        "kind": int(TaskKind.COMM),
+        "resource": c.queue,
+        "duration_us": float(time_us),
+        "release_us": -np.inf,
+        "order_key": key,
+        "context": f"iteration {c.iteration} > {_PHASES[c.phase]} > {unit}",
+        "operator": "",
+        "layer": "",
+        "event": -1,
+    })
+    return row
+
+
+def _iterations(phase: np.ndarray, start: np.ndarray, among: np.ndarray) -> np.ndarray:
+    """The iteration of each task of ``among`` (-1 for the rest): in measured order, a forward
+    task after a backward or optimizer task starts the next one."""
+    out = np.full(len(phase), -1, dtype=np.int64)
+    ids = np.flatnonzero(among & np.isfinite(start))
+    ids = ids[np.argsort(start[ids], kind="stable")]
+    seq = phase[ids]
+    new = np.zeros(len(ids), dtype=np.int64)
+    new[1:] = (seq[1:] == FORWARD) & (seq[:-1] != FORWARD)
+    out[ids] = np.cumsum(new)
+    return out
+
+
+PASSES["fsdp"] = apply_fsdp

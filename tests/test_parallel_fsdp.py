@@ -1,0 +1,309 @@
+"""FSDP2 and ZeRO-1/2 on a real trace (``sim/parallel/fsdp.py``).
+
+The bundled transformer (``data/transformer_cpu.bundle``: ``examples/transformer.py``'s
+embeddings, four blocks, norm and head, captured under the capture API on one CPU core, four
+profiled steps) carries the layers and parameters the units come from. The tests hold the pass
+to its rules: how many collectives of which kind each unit gets per iteration, their bytes
+against the bundle's parameter record, the waits and the one-unit prefetch FSDP2 imposes, and
+the iteration time at the two ends of the link speed: with links infinitely fast the sharded
+step is the single-process step less (d-1)/d of its optimizer, and on a slow link it grows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from trace_corpus import NO_SHARED, REPO, SHARED_TRACES
+from whatif import TraceStudy
+from whatif.report.iterations import iteration_report
+from whatif.sim.engine import simulate
+from whatif.sim.graph import GPU_TASK_KINDS, EdgeKind, TaskKind
+from whatif.sim.parallel import PASSES, Parallelism
+from whatif.sim.parallel.fsdp import ShardedDataParallel, apply_fsdp
+from whatif.sim.parallel.units import TABLE_COLUMNS, PHASE_BACKWARD, PHASE_FORWARD, PHASE_OPTIMIZER, Units, find_units
+from whatif.topology import Cluster, Link
+
+BUNDLE = REPO / "data" / "transformer_cpu.bundle"
+RANKS = (0, 1, 2, 3)
+BLOCKS = 4  # examples/transformer.py's NUM_LAYERS
+GPU_TRACE = SHARED_TRACES / "hta-ddp-resnet50" / "v100_1gpu_rank0.json.gz"  # ResNet-50 on one V100
+
+
+@pytest.fixture(scope="module")
+def study():
+    return TraceStudy.from_trace(BUNDLE)
+
+
+@pytest.fixture(scope="module")
+def units(study):
+    return find_units(study.graph)
+
+
+def cluster(bytes_per_us: float) -> Cluster:
+    """Four single-GPU machines (Gloo's ring collectives) on links of ``bytes_per_us``."""
+    link = Link(bytes_per_us, 0.0)
+    return Cluster(machines=len(RANKS), gpus_per_machine=1, intra_node=link, inter_node=link)
+
+
+FAST = cluster(1e12)  # an exabyte per second, no latency: collectives take ~0
+SLOW = cluster(125.0)  # 1 Gb/s
+
+
+def sharded(study, units, zero: int, link: Cluster = FAST, reshard: bool = True):
+    par = Parallelism(data=len(RANKS), zero=zero, reshard_after_forward=reshard)
+    out = apply_fsdp(study.graph, units, par, link, {"data": RANKS})
+    return out, out.last_note(ShardedDataParallel)
+
+
+def predicted_ms(study, graph) -> np.ndarray:
+    return iteration_report(simulate(graph), study.iterations)["predicted_ms"].to_numpy()
+
+
+def bundle_bytes(study, prefix: str = "") -> float:
+    p = study.graph.workload.parameters
+    mine = p["name"].astype(str).str.startswith(prefix)
+    return float((p.loc[mine, "numel"] * p.loc[mine, "element_size"]).sum())
+
+
+def test_the_units_are_the_four_blocks_and_their_bytes_the_bundles(study, units):
+    assert units.names == [f"blocks.{i}" for i in range(BLOCKS)]
+    for i, nbytes in enumerate(units.table["param_bytes"]):
+        assert nbytes == bundle_bytes(study, f"blocks.{i}.") > 0
+
+
+def test_fsdp_gathers_each_unit_twice_and_scatters_its_gradients_once_per_iteration(study, units):
+    _, note = sharded(study, units, 3)
+    c = note.collectives
+    iterations = len(study.iterations)
+    assert sorted(c["iteration"].unique()) == list(range(iterations))
+    for unit, nbytes in zip(units.table["unit"], units.table["param_bytes"]):
+        mine = c[c["unit"] == unit]
+        counts = mine.groupby(["iteration", "op", "phase"]).size()
+        for it in range(iterations):
+            assert counts[(it, "all_gather", "forward")] == 1
+            assert counts[(it, "all_gather", "backward")] == 1
+            assert counts[(it, "reduce_scatter", "backward")] == 1
+        assert len(mine) == 3 * iterations
+        assert (mine["nbytes"] == nbytes).all(), "all-gather and reduce-scatter sizes are the unit's parameter bytes"
+    # the root (embeddings, norm, head) is gathered once, before the forward, and scattered once
+    root = c[c["unit"] == -1]
+    assert sorted(root["op"]) == sorted(["all_gather", "reduce_scatter"] * iterations)
+    assert (root["nbytes"] == bundle_bytes(study) - units.table["param_bytes"].sum()).all()
+    assert set(c["group"]) == {"data"}
+
+
+def test_without_resharding_after_forward_each_unit_is_gathered_once(study, units):
+    _, note = sharded(study, units, 3, reshard=False)
+    c = note.collectives
+    gathers = c[(c["op"] == "all_gather") & (c["unit"] >= 0)]
+    assert set(gathers["phase"]) == {"forward"}
+    assert len(gathers) == BLOCKS * len(study.iterations)
+
+
+def test_the_collectives_are_comm_tasks_on_their_own_queues(study, units):
+    out, note = sharded(study, units, 3)
+    tasks = out.tasks.iloc[note.collectives["task"].to_numpy()]
+    assert (tasks["kind"] == int(TaskKind.COMM)).all()
+    assert set(tasks["resource"].astype(str)) == {"network data: all_gather", "network data: reduce_scatter"}
+    assert tasks["name"].astype(str).str.contains("all_gather data|reduce_scatter data").all()
+
+
+def test_with_infinitely_fast_links_the_step_loses_only_the_optimizers_shards(study, units):
+    base = predicted_ms(study, study.graph)
+    out, note = sharded(study, units, 3)
+    optimizer = units.task_phase == PHASE_OPTIMIZER
+    kind = study.graph.tasks["kind"].to_numpy()
+    start = study.graph.tasks["measured_start_us"].to_numpy()
+    duration = study.graph.tasks["duration_us"].to_numpy()
+    d = len(RANKS)
+    saved = []
+    for it in study.iterations.itertuples():
+        inside = optimizer & (kind != int(TaskKind.WAIT)) & (start >= it.start_us) & (start < it.end_us)
+        saved.append(duration[inside].sum() * (d - 1) / d / 1e3)
+    assert min(saved) > 0
+    np.testing.assert_allclose(predicted_ms(study, out), base - np.array(saved), rtol=1e-6, atol=1e-3)
+    assert note.optimizer_scale == 1 / d
+
+
+def test_on_a_slow_link_the_step_grows_and_each_unit_waits_for_its_gather(study, units):
+    fast = predicted_ms(study, sharded(study, units, 3)[0])
+    out, note = sharded(study, units, 3, SLOW)
+    slow = predicted_ms(study, out)
+    assert (slow > fast * 1.2).all(), (slow, fast)
+    # bounds: at least the all-gathers' queue, at most the step with every collective exposed
+    c = note.collectives
+    per_op_ms = c.pivot_table(index="iteration", columns="op", values="time_us", aggfunc="sum") / 1e3
+    assert (slow >= per_op_ms["all_gather"].to_numpy()).all()
+    assert (slow <= fast + per_op_ms.sum(axis=1).to_numpy() + 1e-6).all()
+    schedule = simulate(out)
+    for row in c[(c["op"] == "all_gather") & (c["unit"] >= 0)].itertuples():
+        phase = PHASE_FORWARD if row.phase == "forward" else PHASE_BACKWARD
+        own = np.flatnonzero((units.task_unit == row.unit) & (units.task_phase == phase))
+        start = study.graph.tasks["measured_start_us"].to_numpy()
+        inside = own[(start[own] >= study.iterations.iloc[row.iteration].start_us)
+                     & (start[own] < study.iterations.iloc[row.iteration].end_us)]
+        assert schedule.start_us[inside].min() >= schedule.end_us[row.task] - 1e-6
+
+
+def test_forward_gathers_prefetch_one_unit_ahead(study, units):
+    """Unit k+1's all-gather starts once unit k's compute could start, not before."""
+    out, note = sharded(study, units, 3, SLOW)
+    schedule = simulate(out)
+    c = note.collectives
+    start = study.graph.tasks["measured_start_us"].to_numpy()
+    forward = c[(c["op"] == "all_gather") & (c["phase"] == "forward")].set_index(["iteration", "unit"])["task"]
+    it = 1
+    span = (start >= study.iterations.iloc[it].start_us) & (start < study.iterations.iloc[it].end_us)
+    for unit in range(1, BLOCKS):
+        previous = np.flatnonzero(span & (units.task_unit == unit - 1) & (units.task_phase == PHASE_FORWARD))
+        gather = forward[(it, unit)]
+        assert schedule.start_us[gather] >= schedule.end_us[forward[(it, unit - 1)]] - 1e-6
+        assert schedule.start_us[gather] <= schedule.start_us[previous].min() + 1e-6
+
+
+def test_zero_2_reduce_scatters_then_gathers_the_updated_parameters_once(study, units):
+    _, note = sharded(study, units, 2)
+    c = note.collectives
+    for it, rows in c.groupby("iteration"):
+        scatters = rows[rows["op"] == "reduce_scatter"]
+        assert sorted(scatters["unit"]) == [-1] + list(range(BLOCKS))
+        gathers = rows[rows["op"] == "all_gather"]
+        assert len(gathers) == 1 and gathers["nbytes"].iloc[0] == bundle_bytes(study)
+        assert gathers["phase"].iloc[0] == "optimizer"
+    assert "all_reduce" not in set(c["op"])
+
+
+def test_zero_1_all_reduces_then_gathers_the_updated_parameters_once(study, units):
+    base = predicted_ms(study, study.graph)
+    out, note = sharded(study, units, 1, SLOW)
+    c = note.collectives
+    for it, rows in c.groupby("iteration"):
+        assert sorted(rows.loc[rows["op"] == "all_reduce", "unit"]) == [-1] + list(range(BLOCKS))
+        assert (rows["op"] == "all_gather").sum() == 1
+    assert "reduce_scatter" not in set(c["op"])
+    assert (predicted_ms(study, out) > base).all()
+
+
+def test_under_tensor_parallelism_a_rank_gathers_its_tensor_shard_of_each_block(study, units):
+    par = Parallelism(data=len(RANKS), tensor=2, zero=3)
+    note = apply_fsdp(study.graph, units, par, FAST, {"data": RANKS}).last_note(ShardedDataParallel)
+    c = note.collectives
+    for unit, nbytes in zip(units.table["unit"], units.table["param_bytes"]):
+        assert (c.loc[c["unit"] == unit, "nbytes"] == nbytes / 2).all()
+    root = bundle_bytes(study) - units.table["param_bytes"].sum()
+    assert (c.loc[c["unit"] == -1, "nbytes"] == root).all(), "the embeddings and head are replicated, not split"
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_the_units_follow_the_graph_the_pass_returns(study, units, zero):
+    out, note = sharded(study, units, zero)
+    after = note.units_after(units, out)
+    n = len(study.graph.tasks)
+    assert len(after.task_unit) == len(out.tasks) and len(after.task_phase) == len(out.tasks)
+    assert (after.task_unit[:n] == units.task_unit).all() and (after.task_phase[:n] == units.task_phase).all()
+    c = note.collectives
+    forward = c.loc[c["phase"] == "forward", "task"].to_numpy()
+    assert (after.task_phase[forward] == PHASE_FORWARD).all()
+    assert (after.task_unit[c["task"].to_numpy()] == c["unit"].to_numpy()).all()
+    if zero == 1:  # optimizer.step() waits for the gather: its wait is in the optimizer phase
+        assert len(note.waits) == len(study.iterations)
+        assert (after.task_phase[list(note.waits)] == PHASE_OPTIMIZER).all()
+
+
+def test_a_unit_without_backward_tasks_has_its_gradients_reduced_with_the_roots(study, units):
+    """As a plain trace gives them: module names on the forward only."""
+    unit = units.task_unit.copy()
+    unit[(unit == BLOCKS - 1) & (units.task_phase == PHASE_BACKWARD)] = -1
+    forward_only = Units(units.pattern, unit, units.task_phase, units.table)
+    _, note = sharded(study, forward_only, 3)
+    c = note.collectives[note.collectives["op"] == "reduce_scatter"]
+    for it, rows in c.groupby("iteration"):
+        assert sorted(rows["unit"]) == [-1] + list(range(BLOCKS - 1))
+        assert rows["nbytes"].sum() == bundle_bytes(study)
+
+
+def test_the_pass_is_registered_for_the_fsdp_family():
+    assert PASSES["fsdp"] is apply_fsdp
+
+
+def test_without_sharding_the_graph_is_untouched(study, units):
+    par = Parallelism(data=len(RANKS), zero=0)
+    assert apply_fsdp(study.graph, units, par, FAST, {"data": RANKS}) is study.graph
+
+
+# -- a GPU trace -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gpu_study():
+    if not GPU_TRACE.exists():
+        pytest.skip(NO_SHARED)
+    return TraceStudy.from_trace(GPU_TRACE)
+
+
+def cut_units(study, count: int = 4, unit_bytes: float = 25e6) -> Units:
+    """Units for a trace that records no modules (HTA's ResNet-50 has none): each iteration's
+    forward operators on the training thread (those before its first autograd function) cut
+    into ``count`` runs of equal length, its backward operators (on autograd's thread) into as
+    many in reverse, the first and last tenth of each left to the root; the optimizer step is
+    phase 3; GPU tasks take their launch's unit and phase, as ``find_units`` gives them."""
+    graph = study.graph
+    start = graph.tasks["measured_start_us"].to_numpy()
+    resource = graph.tasks["resource"].astype(str).to_numpy().astype(str)
+    thread = resource == f"cpu {study.iterations['thread'].iloc[0]}"
+    on_cpu = np.char.startswith(resource, "cpu ")
+    backward, optimizer = graph.match(r"autograd::engine::evaluate_function"), graph.match(r"Optimizer\.step#")
+    unit = np.full(len(start), -1, dtype=np.int64)
+    phase = np.zeros(len(start), dtype=np.int8)
+    for it in study.iterations.itertuples():
+        inside = on_cpu & (start >= it.start_us) & (start < it.end_us)
+        first_backward = start[inside & backward].min()
+        forward_ids = np.flatnonzero(inside & thread & (start < first_backward) & ~optimizer)
+        backward_ids = np.flatnonzero(inside & ~thread & (start >= first_backward))
+        phase[forward_ids], phase[backward_ids], phase[inside & optimizer] = 1, 2, 3
+        forward_ids = forward_ids[np.argsort(start[forward_ids])]
+        backward_ids = backward_ids[np.argsort(start[backward_ids])]
+        for k, run in enumerate(np.array_split(forward_ids[len(forward_ids) // 10:], count)):
+            unit[run] = k
+        for k, run in enumerate(np.array_split(backward_ids[: len(backward_ids) * 9 // 10], count)):
+            unit[run] = count - 1 - k
+    launch = graph.edges[graph.edges["kind"] == int(EdgeKind.LAUNCH)]
+    unit[launch["dst"].to_numpy()] = unit[launch["src"].to_numpy()]
+    phase[launch["dst"].to_numpy()] = phase[launch["src"].to_numpy()]
+    table = pd.DataFrame({"unit": range(count), "name": [f"part {k}" for k in range(count)], "param_bytes": unit_bytes,
+                          "activation_bytes": 0.0, "forward_us": 0.0, "backward_us": 0.0})[TABLE_COLUMNS]
+    return Units("cut by hand", unit, phase, table)
+
+
+def test_on_a_gpu_trace_the_gpu_streams_wait_for_the_gathers_not_the_cpu(gpu_study):
+    units = cut_units(gpu_study)
+    par = Parallelism(data=len(RANKS), zero=3)
+    base = predicted_ms(gpu_study, gpu_study.graph)
+    fast = apply_fsdp(gpu_study.graph, units, par, FAST, {"data": RANKS})
+    assert (predicted_ms(gpu_study, fast) <= base + 1e-6).all()
+    out = apply_fsdp(gpu_study.graph, units, par, cluster(1250.0), {"data": RANKS})  # 10 Gb/s
+    note = out.last_note(ShardedDataParallel)
+    c = note.collectives
+    assert len(c) == len(gpu_study.iterations) * 3 * 4  # no parameter record: the root holds none, sends none
+    gpu_kinds = [int(k) for k in GPU_TASK_KINDS]
+    gathers = c.loc[c["op"] == "all_gather", "task"].to_numpy()
+    waiters = out.edges.loc[out.edges["src"].isin(gathers), "dst"].to_numpy()
+    assert len(waiters) and out.tasks["kind"].iloc[waiters].isin(gpu_kinds).all()
+    schedule = simulate(out)
+    edges = out.edges
+    for row in c[c["op"] == "all_gather"].itertuples():
+        waiters = edges.loc[edges["src"] == row.task, "dst"].to_numpy()
+        phase = PHASE_FORWARD if row.phase == "forward" else PHASE_BACKWARD
+        assert len(waiters), f"nothing waits for {row}"
+        assert (units.task_unit[waiters] == row.unit).all() and (units.task_phase[waiters] == phase).all()
+        assert (schedule.start_us[waiters] >= schedule.end_us[row.task] - 1e-6).all()
+    # the optimizer's first kernel waits for the iteration's last reduce-scatter
+    optimizer = np.flatnonzero(units.task_phase == PHASE_OPTIMIZER)
+    for it, rows in c[c["op"] == "reduce_scatter"].groupby("iteration"):
+        waiters = edges.loc[edges["src"] == rows["task"].iloc[-1], "dst"].to_numpy()
+        assert len(waiters) and np.isin(waiters, optimizer).all()
+        assert out.tasks["kind"].iloc[waiters].isin(gpu_kinds).all()
+    steady = slice(1, None)  # the first profiled step is short: the profiler starts mid-step
+    assert (predicted_ms(gpu_study, out)[steady] > base[steady] * 1.2).all()
