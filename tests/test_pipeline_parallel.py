@@ -1,0 +1,118 @@
+"""Pipeline parallelism (``sim/parallel/pipeline.py``): schedules against their closed forms on a
+synthetic model, and the pass's structure on a real trace."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from whatif.sim.engine import simulate
+from whatif.sim.graph import EdgeKind, TaskGraph, TaskKind
+from whatif.sim.parallel.pipeline import (
+    BACKWARD,
+    FORWARD,
+    PipelineSchedule,
+    Slot,
+    apply_pipeline,
+    bubbles,
+    partition_units,
+    schedule_order,
+)
+from whatif.sim.workload import Workload
+
+
+def synthetic(n_units: int, forward_us: float, backward_us: float, activation_bytes: float = 0.0):
+    """One iteration of a model of ``n_units`` equal units on one CPU thread: every unit's forward
+    task, then every unit's backward task in reverse, chained; and its Units."""
+    names, unit, phase = [], [], []
+    for u in range(n_units):
+        names.append((f"forward {u}", forward_us)); unit.append(u); phase.append(FORWARD)
+    for u in reversed(range(n_units)):
+        names.append((f"backward {u}", backward_us)); unit.append(u); phase.append(BACKWARD)
+    rows = [{"name": name, "kind": int(TaskKind.CPU), "resource": "cpu 1/1", "duration_us": float(dur),
+             "release_us": -np.inf, "order_key": float(i), "measured_start_us": np.nan, "measured_end_us": np.nan,
+             "context": "", "operator": "", "layer": "", "event": -1} for i, (name, dur) in enumerate(names)]
+    tasks = pd.DataFrame(rows).astype({c: "category" for c in ("name", "resource", "context", "operator", "layer")})
+    tasks["kind"] = tasks["kind"].astype(np.int8)
+    n = len(rows)
+    edges = pd.DataFrame({"src": np.arange(n - 1, dtype=np.int64), "dst": np.arange(1, n, dtype=np.int64),
+                          "lag_us": np.zeros(n - 1), "kind": np.full(n - 1, int(EdgeKind.USER), dtype=np.int8)})
+    table = pd.DataFrame({"unit": range(n_units), "name": [f"blocks.{u}" for u in range(n_units)],
+                          "param_bytes": 1.0, "activation_bytes": activation_bytes,
+                          "forward_us": forward_us, "backward_us": backward_us})
+    units = SimpleNamespace(pattern="blocks", task_unit=np.array(unit), task_phase=np.array(phase), table=table)
+    return TaskGraph(tasks, edges, workload=Workload("synthetic")), units
+
+
+def par(p, m, schedule="1f1b", v=1, partition="balanced"):
+    return SimpleNamespace(pipeline=p, microbatches=m, schedule=schedule, virtual_stages=v, partition=partition)
+
+
+def run(graph, units, parallelism, cluster=None):
+    built = apply_pipeline(graph, units, parallelism, cluster, {"pipeline": tuple(range(parallelism.pipeline))})
+    return built, simulate(built)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p,m", [(2, 1), (2, 4), (4, 4), (4, 8), (3, 5), (8, 16)])
+def test_bubble_is_the_closed_form(schedule, p, m):
+    """Equal stages, free transfers: every stage idles (p-1)/(m+p-1) of the step, whatever the
+    forward/backward ratio (here 1:2, traced at the whole batch: m times a microbatch's)."""
+    graph, units = synthetic(2 * p, forward_us=3.0 * m, backward_us=6.0 * m)
+    built, schedule_ = run(graph, units, par(p, m, schedule))
+    table = bubbles(schedule_)
+    assert np.allclose(table["bubble"], (p - 1) / (m + p - 1), atol=1e-6)
+    assert schedule_.makespan_us == pytest.approx((m + p - 1) * 2 * 9.0)
+
+
+@pytest.mark.parametrize("p,m,v", [(2, 4, 2), (4, 4, 2), (4, 8, 2), (2, 6, 3), (4, 8, 4)])
+def test_interleaved_bubble_is_the_closed_form(p, m, v):
+    """Narayanan et al. 2021: the interleaved schedule's bubble is (1/v)(p-1)/m of the ideal
+    time, so (p-1)/(v m + p - 1) of the step."""
+    graph, units = synthetic(p * v, forward_us=2.0 * m, backward_us=4.0 * m)
+    built, schedule_ = run(graph, units, par(p, m, "interleaved", v))
+    table = bubbles(schedule_)
+    ideal = m * (2.0 + 4.0) * v  # a device's compute: v chunks of m microbatches
+    bubble_time = table["step_us"] - table["busy_us"]
+    assert np.allclose(bubble_time / ideal, (p - 1) / (v * m), atol=1e-6)
+    assert np.allclose(table["bubble"], (p - 1) / (v * m + p - 1), atol=1e-6)
+
+
+def test_schedules_run_every_slot_once():
+    for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2)):
+        for d in range(4):
+            order = schedule_order(schedule, 4, 8, d, v)
+            assert len(order) == len(set(order)) == 2 * 8 * v
+    assert schedule_order("1f1b", 4, 8, 0)[:4] == [Slot(FORWARD, j, 0) for j in range(4)]
+    last = schedule_order("1f1b", 4, 8, 3)
+    assert [s.phase for s in last[:4]] == [FORWARD, BACKWARD, FORWARD, BACKWARD]
+
+
+def test_balanced_partition_minimises_the_largest_stage():
+    assert partition_units([1, 1, 1, 1, 4], 2) == [range(0, 4), range(4, 5)]
+    assert partition_units([2, 2, 2, 1, 1, 1, 1, 1, 1], 3) == [range(0, 2), range(2, 5), range(5, 9)]
+    assert partition_units([1] * 6, 2, (2, 4)) == [range(0, 2), range(2, 6)]
+
+
+def test_unequal_stages_bubble_the_faster_ones_more():
+    graph, units = synthetic(4, forward_us=4.0, backward_us=8.0)
+    built, schedule_ = run(graph, units, par(2, 4, partition=(1, 3)))
+    table = bubbles(schedule_)
+    assert table["bubble"].iat[0] > table["bubble"].iat[1]
+
+
+def test_transfers_cost_and_order():
+    from whatif.topology import Cluster
+
+    graph, units = synthetic(4, forward_us=40.0, backward_us=80.0, activation_bytes=4e6)
+    free, free_schedule = run(graph, units, par(2, 4))
+    note = free.last_note(PipelineSchedule)
+    assert len(note.transfers) == 2 * (2 - 1) * 4
+    assert (note.transfers["nbytes"] == 1e6).all()  # the boundary activation of a microbatch
+    cluster = Cluster.from_config({"machines": 2, "gpus_per_machine": 1, "intra_node": "nvlink2", "inter_node": "25GbE"})
+    priced, priced_schedule = run(graph, units, par(2, 4), cluster)
+    assert (priced.last_note(PipelineSchedule).transfers["time_us"] > 0).all()
+    assert priced_schedule.makespan_us > free_schedule.makespan_us
