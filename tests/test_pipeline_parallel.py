@@ -116,3 +116,81 @@ def test_transfers_cost_and_order():
     priced, priced_schedule = run(graph, units, par(2, 4), cluster)
     assert (priced.last_note(PipelineSchedule).transfers["time_us"] > 0).all()
     assert priced_schedule.makespan_us > free_schedule.makespan_us
+
+
+# -- on a real trace -------------------------------------------------------------------------------
+
+REAL = {"convnet bundle": ("data/convnet_cpu.bundle", None)}
+
+
+@pytest.fixture(scope="module", params=sorted(REAL))
+def real(request):
+    """A real trace's graph, its units, and its chosen iteration's simulated time."""
+    units_module = pytest.importorskip("whatif.sim.parallel.units", reason="find_units is not merged yet (par-backbone)")
+    from trace_corpus import REPO
+    from whatif import TraceStudy
+
+    path, pattern = REAL[request.param]
+    if not (REPO / path).exists():
+        pytest.skip(f"{path} is absent")
+    study = TraceStudy.from_trace(REPO / path)
+    units = units_module.find_units(study.graph, pattern)
+    return study.graph, units, simulate(study.graph)
+
+
+def lab_cluster(gpus: int):
+    from whatif.topology import Cluster
+
+    return Cluster.from_config({"machines": gpus, "gpus_per_machine": 1, "intra_node": "nvlink2", "inter_node": "1Gbps"})
+
+
+def test_stages_cover_every_unit_once_in_order(real):
+    graph, units, _ = real
+    n = len(units.table)
+    for p in range(1, min(n, 4) + 1):
+        built = apply_pipeline(graph, units, par(p, 2), lab_cluster(p), {"pipeline": tuple(range(p))})
+        stages = built.last_note(PipelineSchedule).stages
+        assert stages["first_unit"].tolist() == [0] + (stages["last_unit"] + 1).tolist()[:-1]
+        assert stages["last_unit"].iat[-1] == n - 1
+        assert (stages["last_unit"] >= stages["first_unit"]).all()
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_one_send_recv_each_way_per_boundary_and_microbatch(real, schedule):
+    graph, units, _ = real
+    p, m = min(len(units.table), 3), 4
+    built = apply_pipeline(graph, units, par(p, m, schedule), lab_cluster(p), {"pipeline": tuple(range(p))})
+    note = built.last_note(PipelineSchedule)
+    sends = built.tasks["name"].astype(str).str.startswith("send_recv ").to_numpy()
+    assert sends.sum() == len(note.transfers) == 2 * (p - 1) * m
+    assert (built.tasks["kind"].to_numpy()[sends] == int(TaskKind.COMM)).all()
+    forward = note.transfers[note.transfers["to_stage"] > note.transfers["from_stage"]]
+    assert len(forward) == (p - 1) * m and (note.transfers["time_us"] > 0).all()
+    # each transfer waits for its stage and holds up the next one
+    edges = built.edges
+    for task in note.transfers["task"]:
+        assert (edges["dst"] == task).any() and (edges["src"] == task).any()
+    # every device runs every microbatch's forward and backward of its stage
+    for d in range(p):
+        for phase in (FORWARD, BACKWARD):
+            mine = (note.task_device == d) & (note.task_phase == phase) & (note.task_source >= 0)
+            assert sorted(set(note.task_microbatch[mine])) == list(range(m))
+
+
+def test_one_stage_keeps_the_iteration_time(real):
+    graph, units, traced = real
+    built = apply_pipeline(graph, units, par(1, 1), None, {"pipeline": (0,)})
+    note = built.last_note(PipelineSchedule)
+    copied = np.unique(note.task_source[note.task_source >= 0])
+    span = traced.end_us[copied].max() - traced.start_us[copied].min()
+    assert simulate(built).makespan_us == pytest.approx(span, rel=0.02)
+
+
+def test_more_microbatches_never_bubble_more(real):
+    graph, units, _ = real
+    p = min(len(units.table), 3)
+    worst = []
+    for m in (1, 2, 4, 8):
+        built = apply_pipeline(graph, units, par(p, m), lab_cluster(p), {"pipeline": tuple(range(p))})
+        worst.append(bubbles(simulate(built))["bubble"].max())
+    assert all(later <= earlier + 1e-9 for earlier, later in zip(worst, worst[1:])), worst

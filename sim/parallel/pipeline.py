@@ -149,8 +149,9 @@ class PipelineSchedule:
     forward_us and backward_us (a microbatch's task time there), activation_bytes (what it sends
     on per microbatch). ``transfers``: one row per activation or gradient sent: task, microbatch,
     from_stage, to_stage (virtual), from_device, to_device, nbytes, time_us, algorithm, protocol.
-    ``task_device``, ``task_microbatch`` (-1 outside), ``task_phase`` are per task of the graph
-    built (until a later pass renumbers its tasks).
+    ``task_device``, ``task_microbatch`` (-1 outside), ``task_phase`` and ``task_source`` (the
+    traced task it copies, -1 for a transfer) are per task of the graph built (until a later pass
+    renumbers its tasks).
     """
 
     schedule: str
@@ -164,6 +165,7 @@ class PipelineSchedule:
     task_device: np.ndarray = field(repr=False)
     task_microbatch: np.ndarray = field(repr=False)
     task_phase: np.ndarray = field(repr=False)
+    task_source: np.ndarray = field(repr=False)
 
     def describe(self) -> str:
         v = f", {self.virtual_stages} virtual stages each" if self.virtual_stages > 1 else ""
@@ -248,7 +250,7 @@ def apply_pipeline(graph: TaskGraph, units, par, cluster, ranks_of: dict, *, mod
         pd.DataFrame(transfers, columns=["task", "microbatch", "from_stage", "to_stage", "from_device", "to_device",
                                          "nbytes", "time_us", "algorithm", "protocol"]),
         np.asarray(builder.device, dtype=np.int64), np.asarray(builder.microbatch, dtype=np.int64),
-        np.asarray(builder.phase, dtype=np.int64),
+        np.asarray(builder.phase, dtype=np.int64), np.asarray(builder.source_id, dtype=np.int64),
     ))
     return out
 
@@ -399,7 +401,7 @@ class _Builder:
         self.keys = keys - (origin_us if np.isfinite(origin_us) else 0.0)
         self.span = float(np.nanmax(np.abs(self.keys))) * 2.0 + 1.0
         self.frames, self.edges = [], []
-        self.device, self.microbatch, self.phase = [], [], []
+        self.device, self.microbatch, self.phase, self.source_id = [], [], [], []
         self.count = 0
         self.slot_tasks: dict = {}  # (stage, microbatch, phase) -> {resource: (first id, last id)}
         self.copied_us: dict = {}  # (stage, microbatch, phase) -> task time
@@ -429,6 +431,7 @@ class _Builder:
         self.device += [device] * len(ids)
         self.microbatch += [microbatch] * len(ids)
         self.phase += [phase] * len(ids)
+        self.source_id += ids.tolist()
         key = (device, group) if group is not None else (device, slot_index)
         mapping = self.group_of.setdefault(key, {})
         mapping.update(zip(ids.tolist(), new.tolist()))
@@ -463,6 +466,7 @@ class _Builder:
         self.device.append(device)
         self.microbatch.append(source[1])
         self.phase.append(source[2])
+        self.source_id.append(-1)
         edges = [(last, task) for _, last in self.slot_tasks.get(source, {}).values()]
         edges += [(task, first) for first, _ in self.slot_tasks.get(target, {}).values()]
         self.edges.append(pd.DataFrame(edges, columns=["src", "dst"]).assign(lag_us=0.0, kind=int(EdgeKind.USER)))
