@@ -37,7 +37,14 @@ from whatif.collectors.bundle import BundledTrace
 from whatif.collectors.kineto import CPU_KINDS, EventKind, KinetoTrace, element_bytes
 
 from .graph import EdgeKind, GraphError, TaskGraph, TaskKind
-from .workload import GRADIENT_READY_COLUMNS, OPERATOR_KINDS, PARAMETER_COLUMNS, Workload
+from .workload import (
+    GRADIENT_READY_COLUMNS,
+    LAYER_COLUMNS,
+    LAYER_INTERVAL_COLUMNS,
+    OPERATOR_KINDS,
+    PARAMETER_COLUMNS,
+    Workload,
+)
 
 #: A thread that was idle this long was waiting for something, not computing (microseconds).
 IDLE_GAP_US = 50.0
@@ -519,7 +526,21 @@ def _workload(trace: KinetoTrace) -> Workload:
         columns=GRADIENT_READY_COLUMNS,
     )
     parameters = bundle.parameters if len(bundle.parameters.columns) else pd.DataFrame(columns=PARAMETER_COLUMNS)
-    return Workload(trace.path, has_gpu, parameters, gradient_ready, dict(bundle.environment), bundle.unprofiled_step_ms)
+    intervals = bundle.intervals
+    layer_intervals = pd.DataFrame(
+        {
+            "step": intervals["step"].to_numpy(),
+            "layer": intervals["layer"].to_numpy(),
+            "pass": intervals["pass"].to_numpy(),
+            "start_us": intervals["start_us"].to_numpy(dtype=np.float64) - trace.origin_us,
+            "end_us": intervals["end_us"].to_numpy(dtype=np.float64) - trace.origin_us,
+            "thread": [f"cpu {bundle.pid}/{tid}" for tid in intervals["tid"].tolist()],
+        },
+        columns=LAYER_INTERVAL_COLUMNS,
+    )
+    layers = bundle.layers if len(bundle.layers.columns) else pd.DataFrame(columns=LAYER_COLUMNS)
+    return Workload(trace.path, has_gpu, parameters, gradient_ready, dict(bundle.environment), bundle.unprofiled_step_ms,
+                    layers, layer_intervals)
 
 
 def _launch_queue_edges(gpu_id, gpu_corr, launching_seg, finish, seg_start, seg_end) -> tuple[np.ndarray, np.ndarray]:

@@ -35,6 +35,8 @@ from whatif.collectors.kineto import element_bytes
 OPERATOR_KINDS = ("operator", "annotation", "python")
 PARAMETER_COLUMNS = ["name", "layer", "shape", "numel", "dtype", "element_size", "requires_grad"]
 GRADIENT_READY_COLUMNS = ["step", "parameter", "at_us", "thread"]
+LAYER_COLUMNS = ["name", "type", "parameters"]
+LAYER_INTERVAL_COLUMNS = ["step", "layer", "pass", "start_us", "end_us", "thread"]
 
 
 @dataclass
@@ -46,7 +48,11 @@ class Workload:
     (:data:`GRADIENT_READY_COLUMNS`) has a row each time a parameter's post-accumulate-grad
     hook ran: the profiled step, the parameter's name, the moment on the tasks' clock and the
     CPU resource it ran on. ``environment`` is the bundle's (``batch_size``, ``device``, ...);
-    ``unprofiled_step_ms`` the wall times of steps run without profiler or hooks.
+    ``unprofiled_step_ms`` the wall times of steps run without profiler or hooks. ``layers``
+    (:data:`LAYER_COLUMNS`) lists the bundle's leaf modules in the order the model registers
+    them, ``layer_intervals`` (:data:`LAYER_INTERVAL_COLUMNS`) each call of one in a profiled
+    step, ``pass`` ``forward`` or ``backward``, on the tasks' clock and CPU resource; both
+    empty without a bundle.
     """
 
     source: str = ""
@@ -55,6 +61,8 @@ class Workload:
     gradient_ready: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=GRADIENT_READY_COLUMNS))
     environment: dict = field(default_factory=dict)
     unprofiled_step_ms: list = field(default_factory=list)
+    layers: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=LAYER_COLUMNS))
+    layer_intervals: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=LAYER_INTERVAL_COLUMNS))
 
     @property
     def batch_size(self) -> Optional[int]:

@@ -1,0 +1,319 @@
+"""The repeated blocks of a model on its graph: what the parallelism passes split, shard and stage.
+
+A *unit* is one repeated block (a transformer block, an FSDP wrap unit, a pipeline-partition
+atom): the tasks of its forward and of its backward in each iteration, the parameters it owns
+and the activation at its boundary. :func:`find_units` finds them, in this order:
+
+1. A capture bundle's layers (``graph.workload.layers`` and ``layer_intervals``, written by the
+   module hooks; ``collectors/bundle.py``): the leaf modules are grouped into blocks by the
+   container they sit in, ``blocks.3.attention.qkv`` in ``blocks.3``. With ``pattern`` the
+   blocks are what it matches in the leaf names; without, the container with the most leaf
+   modules under numbered children (``blocks.N``, ``features.N``, ``layers.N``, at least two
+   of them). A task belongs to a unit in a step when, on the same CPU thread, it starts inside
+   the span from the first to the last call of the unit's leaf modules in that step's forward
+   (or backward) pass; tasks outside every unit keep their phase (forward, backward) by the
+   step's whole forward and backward spans.
+2. Without a bundle, the names on the tasks: the ``layer`` and ``context`` columns (module
+   annotations, ``record_function`` ranges) searched with ``pattern``, by default
+   :data:`DEFAULT_PATTERN` (``layers.N``, ``blocks.N``, ``h.N``, ``layer.N``). A plain trace
+   records no module around backward operators, so only forward tasks are found this way.
+3. Else a one-line :class:`UnitsError` saying to give ``parallelism.units``.
+
+GPU tasks belong to the unit and phase of the CPU task that launched them. The optimizer's
+tasks (inside ``Optimizer.step``) are phase 3 wherever they are found. A unit's
+``activation_bytes`` is its output: the first tensor that the first forward operator after it
+reads (the next unit's input, or the head's), as traced (the traced batch); ``param_bytes`` the
+bundle's parameters under the unit's name (0 without a bundle); ``forward_us`` and
+``backward_us`` the median over steps of the unit's GPU time in that phase, or its CPU time
+where the trace ran no GPU.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import pandas as pd
+
+from whatif.sim.graph import GPU_TASK_KINDS, EdgeKind, GraphError, TaskGraph, TaskKind
+from whatif.sim.workload import first_input_bytes
+
+#: Where no pattern is given and no bundle says: the block names of common model code.
+DEFAULT_PATTERN = r"(?<![\w])(?:layers|blocks|h|layer)\.\d+(?![\w])"
+PHASE_OTHER, PHASE_FORWARD, PHASE_BACKWARD, PHASE_OPTIMIZER = 0, 1, 2, 3
+TABLE_COLUMNS = ["unit", "name", "param_bytes", "activation_bytes", "forward_us", "backward_us"]
+_OPTIMIZER = re.compile(r"Optimizer\.step#")
+_STEP = re.compile(r"^(ProfilerStep#\d+)")
+
+
+class UnitsError(GraphError):
+    """No repeated blocks could be found; the message says which key to give."""
+
+
+@dataclass(frozen=True)
+class Units:
+    """The units of one graph (see the module's docstring)."""
+
+    pattern: str  # what matched: "bundle layers: blocks\.\d+", or the regular expression
+    task_unit: np.ndarray  # per task: the unit index (0.. in model order), -1 none
+    task_phase: np.ndarray  # per task: 0 other, 1 forward, 2 backward, 3 optimizer
+    table: pd.DataFrame  # TABLE_COLUMNS, one row per unit in model order
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    @property
+    def names(self) -> list[str]:
+        return self.table["name"].tolist()
+
+    def tasks_of(self, unit: int, phase: Optional[int] = None) -> np.ndarray:
+        """Ids of the tasks of ``unit`` (in ``phase``, if given)."""
+        mask = self.task_unit == unit
+        if phase is not None:
+            mask &= self.task_phase == phase
+        return np.flatnonzero(mask)
+
+
+def find_units(graph: TaskGraph, pattern: Optional[str] = None) -> Units:
+    """The units of ``graph``: from its bundle's layers, else its task names (``pattern``,
+    default :data:`DEFAULT_PATTERN`); :class:`UnitsError` when none are found."""
+    regex = _compile(pattern) if pattern is not None else None
+    workload = graph.workload
+    if len(workload.layers) and len(workload.layer_intervals):
+        return _from_bundle(graph, regex)
+    return _from_names(graph, regex if regex is not None else re.compile(DEFAULT_PATTERN))
+
+
+def unit_name_of(name: str, regex: re.Pattern) -> Optional[str]:
+    """The unit a module or annotation name belongs to: its text up to the end of the
+    pattern's first match (``model.blocks.3`` for ``model.blocks.3.mlp.0``), None if none."""
+    match = regex.search(name)
+    return name[: match.end()] if match else None
+
+
+# -- from a bundle's layers -----------------------------------------------------------------------
+
+
+def _from_bundle(graph: TaskGraph, regex: Optional[re.Pattern]) -> Units:
+    workload = graph.workload
+    leaves = workload.layers["name"].astype(str).tolist()
+    if regex is None:
+        regex = _repeated_container(leaves)
+    names = [unit_name_of(leaf, regex) for leaf in leaves] if regex is not None else []
+    order = list(dict.fromkeys(n for n in names if n is not None))
+    if not order:
+        raise UnitsError(_not_found("the bundle's layers", regex))
+    unit_of_leaf = {leaf: order.index(n) for leaf, n in zip(leaves, names) if n is not None}
+
+    tasks = graph.tasks
+    n = len(tasks)
+    task_unit = np.full(n, -1, dtype=np.int64)
+    task_phase = np.zeros(n, dtype=np.int8)
+    task_step = np.full(n, -1, dtype=np.int64)
+    start = tasks["measured_start_us"].to_numpy(dtype=float)
+    resource = tasks["resource"].astype(str).to_numpy()
+    on_cpu = ~np.isin(tasks["kind"].to_numpy(), [int(k) for k in GPU_TASK_KINDS])
+
+    intervals = workload.layer_intervals.copy()
+    intervals["unit"] = intervals["layer"].map(unit_of_leaf).fillna(-1).astype(np.int64)
+    for step_index, (_, rows) in enumerate(intervals.groupby("step", sort=False)):
+        for phase_name, phase in (("forward", PHASE_FORWARD), ("backward", PHASE_BACKWARD)):
+            of_phase = rows[rows["pass"] == phase_name]
+            for thread, spans in of_phase.groupby("thread", sort=False):
+                here = on_cpu & (resource == thread)
+                whole = here & (start >= spans["start_us"].min()) & (start < spans["end_us"].max())
+                task_phase[whole] = phase
+                task_step[whole] = step_index
+                for unit, unit_rows in spans[spans["unit"] >= 0].groupby("unit"):
+                    inside = here & (start >= unit_rows["start_us"].min()) & (start < unit_rows["end_us"].max())
+                    task_unit[inside] = unit
+    _optimizer_phase(graph, task_phase)
+    _to_launched(graph, task_unit, task_phase, task_step)
+    param_bytes = _param_bytes(workload.parameters, order)
+    activations = _activation_bytes(graph, task_unit, task_phase, task_step, len(order))
+    label = regex.pattern
+    return Units(f"bundle layers: {label}", task_unit, task_phase,
+                 _table(graph, order, param_bytes, activations, task_unit, task_phase, task_step))
+
+
+def _repeated_container(leaves: list[str]) -> Optional[re.Pattern]:
+    """The container whose numbered children (``P.0``, ``P.1``, ...) hold the most leaf
+    modules, at least two children: its pattern ``P\\.\\d+``; None if there is none."""
+    children: dict[str, set] = {}
+    covered: dict[str, int] = {}
+    for leaf in leaves:
+        parts = leaf.split(".")
+        for i, part in enumerate(parts):
+            if part.isdigit() and i > 0 and i < len(parts) - 1:
+                prefix = ".".join(parts[:i])
+                children.setdefault(prefix, set()).add(part)
+                covered[prefix] = covered.get(prefix, 0) + 1
+    candidates = [p for p, kids in children.items() if len(kids) >= 2]
+    if not candidates:
+        return None
+    best = max(candidates, key=lambda p: (covered[p], len(children[p]), -len(p)))
+    return re.compile(r"(?<![\w.])" + re.escape(best) + r"\.\d+(?![\w])")
+
+
+# -- from the names on the tasks ------------------------------------------------------------------
+
+
+def _from_names(graph: TaskGraph, regex: re.Pattern) -> Units:
+    tasks = graph.tasks
+    n = len(tasks)
+    task_unit = np.full(n, -1, dtype=np.int64)
+    task_phase = np.zeros(n, dtype=np.int8)
+    task_step = np.full(n, -1, dtype=np.int64)
+    found: dict[str, int] = {}
+    for column in ("layer", "context"):  # the innermost module first, else any enclosing frame
+        col = tasks[column]
+        per_category = [unit_name_of(str(text), regex) if column == "layer" else _innermost(str(text), regex)
+                        for text in col.cat.categories]
+        codes = col.cat.codes.to_numpy()
+        for i in np.flatnonzero(task_unit < 0):
+            code = codes[i]
+            if code >= 0 and per_category[code] is not None:
+                task_unit[i] = found.setdefault(per_category[code], len(found))
+    on_cpu = ~np.isin(tasks["kind"].to_numpy(), [int(k) for k in GPU_TASK_KINDS])
+    if not (task_unit[on_cpu] >= 0).any():
+        raise UnitsError(_not_found("the tasks' module and annotation names", regex))
+    # model order: the order of first appearance in time, not of naming
+    first = pd.Series(tasks["measured_start_us"].to_numpy(dtype=float)).groupby(task_unit).min()
+    first = first[first.index >= 0].sort_values(kind="stable")
+    names_by_index = {index: name for name, index in found.items()}
+    order = [names_by_index[i] for i in first.index]
+    remap = np.full(len(found) + 1, -1, dtype=np.int64)
+    remap[first.index.to_numpy()] = np.arange(len(order))
+    task_unit = np.where(task_unit >= 0, remap[np.maximum(task_unit, 0)], -1)
+    context = tasks["context"].astype(str).to_numpy()
+    backward = np.char.find(context.astype(str), "autograd::engine::evaluate_function") >= 0
+    task_phase[on_cpu & (task_unit >= 0)] = PHASE_FORWARD
+    task_phase[on_cpu & backward] = PHASE_BACKWARD
+    steps = [(_STEP.match(c).group(1) if _STEP.match(c) else "") for c in context]
+    step_names = list(dict.fromkeys(steps))
+    task_step[:] = [step_names.index(s) for s in steps]
+    task_step[~on_cpu] = -1
+    _optimizer_phase(graph, task_phase)
+    _to_launched(graph, task_unit, task_phase, task_step)
+    param_bytes = _param_bytes(graph.workload.parameters, order)
+    activations = _activation_bytes(graph, task_unit, task_phase, task_step, len(order))
+    return Units(regex.pattern, task_unit, task_phase,
+                 _table(graph, order, param_bytes, activations, task_unit, task_phase, task_step))
+
+
+def _innermost(context: str, regex: re.Pattern) -> Optional[str]:
+    """The unit of the innermost frame of a context (``a > b > c``) that names one."""
+    for frame in reversed(context.split(" > ")):
+        name = unit_name_of(frame, regex)
+        if name is not None:
+            return name
+    return None
+
+
+# -- shared steps ---------------------------------------------------------------------------------
+
+
+def _compile(pattern: str) -> re.Pattern:
+    try:
+        return re.compile(pattern)
+    except re.error as err:
+        raise UnitsError(f"parallelism.units: {pattern!r} is not a valid regular expression ({err})") from None
+
+
+def _not_found(where: str, regex: Optional[re.Pattern]) -> str:
+    tried = f"pattern {regex.pattern!r}" if regex is not None else "numbered blocks (P.0, P.1, ...)"
+    return (f"no repeated blocks found in {where} with {tried}: give parallelism.units, a regular "
+            f"expression naming them (e.g. 'blocks\\.\\d+')")
+
+
+def _optimizer_phase(graph: TaskGraph, task_phase: np.ndarray) -> None:
+    context = graph.tasks["context"]
+    hit = np.array([bool(_OPTIMIZER.search(str(c))) for c in context.cat.categories] + [False])
+    task_phase[hit[context.cat.codes.to_numpy()]] = PHASE_OPTIMIZER
+
+
+def _to_launched(graph: TaskGraph, task_unit: np.ndarray, task_phase: np.ndarray, task_step: np.ndarray) -> None:
+    """GPU tasks take the unit, phase and step of the CPU task that launched them."""
+    edges = graph.edges
+    launch = edges[edges["kind"] == int(EdgeKind.LAUNCH)]
+    src = launch["src"].to_numpy(dtype=np.int64)
+    dst = launch["dst"].to_numpy(dtype=np.int64)
+    for array in (task_unit, task_phase, task_step):
+        array[dst] = array[src]
+
+
+def _param_bytes(parameters: pd.DataFrame, order: list[str]) -> np.ndarray:
+    """Bytes of the parameters under each unit's name (``blocks.3.`` prefix)."""
+    out = np.zeros(len(order))
+    if not len(parameters):
+        return out
+    names = parameters["name"].astype(str).tolist()
+    size = (parameters["numel"].to_numpy(dtype=float) * parameters["element_size"].to_numpy(dtype=float))
+    index = {name: i for i, name in enumerate(order)}
+    for name, nbytes in zip(names, size):
+        for unit_name, i in index.items():
+            if _under(name, unit_name):
+                out[i] += nbytes
+                break
+    return out
+
+
+def _under(parameter: str, unit_name: str) -> bool:
+    """Whether a parameter's dotted name has the unit's name as a run of its components
+    (``blocks.3`` in ``blocks.3.mlp.0.weight`` or ``model.blocks.3.norm.bias``)."""
+    return f".{unit_name}." in f".{parameter}"
+
+
+def _activation_bytes(graph: TaskGraph, task_unit: np.ndarray, task_phase: np.ndarray,
+                      task_step: np.ndarray, n_units: int) -> np.ndarray:
+    """Per unit: bytes of the first tensor read by the first forward operator after the unit's
+    forward in the first step that has it, on the same thread (the next unit's input, or for
+    the last unit what follows it: the head's); 0 where the trace recorded no shape."""
+    ops = graph.ops
+    tasks = graph.tasks
+    event = tasks["event"].to_numpy()
+    start = tasks["measured_start_us"].to_numpy(dtype=float)
+    resource = tasks["resource"].cat.codes.to_numpy()
+    forward = (task_phase == PHASE_FORWARD) & (event >= 0) & np.isfinite(start)
+    out = np.zeros(n_units)
+    for unit in range(n_units):
+        mine = np.flatnonzero(forward & (task_unit == unit))
+        if not len(mine):
+            continue
+        step = task_step[mine].min()
+        mine = mine[task_step[mine] == step]
+        last = mine[np.argmax(start[mine])]
+        after = np.flatnonzero(forward & (task_step == step) & (resource == resource[last]) & (start > start[last])
+                               & (task_unit != unit))
+        for i in after[np.argsort(start[after], kind="stable")]:
+            row = int(event[i])
+            nbytes = first_input_bytes(ops, row) if row in ops.index else None
+            if nbytes:
+                out[unit] = nbytes
+                break
+    return out
+
+
+def _table(graph: TaskGraph, order: list[str], param_bytes: np.ndarray, activations: np.ndarray,
+           task_unit: np.ndarray, task_phase: np.ndarray, task_step: np.ndarray) -> pd.DataFrame:
+    tasks = graph.tasks
+    kind = tasks["kind"].to_numpy()
+    on_gpu = np.isin(kind, [int(k) for k in GPU_TASK_KINDS])
+    timed = on_gpu if on_gpu.any() else np.isin(kind, [int(TaskKind.CPU), int(TaskKind.RUNTIME)])
+    duration = tasks["duration_us"].to_numpy(dtype=float)
+    frame = pd.DataFrame({"unit": task_unit, "phase": task_phase, "step": task_step, "us": duration})
+    frame = frame[timed & (task_unit >= 0)]
+    per_step = frame.groupby(["unit", "phase", "step"])["us"].sum()
+    medians = per_step.groupby(level=["unit", "phase"]).median()
+    forward = [float(medians.get((u, PHASE_FORWARD), 0.0)) for u in range(len(order))]
+    backward = [float(medians.get((u, PHASE_BACKWARD), 0.0)) for u in range(len(order))]
+    return pd.DataFrame({
+        "unit": np.arange(len(order), dtype=np.int64),
+        "name": order,
+        "param_bytes": param_bytes,
+        "activation_bytes": activations,
+        "forward_us": forward,
+        "backward_us": backward,
+    }, columns=TABLE_COLUMNS)
