@@ -15,6 +15,9 @@ holding every device, whose resources are named ``stage D: <the traced resource>
   same rule as ``--batch-size``), else linearly: GPU tasks take ``1/m`` of their time, CPU
   operators too on a CPU-only trace; runtime calls, the gaps between operators and every CPU task
   of a GPU trace keep their traced time (a launch costs what it costs whatever the batch).
+* **Which units make a stage**: contiguous spans, balanced (the largest span's forward and
+  backward time as small as it goes, the non-unit work at the ends counted) or as many units per
+  virtual stage as ``partition`` lists.
 * **Which tasks belong to a stage.** A task of a unit goes with the unit. A forward or backward
   task outside every unit (an embedding, the head, the loss) goes with the unit task before it on
   the CPU timeline in its phase; before any, the first virtual stage in forward and the last in
@@ -111,8 +114,9 @@ def schedule_order(schedule: str, p: int, m: int, device: int, v: int = 1) -> li
 
 def partition_units(costs: Sequence[float], parts: int, partition="balanced") -> list[range]:
     """Contiguous spans of units, one per virtual stage: ``balanced`` minimises the largest span's
-    cost (forward + backward time; exact, by dynamic programming), a sequence of counts gives each
-    span's number of units."""
+    cost (exact, by dynamic programming), a sequence of counts gives each span's number of units.
+    :func:`apply_pipeline` costs a unit by its microbatch's forward and backward task time, the
+    first unit with the embedding's and the last with the head's and loss's."""
     n = len(costs)
     if parts > n:
         raise GraphError(f"{n} units cannot fill {parts} pipeline stages (stages x virtual stages)")
@@ -193,16 +197,21 @@ def apply_pipeline(graph: TaskGraph, units, par, cluster, ranks_of: dict, *, mod
     if len(gpus) != p:
         raise GraphError(f"the pipeline group has {len(gpus)} GPUs for {p} stages")
     table = units.table.reset_index(drop=True)
-    costs = (table["forward_us"].fillna(0.0) + table["backward_us"].fillna(0.0)).to_numpy()
-    spans = partition_units(costs, p * v, par.partition)
-    stage_of_unit = np.empty(len(table), dtype=np.int64)
-    for k, span in enumerate(spans):
-        stage_of_unit[list(span)] = k
-
+    phase = np.asarray(units.task_phase)
     in_iteration, window = _one_iteration(graph, units)
     duration, scaling = _microbatch_durations(graph, units, m, models)
+    # a unit's cost: its microbatch's forward and backward with what goes with it (the
+    # embedding with the first unit, the head and loss with the last); GPU time on a GPU trace
+    n = len(table)
+    unit_of = _stage_of_tasks(graph, units, np.arange(n), in_iteration, n)
+    counted = ~_cpu_side(graph) if graph.workload.has_gpu else _cpu_side(graph)
+    pick = counted & (unit_of >= 0) & np.isin(phase, [FORWARD, BACKWARD])
+    costs = np.bincount(unit_of[pick], weights=duration[pick], minlength=n)
+    spans = partition_units(costs, p * v, par.partition)
+    stage_of_unit = np.empty(n, dtype=np.int64)
+    for k, span in enumerate(spans):
+        stage_of_unit[list(span)] = k
     stage = _stage_of_tasks(graph, units, stage_of_unit, in_iteration, p * v)
-    phase = np.asarray(units.task_phase)
     param_bytes = table["param_bytes"].fillna(0.0).to_numpy(dtype=float)
     device_of_stage = np.arange(p * v) % p
     share = np.array([param_bytes[device_of_stage[stage_of_unit] == d].sum() for d in range(p)])
@@ -267,19 +276,28 @@ def bubbles(schedule: Schedule) -> pd.DataFrame:
     """Per device of a simulated pipeline (a graph :func:`apply_pipeline` built): busy_us (the
     union of the times its tasks other than transfers and waits run), step_us (the pipeline's
     step: first start to last end over every device) and bubble (``1 - busy / step``, the
-    fraction of the step it is idle). ``bubbles(s)["bubble"].max()`` is the worst stage's."""
+    fraction of the step it is idle); ``bubbles(s)["bubble"].max()`` is the worst stage's.
+
+    The idle splits in two: ``imbalance`` (``(max busy - busy) / step``: what the busiest device
+    worked beyond this one) and ``fill_drain`` (``(step - max busy) / step``, the same on every
+    device: the busiest device's idle, the schedule's own bubble, ``(p - 1) / (m + p - 1)`` with
+    equal stages under GPipe and 1F1B)."""
     note = schedule.graph.last_note(PipelineSchedule)
     if note is None or len(note.task_device) != len(schedule.graph.tasks):
         raise GraphError("bubbles() needs the schedule of a graph apply_pipeline built (and no pass after it that renumbered tasks)")
     kind = schedule.graph.tasks["kind"].to_numpy()
     step_start, step_end = float(np.min(schedule.start_us)), float(np.max(schedule.end_us))
-    rows = []
+    rows, step = [], step_end - step_start
     for d in range(note.stages_count):
         mine = (note.task_device == d) & ~np.isin(kind, [int(TaskKind.COMM), int(TaskKind.WAIT)])
         busy = _union_length(schedule.start_us[mine], schedule.end_us[mine])
-        step = step_end - step_start
-        rows.append({"device": d, "busy_us": busy, "step_us": step, "bubble": 1.0 - busy / step if step > 0 else 0.0})
-    return pd.DataFrame(rows)
+        rows.append({"device": d, "busy_us": busy, "step_us": step})
+    table = pd.DataFrame(rows)
+    step = table["step_us"].where(table["step_us"] > 0, np.inf)
+    table["bubble"] = 1.0 - table["busy_us"] / step
+    table["imbalance"] = (table["busy_us"].max() - table["busy_us"]) / step
+    table["fill_drain"] = table["bubble"] - table["imbalance"]
+    return table
 
 
 def _union_length(start: np.ndarray, end: np.ndarray) -> float:
