@@ -217,7 +217,7 @@ def apply_pipeline(graph: TaskGraph, units, par, cluster, ranks_of: dict, *, mod
     share = np.array([param_bytes[device_of_stage[stage_of_unit] == d].sum() for d in range(p)])
     share = share / share.sum() if share.sum() > 0 else np.full(p, 1.0 / p)
 
-    builder = _Builder(graph, duration, window[0])
+    builder = _Builder(graph, duration, window[0], _main_thread(graph, in_iteration))
     for d in range(p):
         slots = orders[d]
         builder.copy(d, np.flatnonzero(in_iteration & (phase == OTHER)), slot_index=-1, microbatch=-1, phase=OTHER)
@@ -274,7 +274,8 @@ def _transfer(cluster, nbytes: float, a: int, b: int) -> CollectiveCost:
 
 def bubbles(schedule: Schedule) -> pd.DataFrame:
     """Per device of a simulated pipeline (a graph :func:`apply_pipeline` built): busy_us (the
-    union of the times its tasks other than transfers and waits run), step_us (the pipeline's
+    union of the times its GPU runs kernels and copies; on a CPU-only trace, its threads' tasks
+    other than waits), step_us (the pipeline's
     step: first start to last end over every device) and bubble (``1 - busy / step``, the
     fraction of the step it is idle); ``bubbles(s)["bubble"].max()`` is the worst stage's.
 
@@ -286,10 +287,14 @@ def bubbles(schedule: Schedule) -> pd.DataFrame:
     if note is None or len(note.task_device) != len(schedule.graph.tasks):
         raise GraphError("bubbles() needs the schedule of a graph apply_pipeline built (and no pass after it that renumbered tasks)")
     kind = schedule.graph.tasks["kind"].to_numpy()
+    if schedule.graph.workload.has_gpu:  # a stage is its GPU: kernels and copies keep it busy
+        work = np.isin(kind, [int(k) for k in GPU_TASK_KINDS if k != TaskKind.COMM])
+    else:  # a CPU worker: its threads' tasks, but for waits
+        work = _cpu_side(schedule.graph) & (kind != int(TaskKind.WAIT))
     step_start, step_end = float(np.min(schedule.start_us)), float(np.max(schedule.end_us))
     rows, step = [], step_end - step_start
     for d in range(note.stages_count):
-        mine = (note.task_device == d) & ~np.isin(kind, [int(TaskKind.COMM), int(TaskKind.WAIT)])
+        mine = (note.task_device == d) & work
         busy = _union_length(schedule.start_us[mine], schedule.end_us[mine])
         rows.append({"device": d, "busy_us": busy, "step_us": step})
     table = pd.DataFrame(rows)
@@ -350,12 +355,7 @@ def _one_iteration(graph: TaskGraph, units) -> tuple[np.ndarray, tuple]:
     mask = cpu & (start >= chosen[0]) & (start < chosen[1]) if np.isfinite(chosen[0]) else cpu & (start < chosen[1])
     if chosen is windows[-1]:
         mask |= cpu & (start == chosen[1])
-    # GPU tasks follow the CPU task that launched them
-    edges = graph.edges
-    launch = edges[(edges["kind"] == int(EdgeKind.LAUNCH)).to_numpy()]
-    gpu_mask = np.zeros(len(t), dtype=bool)
-    gpu_mask[launch["dst"].to_numpy()[mask[launch["src"].to_numpy()]]] = True
-    mask = mask | (gpu_mask & ~cpu)
+    mask = _to_gpu_side(graph, np.where(cpu, mask.astype(np.int64), -1), cpu) == 1
     first = chosen[0] if np.isfinite(chosen[0]) else float(np.min(start[mask]))
     return mask, (first, chosen[1])
 
@@ -401,19 +401,44 @@ def _stage_of_tasks(graph: TaskGraph, units, stage_of_unit: np.ndarray, in_itera
                 current = stage[i]
             else:
                 stage[i] = current
+    return _to_gpu_side(graph, stage, cpu)
+
+
+def _main_thread(graph: TaskGraph, in_iteration: np.ndarray) -> int:
+    """A task of the iteration on the CPU resource that runs the most of its tasks."""
+    ids = np.flatnonzero(in_iteration & _cpu_side(graph))
+    codes = graph.tasks["resource"].cat.codes.to_numpy()[ids]
+    return int(ids[np.flatnonzero(codes == np.bincount(codes).argmax())[0]])
+
+
+def _to_gpu_side(graph: TaskGraph, value: np.ndarray, cpu: np.ndarray) -> np.ndarray:
+    """``value`` (-1: unknown) given to the GPU-side tasks that lack one: a launched task takes
+    its launch call's; a task with no launch (a transfer a pass inserted) takes that of a task it
+    waits for, other than the one before it on its stream."""
+    value = value.copy()
     edges = graph.edges
-    launch = edges[(edges["kind"] == int(EdgeKind.LAUNCH)).to_numpy()]
-    src, dst = launch["src"].to_numpy(), launch["dst"].to_numpy()
-    orphan = (stage[dst] < 0) & (stage[src] >= 0)
-    stage[dst[orphan]] = stage[src[orphan]]
-    return stage
+    src, dst, kind = edges["src"].to_numpy(), edges["dst"].to_numpy(), edges["kind"].to_numpy()
+    gpu = ~cpu
+    launch = kind == int(EdgeKind.LAUNCH)
+    take = launch & gpu[dst] & (value[dst] < 0) & (value[src] >= 0)
+    value[dst[take]] = value[src[take]]
+    launched = np.zeros(len(value), dtype=bool)
+    launched[dst[launch]] = True
+    follows = ~launch & (kind != int(EdgeKind.GPU_SEQ)) & gpu[dst] & ~launched[dst]
+    for _ in range(len(value)):
+        take = follows & (value[dst] < 0) & (value[src] >= 0)
+        if not take.any():
+            break
+        value[dst[take]] = value[src[take]]
+    return value
 
 
 class _Builder:
     """Accumulates the copies of tasks and edges that make the pipeline's graph."""
 
-    def __init__(self, graph: TaskGraph, duration: np.ndarray, origin_us: float):
+    def __init__(self, graph: TaskGraph, duration: np.ndarray, origin_us: float, main: int):
         self.source = graph
+        self.main = main  # a task on the thread that runs the training loop: where empty slots go
         self.duration = duration
         keys = graph.tasks["order_key"].to_numpy(dtype=float)
         self.keys = keys - (origin_us if np.isfinite(origin_us) else 0.0)
@@ -435,6 +460,8 @@ class _Builder:
         them to the tasks copied before into the same ``group`` (a stage's microbatch: its
         forward and backward), or among themselves."""
         if not len(ids):
+            if group is not None:
+                self._empty_slot(device, slot_index, group, phase)
             return
         tasks = self.source.tasks.iloc[ids].copy()
         new = self.count + np.arange(len(ids))
@@ -469,6 +496,28 @@ class _Builder:
                 ends[r] = (int(new[on[np.argmin(keys[on])]]), int(new[on[np.argmax(keys[on])]]))
             self.slot_tasks[(k, j, phase)] = ends
             self.copied_us[(k, j, phase)] = float(tasks["duration_us"].sum())
+
+    def _empty_slot(self, device: int, slot_index: int, group: tuple, phase: int) -> None:
+        """A slot with nothing to run (no task of the trace was attributed to it) still passes
+        the schedule's dependencies on: a task of no time on the training loop's thread."""
+        row = self.source.tasks.iloc[[self.main]].copy()
+        what = "forward" if phase == FORWARD else "backward"
+        row["name"] = f"empty {what} of stage {group[0]} microbatch {group[1]}"
+        row["kind"] = int(TaskKind.INSERTED)
+        row["resource"] = f"stage {device}: {row['resource'].iat[0]}"
+        row["duration_us"], row["release_us"] = 0.0, -np.inf
+        row["order_key"] = (slot_index + 1) * self.span
+        row["event"] = -1
+        task = self.count
+        row.index = [task]
+        self.frames.append(row)
+        self.count += 1
+        self.device.append(device)
+        self.microbatch.append(group[1])
+        self.phase.append(phase)
+        self.source_id.append(-1)
+        resource = str(row["resource"].iat[0])
+        self.slot_tasks[(group[0], group[1], phase)] = {resource: (task, task)}
 
     def send(self, device: int, slot_index: int, source: tuple, target: tuple, resource: str, name: str,
              time_us: float) -> int:
