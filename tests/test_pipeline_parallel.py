@@ -210,3 +210,19 @@ def test_more_microbatches_never_bubble_more(real):
             assert table["imbalance"].min() == 0.0
             fill.append(table["fill_drain"].iat[0])
         assert all(later <= earlier + 1e-9 for earlier, later in zip(fill, fill[1:])), (p, fill)
+
+
+def test_the_pass_is_registered_with_the_units_of_its_graph(real):
+    from whatif.sim.parallel import PASSES, Parallelism
+
+    graph, units, _ = real
+    p = min(len(units.table), 2)
+    built, built_units = PASSES["pipeline"](graph, units, Parallelism(pipeline=p, microbatches=4), lab_cluster(p),
+                                            {"pipeline": tuple(range(p))})
+    note = built.last_note(PipelineSchedule)
+    assert len(built_units.task_unit) == len(built_units.task_phase) == len(built.tasks)
+    copied = note.task_source >= 0
+    assert (built_units.task_unit[copied] == np.asarray(units.task_unit)[note.task_source[copied]]).all()
+    sends = (built.tasks["kind"].to_numpy() == int(TaskKind.COMM)) & ~copied
+    assert (built_units.task_unit[sends] == -1).all()
+    assert built.tasks["name"][sends].astype(str).str.startswith("send_recv pipeline ").all()

@@ -65,6 +65,8 @@ from whatif.topology import CollectiveCost, collective_cost
 from ..engine import Schedule
 from ..graph import GPU_TASK_KINDS, EdgeKind, GraphError, TaskGraph, TaskKind
 from ..passes.batch_size import change_batch_size, infer_batch_size, parameter_shapes
+from . import PASSES
+from .units import Units
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 FORWARD, BACKWARD = 1, 2  # the phases of Units.task_phase
@@ -155,7 +157,8 @@ class PipelineSchedule:
     from_stage, to_stage (virtual), from_device, to_device, nbytes, time_us, algorithm, protocol.
     ``task_device``, ``task_microbatch`` (-1 outside), ``task_phase`` and ``task_source`` (the
     traced task it copies, -1 for a transfer) are per task of the graph built (until a later pass
-    renumbers its tasks).
+    renumbers its tasks); ``units`` are that graph's :class:`~.units.Units` (a copy keeps its
+    traced task's unit, a transfer or an empty slot has none; the table is the traced one).
     """
 
     schedule: str
@@ -170,6 +173,7 @@ class PipelineSchedule:
     task_microbatch: np.ndarray = field(repr=False)
     task_phase: np.ndarray = field(repr=False)
     task_source: np.ndarray = field(repr=False)
+    units: Optional[Units] = field(default=None, repr=False)
 
     def describe(self) -> str:
         v = f", {self.virtual_stages} virtual stages each" if self.virtual_stages > 1 else ""
@@ -248,20 +252,32 @@ def apply_pipeline(graph: TaskGraph, units, par, cluster, ranks_of: dict, *, mod
             what = "activation" if s.phase == FORWARD else "gradient"
             task = builder.send(d, i, (k, s.microbatch, s.phase), (to, s.microbatch, s.phase),
                                 SEND_NEXT if s.phase == FORWARD else SEND_PREV,
-                                f"send_recv {what} stage {k}->{to} microbatch {s.microbatch} "
-                                f"({nbytes:.0f} B, pipeline)", cost.time_us)
+                                f"send_recv pipeline {nbytes / 1e6:.6g}MB {what} stage {k}->{to} "
+                                f"microbatch {s.microbatch}", cost.time_us)
             transfers.append({"task": task, "microbatch": s.microbatch, "from_stage": k, "to_stage": to,
                               "from_device": d, "to_device": int(device_of_stage[to]), "nbytes": nbytes,
                               "time_us": cost.time_us, "algorithm": cost.algorithm, "protocol": cost.protocol})
     out = builder.graph()
+    source = np.asarray(builder.source_id, dtype=np.int64)
+    task_unit = np.where(source >= 0, np.asarray(units.task_unit)[np.maximum(source, 0)], -1)
+    task_phase = np.asarray(builder.phase, dtype=np.int64)
     out.notes.append(PipelineSchedule(
         schedule, p, m, v, scaling, window, pd.DataFrame(stage_rows),
         pd.DataFrame(transfers, columns=["task", "microbatch", "from_stage", "to_stage", "from_device", "to_device",
                                          "nbytes", "time_us", "algorithm", "protocol"]),
         np.asarray(builder.device, dtype=np.int64), np.asarray(builder.microbatch, dtype=np.int64),
-        np.asarray(builder.phase, dtype=np.int64), np.asarray(builder.source_id, dtype=np.int64),
+        task_phase, source, Units(units.pattern, task_unit, task_phase, units.table),
     ))
     return out
+
+
+def _pipeline_pass(graph: TaskGraph, units, par, cluster, ranks_of: dict) -> tuple:
+    """:func:`apply_pipeline` as ``parallelize`` calls a pass: the graph with its units."""
+    built = apply_pipeline(graph, units, par, cluster, ranks_of)
+    return built, built.last_note(PipelineSchedule).units
+
+
+PASSES["pipeline"] = _pipeline_pass
 
 
 def _transfer(cluster, nbytes: float, a: int, b: int) -> CollectiveCost:
