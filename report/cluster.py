@@ -1,5 +1,6 @@
 """Where a simulated cluster iteration's time goes (compute, exposed communication, idle), and
-each configuration's row of the results, and which collectives carried its communication."""
+each configuration's row of the results, and which collectives carried its communication; for a
+parallel job (``sim/parallel/``), its memory per GPU and its exposed communication by dimension."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import pandas as pd
 
 from whatif.sim.distributed import ClusterConfig, ClusterSchedule
 from whatif.sim.graph import GPU_TASK_KINDS, TaskKind
+from whatif.sim.parallel.job import ParallelJob, comm_bytes, comm_dimension
+from whatif.sim.parallel.memory import MemoryBreakdown, fits
 from whatif.topology import Cluster, as_gbps
 
 from .iterations import steady_median, union_within
@@ -79,6 +82,58 @@ def configuration_row(config: ClusterConfig, run: ClusterSchedule, report: pd.Da
         "comm_mb_per_iteration": run.bytes_per_iteration / 1e6,
         **({"collectives": collective_mix(run)} if cluster.backend == "nccl" else {}),  # NCCL's choice, where NCCL chooses
     }
+
+
+def memory_columns(memory: MemoryBreakdown, gpu_memory_bytes) -> dict:
+    """A parallel configuration's memory columns: GB per GPU (its most loaded stage) and
+    whether that fits the GPU (``yes``, ``no``, or ``unknown`` where the GPU's memory is)."""
+    verdict = fits(memory, gpu_memory_bytes)
+    return {"memory_gb": memory.total_gb, "fits": {True: "yes", False: "no", None: "unknown"}[verdict]}
+
+
+def parallel_row(config: ClusterConfig, job: ParallelJob, run: ClusterSchedule, report: pd.DataFrame,
+                 baseline_ms: float) -> dict:
+    """A parallel job's row: :func:`configuration_row` for rank 0, its throughput against one
+    worker's (``data`` replicas of the traced batch per iteration), its memory, and its exposed
+    communication by dimension (``exposed_tensor_ms``, ...: the time the dimension's
+    communication runs while rank 0 computes nothing; dimensions that overlap each other count
+    in each)."""
+    run.messages_per_iteration = len(run.comm_tasks) / max(1, int(report["predicted_ms"].notna().sum()))
+    names = job.graph.tasks["name"].astype(str).to_numpy()
+    run.bytes_per_iteration = sum(comm_bytes(n) for n in names[run.comm_tasks]) / max(
+        1, int(report["predicted_ms"].notna().sum()))
+    row = configuration_row(config, run, report, baseline_ms)
+    row["speedup"] = job.par.data * baseline_ms / row["iteration_ms"]
+    row["scaling_efficiency"] = row["speedup"] / config.workers
+    row["parallelism"] = job.par.describe()
+    row.update(memory_columns(job.memory, job.gpu_memory_bytes))
+    row.update(exposed_by_dimension(run, report, names))
+    return row
+
+
+def exposed_by_dimension(run: ClusterSchedule, report: pd.DataFrame, names: np.ndarray) -> dict:
+    """Per dimension of the run's communication tasks, the steady median of its exposed time."""
+    schedule = run.schedule
+    kinds = schedule.graph.tasks["kind"].to_numpy()
+    comm = np.zeros(len(kinds), dtype=bool)
+    comm[run.comm_tasks] = True
+    working = (np.isin(kinds, [int(k) for k in GPU_TASK_KINDS]) | np.isin(kinds, [int(TaskKind.CPU), int(TaskKind.RUNTIME)]))
+    working &= run.worker0 & ~comm
+    start, end = schedule.start_us, schedule.end_us
+    dimension = np.array([comm_dimension(n) for n in names[run.comm_tasks]], dtype=object)
+    out = {}
+    for dim in sorted(set(dimension.tolist())):
+        mine = run.comm_tasks[dimension == dim]
+        per_iteration = []
+        for lo, hi in zip(report["span_start_us"], report["span_end_us"]):
+            if not np.isfinite(lo):
+                per_iteration.append(np.nan)
+                continue
+            worked = union_within(start[working], end[working], lo, hi)
+            both = union_within(np.r_[start[working], start[mine]], np.r_[end[working], end[mine]], lo, hi)
+            per_iteration.append((both - worked) / 1e3)
+        out[f"exposed_{dim}_ms"] = steady_median(pd.Series(per_iteration))
+    return out
 
 
 def configuration_labels(rows: list[dict], configs: Sequence[ClusterConfig]) -> list[str]:

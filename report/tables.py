@@ -34,11 +34,14 @@ _RESULT_COLUMNS = {
     "inter_node_gbps": "Gbps",
     "framework": "framework",
     "policy": "policy",
+    "parallelism": "parallelism",
     "iteration_ms": "iteration ms",
     "speedup": "speed-up",
     "scaling_efficiency": "efficiency",
     "exposed_comm_ms": "exposed comm ms",
     "comm_ms": "comm ms",
+    "memory_gb": "GB/GPU",
+    "fits": "fits",
     "collectives": "collectives",
 }
 _HELD_OUT_COLUMNS = {
@@ -64,7 +67,11 @@ def iteration_table(report: pd.DataFrame) -> str:
 
 def results_table(results: pd.DataFrame) -> str:
     """A cluster prediction's results, one row per configuration, as ``whatif predict`` shows them."""
-    shown = results.rename(columns=_RESULT_COLUMNS)[[v for k, v in _RESULT_COLUMNS.items() if k in results.columns]]
+    names = dict(_RESULT_COLUMNS)
+    for column in results.columns:  # a parallel job's exposed communication by dimension
+        if column.startswith("exposed_") and column.endswith("_ms") and column not in names:
+            names[column] = column.replace("_", " ")
+    shown = results.rename(columns=names)[[v for k, v in names.items() if k in results.columns]]
     return shown.to_string(index=False, float_format=lambda v: f"{v:.2f}")
 
 

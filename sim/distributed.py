@@ -43,6 +43,7 @@ from .engine import Policy, Schedule, simulate
 from .frameworks import Framework, FrameworkOptions, Message, framework
 from .frameworks.sync_points import SyncPoints, iteration_thread
 from .gradients import Gradients
+from .parallel import Parallelism
 from .graph import GPU_TASK_KINDS, EdgeKind, GraphError, TaskGraph, TaskKind
 from .passes.shared_memory import slow_beside_peers
 from .policies import Fifo, Priority
@@ -77,6 +78,8 @@ class ClusterConfig:
     # how fast the worker's CPU streams gradient bytes (sim/frameworks/copies.py); None: the
     # frameworks' copies of the gradients are not simulated (a GPU trace, or no rate found)
     pass_bytes_per_us: Optional[float] = None
+    # a parallel job's parallelism (sim/parallel/); None: plain data parallelism, as before
+    parallelism: Optional[Parallelism] = None
 
     @property
     def on_shared_links(self) -> bool:

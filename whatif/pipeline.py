@@ -21,7 +21,11 @@ Every prediction goes through :func:`predict`: the commands ``replay``, ``simula
    after (d) it is the *worker*, simulated alone (``1x1``).
 3. **cluster** (``clusters``): none, or data-parallel configurations (``sim/distributed.py``),
    every worker the worker graph, communicating its gradients (found in it,
-   ``sim/gradients.py``, or ``gradient_sizes`` / ``gradient_total``).
+   ``sim/gradients.py``, or ``gradient_sizes`` / ``gradient_total``). A configuration with a
+   ``parallelism`` that uses more than plain data parallelism is a parallel job instead
+   (``sim/parallel/job.py``: the worker graph's units found, the family passes applied to rank
+   0's graph, which is simulated); every configuration with a ``parallelism`` reports its
+   memory per GPU and whether it fits (``sim/parallel/memory.py``).
 4. **simulation** (``sim/engine.py``) and 5. **report** (``report/``): per iteration of the
    worker, and a row per cluster configuration.
 
@@ -42,15 +46,20 @@ from functools import cached_property
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
+import numpy as np
 import pandas as pd
 
-from whatif.report.cluster import configuration_labels, configuration_row
+from whatif.report.cluster import configuration_labels, configuration_row, memory_columns, parallel_row
 from whatif.report.iterations import iteration_report, speedup_report, steady_median
 from whatif.sim.distributed import ClusterConfig, ClusterSchedule, simulate_cluster
 from whatif.sim.engine import Schedule, simulate
 from whatif.sim.frameworks.copies import pass_rate_bytes_per_us
 from whatif.sim.gradients import Gradients, find_gradients
 from whatif.sim.graph import GraphError, TaskGraph, TaskKind
+from whatif.sim.parallel import Parallelism
+from whatif.sim.parallel.job import parallelize
+from whatif.sim.parallel.memory import gpu_memory_bytes, memory_per_gpu
+from whatif.sim.parallel.units import Units, UnitsError, find_units, no_units
 from whatif.sim.passes.batch_size import BatchSizeChange, change_batch_size
 from whatif.sim.passes.optimizations import apply_optimization
 from whatif.sim.passes.profiler_overhead import ProfilerOverhead, remove_profiler_overhead
@@ -107,6 +116,8 @@ class Request:
     clusters: Sequence[ClusterConfig] = ()  # none: one worker only
     gradient_sizes: Optional[Sequence[float]] = None  # what the clusters communicate; None: from the trace
     gradient_total: Optional[float] = None
+    optimizer: str = "adam"  # a parallel configuration's memory count (sim/parallel/memory.py)
+    gpu_memory_bytes: Optional[float] = None  # what it must fit in; None: the cluster's GPUs', if known
 
 
 @dataclass
@@ -213,15 +224,47 @@ def _simulate_clusters(prediction: Prediction) -> None:
     gradients = find_gradients(without_comm, study.iterations, request.gradient_sizes, request.gradient_total)
     pass_rate = pass_rate_bytes_per_us(study.graph)
     rows, runs = [], []
+    units: dict = {}  # parallelism.units -> the worker's units
     for config in request.clusters:
         if config.pass_bytes_per_us is None:
             config = replace(config, pass_bytes_per_us=pass_rate)
+        par = config.parallelism
+        if par is not None and par.families():
+            job = parallelize(without_comm, _units(units, without_comm, par, True), par, config.cluster,
+                              request.optimizer, request.gpu_memory_bytes)
+            schedule = simulate(job.graph)
+            run = ClusterSchedule(schedule, job.comm_tasks(), np.ones(len(job.graph.tasks), dtype=bool), 0.0, 0.0)
+            report = iteration_report(schedule, study.iterations)
+            rows.append(parallel_row(config, job, run, report, prediction.iteration_ms))
+            runs.append(run)
+            continue
         run: ClusterSchedule = simulate_cluster(worker if config.workers == 1 else without_comm, gradients,
                                                 study.iterations, config)
         report = iteration_report(run.schedule, study.iterations, run.worker0)
         rows.append(configuration_row(config, run, report, prediction.iteration_ms))
+        if par is not None:  # plain data parallelism: the cluster path, and its memory
+            memory = memory_per_gpu(without_comm, _units(units, without_comm, par, False), par, request.optimizer,
+                                    parameter_bytes=gradients.bytes_per_iteration())
+            gpu_bytes = request.gpu_memory_bytes if request.gpu_memory_bytes is not None else gpu_memory_bytes(config.cluster)
+            rows[-1].update(parallelism=par.describe(), **memory_columns(memory, gpu_bytes))
         runs.append(run)
     labels = configuration_labels(rows, request.clusters)
     prediction.results = pd.DataFrame(rows)
     prediction.runs = dict(zip(labels, runs))
     prediction.gradients = gradients
+
+
+def _units(cache: dict, graph: TaskGraph, par: Parallelism, required: bool) -> Units:
+    """The worker's units for ``par.units`` (found once per pattern); where a job does not need
+    them (plain data parallelism's memory count), none when none are found."""
+    if par.units not in cache:
+        try:
+            cache[par.units] = find_units(graph, par.units)
+        except UnitsError as err:
+            cache[par.units] = err
+    found = cache[par.units]
+    if isinstance(found, UnitsError):
+        if required:
+            raise found
+        return no_units(graph)
+    return found

@@ -23,6 +23,18 @@ A scenario file looks like::
     perfmodel: models.json                            # operator models for batch_size (default: perfmodel fit --cache)
     framework_options: {fusion_buffer: 64MB, cycle_time: 5ms, bucket_cap: 25MB,
                         first_bucket: 1MB, partition: 4MB, slice: 1MB}
+    parallelism:                                      # optional: a parallel job (sim/parallel/)
+      data: 4                                         # default: the GPUs left by tensor x pipeline
+      zero: 3                                         # 0 (DDP) | 1 | 2 | 3, or fsdp: true (= zero 3)
+      tensor: 2
+      sequence_parallel: true
+      pipeline: {stages: 2, microbatches: 8, schedule: 1f1b, virtual_stages: 1, partition: balanced}
+      expert: 2                                       # carved out of the data ranks
+      recompute: selective                            # none | selective | full
+      placement: [tensor, data, pipeline]             # fastest-varying first
+      units: 'blocks\\.\\d+'                          # how to find the repeated blocks
+      optimizer: adam                                 # for the memory per GPU: adam | adamw | sgd | sgd-plain
+      gpu_memory: 80GB                                # default: the fabric's GPU's
 
 This module knows the scenario's own keys (the top level, ``gradients``, ``stragglers``,
 ``batch_size``) and nothing else: the cluster block is whatever ``topology.Cluster.from_config``
@@ -31,13 +43,19 @@ GPU where ``machines`` or ``gpus_per_machine`` is left out), the collectives are
 all-reduce algorithms, and frameworks, their options, policies and optimizations are the
 registries of ``sim/``.
 
-The grid. A list makes a grid axis in two places: ``framework`` and ``policy``, and anywhere in
+The grid. A list makes a grid axis in three places: ``framework`` and ``policy``, every key of
+``parallelism`` (but ``optimizer`` and ``gpu_memory``; for ``placement`` and
+``pipeline.partition``, which take a list, a list of lists), and anywhere in
 the cluster block, at any depth (``machines: [1, 2]``, ``inter_node: [10gbe, 40gbe]``,
 ``inter_node: {bandwidth: [10Gbps, 40Gbps]}``), since a cluster takes no list as a value; a
 list's items are taken as written. The scenario is every combination of its axes, the first
 varying slowest: ``machines``, ``gpus_per_machine``, the cluster's other axes in the order the
-file writes them, then ``framework`` and ``policy``. Every mistake is reported as one line
-naming the file and the key.
+file writes them, then ``framework``, ``policy`` and the parallelism's axes. Every mistake is
+reported as one line naming the file and the key.
+
+With ``parallelism`` the framework defaults to ``ddp``: plain data parallelism (``zero: 0`` and
+no other family) is the data-parallel cluster simulation, the others are a parallel job
+(``sim/parallel/job.py``); ``data x tensor x pipeline`` must be the cluster's GPUs.
 """
 
 from __future__ import annotations
@@ -54,6 +72,9 @@ from whatif.collectors.bundle import is_bundle
 from whatif.sim.distributed import POLICIES, ClusterConfig, Straggler
 from whatif.sim.frameworks import FRAMEWORKS, FrameworkOptions
 from whatif.sim.graph import GraphError
+from whatif.sim.parallel import Parallelism
+from whatif.sim.parallel.job import check_modelled
+from whatif.sim.parallel.memory import OPTIMIZER_STATE_BYTES
 from whatif.sim.passes.optimizations import OPTIMIZATIONS, optimization_name, parse_optimization
 from whatif.topology import Cluster, TopologyError, as_gbps, collective_cost, parse_size, with_fabric_links
 
@@ -62,11 +83,16 @@ from .pipeline import Request, WhatIf
 _TOP_KEYS = (
     "trace", "iteration", "cluster", "framework", "policy", "collective", "optimizations",
     "gradients", "stragglers", "framework_options", "replicate", "network", "profiler_overhead", "batch_size",
-    "perfmodel", "name", "description",
+    "perfmodel", "name", "description", "parallelism",
 )
 #: What a scenario's cluster block leaves out: one machine of one GPU.
 _CLUSTER_DEFAULTS = {"machines": 1, "gpus_per_machine": 1}
-_GRID_KEYS = ("cluster", "framework", "policy")
+_GRID_KEYS = ("cluster", "framework", "policy", "parallelism")
+_PARALLELISM_KEYS = ("data", "fsdp", "zero", "reshard_after_forward", "tensor", "sequence_parallel", "pipeline",
+                     "expert", "recompute", "placement", "units", "optimizer", "gpu_memory")
+_PIPELINE_KEYS = ("stages", "microbatches", "schedule", "virtual_stages", "partition")
+#: parallelism keys that take a list as one value: a grid over them is a list of lists
+_LIST_VALUED = ("placement", "pipeline.partition")
 
 
 class ScenarioError(Exception):
@@ -85,6 +111,7 @@ class ScenarioPoint:
     framework: str
     policy: str
     inter_node_gbps: float
+    parallelism: Optional[Parallelism] = None
 
 
 @dataclass
@@ -105,6 +132,8 @@ class Scenario:
     batch_size: Optional[int] = None  # predict at this batch size (sim/passes/batch_size.py)
     traced_batch_size: Optional[int] = None  # the trace's (None: the bundle's, else inferred)
     perfmodel: Optional[Path] = None
+    optimizer: str = "adam"  # the memory count's (parallelism.optimizer)
+    gpu_memory: Optional[float] = None  # bytes (parallelism.gpu_memory); None: the fabric GPU's
 
     @classmethod
     def from_file(cls, path) -> "Scenario":
@@ -141,6 +170,7 @@ class Scenario:
                 stragglers=[s for s in self.stragglers if s.machine < point.cluster.machines],
                 replicate=self.replicate,
                 shared_links=self.shared_links,
+                parallelism=point.parallelism,
             )
             for point in self.points
         ]
@@ -155,6 +185,8 @@ class Scenario:
             clusters=configs,
             gradient_sizes=self.gradient_sizes,
             gradient_total=self.gradient_total,
+            optimizer=self.optimizer,
+            gpu_memory_bytes=self.gpu_memory,
         )
 
 
@@ -218,15 +250,18 @@ def _parse(doc: Any, base_dir: Path, name: str) -> Scenario:
         raise ScenarioError(name, "trace", f"no such file: {trace}")
 
     clusters = _clusters(name, base_dir, doc["cluster"])
-    frameworks = [_choice(name, "framework", f, FRAMEWORKS) for f in _as_list(doc.get("framework", "horovod"))]
+    parallel = _parallelism(name, doc.get("parallelism"))
+    default_framework = "horovod" if doc.get("parallelism") is None else "ddp"
+    frameworks = [_choice(name, "framework", f, FRAMEWORKS) for f in _as_list(doc.get("framework", default_framework))]
     policies = [_choice(name, "policy", p, POLICIES) for p in _as_list(doc.get("policy", "fifo"))]
     for key, values in (("framework", frameworks), ("policy", policies)):
         if not values:
             raise ScenarioError(name, key, "an empty list leaves nothing to predict")
     points = [
-        ScenarioPoint(cluster, framework, policy, as_gbps(cluster.inter_node.bandwidth_bytes_per_us))
+        ScenarioPoint(cluster, framework, policy, as_gbps(cluster.inter_node.bandwidth_bytes_per_us), par)
         for cluster in clusters
         for framework, policy in itertools.product(frameworks, policies)
+        for par in _parallelisms(name, parallel, cluster)
     ]
 
     scenario = Scenario(
@@ -254,6 +289,7 @@ def _parse(doc: Any, base_dir: Path, name: str) -> Scenario:
     overhead = _choice(name, "profiler_overhead", doc.get("profiler_overhead", "remove"), ("remove", "keep"))
     scenario.remove_profiler_overhead = overhead == "remove"
     _batch_size(name, doc.get("batch_size"), scenario)
+    _memory_options(name, doc.get("parallelism"), scenario)
     if doc.get("perfmodel") is not None:
         scenario.perfmodel = _path(base_dir, doc["perfmodel"])
         if not scenario.perfmodel.is_file():
@@ -403,3 +439,98 @@ def _options(name: str, spec) -> FrameworkOptions:
         return FrameworkOptions.from_config(spec, "framework_options")
     except TopologyError as err:
         raise ScenarioError(name, err.key, err.message) from None
+
+
+# -- the parallelism block ------------------------------------------------------------------------
+
+
+def _parallelism(name: str, block: Any) -> list[dict]:
+    """The parallelism block's grid: one keyword dict of :class:`Parallelism` per point (``data``
+    left out where not given: each cluster fills it); ``[]`` without a block."""
+    if block is None:
+        return []
+    _check_keys(name, block, _PARALLELISM_KEYS, "parallelism")
+    flat: dict[str, Any] = {}
+    for key, value in block.items():
+        if key in ("optimizer", "gpu_memory"):
+            continue
+        if key == "pipeline" and isinstance(value, dict):
+            _check_keys(name, value, _PIPELINE_KEYS, "parallelism.pipeline")
+            flat.update((f"pipeline.{k}", v) for k, v in value.items())
+        else:
+            flat["pipeline.stages" if key == "pipeline" else key] = value
+    axes = []
+    for key, value in flat.items():
+        list_valued = key in _LIST_VALUED
+        is_axis = isinstance(value, list) and (not list_valued or all(isinstance(v, list) for v in value))
+        if is_axis and not value:
+            raise ScenarioError(name, f"parallelism.{key}", "an empty list leaves nothing to predict")
+        axes.append((key, value if is_axis else [value]))
+    return [_parallelism_kwargs(name, dict(zip((k for k, _ in axes), choice)))
+            for choice in itertools.product(*(values for _, values in axes))]
+
+
+def _parallelism_kwargs(name: str, point: dict) -> dict:
+    """One grid point's keys as :class:`Parallelism`'s keywords."""
+    renamed = {"pipeline.stages": "pipeline", "pipeline.microbatches": "microbatches", "pipeline.schedule": "schedule",
+               "pipeline.virtual_stages": "virtual_stages", "pipeline.partition": "partition"}
+    kwargs = {renamed.get(k, k): v for k, v in point.items()}
+    fsdp = kwargs.pop("fsdp", None)
+    if fsdp is not None:
+        if not isinstance(fsdp, bool):
+            raise ScenarioError(name, "parallelism.fsdp", f"expected true or false, got {fsdp!r}")
+        if fsdp and kwargs.get("zero", 3) != 3:
+            raise ScenarioError(name, "parallelism.fsdp", f"fsdp is zero 3; zero: {kwargs['zero']} says otherwise")
+        if fsdp:
+            kwargs["zero"] = 3
+    for key in ("schedule", "recompute", "partition"):
+        if isinstance(kwargs.get(key), str):
+            kwargs[key] = kwargs[key].strip().lower()
+    for key in ("placement", "partition"):
+        if isinstance(kwargs.get(key), list):
+            kwargs[key] = tuple(str(v).strip().lower() if key == "placement" else v for v in kwargs[key])
+    if kwargs.get("units") is not None:
+        kwargs["units"] = str(kwargs["units"])
+    return kwargs
+
+
+def _parallelisms(name: str, grid: list[dict], cluster: Cluster) -> list[Optional[Parallelism]]:
+    """The grid's parallelisms on ``cluster`` (``[None]`` without a block), each checked
+    against its GPUs and against the passes there are."""
+    if not grid:
+        return [None]
+    found = []
+    for kwargs in grid:
+        tensor, pipeline = kwargs.get("tensor", 1), kwargs.get("pipeline", 1)
+        if "data" not in kwargs and isinstance(tensor, int) and isinstance(pipeline, int) and tensor >= 1 and pipeline >= 1:
+            if cluster.n_gpus % (tensor * pipeline):
+                raise ScenarioError(name, "parallelism", f"tensor x pipeline = {tensor} x {pipeline} does not divide "
+                                                         f"the cluster's {cluster.n_gpus} GPUs")
+            kwargs = {**kwargs, "data": cluster.n_gpus // (tensor * pipeline)}
+        try:
+            par = Parallelism(**kwargs)
+            if par.world != cluster.n_gpus:
+                raise ScenarioError(name, "parallelism",
+                                    f"data x tensor x pipeline = {par.data} x {par.tensor} x {par.pipeline} = "
+                                    f"{par.world} ranks, but the cluster has {cluster.n_gpus} GPUs")
+            check_modelled(par)
+        except TopologyError as err:
+            raise ScenarioError(name, err.key, err.message) from None
+        except TypeError as err:
+            raise ScenarioError(name, "parallelism", str(err)) from None
+        found.append(par)
+    return found
+
+
+def _memory_options(name: str, block: Any, scenario: Scenario) -> None:
+    """``parallelism.optimizer`` and ``parallelism.gpu_memory``: what the memory count assumes."""
+    if not isinstance(block, dict):
+        return
+    if "optimizer" in block:
+        scenario.optimizer = _choice(name, "parallelism.optimizer", block["optimizer"], tuple(OPTIMIZER_STATE_BYTES))
+    if block.get("gpu_memory") is not None:
+        _one(name, "parallelism.gpu_memory", block["gpu_memory"], "one size")
+        try:
+            scenario.gpu_memory = parse_size(block["gpu_memory"], "parallelism.gpu_memory")
+        except TopologyError as err:
+            raise ScenarioError(name, err.key, err.message) from None

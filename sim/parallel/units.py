@@ -86,6 +86,13 @@ def find_units(graph: TaskGraph, pattern: Optional[str] = None) -> Units:
     return _from_names(graph, regex if regex is not None else re.compile(DEFAULT_PATTERN))
 
 
+def no_units(graph: TaskGraph) -> Units:
+    """Units of a graph in which none were found: every task outside every unit (what plain
+    data parallelism's memory count needs where a model's blocks are not named)."""
+    n = len(graph.tasks)
+    return Units("", np.full(n, -1, dtype=np.int64), np.zeros(n, dtype=np.int8), pd.DataFrame(columns=TABLE_COLUMNS))
+
+
 def unit_name_of(name: str, regex: re.Pattern) -> Optional[str]:
     """The unit a module or annotation name belongs to: its text up to the end of the
     pattern's first match (``model.blocks.3`` for ``model.blocks.3.mlp.0``), None if none."""

@@ -1,0 +1,120 @@
+"""A parallel job built from one rank's graph: the family passes applied in order, and its memory.
+
+:func:`parallelize` takes the traced single-rank graph, its units and a :class:`Parallelism`
+on a cluster, computes the process groups (``placement.groups``), and applies the passes of
+the families the parallelism uses, in :data:`PASS_ORDER` (tensor, expert, fsdp, pipeline): each
+is ``PASSES[family](graph, units, par, cluster, ranks_of) -> TaskGraph`` (or ``(TaskGraph,
+Units)``), ``ranks_of`` being rank 0's group in each dimension. Identical ranks are simulated
+once, as the data-parallel fast path does: rank 0 stands for all (the pipeline pass builds its
+stages into the graph it returns). A family with no pass registered is refused with a one-line
+error, never ignored. The passes register themselves when their module is imported
+(``PASSES["tensor"] = apply_tensor``); the modules that hold them are imported by the
+application (``whatif/pipeline.py``), so this package never imports them and holds no cycle.
+
+Plain data parallelism (``zero: 0``, no other family) is not a job here: it takes the
+data-parallel cluster path of ``sim/distributed.py`` unchanged. Data parallelism beside
+another family is modelled by the ZeRO / FSDP pass (``zero >= 1``); with ``zero: 0`` the
+gradient all-reduce of the data groups beside a model-parallel family is not modelled yet and is
+refused.
+
+The COMM tasks the passes insert name their dimension (``tensor``, ``data``, ``pipeline``,
+``expert``, ``fsdp``): :func:`comm_name` writes such a name, :func:`comm_dimension` reads it
+back, and the report splits exposed communication by it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from whatif.sim.graph import TaskGraph, TaskKind
+
+from . import PASS_ORDER, PASSES, Parallelism, ParallelismError
+from .memory import MemoryBreakdown, fits, gpu_memory_bytes, memory_per_gpu
+from .placement import groups, ranks_of
+from .units import Units, find_units
+
+#: The dimensions a COMM task's name may carry, the first that occurs in it counting.
+COMM_DIMENSIONS = ("tensor", "sequence", "expert", "fsdp", "zero", "data", "pipeline")
+_COMM_DIMENSION = re.compile(r"\b(" + "|".join(COMM_DIMENSIONS) + r")\b")
+_COMM_BYTES = re.compile(r"\b(\d+(?:\.\d+)?(?:e[+-]?\d+)?)MB\b")
+#: What a family's key is in the scenario, for the refusals.
+_FAMILY_KEY = {"tensor": "parallelism.tensor", "expert": "parallelism.expert", "fsdp": "parallelism.zero",
+               "pipeline": "parallelism.pipeline"}
+
+
+@dataclass
+class ParallelJob:
+    """One parallel job: rank 0's graph after the passes (standing for every identical rank),
+    the groups, and what the report needs."""
+
+    par: Parallelism
+    graph: TaskGraph  # rank 0's graph after every pass
+    units: Units  # of ``graph``
+    groups: dict  # dimension -> list of GPU-id tuples (placement.groups)
+    ranks_of: dict  # dimension -> rank 0's group
+    passes: list = field(default_factory=list)  # the families applied, in order
+    memory: Optional[MemoryBreakdown] = None
+    gpu_memory_bytes: Optional[float] = None
+
+    @property
+    def fits(self) -> Optional[bool]:
+        return fits(self.memory, self.gpu_memory_bytes) if self.memory is not None else None
+
+    def comm_tasks(self) -> np.ndarray:
+        """Ids of the graph's communication tasks."""
+        return np.flatnonzero(self.graph.tasks["kind"].to_numpy() == int(TaskKind.COMM))
+
+
+def comm_name(op: str, dimension: str, nbytes: float) -> str:
+    """The name of a COMM task a pass inserts: ``all_reduce tensor 1.05MB``."""
+    return f"{op} {dimension} {nbytes / 1e6:.6g}MB"
+
+
+def comm_bytes(name: str) -> float:
+    """The bytes a :func:`comm_name` carries (0 where the name says none)."""
+    match = _COMM_BYTES.search(str(name))
+    return float(match.group(1)) * 1e6 if match else 0.0
+
+
+def comm_dimension(name: str) -> str:
+    """The dimension a COMM task's name carries (``other`` where none: the trace's own)."""
+    match = _COMM_DIMENSION.search(str(name))
+    if not match:
+        return "other"
+    return {"sequence": "tensor", "zero": "fsdp"}.get(match.group(1), match.group(1))
+
+
+def check_modelled(par: Parallelism) -> None:
+    """Refuse, in one line naming the key, a parallelism a registered pass does not model."""
+    for family in par.families():
+        if family not in PASSES:
+            raise ParallelismError(_FAMILY_KEY[family],
+                                   f"{family} parallelism is not modelled yet (no {family} pass in sim/parallel/)")
+    if par.families() and par.data > 1 and par.zero == 0:
+        raise ParallelismError("parallelism.data",
+                               f"data parallel (DDP, zero: 0) beside {', '.join(par.families())} is not modelled yet; "
+                               f"use zero: 1, 2 or 3")
+
+
+def parallelize(graph: TaskGraph, units: Units, par: Parallelism, cluster,
+                optimizer: str = "adam", gpu_memory: Optional[float] = None) -> ParallelJob:
+    """Rank 0's graph of ``par`` on ``cluster``: the registered passes applied in
+    :data:`PASS_ORDER`, and the memory per GPU (``gpu_memory``: bytes, None: the cluster's GPUs',
+    if known)."""
+    check_modelled(par)
+    all_groups = groups(par, cluster)
+    mine = ranks_of(all_groups, 0)
+    memory = memory_per_gpu(graph, units, par, optimizer=optimizer)
+    applied = []
+    for family in PASS_ORDER:
+        if family not in par.families():
+            continue
+        result = PASSES[family](graph, units, par, cluster, mine)
+        graph, units = result if isinstance(result, tuple) else (result, find_units(result, par.units))
+        applied.append(family)
+    return ParallelJob(par, graph, units, all_groups, mine, applied, memory,
+                       gpu_memory if gpu_memory is not None else gpu_memory_bytes(cluster))

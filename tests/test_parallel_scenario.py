@@ -1,0 +1,126 @@
+"""The scenario's parallelism block, and a parallel configuration through the prediction pipeline."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from trace_corpus import REPO
+
+from whatif.pipeline import Request, predict
+from whatif.scenario import Scenario, ScenarioError
+from whatif.sim.distributed import ClusterConfig
+from whatif.sim.graph import TaskKind
+from whatif.sim.parallel import PASSES, Parallelism
+from whatif.sim.parallel.job import comm_bytes, comm_dimension, comm_name, parallelize
+from whatif.sim.parallel.units import PHASE_FORWARD, find_units
+from whatif.study import TraceStudy
+from whatif.topology import Cluster, collective_cost
+
+TRANSFORMER = REPO / "data" / "transformer_cpu.bundle"
+LINKS = {"intra_node": {"bandwidth": "1.5GB/s", "latency": "340us", "efficiency": 0.8},
+         "inter_node": {"bandwidth": "100Mbps", "latency": "960us", "efficiency": 0.94}}
+
+
+def _scenario(parallelism, gpus: int = 4, **extra) -> Scenario:
+    doc = {"trace": str(TRANSFORMER), "cluster": {"machines": 1, "gpus_per_machine": gpus, **LINKS},
+           "parallelism": parallelism, **extra}
+    return Scenario.from_dict(doc, name="s.yaml")
+
+
+def _tensor_stand_in(graph, units, par, cluster, ranks_of):
+    """A stand-in tensor pass, the contract's shape: in every step, an all-reduce of each
+    block's output after its forward, priced on rank 0's tensor group, which the next block
+    waits for."""
+    graph = graph.copy()
+    tasks = graph.tasks
+    start = tasks["measured_start_us"].to_numpy(dtype=float)
+    step = tasks["context"].astype(str).str.extract(r"^(ProfilerStep#\d+)")[0].to_numpy()
+    cpu = tasks["kind"].to_numpy() == int(TaskKind.CPU)
+    steps = sorted({s for s in step[units.task_unit >= 0] if isinstance(s, str)})
+    for name in steps:  # in time order: a resource runs its tasks in the order they were inserted
+        for unit in range(len(units)):
+            nbytes = float(units.table["activation_bytes"].iat[unit])
+            cost = collective_cost(cluster, "all_reduce", nbytes, ranks=ranks_of["tensor"])
+            here = units.tasks_of(unit, PHASE_FORWARD)
+            here = here[cpu[here] & (step[here] == name)]
+            after = units.tasks_of(unit + 1, PHASE_FORWARD) if unit + 1 < len(units) else np.zeros(0, dtype=np.int64)
+            after = after[cpu[after] & (step[after] == name)]
+            last = int(here[np.argmax(start[here])])
+            before = int(after[np.argmin(start[after])]) if len(after) else None
+            graph.insert(last, before, comm_name("all_reduce", "tensor", nbytes), cost.time_us,
+                         resource="comm tensor", kind=TaskKind.COMM)
+    return graph
+
+
+@pytest.fixture
+def tensor_pass(monkeypatch):
+    monkeypatch.setitem(PASSES, "tensor", _tensor_stand_in)
+
+
+def test_the_block_is_parsed_and_data_fills_the_cluster(tensor_pass):
+    scenario = _scenario({"tensor": [1, 2], "recompute": "selective",
+                          "pipeline": {"stages": 1, "schedule": "gpipe"}}, gpus=2)
+    found = [p.parallelism for p in scenario.points]
+    assert [(p.data, p.tensor) for p in found] == [(2, 1), (1, 2)]
+    assert all(p.recompute == "selective" and p.schedule == "gpipe" for p in found)
+    assert {p.framework for p in scenario.points} == {"ddp"}  # ddp by default beside parallelism
+    configs = scenario.request().clusters
+    assert [c.parallelism for c in configs] == found
+
+
+def test_list_valued_keys_make_a_grid_only_as_lists_of_lists():
+    one = _scenario({"placement": ["data", "tensor", "pipeline"], "recompute": "full"})
+    assert [p.parallelism.placement for p in one.points] == [("data", "tensor", "pipeline")]
+    grid = _scenario({"placement": [["tensor", "data", "pipeline"], ["data", "tensor", "pipeline"]]})
+    assert len(grid.points) == 2
+
+
+def test_memory_options():
+    scenario = _scenario({"zero": 0, "optimizer": "sgd", "gpu_memory": "16GB"})
+    request = scenario.request()
+    assert (request.optimizer, request.gpu_memory_bytes) == ("sgd", 16e9)
+
+
+@pytest.mark.parametrize("block, gpus, message", [
+    ({"tensor": 2}, 2, "parallelism.tensor: tensor parallelism is not modelled yet"),
+    ({"zero": 1, "expert": 2}, 4, "parallelism.expert: expert parallelism is not modelled yet"),
+    ({"data": 3}, 4, "parallelism: data x tensor x pipeline = 3 x 1 x 1 = 3 ranks, but the cluster has 4 GPUs"),
+    ({"pipeline": 3}, 4, "parallelism: tensor x pipeline = 1 x 3 does not divide the cluster's 4 GPUs"),
+    ({"fsdp": True, "zero": 1}, 4, "parallelism.fsdp: fsdp is zero 3"),
+    ({"tensr": 2}, 4, "parallelism.tensr: unknown key; did you mean 'tensor'?"),
+    ({"pipeline": {"stages": 2, "micro": 4}}, 4, "parallelism.pipeline.micro: unknown key"),
+    ({"recompute": []}, 4, "parallelism.recompute: an empty list"),
+    ({"zero": 5}, 4, "parallelism.zero: expected 0, 1, 2 or 3"),
+    ({"optimizer": "lamb"}, 4, "parallelism.optimizer: unknown value 'lamb'"),
+])
+def test_mistakes_are_one_line_naming_the_key(block, gpus, message):
+    with pytest.raises(ScenarioError) as err:
+        _scenario(block, gpus)
+    assert str(err.value).startswith("s.yaml: " + message) and "\n" not in str(err.value)
+
+
+def test_comm_names_carry_dimension_and_bytes():
+    name = comm_name("reduce_scatter", "fsdp", 3159040)
+    assert comm_dimension(name) == "fsdp" and comm_bytes(name) == pytest.approx(3159040)
+    assert comm_dimension("ncclKernel_AllReduce_RING_LL") == "other"
+
+
+def test_a_parallel_job_and_plain_data_parallelism_through_the_pipeline(tensor_pass):
+    """One prediction, two configurations of two GPUs: plain data parallelism takes the cluster
+    path with memory columns; tensor parallel runs the (stand-in) pass on rank 0's graph."""
+    study = TraceStudy.from_trace(TRANSFORMER)
+    cluster = Cluster.from_config({"machines": 1, "gpus_per_machine": 2, **LINKS})
+    data = ClusterConfig(cluster, framework="ddp", parallelism=Parallelism(data=2))
+    tensor = ClusterConfig(cluster, framework="ddp", parallelism=Parallelism(tensor=2))
+    prediction = predict(Request(study, clusters=[data, tensor], gpu_memory_bytes=1e9))
+    rows = prediction.results.set_index("parallelism")
+    assert list(rows.index) == ["dp2", "dp1 tp2"]
+    assert (rows["fits"] == "yes").all() and (rows["memory_gb"] > 0).all()
+    assert rows.at["dp1 tp2", "memory_gb"] < rows.at["dp2", "memory_gb"]
+    # four blocks, an all-reduce after each one's forward, in every iteration: exposed
+    assert rows.at["dp1 tp2", "exposed_tensor_ms"] > 0
+    assert rows.at["dp1 tp2", "messages_per_iteration"] == 4
+    assert np.isnan(rows.at["dp2", "exposed_tensor_ms"])
+    job = parallelize(prediction.worker, find_units(prediction.worker), Parallelism(tensor=2), cluster)
+    assert job.passes == ["tensor"] and job.ranks_of["tensor"] == (0, 1)
+    assert len(job.comm_tasks()) == 4 * len(prediction.report)
