@@ -226,3 +226,22 @@ def test_the_pass_is_registered_with_the_units_of_its_graph(real):
     sends = (built.tasks["kind"].to_numpy() == int(TaskKind.COMM)) & ~copied
     assert (built_units.task_unit[sends] == -1).all()
     assert built.tasks["name"][sends].astype(str).str.startswith("send_recv pipeline ").all()
+
+
+def test_parallelize_builds_the_pipeline(real):
+    """The backbone's ``parallelize`` applies the registered pass to rank 0's graph: the pipeline
+    group's GPUs price the transfers, and the stages run side by side."""
+    from whatif.sim.parallel import Parallelism
+    from whatif.sim.parallel.job import comm_dimension, parallelize
+
+    graph, units, traced = real
+    p = min(len(units.table), 2)
+    job = parallelize(graph, units, Parallelism(pipeline=p, microbatches=4), lab_cluster(p))
+    assert job.passes == ["pipeline"]
+    note = job.graph.last_note(PipelineSchedule)
+    sends = job.comm_tasks()[note.task_source[job.comm_tasks()] < 0]
+    assert len(sends) == 2 * (p - 1) * 4
+    assert {comm_dimension(name) for name in job.graph.tasks["name"].iloc[sends]} == {"pipeline"}
+    assert set(note.transfers[["from_device", "to_device"]].itertuples(index=False)) == {(0, 1), (1, 0)}
+    table = bubbles(simulate(job.graph))
+    assert len(table) == p and (table["bubble"] > 0).all()
