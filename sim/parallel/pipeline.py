@@ -22,7 +22,9 @@ holding every device, whose resources are named ``stage D: <the traced resource>
   task outside every unit (an embedding, the head, the loss) goes with the unit task before it on
   the CPU timeline in its phase; before any, the first virtual stage in forward and the last in
   backward (the loss's backward precedes the last block's). A GPU task goes with the CPU task
-  that launched it. The rest of the iteration (data loading, ``zero_grad``: phase "other") runs
+  that launched it; one with no launch (a transfer an earlier pass inserted) with a task it waits
+  for. A slot the trace gives no task (a stage whose backward no unit holds) is a task of no time
+  on the training loop's thread, so the schedule's dependencies still pass through it. The rest of the iteration (data loading, ``zero_grad``: phase "other") runs
   once on every device before its first microbatch, as the lab's ranks each load the batch; the
   optimizer step once on every device after its last backward, its tasks scaled by the device's
   share of the units' parameter bytes.
