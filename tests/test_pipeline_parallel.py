@@ -245,3 +245,45 @@ def test_parallelize_builds_the_pipeline(real):
     assert set(note.transfers[["from_device", "to_device"]].itertuples(index=False)) == {(0, 1), (1, 0)}
     table = bubbles(simulate(job.graph))
     assert len(table) == p and (table["bubble"] > 0).all()
+
+
+class LinearModels:
+    """Operator models whose time is the size of an operator's first tensor: linear in the batch."""
+
+    def predict_us(self, ops, dims, types, args, learned=False):
+        def size(d):
+            first = next((x for x in d if isinstance(x, list) and x and all(isinstance(v, int) for v in x)), None)
+            return float(np.prod(first)) if first else 1.0
+
+        return np.array([size(d) for d in dims])
+
+
+def test_microbatches_scaled_through_the_operator_models(real):
+    """On a CPU trace given operator models, a microbatch's operators are rescaled by them (the
+    ``--batch-size`` rule, which keeps a unit's fixed helpers: the transformer's embedding
+    backward does not shrink), so a microbatch costs less than the batch and no less than the
+    linear rule's share."""
+    graph, units, _ = real
+    if graph.workload.has_gpu:
+        pytest.skip("the operator models rescale CPU-only traces")
+    parallelism = par(2, 4)
+    linear = apply_pipeline(graph, units, parallelism, None, {}).last_note(PipelineSchedule)
+    modelled = apply_pipeline(graph, units, parallelism, None, {}, models=LinearModels()).last_note(PipelineSchedule)
+    assert modelled.scaling.endswith("by the operator performance models")
+    assert linear.scaling.startswith("linear in the batch")
+    whole = apply_pipeline(graph, units, par(2, 1), None, {}).last_note(PipelineSchedule)
+    for column in ("forward_us", "backward_us"):
+        assert (modelled.stages[column] < whole.stages[column]).all()
+        assert (modelled.stages[column] > 0.9 * linear.stages[column]).all()
+
+
+def test_interleaved_stages_alternate_devices(real):
+    graph, units, _ = real
+    if len(units.table) < 4:
+        pytest.skip(f"{len(units.table)} units cannot fill 2 stages of 2 virtual stages")
+    p, v, m = 2, 2, 4
+    built = apply_pipeline(graph, units, par(p, m, "interleaved", v), lab_cluster(p), {"pipeline": (0, 1)})
+    note = built.last_note(PipelineSchedule)
+    assert note.stages["device"].tolist() == [0, 1, 0, 1]
+    assert len(note.transfers) == 2 * (p * v - 1) * m
+    assert bubbles(simulate(built))["fill_drain"].iat[0] > 0
