@@ -233,6 +233,22 @@ def test_without_sharding_the_graph_is_untouched(study, units):
     assert apply_fsdp(study.graph, units, par, FAST, {"data": RANKS}) is study.graph
 
 
+def test_ddp_beside_tensor_parallelism_all_reduces_each_units_shard_and_keeps_the_optimizer(study, units):
+    par = Parallelism(data=len(RANKS), tensor=2, zero=0)
+    assert "fsdp" in par.families(), "the data-parallel pass runs beside a model-parallel family"
+    fast = apply_fsdp(study.graph, units, par, FAST, {"data": RANKS})
+    note = fast.last_note(ShardedDataParallel)
+    c = note.collectives
+    for it, rows in c.groupby("iteration"):
+        assert sorted(rows["unit"]) == [-1] + list(range(BLOCKS))
+    assert set(c["op"]) == {"all_reduce"} and note.optimizer_scale == 1.0
+    for unit, nbytes in zip(units.table["unit"], units.table["param_bytes"]):
+        assert (c.loc[c["unit"] == unit, "nbytes"] == nbytes / 2).all(), "a rank reduces its tensor shard"
+    np.testing.assert_allclose(predicted_ms(study, fast), predicted_ms(study, study.graph), rtol=1e-6)
+    slow = apply_fsdp(study.graph, units, par, SLOW, {"data": RANKS})
+    assert (predicted_ms(study, slow) > predicted_ms(study, study.graph)).all()
+
+
 # -- a GPU trace -------------------------------------------------------------------------------
 
 

@@ -49,7 +49,7 @@ def _tensor_stand_in(graph, units, par, cluster, ranks_of):
             last = int(here[np.argmax(start[here])])
             before = int(after[np.argmin(start[after])]) if len(after) else None
             graph.insert(last, before, comm_name("all_reduce", "tensor", nbytes), cost.time_us,
-                         resource="comm tensor", kind=TaskKind.COMM)
+                         resource="network tensor", kind=TaskKind.COMM)
     return graph
 
 
@@ -83,8 +83,6 @@ def test_memory_options():
 
 
 @pytest.mark.parametrize("block, gpus, message", [
-    ({"tensor": 2}, 2, "parallelism.tensor: tensor parallelism is not modelled yet"),
-    ({"zero": 1, "expert": 2}, 4, "parallelism.expert: expert parallelism is not modelled yet"),
     ({"data": 3}, 4, "parallelism: data x tensor x pipeline = 3 x 1 x 1 = 3 ranks, but the cluster has 4 GPUs"),
     ({"pipeline": 3}, 4, "parallelism: tensor x pipeline = 1 x 3 does not divide the cluster's 4 GPUs"),
     ({"fsdp": True, "zero": 1}, 4, "parallelism.fsdp: fsdp is zero 3"),

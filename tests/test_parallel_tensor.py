@@ -133,7 +133,7 @@ def test_tensor_parallel_all_reduces_twice_forward_and_twice_backward_per_block(
     # the block's activation: batch x sequence x hidden x 4 bytes (float32), forward and backward
     assert set(note.collectives["nbytes"]) == {BATCH * LENGTH * D_MODEL * 4}
     comm = out.tasks.iloc[note.collectives["task"].to_numpy()]
-    assert (comm["kind"] == int(TaskKind.COMM)).all() and set(comm["resource"].astype(str)) == {"comm tensor"}
+    assert (comm["kind"] == int(TaskKind.COMM)).all() and set(comm["resource"].astype(str)) == {"network tensor"}
     expected = collective_cost(FAST, "all_reduce", BATCH * LENGTH * D_MODEL * 4, ranks=(0, 1)).time_us
     assert np.allclose(comm["duration_us"], expected)
     assert note.pairs == 2 * BLOCKS * STEPS and note.unmatched_backward == 0
@@ -240,7 +240,7 @@ def test_expert_parallel_all_to_alls_around_each_moe_layer_of_the_buffer(moe):
     assert len(note.collectives) == 4 * BLOCKS * STEPS and set(note.collectives["op"]) == {"all_to_all"}
     assert set(note.collectives["nbytes"]) == {experts * capacity * D_MODEL * 4}
     comm = out.tasks.iloc[note.collectives["task"].to_numpy()]
-    assert set(comm["resource"].astype(str)) == {"comm expert"}
+    assert set(comm["resource"].astype(str)) == {"network expert"}
     assert np.allclose(comm["duration_us"], collective_cost(FAST, "all_to_all", experts * capacity * D_MODEL * 4,
                                                             ranks=(0, 1)).time_us)
 
@@ -278,7 +278,7 @@ def test_tensor_then_expert_parallel_compose_on_one_rank(moe):
     assert len(both.last_note(TensorParallelChange).collectives) == 2 * BLOCKS * STEPS
     assert len(both.last_note(ExpertParallelChange).collectives) == 4 * BLOCKS * STEPS
     comm = both.tasks["resource"].astype(str).value_counts()
-    assert comm["comm tensor"] == 2 * BLOCKS * STEPS and comm["comm expert"] == 4 * BLOCKS * STEPS
+    assert comm["network tensor"] == 2 * BLOCKS * STEPS and comm["network expert"] == 4 * BLOCKS * STEPS
     assert simulate(both).end_us.max() > 0
 
 

@@ -137,8 +137,10 @@ class Parallelism:
 
     def families(self) -> tuple[str, ...]:
         """The families this parallelism uses beyond plain data parallelism, in :data:`PASS_ORDER`."""
-        used = {"tensor": self.tensor > 1, "expert": self.expert > 1, "fsdp": self.zero > 0,
-                "pipeline": self.pipeline > 1}
+        model_parallel = self.tensor > 1 or self.expert > 1 or self.pipeline > 1
+        # "fsdp": the data-parallel pass: ZeRO/FSDP sharding, or DDP's all-reduce beside model parallelism
+        used = {"tensor": self.tensor > 1, "expert": self.expert > 1,
+                "fsdp": self.zero > 0 or (self.data > 1 and model_parallel), "pipeline": self.pipeline > 1}
         return tuple(family for family in PASS_ORDER if used[family])
 
     def describe(self) -> str:

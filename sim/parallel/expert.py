@@ -33,7 +33,7 @@ and one all-to-all after the iteration's last forward lookup exchanges the poole
 (every lookup's output bytes as traced: ``batch x dim`` per bag, ``indices x dim`` for a plain
 embedding), the same again before the first embedding backward for their gradients.
 
-Every all-to-all is a COMM task on the rank's ``comm expert`` resource, priced by
+Every all-to-all is a COMM task on the rank's ``network expert`` resource, priced by
 ``topology.collective_cost(cluster, "all_to_all", nbytes, ranks=ranks_of["expert"])``, which
 the tasks after it wait for (``tensor.Collectives``).
 """

@@ -42,7 +42,10 @@ parameters after the optimizer's last task, which ``optimizer.step()`` waits for
 returns, as DeepSpeed's step gathers the updated partitions before returning (a zero-length task
 after the step's last CPU task waits for it). Where a trace has no optimizer step, the
 iteration's last CPU task is followed by such a task waiting for the gradients' reductions.
-``zero = 0`` returns the graph untouched: data parallelism without sharding is DDP's path
+``zero = 0`` beside tensor, expert or pipeline parallelism is DDP inside a model-parallel job:
+each unit's gradients all-reduced over the data group as its backward ends (the unit as DDP's
+bucket), the optimizer step whole. Plain ``zero = 0`` returns the graph untouched: data
+parallelism alone without sharding is DDP's path
 (``sim/frameworks/ddp.py``), and so is a group of one rank.
 
 Every collective is priced by ``topology.collective_cost(cluster, op, nbytes, ranks=the data
@@ -130,7 +133,7 @@ class ShardedDataParallel:
         return per.groupby("op").median().reset_index()
 
     def describe(self) -> str:
-        name = "FSDP2 (ZeRO-3)" if self.zero == 3 else f"ZeRO-{self.zero}"
+        name = {3: "FSDP2 (ZeRO-3)", 0: "DDP's all-reduce beside model parallelism"}.get(self.zero, f"ZeRO-{self.zero}")
         parts = [f"{int(r.count)} {r.op} ({r.nbytes / 1e6:.1f} MB, {r.time_us / 1e3:.2f} ms)"
                  for r in self.per_iteration().itertuples()]
         reshard = ""
@@ -148,7 +151,7 @@ def apply_fsdp(graph: TaskGraph, units: Units, par: Parallelism, cluster, ranks_
     group of one rank returns ``graph`` itself."""
     zero = par.zero
     ranks = tuple(ranks_of.get(GROUP, ()))
-    if zero == 0 or len(ranks) <= 1:
+    if len(ranks) <= 1 or "fsdp" not in par.families():
         return graph
     reshard_after_forward = par.reshard_after_forward
     d = len(ranks)
@@ -160,6 +163,8 @@ def apply_fsdp(graph: TaskGraph, units: Units, par: Parallelism, cluster, ranks_
     nbytes = _unit_bytes(graph, units.table, par.tensor)
     if zero == 3:
         plan.fully_sharded(nbytes, reshard_after_forward)
+    elif zero == 0:
+        plan.replicated(nbytes)
     else:
         plan.sharded_optimizer(nbytes, "all_reduce" if zero == 1 else "reduce_scatter")
 
@@ -169,9 +174,10 @@ def apply_fsdp(graph: TaskGraph, units: Units, par: Parallelism, cluster, ranks_
 
     out = graph.copy()
     optimizer = np.flatnonzero((phase == OPTIMIZER) & (graph.tasks["kind"].to_numpy() != int(TaskKind.WAIT)))
-    out.scale(optimizer, 1.0 / d)
+    share = 1.0 / d if zero else 1.0  # DDP keeps the whole optimizer step on every rank
+    out.scale(optimizer, share)
     table, waits = plan.insert(out, price)
-    out.notes.append(ShardedDataParallel(zero, d, bool(reshard_after_forward), 1.0 / d, table, waits))
+    out.notes.append(ShardedDataParallel(zero, d, bool(reshard_after_forward), share, table, waits))
     return out
 
 
@@ -291,6 +297,12 @@ class _Plan:
                     self._add("all_gather", nbytes.get(unit, 0.0), unit, BACKWARD, it, issued, waiters)
                 previous_start = start if start is not None else previous_start
             self._reduce(it, nbytes, "reduce_scatter")
+
+    def replicated(self, nbytes: dict) -> None:
+        """DDP beside model parallelism: each unit's gradients all-reduced over the data group
+        as its backward ends (the unit as DDP's bucket), the optimizer whole on every rank."""
+        for it in range(self.iterations):
+            self._reduce(it, nbytes, "all_reduce")
 
     def sharded_optimizer(self, nbytes: dict, reduce_op: str) -> None:
         total = sum(nbytes.values())

@@ -35,6 +35,7 @@ import numpy as np
 from whatif.sim.graph import TaskGraph, TaskKind
 
 from . import PASS_ORDER, PASSES, Parallelism, ParallelismError
+from . import expert, fsdp, pipeline, tensor  # noqa: F401  (each registers its pass in PASSES)
 from .memory import MemoryBreakdown, fits, gpu_memory_bytes, memory_per_gpu
 from .placement import groups, ranks_of
 from .units import Units, find_units
@@ -108,10 +109,6 @@ def check_modelled(par: Parallelism) -> None:
         if family not in PASSES:
             raise ParallelismError(_FAMILY_KEY[family],
                                    f"{family} parallelism is not modelled yet (no {family} pass in sim/parallel/)")
-    if par.families() and par.data > 1 and par.zero == 0:
-        raise ParallelismError("parallelism.data",
-                               f"data parallel (DDP, zero: 0) beside {', '.join(par.families())} is not modelled yet; "
-                               f"use zero: 1, 2 or 3")
 
 
 def parallelize(graph: TaskGraph, units: Units, par: Parallelism, cluster,

@@ -40,7 +40,7 @@ holding every device, whose resources are named ``stage D: <the traced resource>
   activation (the last unit's ``activation_bytes`` over ``m``) goes to the next virtual stage, and
   after the backward the gradient of the same size goes back: one COMM task (``send_recv``,
   priced by ``topology.collective_cost(cluster, "send_recv", nbytes, ranks=(a, b))`` between the
-  two devices' GPUs) on the sender's ``send next`` / ``send prev`` resource, which waits for the
+  two devices' GPUs) on the sender's ``network send next`` / ``network send prev`` resource, which waits for the
   slot's last task on every resource and which the receiving slot's first task on every resource
   waits for. ``2 * (p * v - 1) * m`` transfers a step.
 
@@ -73,7 +73,7 @@ from .units import Units
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 FORWARD, BACKWARD = 1, 2  # the phases of Units.task_phase
 OTHER, OPTIMIZER = 0, 3
-SEND_NEXT, SEND_PREV = "send next", "send prev"
+SEND_NEXT, SEND_PREV = "network send next", "network send prev"
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ kernels would need models of that GPU), the stated rule: 1/t. The rule overstate
 small, memory-bound shards. CPU dispatch and Python time stay as traced: every rank still
 launches every operator.
 
-**Where the collectives go.** Each is a COMM task on the rank's ``comm tensor`` resource (the
+**Where the collectives go.** Each is a COMM task on the rank's ``network tensor`` resource (the
 communication stream, one collective at a time), priced by ``topology.collective_cost(cluster,
 op, nbytes, ranks=ranks_of["tensor"])``, after the call (or backward node) it follows, and
 before the task that came next on that call's resource: the compute stream on a GPU trace, the
@@ -409,7 +409,7 @@ def rank_pass(graph: TaskGraph, units: Units, cluster, ranks_of: dict, group: st
         raise GraphError(f"parallelism.{group}: {size} ranks, but this rank's {group} group has {len(ranks)} GPUs")
     graph = graph.copy()
     calls = Calls(graph, units)
-    return graph, calls, Collectives(graph, calls, cluster, group, ranks, f"comm {group}")
+    return graph, calls, Collectives(graph, calls, cluster, group, ranks, f"network {group}")
 
 
 def _shard_pair(calls: Calls, comm: "Collectives", factor: np.ndarray, shrink: "Shrink", sp: bool, first: int, last: int, *,
