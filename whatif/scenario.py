@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import difflib
 import itertools
+import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
@@ -111,16 +112,7 @@ class Scenario:
         """Parse and validate a scenario file (YAML loaded safely); relative paths in it are
         relative to the file."""
         path = Path(path)
-        try:
-            doc = yaml.safe_load(path.read_text())
-        except FileNotFoundError:
-            raise ScenarioError(path, "", "no such file") from None
-        except OSError as err:
-            raise ScenarioError(path, "", f"cannot be read ({err.strerror})") from None
-        except yaml.YAMLError as err:
-            mark = getattr(err, "problem_mark", None)
-            where = f" at line {mark.line + 1}" if mark else ""
-            raise ScenarioError(path, "", f"not valid YAML{where}") from None
+        doc = _load_yaml(path, path, "")
         return cls.from_dict(doc, base_dir=path.parent, name=str(path))
 
     @classmethod
@@ -156,6 +148,62 @@ class Scenario:
             gradient_sizes=self.gradient_sizes,
             gradient_total=self.gradient_total,
         )
+
+
+#: A scenario is a page of YAML: a file larger than this (in bytes) is not one, and a YAML
+#: document may use this many aliases (``*name``), which bounds what a few lines can expand to.
+MAX_SCENARIO_BYTES = 1_000_000
+MAX_YAML_ALIASES = 16
+#: The most GPUs one machine may have: the largest NVLink domain sold as one (GB200 NVL72); the
+#: machine presets have 8.
+MAX_GPUS_PER_MACHINE = 72
+#: The most clusters a grid may have, and GPUs a cluster (the CLI asks for --yes well before)
+MAX_GRID_CLUSTERS = 10_000
+MAX_CLUSTER_GPUS = 1_000_000
+
+
+class _TooManyAliases(Exception):
+    pass
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a document with more than :data:`MAX_YAML_ALIASES`
+    aliases (a "billion laughs" document expands a few lines into gigabytes)."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            self.aliases = getattr(self, "aliases", 0) + 1
+            if self.aliases > MAX_YAML_ALIASES:
+                raise _TooManyAliases
+        return super().compose_node(parent, index)
+
+
+def _load_yaml(path: Path, name, key: str) -> Any:
+    """A YAML file read within bounds: the scenario (``key`` "") or a file it names (``key``
+    the scenario's key that names it, ``name`` the scenario)."""
+    what = f"{path}: " if key else ""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise ScenarioError(name, key, f"no such file: {path}" if key else "no such file") from None
+    except OSError as err:
+        raise ScenarioError(name, key, f"{what}cannot be read ({err.strerror})") from None
+    if raw[:2] == b"\x1f\x8b":
+        raise ScenarioError(name, key, f"{what}is gzip data, not YAML (a trace? name it in the scenario's trace: key)")
+    if len(raw) > MAX_SCENARIO_BYTES:
+        raise ScenarioError(name, key, f"{what}{len(raw) / 1e6:.1f} MB is no scenario (YAML of at most "
+                                       f"{MAX_SCENARIO_BYTES / 1e6:g} MB; a trace? name it in the scenario's trace: key)")
+    try:
+        return yaml.load(raw.decode("utf-8"), Loader=_BoundedLoader)
+    except UnicodeDecodeError:
+        raise ScenarioError(name, key, f"{what}is not UTF-8 text, so not YAML") from None
+    except _TooManyAliases:
+        raise ScenarioError(name, key, f"{what}more than {MAX_YAML_ALIASES} YAML aliases (*name); refusing a "
+                                       "document that may expand beyond bounds (write the values out)") from None
+    except (yaml.YAMLError, RecursionError) as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise ScenarioError(name, key, f"{what}not valid YAML{where}") from None
 
 
 def _as_list(value) -> list:
@@ -243,7 +291,8 @@ def _parse(doc: Any, base_dir: Path, name: str) -> Scenario:
         except TopologyError as err:
             raise ScenarioError(name, "collective", err.message) from None
     _gradients(name, doc.get("gradients"), scenario)
-    scenario.stragglers = [_straggler(name, i, s) for i, s in enumerate(_as_list(doc.get("stragglers") or []))]
+    machines = max(point.cluster.machines for point in points)
+    scenario.stragglers = [_straggler(name, i, s, machines) for i, s in enumerate(_as_list(doc.get("stragglers") or []))]
     scenario.options = _options(name, doc.get("framework_options") or {})
     replicate = doc.get("replicate", "auto")
     if replicate not in ("auto", True, False):
@@ -276,6 +325,10 @@ def _clusters(name: str, base_dir: Path, block: Any) -> list[Cluster]:
     for where, items in axes:
         if not items:
             raise ScenarioError(name, ".".join(("cluster", *where)), "an empty list leaves nothing to predict")
+    size = math.prod(len(items) for _, items in axes)
+    if size > MAX_GRID_CLUSTERS:
+        raise ScenarioError(name, "cluster", f"a grid of {size} clusters (more than {MAX_GRID_CLUSTERS}): "
+                                             "split it into several scenarios")
     clusters = []
     for choice in itertools.product(*(items for _, items in axes)):
         point = config
@@ -285,6 +338,12 @@ def _clusters(name: str, base_dir: Path, block: Any) -> list[Cluster]:
             clusters.append(Cluster.from_config(point, "cluster"))
         except TopologyError as err:
             raise ScenarioError(name, err.key, err.message) from None
+        if clusters[-1].gpus_per_machine > MAX_GPUS_PER_MACHINE:
+            raise ScenarioError(name, "cluster.gpus_per_machine", f"{clusters[-1].gpus_per_machine} GPUs in one machine: "
+                                f"no machine has more than {MAX_GPUS_PER_MACHINE} (GB200 NVL72); a machine preset has 8")
+        if clusters[-1].n_gpus > MAX_CLUSTER_GPUS:
+            raise ScenarioError(name, "cluster.machines", f"{clusters[-1].n_gpus} GPUs: more than {MAX_CLUSTER_GPUS}, "
+                                "beyond any cluster built (the largest have about 100,000)")
     return clusters
 
 
@@ -311,12 +370,7 @@ def _with_links_file(name: str, base_dir: Path, cluster: dict) -> dict:
     if "links" not in cluster:
         return cluster
     links_path = _path(base_dir, cluster["links"])
-    try:
-        links = yaml.safe_load(links_path.read_text())
-    except FileNotFoundError:
-        raise ScenarioError(name, "cluster.links", f"no such file: {links_path}") from None
-    except yaml.YAMLError:
-        raise ScenarioError(name, "cluster.links", f"{links_path} is not valid YAML") from None
+    links = _load_yaml(links_path, name, "cluster.links")
     if not isinstance(links, dict) or not {"intra_node", "inter_node"} <= set(links):
         raise ScenarioError(name, "cluster.links", f"{links_path} has no intra_node and inter_node links")
     merged = {k: v for k, v in cluster.items() if k != "links"}
@@ -379,19 +433,22 @@ def _gradients(name: str, spec, scenario: Scenario) -> None:
         raise ScenarioError(name, "gradients.total", "must be positive")
 
 
-def _straggler(name: str, index: int, spec) -> Straggler:
+def _straggler(name: str, index: int, spec, machines: int) -> Straggler:
     key = f"stragglers[{index}]"
     _check_keys(name, spec, tuple(f.name for f in fields(Straggler)), key)
     if "machine" not in spec:
         raise ScenarioError(name, f"{key}.machine", "missing")
     machine = spec["machine"]
-    if not isinstance(machine, int) or machine < 0:
+    if isinstance(machine, bool) or not isinstance(machine, int) or machine < 0:
         raise ScenarioError(name, f"{key}.machine", f"must be a machine index >= 0, got {machine!r}")
+    if machine >= machines:
+        raise ScenarioError(name, f"{key}.machine", f"machine {machine} does not exist: the largest cluster has "
+                                                    f"{machines} (machines are numbered from 0)")
     factors = {}
     for factor in (f.name for f in fields(Straggler) if f.name != "machine"):
         value = spec.get(factor, 1.0)
-        if not isinstance(value, (int, float)) or value <= 0:
-            raise ScenarioError(name, f"{key}.{factor}", f"must be a positive number, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < float("inf")):
+            raise ScenarioError(name, f"{key}.{factor}", f"must be a positive finite number, got {value!r}")
         factors[factor] = float(value)
     return Straggler(machine, **factors)
 
