@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 import warnings
@@ -73,11 +74,26 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_fit_arguments(args: argparse.Namespace) -> None:
+    """What the sweep's minutes would otherwise end on, checked before it starts."""
+    if args.threads < 1:
+        raise PerfModelError(f"perfmodel fit --threads {args.threads}: expected a positive whole number")
+    for option, value in (("--peak-gflops", args.peak_gflops), ("--bandwidth-gbps", args.bandwidth_gbps)):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise PerfModelError(f"perfmodel fit {option} {value}: expected a positive number")
+    for trace in args.from_trace:
+        if not trace.exists():
+            raise PerfModelError(f"perfmodel fit --from-trace {trace}: no such file or bundle")
+    if args.out is not None and not args.out.resolve().parent.is_dir():
+        raise PerfModelError(f"perfmodel fit --out {args.out}: no such folder {args.out.parent}")
+
+
 def _fit(args: argparse.Namespace) -> int:
     if args.out is None and not args.cache:
         raise PerfModelError("perfmodel fit: give --out MODELS.json, --cache (this machine's default models), or both")
     if args.no_sweep and not args.from_trace:
         raise PerfModelError("perfmodel fit --no-sweep: give at least one --from-trace TRACE")
+    _check_fit_arguments(args)
     started = time.perf_counter()
     parts, sources = [], []
     if args.no_sweep:
