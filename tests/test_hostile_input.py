@@ -281,10 +281,11 @@ def test_a_trace_that_used_to_raise_a_traceback_is_one_line(alexnet_doc, tmp_pat
     assert err == f"whatif: error: {path}: {expected}\n"
 
 
-def test_a_trace_given_as_a_scenario_is_one_line(capsys):
-    status, out, err = run_cli(capsys, ["predict", BUNDLED_TRACE])
+@pytest.mark.parametrize("command", [["predict"], ["collective", "--op", "all_reduce"]])
+def test_a_trace_given_as_a_scenario_or_cluster_is_one_line(capsys, command):
+    status, out, err = run_cli(capsys, [command[0], BUNDLED_TRACE, *command[1:]])
     assert (status, out) == (2, "")
-    assert err == (f"whatif: error: {BUNDLED_TRACE}: is gzip data, not YAML (a trace? name it in the scenario's "
+    assert err == (f"whatif: error: {BUNDLED_TRACE}: is gzip data, not YAML (a trace? name it in a scenario's "
                    "trace: key)\n")
 
 

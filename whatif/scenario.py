@@ -49,7 +49,6 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
 
-import yaml
 
 from whatif.collectors.bundle import is_bundle
 from whatif.sim.distributed import POLICIES, ClusterConfig, Straggler
@@ -57,6 +56,7 @@ from whatif.sim.frameworks import FRAMEWORKS, FrameworkOptions
 from whatif.sim.graph import GraphError
 from whatif.sim.passes.optimizations import OPTIMIZATIONS, optimization_name, parse_optimization
 from whatif.topology import Cluster, TopologyError, as_gbps, collective_cost, parse_size, with_fabric_links
+from whatif.topology.yamlfile import read_yaml
 
 from .pipeline import Request, WhatIf
 
@@ -150,10 +150,6 @@ class Scenario:
         )
 
 
-#: A scenario is a page of YAML: a file larger than this (in bytes) is not one, and a YAML
-#: document may use this many aliases (``*name``), which bounds what a few lines can expand to.
-MAX_SCENARIO_BYTES = 1_000_000
-MAX_YAML_ALIASES = 16
 #: The most GPUs one machine may have: the largest NVLink domain sold as one (GB200 NVL72); the
 #: machine presets have 8.
 MAX_GPUS_PER_MACHINE = 72
@@ -162,48 +158,13 @@ MAX_GRID_CLUSTERS = 10_000
 MAX_CLUSTER_GPUS = 1_000_000
 
 
-class _TooManyAliases(Exception):
-    pass
-
-
-class _BoundedLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, refusing a document with more than :data:`MAX_YAML_ALIASES`
-    aliases (a "billion laughs" document expands a few lines into gigabytes)."""
-
-    def compose_node(self, parent, index):
-        if self.check_event(yaml.AliasEvent):
-            self.aliases = getattr(self, "aliases", 0) + 1
-            if self.aliases > MAX_YAML_ALIASES:
-                raise _TooManyAliases
-        return super().compose_node(parent, index)
-
-
 def _load_yaml(path: Path, name, key: str) -> Any:
-    """A YAML file read within bounds: the scenario (``key`` "") or a file it names (``key``
-    the scenario's key that names it, ``name`` the scenario)."""
-    what = f"{path}: " if key else ""
+    """A YAML file read within bounds (``topology/yamlfile.py``): the scenario (``key`` "") or
+    a file it names (``key`` the scenario's key that names it, ``name`` the scenario)."""
     try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise ScenarioError(name, key, f"no such file: {path}" if key else "no such file") from None
-    except OSError as err:
-        raise ScenarioError(name, key, f"{what}cannot be read ({err.strerror})") from None
-    if raw[:2] == b"\x1f\x8b":
-        raise ScenarioError(name, key, f"{what}is gzip data, not YAML (a trace? name it in the scenario's trace: key)")
-    if len(raw) > MAX_SCENARIO_BYTES:
-        raise ScenarioError(name, key, f"{what}{len(raw) / 1e6:.1f} MB is no scenario (YAML of at most "
-                                       f"{MAX_SCENARIO_BYTES / 1e6:g} MB; a trace? name it in the scenario's trace: key)")
-    try:
-        return yaml.load(raw.decode("utf-8"), Loader=_BoundedLoader)
-    except UnicodeDecodeError:
-        raise ScenarioError(name, key, f"{what}is not UTF-8 text, so not YAML") from None
-    except _TooManyAliases:
-        raise ScenarioError(name, key, f"{what}more than {MAX_YAML_ALIASES} YAML aliases (*name); refusing a "
-                                       "document that may expand beyond bounds (write the values out)") from None
-    except (yaml.YAMLError, RecursionError) as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise ScenarioError(name, key, f"{what}not valid YAML{where}") from None
+        return read_yaml(path)
+    except TopologyError as err:
+        raise ScenarioError(name, key, f"{path}: {err.message}" if key else err.message) from None
 
 
 def _as_list(value) -> list:

@@ -26,6 +26,7 @@ from whatif.topology.calibrate import fit_tables
 from whatif.topology.nccl.tuning import OPS, parse_choices
 from whatif.topology.nccl.versions import LATEST, version_text
 from whatif.topology.nccl_tests import bus_factor, read_table
+from whatif.topology.yamlfile import read_yaml
 
 DTYPES = {"int8": 1, "uint8": 1, "half": 2, "bfloat16": 2, "float": 4, "int32": 4, "double": 8, "int64": 8}
 REDOP = {"all_reduce": "sum", "reduce_scatter": "sum", "reduce": "sum"}
@@ -71,11 +72,9 @@ def add_parsers(subparsers) -> None:
 def load_cluster_config(path: Path) -> dict:
     """The cluster mapping in ``path``: a cluster YAML or a scenario's ``cluster:`` block."""
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except OSError as err:
-        raise TopologyError(str(path), err.strerror or str(err)) from None
-    except yaml.YAMLError as err:
-        raise TopologyError(str(path), f"not valid YAML ({str(err).splitlines()[0]})") from None
+        data = read_yaml(path)
+    except TopologyError as err:
+        raise TopologyError(str(path), err.message) from None
     if not isinstance(data, Mapping):
         raise TopologyError(str(path), "expected a mapping with machines, gpus_per_machine, ... or a cluster: block")
     key = "cluster" if "cluster" in data else ""
@@ -84,9 +83,9 @@ def load_cluster_config(path: Path) -> dict:
         links_path = Path(str(config.pop("links")))
         links_path = links_path if links_path.is_absolute() else path.parent / links_path
         try:
-            links = yaml.safe_load(links_path.read_text(encoding="utf-8")) or {}
-        except (OSError, yaml.YAMLError):
-            raise TopologyError(f"{path}: {key + '.' if key else ''}links", f"cannot read {links_path}") from None
+            links = read_yaml(links_path) or {}
+        except TopologyError as err:
+            raise TopologyError(f"{path}: {key + '.' if key else ''}links", f"{links_path}: {err.message}") from None
         for name in ("intra_node", "inter_node", "shared_memory"):
             if name in links and not isinstance(config.get(name), str):
                 config[name] = {**links[name], **config[name]} if isinstance(config.get(name), Mapping) else links[name]
