@@ -351,3 +351,17 @@ def test_perfmodel_fit_checks_its_arguments_before_the_sweep(tmp_path, capsys):
     ]:
         status, out, err = run_cli(capsys, ["perfmodel", "fit", "--out", tmp_path / "m.json", *argv])
         assert (status, out, err) == (2, "", f"whatif: error: {line}\n")
+
+
+def test_the_python_api_collects_the_same_warnings_or_raises_under_strict(alexnet_doc, tmp_path):
+    from whatif import Diagnostics, InputWarning, StrictError, TraceStudy, collecting
+
+    path = damaged(alexnet_doc, tmp_path, _negative)
+    line = f"{path}: dropped 7 kernels with negative duration (dur)"
+    with collecting(Diagnostics()) as diagnostics:
+        TraceStudy.from_trace(path)
+    assert diagnostics.messages == [line]
+    with pytest.warns(InputWarning, match="dropped 7 kernels"):
+        TraceStudy.from_trace(path)
+    with pytest.raises(StrictError, match="--strict makes this an error"), collecting(Diagnostics(strict=True)):
+        TraceStudy.from_trace(path)

@@ -23,6 +23,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
+from whatif.collectors.diagnostics import warn
 from whatif.collectors.ranks import is_job, load_traces
 from whatif.pipeline import Prediction, Request, WhatIf, predict
 from whatif.report.iterations import steady_median
@@ -101,7 +102,7 @@ def run_job(args: argparse.Namespace) -> int:
         raise UsageError("--batch-size: a multi-rank job cannot be rebatched yet; give one rank's trace")
     job = build_job(load_traces(args.trace), args.iteration)
     for path, why in job.skipped:
-        print(f"whatif: skipped {path}: {why}", file=sys.stderr)
+        warn(path, 1, f"skipped, {why}")
     replay = schedule = job.replay()
     what = {}
     if args.command == "simulate":
