@@ -365,3 +365,13 @@ def test_the_python_api_collects_the_same_warnings_or_raises_under_strict(alexne
         TraceStudy.from_trace(path)
     with pytest.raises(StrictError, match="--strict makes this an error"), collecting(Diagnostics(strict=True)):
         TraceStudy.from_trace(path)
+
+
+def test_a_collective_table_of_a_third_of_a_million_sizes_is_refused(tmp_path, capsys):
+    cluster = tmp_path / "h100.yaml"
+    cluster.write_text("machine: dgx_h100\nmachines: 4\n")
+    status, out, err = run_cli(capsys, ["collective", cluster, "--op", "all_reduce", "--min-bytes", "1",
+                                        "--max-bytes", "1000TB", "--step-factor", "1.0001"])
+    assert (status, out) == (2, "")
+    assert err == ("whatif: error: --step-factor: 1.0001 from 1 to 1000TB makes 345406 sizes (more than 10000); "
+                   "take a larger step\n")

@@ -133,12 +133,22 @@ def _nccl_size(text: str, key: str) -> float:
     return parse_size(value, key)
 
 
+#: The most message sizes one table may have (nccl-tests' default sweep has 30 or so)
+MAX_SIZES = 10_000
+
+
 def _sizes(args, op: str, n_ranks: int) -> list:
     lo, hi = _nccl_size(args.min_bytes, "--min-bytes"), _nccl_size(args.max_bytes, "--max-bytes")
     if hi < lo:
         raise TopologyError("--max-bytes", f"{args.max_bytes} is below --min-bytes {args.min_bytes}")
     if not args.step_factor > 1:
         raise TopologyError("--step-factor", f"must be above 1, got {args.step_factor}")
+    if lo <= 0:
+        raise TopologyError("--min-bytes", f"must be positive, got {args.min_bytes}")
+    rows = math.floor(math.log(hi / lo) / math.log(args.step_factor)) + 1 if math.isfinite(args.step_factor) else 1
+    if rows > MAX_SIZES:
+        raise TopologyError("--step-factor", f"{args.step_factor:g} from {args.min_bytes} to {args.max_bytes} makes "
+                                             f"{rows} sizes (more than {MAX_SIZES}); take a larger step")
     elem = DTYPES[args.dtype]
     sizes, size = [], lo
     while size <= hi * (1 + 1e-12):
