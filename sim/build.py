@@ -308,7 +308,8 @@ class _Builder:
         """A warning for each kind of launch the trace does not tie up: runtime calls sharing a
         correlation id (their GPU tasks are taken as the first call's), GPU tasks whose launching
         call is not in the trace (no launch edge: they start when the trace says), and GPU tasks
-        that start before the call that launched them (the replay delays them)."""
+        that start before the call that launched them (the replay delays them), or run after a task
+        launched later on their stream."""
         path, corr = self.trace.path, self.correlation[runtime_rows]
         duplicated = int((pd.Series(corr[corr >= 0]).duplicated()).sum())
         warn(path, duplicated, f"{plural(duplicated, 'runtime call')} {_verb(duplicated, 'shares', 'share')} a correlation id with an earlier call; "
@@ -320,6 +321,13 @@ class _Builder:
         early = int((self.ts[rows[launched]] < self.ts[self.launching_row[launched]] - TOLERANCE_US).sum())
         warn(path, early, f"{plural(early, 'GPU task')} {_verb(early, 'starts', 'start')} before the call that launched them (correlation ids "
                           "out of order or clocks skewed); the replay starts each after its call")
+        behind = 0  # on a stream, in order of start: a launch's correlation id below one before it
+        for code in np.unique(self.gpu_threads).tolist():
+            ids = self.gpu_corr[(self.gpu_threads == code) & launched]
+            behind += int((ids[1:] < np.maximum.accumulate(ids)[:-1]).sum()) if len(ids) > 1 else 0
+        warn(path, behind, f"{plural(behind, 'GPU task')} {_verb(behind, 'runs', 'run')} on {_verb(behind, 'its', 'their')} "
+                           "stream after a task launched later (correlation ids out of order); a synchronisation "
+                           "waits for the latest launch before it")
 
     def _last_launched_before(self, stream_code: int, corr: int) -> int:
         pos = int(np.searchsorted(self.stream_corr[stream_code], corr, side="left")) - 1

@@ -100,6 +100,12 @@ def _launched_late(ev):
         e["ts"] = calls[e["args"]["correlation"]]["ts"] - 100
 
 
+def _swapped(ev):
+    kernels = sorted(first(ev, 10**9, "kernel"), key=lambda e: e["ts"])
+    a, b = [k for k in kernels if k["args"]["stream"] == kernels[0]["args"]["stream"]][3:5]
+    a["args"]["correlation"], b["args"]["correlation"] = b["args"]["correlation"], a["args"]["correlation"]
+
+
 DUPLICATE_LINES = [
     "5 runtime calls share a correlation id with an earlier call; their GPU tasks are taken as launched by the first",
     "3 GPU tasks have no launching call in the trace (correlation id missing or unknown); without a launch "
@@ -120,9 +126,11 @@ DUPLICATE_LINES = [
         (_duplicated, DUPLICATE_LINES),
         (_launched_late, ["2 GPU tasks start before the call that launched them (correlation ids out of order or "
                           "clocks skewed); the replay starts each after its call"]),
+        (_swapped, ["1 GPU task runs on its stream after a task launched later (correlation ids out of order); a "
+                    "synchronisation waits for the latest launch before it"]),
     ],
     ids=["negative dur", "missing dur", "absurd dur", "absurd ts", "missing ts", "dangling correlation",
-         "duplicated correlation", "kernel before its launch"],
+         "duplicated correlation", "kernel before its launch", "correlation ids out of order on a stream"],
 )
 def test_events_the_tool_cannot_use_are_counted_in_one_warning_per_class(alexnet_doc, tmp_path, capsys, damage, lines):
     path = damaged(alexnet_doc, tmp_path, damage)
