@@ -67,7 +67,12 @@ def warn(where, count: int, what: str) -> None:
     its count in it (``warn(path, n, f"dropped {plural(n, 'kernel')} with negative duration")``).
     Nothing is recorded for a count of 0."""
     if count:
-        _CURRENT.get().warn(f"{where}: {what}")
+        report(f"{where}: {what}")
+
+
+def report(text: str) -> None:
+    """Record a warning already written as ``FILE: what`` (e.g. one a library raised)."""
+    _CURRENT.get().warn(text)
 
 
 def plural(count: int, one: str, many: Optional[str] = None) -> str:

@@ -14,6 +14,7 @@ from pathlib import Path
 import msgspec
 import pandas as pd
 
+from whatif.collectors.diagnostics import report
 from whatif.report.tables import held_out_table
 from whatif.sim.perfmodels.cache import cache_models, default_models
 from whatif.sim.perfmodels.device import current_device
@@ -42,10 +43,6 @@ def add_parsers(sub) -> None:
     report.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
-def _warn(message: str) -> None:
-    print(f"whatif: warning: {message}", file=sys.stderr)
-
-
 def load_for_cli(path: Path) -> PerfModels:
     """Load a models file, telling the user on stderr when it was measured on another device."""
     with warnings.catch_warnings(record=True) as caught:
@@ -53,7 +50,7 @@ def load_for_cli(path: Path) -> PerfModels:
         models = load_models(path) if path is not None else default_models()
     for warning in caught:
         if issubclass(warning.category, DeviceMismatchWarning):
-            _warn(str(warning.message))
+            report(str(warning.message))  # a warning of the run: --strict makes it an error
     return models
 
 
