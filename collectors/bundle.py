@@ -225,6 +225,8 @@ def _read_json(folder: Path, name: str):
         raise BundleError(folder, f"{name} cannot be read ({getattr(err, 'strerror', None) or err})") from None
     except json.JSONDecodeError:
         raise BundleError(folder, f"{name} is not valid JSON") from None
+    except RecursionError:
+        raise BundleError(folder, f"{name}: JSON nested deeper than Python's recursion limit") from None
 
 
 def _table(doc: dict, columns: list[str]) -> pd.DataFrame:

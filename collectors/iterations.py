@@ -10,11 +10,14 @@ from __future__ import annotations
 import re
 from typing import Optional
 
+import numpy as np
 import pandas as pd
 
 from .kineto import EventKind, KinetoTrace, TraceError
 
 WHOLE_TRACE = "whole trace"
+#: How far one iteration may begin before the one before it ends (timestamp rounding)
+OVERLAP_TOLERANCE_US = 1.0
 
 
 def find_iterations(trace: KinetoTrace, name: Optional[str] = None) -> pd.DataFrame:
@@ -41,8 +44,8 @@ def find_iterations(trace: KinetoTrace, name: Optional[str] = None) -> pd.DataFr
             start = float(cpu_or_gpu["ts_us"].min())
             end = float((cpu_or_gpu["ts_us"] + cpu_or_gpu["dur_us"]).max())
             return pd.DataFrame({"name": [WHOLE_TRACE], "thread": [None], "start_us": [start], "end_us": [end]})
-    chosen = chosen.sort_values("ts_us")
-    return pd.DataFrame(
+    chosen = chosen.sort_values("ts_us", kind="stable")
+    spans = pd.DataFrame(
         {
             "name": chosen["name"].astype(str).to_numpy(),
             "thread": chosen["thread"].astype(str).to_numpy(),
@@ -50,3 +53,21 @@ def find_iterations(trace: KinetoTrace, name: Optional[str] = None) -> pd.DataFr
             "end_us": (chosen["ts_us"] + chosen["dur_us"]).to_numpy(),
         }
     )
+    _refuse_overlaps(trace, spans)
+    return spans
+
+
+def _refuse_overlaps(trace: KinetoTrace, spans: pd.DataFrame) -> None:
+    """Iterations overlap where one starts before the one before it ends: a step cannot be
+    replayed as measured then, as each task would count in two of them."""
+    start, end = spans["start_us"].to_numpy(), spans["end_us"].to_numpy()
+    ended = np.maximum.accumulate(end)
+    overlaps = np.flatnonzero(start[1:] < ended[:-1] - OVERLAP_TOLERANCE_US) + 1
+    if len(overlaps):
+        i = int(overlaps[0])
+        before = int(np.flatnonzero(end[:i] > start[i] + OVERLAP_TOLERANCE_US)[-1])
+        names = spans["name"].tolist()
+        more = f" ({len(overlaps)} overlaps in all)" if len(overlaps) > 1 else ""
+        raise TraceError(trace.path, f"ts/dur: iteration {names[i]!r} starts {end[before] - start[i]:.1f} us before "
+                                     f"{names[before]!r} ends{more}; overlapping iterations cannot be replayed as "
+                                     "measured (name other ranges with --iteration NAME)")

@@ -15,7 +15,7 @@ names interned as categoricals, as Holistic Trace Analysis does.
 from __future__ import annotations
 
 import enum
-import gzip
+import os
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +24,8 @@ from typing import Optional, Union
 import msgspec
 import numpy as np
 import pandas as pd
+
+from .diagnostics import plural, warn
 
 
 class TraceError(Exception):
@@ -100,8 +102,8 @@ class _Event(msgspec.Struct, gc=False):
     cat: str = ""
     pid: Union[int, str, None] = None
     tid: Union[int, str, None] = None
-    ts: float = 0.0
-    dur: float = -1.0
+    ts: float = float("nan")  # NaN: absent
+    dur: float = float("nan")
     args: Optional[_Args] = None
 
 
@@ -161,11 +163,55 @@ def _read_bytes(path: Path) -> bytes:
     except OSError as err:
         raise TraceError(path, f"cannot be read ({err.strerror})") from None
     if raw[:2] == b"\x1f\x8b":
-        try:
-            raw = gzip.decompress(raw)
-        except (EOFError, zlib.error, gzip.BadGzipFile, OSError):
-            raise TraceError(path, "truncated or corrupt gzip data") from None
+        raw = _gunzip(path, raw)
     return raw
+
+
+#: The most a gzipped trace may expand to, in MB, and how many times its compressed size; the
+#: environment variables of the same names raise them. Real traces expand 8 to 30-fold (the
+#: shared ones: 0.1 to 54 MB); a gzip bomb expands a thousandfold.
+MAX_TRACE_MB = 4096
+MAX_GZIP_RATIO = 200
+_GZIP_RATIO_FROM_MB = 64  # the ratio is not held against a trace that expands to less than this
+
+
+def _limit(name: str, default: float) -> float:
+    try:
+        return float(os.environ.get(name, default))
+    except ValueError:
+        raise TraceError(f"${name}", f"{os.environ[name]!r} is not a number") from None
+
+
+def _gunzip(path: Path, raw: bytes) -> bytes:
+    """The gzip data decompressed (every member), refusing beyond :data:`MAX_TRACE_MB` or
+    :data:`MAX_GZIP_RATIO` times its size before it has taken the memory."""
+    max_mb = _limit("WHATIF_MAX_TRACE_MB", MAX_TRACE_MB)
+    max_ratio = _limit("WHATIF_MAX_GZIP_RATIO", MAX_GZIP_RATIO)
+    limit = int(min(max_mb * 1e6, max(len(raw) * max_ratio, _GZIP_RATIO_FROM_MB * 1e6)))
+    out, data = [], raw
+    size = 0
+    try:
+        while data:
+            unzip = zlib.decompressobj(wbits=31)
+            while data:
+                chunk = unzip.decompress(data, limit + 1 - size)
+                size += len(chunk)
+                out.append(chunk)
+                if size > limit:
+                    why = (f"more than {max_ratio:g} times its {len(raw) / 1e6:.1f} MB (WHATIF_MAX_GZIP_RATIO"
+                           if limit < max_mb * 1e6 else f"more than {max_mb:g} MB (WHATIF_MAX_TRACE_MB")
+                    raise TraceError(path, f"gzip data expands to {why} raises the limit); refusing to read it")
+                data = unzip.unconsumed_tail
+                if unzip.eof:
+                    break
+            if not unzip.eof:
+                raise EOFError
+            data = unzip.unused_data.lstrip(b"\0")  # gzip.decompress allows zeros after a member
+            if data and data[:2] != b"\x1f\x8b":
+                raise zlib.error
+    except (EOFError, zlib.error):
+        raise TraceError(path, "truncated or corrupt gzip data") from None
+    return b"".join(out)
 
 
 def _decode(path: Path, raw: bytes) -> tuple[_TraceFile, list[_Event]]:
@@ -177,6 +223,10 @@ def _decode(path: Path, raw: bytes) -> tuple[_TraceFile, list[_Event]]:
             events = msgspec.json.decode(raw, type=list[_Event])
             return _TraceFile(traceEvents=events), events
         doc = msgspec.json.decode(raw, type=_TraceFile)
+    except UnicodeDecodeError as err:
+        raise TraceError(path, f"is not UTF-8 text (a string holds the byte {err.object[err.start]:#04x})") from None
+    except RecursionError:
+        raise TraceError(path, "JSON nested deeper than Python's recursion limit: no trace nests so deep") from None
     except msgspec.ValidationError as err:
         raise TraceError(path, f"JSON is not a Chrome trace ({err})") from None
     except msgspec.DecodeError as err:
@@ -194,12 +244,26 @@ def _decode(path: Path, raw: bytes) -> tuple[_TraceFile, list[_Event]]:
     return doc, doc.traceEvents
 
 
-def _timed_events(decoded: list) -> tuple[list, list]:
-    """The complete ('X') events worth keeping, and their kinds."""
+#: A duration beyond this (a day), or a start this far from the trace's median, is no profiler's
+#: measurement: such events are dropped, with a warning, as are those with a negative duration
+#: or none, and those with no timestamp.
+MAX_SPAN_US = 86_400e6
+
+_KIND_NOUN = {
+    EventKind.CPU_OP: "CPU operator", EventKind.ANNOTATION: "annotation", EventKind.PYTHON: "Python frame",
+    EventKind.RUNTIME: "runtime call", EventKind.KERNEL: "kernel", EventKind.MEMCPY: "memcpy",
+    EventKind.MEMSET: "memset", EventKind.GPU_ANNOTATION: "GPU annotation", EventKind.CUDA_SYNC: "sync record",
+}
+
+
+def _timed_events(path: Path, decoded: list) -> tuple[list, list]:
+    """The complete ('X') events worth keeping, and their kinds. Those whose time cannot be
+    used are dropped, a warning per problem and kind saying how many."""
     kind_by_category: dict[str, Optional[EventKind]] = {}
     kept, kinds = [], []
+    dropped: dict[tuple[str, int], int] = {}
     for ev in decoded:
-        if ev.ph != "X" or ev.dur < 0:
+        if ev.ph != "X":
             continue
         kind = kind_by_category.get(ev.cat, ...)
         if kind is ...:
@@ -211,17 +275,37 @@ def _timed_events(decoded: list) -> tuple[list, list]:
             continue
         if kind == EventKind.CPU_OP and ev.cat == "Operator" and _looks_like_annotation(ev.name):
             kind = EventKind.ANNOTATION
+        dur, ts = ev.dur, ev.ts
+        if not (0 <= dur <= MAX_SPAN_US) or ts != ts or abs(ts) == float("inf"):
+            problem = ("no timestamp (ts)" if ts != ts else "an infinite timestamp (ts)" if abs(ts) == float("inf")
+                       else "no duration (dur)" if dur != dur else "negative duration (dur)" if dur < 0
+                       else "an absurd duration (dur over 24 h)")
+            dropped[problem, int(kind)] = dropped.get((problem, int(kind)), 0) + 1
+            continue
         kept.append(ev)
         kinds.append(int(kind))
+    if kept:  # starts a day or more from the others': an absurd timestamp
+        ts = np.fromiter((ev.ts for ev in kept), dtype=np.float64, count=len(kept))
+        far = np.abs(ts - np.median(ts)) > MAX_SPAN_US
+        if far.any():
+            for k in np.asarray(kinds)[far].tolist():
+                key = ("an absurd timestamp (ts over 24 h from the trace's median)", k)
+                dropped[key] = dropped.get(key, 0) + 1
+            kept = [ev for ev, f in zip(kept, far.tolist()) if not f]
+            kinds = [k for k, f in zip(kinds, far.tolist()) if not f]
+    for (problem, kind), n in dropped.items():
+        warn(path, n, f"dropped {plural(n, _KIND_NOUN[EventKind(kind)])} with {problem}")
     return kept, kinds
 
 
 class _ThreadLabels:
-    """Labels "pid/tid" for CPU threads and "gpu D/stream S" for GPU streams, built once each."""
+    """Labels "pid/tid" for CPU threads and "gpu D/stream S" for GPU streams, built once each.
+    A GPU event needs a stream (``args.stream``, else a numeric ``tid``); a CPU event a ``tid``."""
 
     _GPU = {int(k) for k in GPU_KINDS} | {int(EventKind.GPU_ANNOTATION)}
 
-    def __init__(self):
+    def __init__(self, path: Path):
+        self.path = path
         self.cache: dict[tuple, str] = {}
 
     def __call__(self, kind: int, ev: _Event, a: _Args) -> str:
@@ -231,12 +315,20 @@ class _ThreadLabels:
             key = ("cpu", ev.pid, ev.tid)
         label = self.cache.get(key)
         if label is None:
+            if key[2] is None or isinstance(key[2], bool):
+                self._refuse(kind, ev, "has no tid" if kind not in self._GPU else "has no stream (args.stream) nor tid")
             if key[0] == "gpu":
-                label = f"gpu {key[1]}/stream {str(key[2]).replace('stream ', '').strip()}"
+                stream = str(key[2]).replace("stream ", "").strip()
+                if not stream.lstrip("-").isdigit():
+                    self._refuse(kind, ev, f"has no stream (args.stream) and its tid {key[2]!r} is not a stream number")
+                label = f"gpu {key[1]}/stream {stream}"
             else:
                 label = f"{key[1]}/{key[2]}"
             self.cache[key] = label
         return label
+
+    def _refuse(self, kind: int, ev: _Event, problem: str):
+        raise TraceError(self.path, f"a {_KIND_NOUN[EventKind(kind)]} ({ev.name!r} at ts {ev.ts}) {problem}")
 
 
 def read_kineto(path: Union[str, Path]) -> KinetoTrace:
@@ -249,18 +341,19 @@ def read_kineto(path: Union[str, Path]) -> KinetoTrace:
     raw = _read_bytes(path)
     doc, decoded = _decode(path, raw)
 
-    kept, kinds = _timed_events(decoded)
+    kept, kinds = _timed_events(path, decoded)
     if not any(k != EventKind.CUDA_SYNC for k in kinds):
         raise TraceError(path, "has no timed events (no complete 'X' events with a duration)")
     no_args = _Args()
     args = [ev.args or no_args for ev in kept]
-    thread_of = _ThreadLabels()
+    thread_of = _ThreadLabels(path)
     threads = [thread_of(k, ev, a) for k, ev, a in zip(kinds, kept, args)]
     names = [ev.name for ev in kept]
     ts = [ev.ts for ev in kept]
     input_dims = {i: a.input_dims for i, a in enumerate(args) if len(a.input_dims) and _has_inputs(kinds[i], names[i])}
     input_types = {i: a.input_types for i, a in enumerate(args) if len(a.input_types) and _has_inputs(kinds[i], names[i])}
     concrete_inputs = {i: a.concrete_inputs for i, a in enumerate(args) if len(a.concrete_inputs) and kinds[i] == EventKind.CPU_OP}
+    ids = {name: _int64(path, name, [getattr(a, name) for a in args]) for name in _INT_ARGS}
     ts_arr = np.asarray(ts, dtype=np.float64)
     base_time = _json_or(doc.baseTimeNanoseconds, None)
     origin = float(ts_arr.min())
@@ -271,22 +364,22 @@ def read_kineto(path: Union[str, Path]) -> KinetoTrace:
             "thread": pd.Categorical(threads),
             "ts_us": ts_arr - origin,
             "dur_us": np.asarray([ev.dur for ev in kept], dtype=np.float64),
-            "correlation": np.asarray([a.correlation for a in args], dtype=np.int64),
-            "external_id": np.asarray([a.external_id for a in args], dtype=np.int64),
-            "stream": np.asarray([a.stream for a in args], dtype=np.int64),
-            "device": np.asarray([a.device for a in args], dtype=np.int64),
-            "bytes": np.asarray([a.bytes for a in args], dtype=np.int64),
+            "correlation": ids["correlation"],
+            "external_id": ids["external_id"],
+            "stream": ids["stream"],
+            "device": ids["device"],
+            "bytes": ids["bytes"],
             "sync_kind": pd.Categorical([a.sync_kind for a in args]),
-            "wait_on_stream": np.asarray([a.wait_on_stream for a in args], dtype=np.int64),
-            "wait_on_record_correlation": np.asarray([a.wait_on_record_correlation for a in args], dtype=np.int64),
-            "message_elements": np.asarray([a.message_elements for a in args], dtype=np.int64),
+            "wait_on_stream": ids["wait_on_stream"],
+            "wait_on_record_correlation": ids["wait_on_record_correlation"],
+            "message_elements": ids["message_elements"],
             "message_dtype": pd.Categorical([a.message_dtype for a in args]),
-            "sequence_nr": np.asarray([a.sequence_nr for a in args], dtype=np.int64),
+            "sequence_nr": ids["sequence_nr"],
             "collective_name": pd.Categorical([a.collective_name for a in args]),
-            "out_elements": np.asarray([a.out_elements for a in args], dtype=np.int64),
+            "out_elements": ids["out_elements"],
             "process_group": pd.Categorical([_text(a.process_group) if len(a.process_group) else "" for a in args]),
             "group_ranks": pd.Categorical([_text(a.group_ranks) if len(a.group_ranks) else "" for a in args]),
-            "collective_seq": np.asarray([a.collective_seq for a in args], dtype=np.int64),
+            "collective_seq": ids["collective_seq"],
         }
     )
     return KinetoTrace(
@@ -300,6 +393,20 @@ def read_kineto(path: Union[str, Path]) -> KinetoTrace:
         concrete_inputs=concrete_inputs,
         base_time_ns=base_time if isinstance(base_time, int) else None,
     )
+
+
+#: The integer fields of ``args`` kept as int64 columns
+_INT_ARGS = ("correlation", "external_id", "stream", "device", "bytes", "wait_on_stream", "wait_on_record_correlation",
+             "message_elements", "sequence_nr", "out_elements", "collective_seq")
+
+
+def _int64(path: Path, name: str, values: list) -> np.ndarray:
+    try:
+        return np.asarray(values, dtype=np.int64)
+    except OverflowError:
+        big = next(v for v in values if not -(2**63) <= v < 2**63)
+        field_name = _Args.__struct_encode_fields__[_Args.__struct_fields__.index(name)]
+        raise TraceError(path, f"args[{field_name!r}]: {big} does not fit in 64 bits") from None
 
 
 def _looks_like_annotation(name: str) -> bool:
@@ -336,7 +443,7 @@ def _text(raw: msgspec.Raw) -> str:
         return ""
     try:
         value = msgspec.json.decode(raw)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError):
         return ""
     return value if isinstance(value, str) else msgspec.json.encode(value).decode().replace(",", ", ")
 
@@ -346,5 +453,5 @@ def _json_or(raw: msgspec.Raw, default):
         return default
     try:
         return msgspec.json.decode(raw)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError):
         return default

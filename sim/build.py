@@ -34,6 +34,7 @@ import numpy as np
 import pandas as pd
 
 from whatif.collectors.bundle import BundledTrace
+from whatif.collectors.diagnostics import plural, warn
 from whatif.collectors.kineto import CPU_KINDS, EventKind, KinetoTrace, element_bytes
 
 from .graph import EdgeKind, GraphError, TaskGraph, TaskKind
@@ -190,6 +191,10 @@ def _is_layer(name: str, kind: int, layer_kinds: tuple) -> bool:
     return not name.startswith("ProfilerStep#")
 
 
+def _verb(count: int, one: str, many: str) -> str:
+    return one if count == 1 else many
+
+
 def build_graph(trace: KinetoTrace) -> TaskGraph:
     """The dependency graph of everything in ``trace``."""
     return _Builder(trace).graph()
@@ -292,6 +297,7 @@ class _Builder:
         self.launching_seg = np.array(
             [self.last_seg.get(r, -1) for r in self.launching_row.tolist()], dtype=np.int64
         )
+        self._check_launches(runtime_rows, rows)
 
         # per stream: its tasks in order and the running maximum of their launch correlation, to
         # find "the last task launched on stream S before call C"
@@ -304,6 +310,31 @@ class _Builder:
             self.stream_corr[code] = np.maximum.accumulate(np.maximum(self.gpu_corr[idx], -1))
             number = int(self.thread_labels[code].rsplit("stream ", 1)[-1])
             self.streams_numbered.setdefault(number, []).append(code)
+
+    def _check_launches(self, runtime_rows: np.ndarray, rows: np.ndarray) -> None:
+        """A warning for each kind of launch the trace does not tie up: runtime calls sharing a
+        correlation id (their GPU tasks are taken as the first call's), GPU tasks whose launching
+        call is not in the trace (no launch edge: they start when the trace says), and GPU tasks
+        that start before the call that launched them (the replay delays them), or run after a task
+        launched later on their stream."""
+        path, corr = self.trace.path, self.correlation[runtime_rows]
+        duplicated = int((pd.Series(corr[corr >= 0]).duplicated()).sum())
+        warn(path, duplicated, f"{plural(duplicated, 'runtime call')} {_verb(duplicated, 'shares', 'share')} a correlation id with an earlier call; "
+                               "their GPU tasks are taken as launched by the first")
+        dangling = int((self.launching_row < 0).sum())
+        warn(path, dangling, f"{plural(dangling, 'GPU task')} {_verb(dangling, 'has', 'have')} no launching call in the trace (correlation id "
+                             "missing or unknown); without a launch dependency, each starts when the trace says")
+        launched = self.launching_row >= 0
+        early = int((self.ts[rows[launched]] < self.ts[self.launching_row[launched]] - TOLERANCE_US).sum())
+        warn(path, early, f"{plural(early, 'GPU task')} {_verb(early, 'starts', 'start')} before the call that launched them (correlation ids "
+                          "out of order or clocks skewed); the replay starts each after its call")
+        behind = 0  # on a stream, in order of start: a launch's correlation id below one before it
+        for code in np.unique(self.gpu_threads).tolist():
+            ids = self.gpu_corr[(self.gpu_threads == code) & launched]
+            behind += int((ids[1:] < np.maximum.accumulate(ids)[:-1]).sum()) if len(ids) > 1 else 0
+        warn(path, behind, f"{plural(behind, 'GPU task')} {_verb(behind, 'runs', 'run')} on {_verb(behind, 'its', 'their')} "
+                           "stream after a task launched later (correlation ids out of order); a synchronisation "
+                           "waits for the latest launch before it")
 
     def _last_launched_before(self, stream_code: int, corr: int) -> int:
         pos = int(np.searchsorted(self.stream_corr[stream_code], corr, side="left")) - 1

@@ -1,6 +1,7 @@
 """Clusters, collectives and the network they run on.
 
 * ``units``: bandwidths, latencies and sizes as people write them, parsed in one place.
+* ``yamlfile``: a user's YAML file (a cluster, its links, a scenario) read within bounds.
 * ``cluster``: :class:`Link` and :class:`Cluster`, built from plain dicts and YAML presets.
 * ``plan``: a collective as steps of concurrent transfers.
 * ``collectives``: ring, hierarchical and parameter-server all-reduce and Gloo's other

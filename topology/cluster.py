@@ -46,6 +46,7 @@ import yaml
 
 from .fabric import FABRIC_KEYS, Fabric, fabric_from_links, wants_fabric
 from .fabric import Calibration
+from .yamlfile import read_yaml
 from .units import (
     TopologyError,
     format_bandwidth,
@@ -511,9 +512,9 @@ def load_cluster(path: Union[str, Path], key: Optional[str] = None) -> Cluster:
     """A cluster from a YAML file; ``key`` picks a sub-mapping (e.g. ``cluster`` in a scenario)."""
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as err:
-        raise TopologyError(str(path), f"not valid YAML ({str(err).splitlines()[0]})") from None
+        data = read_yaml(path)
+    except TopologyError as err:
+        raise TopologyError(str(path), err.message) from None
     if key is not None:
         if not isinstance(data, Mapping) or key not in data:
             raise TopologyError(f"{path}:{key}", "missing")

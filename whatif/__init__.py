@@ -22,9 +22,13 @@ How a prediction flows (``whatif/pipeline.py``, one function for every command):
 
 The user's API is below: load a trace (:class:`TraceStudy`), ask the pipeline (:class:`Request`,
 :func:`predict`, a :class:`Prediction`), or write the request as a scenario
-(:class:`Scenario`); :func:`simulate` runs any :class:`TaskGraph` a pass returns.
+(:class:`Scenario`); :func:`simulate` runs any :class:`TaskGraph` a pass returns. Input a
+prediction leaves out (events with a negative duration, a pattern that matches nothing) comes as
+an :class:`InputWarning` through Python's ``warnings``, or, inside ``with collecting(d)``, into
+the :class:`Diagnostics` ``d`` (``Diagnostics(strict=True)`` raises :class:`StrictError`).
 """
 
+from whatif.collectors.diagnostics import Diagnostics, InputWarning, StrictError, collecting
 from whatif.collectors.kineto import TraceError
 from whatif.collectors.load import load_trace
 from whatif.pipeline import Prediction, Request, WhatIf, predict
@@ -39,18 +43,22 @@ from whatif.topology import Cluster, load_cluster
 __all__ = [
     "Cluster",
     "ClusterConfig",
+    "Diagnostics",
     "GraphError",
+    "InputWarning",
     "Policy",
     "Prediction",
     "Request",
     "Scenario",
     "ScenarioError",
+    "StrictError",
     "TaskGraph",
     "TaskKind",
     "TraceError",
     "TraceStudy",
     "WhatIf",
     "build_graph",
+    "collecting",
     "load_cluster",
     "load_trace",
     "predict",

@@ -49,6 +49,7 @@ from typing import Optional, Sequence, Union
 import numpy as np
 import pandas as pd
 
+from whatif.collectors.diagnostics import warn
 from whatif.report.cluster import configuration_labels, configuration_row, memory_columns, parallel_row
 from whatif.report.iterations import iteration_report, speedup_report, steady_median
 from whatif.sim.distributed import ClusterConfig, ClusterSchedule, simulate_cluster
@@ -94,10 +95,17 @@ class WhatIf:
             graph = apply_optimization(graph, spec)
         graph = graph.copy()
         for pattern, factor in self.scale:
-            graph.scale(graph.select(pattern=pattern), factor)
+            graph.scale(self._matching(graph, "--scale", f"{pattern}={factor:g}", pattern), factor)
         for pattern in self.remove:
-            graph.remove(graph.select(pattern=pattern))
+            graph.remove(self._matching(graph, "--remove", pattern, pattern))
         return graph
+
+    @staticmethod
+    def _matching(graph: TaskGraph, option: str, spec: str, pattern: str):
+        """The tasks ``pattern`` selects; a warning where it selects none (a misspelt name)."""
+        tasks = graph.select(pattern=pattern)
+        warn(f"{option} {spec!r}", int(len(tasks) == 0), "matches no task, so it changes nothing")
+        return tasks
 
 
 @dataclass(frozen=True)

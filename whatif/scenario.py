@@ -62,11 +62,11 @@ from __future__ import annotations
 
 import difflib
 import itertools
+import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
 
-import yaml
 
 from whatif.collectors.bundle import is_bundle
 from whatif.sim.distributed import POLICIES, ClusterConfig, Straggler
@@ -77,6 +77,7 @@ from whatif.sim.parallel.job import check_modelled
 from whatif.sim.parallel.memory import OPTIMIZER_STATE_BYTES
 from whatif.sim.passes.optimizations import OPTIMIZATIONS, optimization_name, parse_optimization
 from whatif.topology import Cluster, TopologyError, as_gbps, collective_cost, parse_size, with_fabric_links
+from whatif.topology.yamlfile import read_yaml
 
 from .pipeline import Request, WhatIf
 
@@ -140,16 +141,7 @@ class Scenario:
         """Parse and validate a scenario file (YAML loaded safely); relative paths in it are
         relative to the file."""
         path = Path(path)
-        try:
-            doc = yaml.safe_load(path.read_text())
-        except FileNotFoundError:
-            raise ScenarioError(path, "", "no such file") from None
-        except OSError as err:
-            raise ScenarioError(path, "", f"cannot be read ({err.strerror})") from None
-        except yaml.YAMLError as err:
-            mark = getattr(err, "problem_mark", None)
-            where = f" at line {mark.line + 1}" if mark else ""
-            raise ScenarioError(path, "", f"not valid YAML{where}") from None
+        doc = _load_yaml(path, path, "")
         return cls.from_dict(doc, base_dir=path.parent, name=str(path))
 
     @classmethod
@@ -188,6 +180,23 @@ class Scenario:
             optimizer=self.optimizer,
             gpu_memory_bytes=self.gpu_memory,
         )
+
+
+#: The most GPUs one machine may have: the largest NVLink domain sold as one (GB200 NVL72); the
+#: machine presets have 8.
+MAX_GPUS_PER_MACHINE = 72
+#: The most clusters a grid may have, and GPUs a cluster (the CLI asks for --yes well before)
+MAX_GRID_CLUSTERS = 10_000
+MAX_CLUSTER_GPUS = 1_000_000
+
+
+def _load_yaml(path: Path, name, key: str) -> Any:
+    """A YAML file read within bounds (``topology/yamlfile.py``): the scenario (``key`` "") or
+    a file it names (``key`` the scenario's key that names it, ``name`` the scenario)."""
+    try:
+        return read_yaml(path)
+    except TopologyError as err:
+        raise ScenarioError(name, key, f"{path}: {err.message}" if key else err.message) from None
 
 
 def _as_list(value) -> list:
@@ -278,7 +287,8 @@ def _parse(doc: Any, base_dir: Path, name: str) -> Scenario:
         except TopologyError as err:
             raise ScenarioError(name, "collective", err.message) from None
     _gradients(name, doc.get("gradients"), scenario)
-    scenario.stragglers = [_straggler(name, i, s) for i, s in enumerate(_as_list(doc.get("stragglers") or []))]
+    machines = max(point.cluster.machines for point in points)
+    scenario.stragglers = [_straggler(name, i, s, machines) for i, s in enumerate(_as_list(doc.get("stragglers") or []))]
     scenario.options = _options(name, doc.get("framework_options") or {})
     replicate = doc.get("replicate", "auto")
     if replicate not in ("auto", True, False):
@@ -312,6 +322,10 @@ def _clusters(name: str, base_dir: Path, block: Any) -> list[Cluster]:
     for where, items in axes:
         if not items:
             raise ScenarioError(name, ".".join(("cluster", *where)), "an empty list leaves nothing to predict")
+    size = math.prod(len(items) for _, items in axes)
+    if size > MAX_GRID_CLUSTERS:
+        raise ScenarioError(name, "cluster", f"a grid of {size} clusters (more than {MAX_GRID_CLUSTERS}): "
+                                             "split it into several scenarios")
     clusters = []
     for choice in itertools.product(*(items for _, items in axes)):
         point = config
@@ -321,6 +335,12 @@ def _clusters(name: str, base_dir: Path, block: Any) -> list[Cluster]:
             clusters.append(Cluster.from_config(point, "cluster"))
         except TopologyError as err:
             raise ScenarioError(name, err.key, err.message) from None
+        if clusters[-1].gpus_per_machine > MAX_GPUS_PER_MACHINE:
+            raise ScenarioError(name, "cluster.gpus_per_machine", f"{clusters[-1].gpus_per_machine} GPUs in one machine: "
+                                f"no machine has more than {MAX_GPUS_PER_MACHINE} (GB200 NVL72); a machine preset has 8")
+        if clusters[-1].n_gpus > MAX_CLUSTER_GPUS:
+            raise ScenarioError(name, "cluster.machines", f"{clusters[-1].n_gpus} GPUs: more than {MAX_CLUSTER_GPUS}, "
+                                "beyond any cluster built (the largest have about 100,000)")
     return clusters
 
 
@@ -347,12 +367,7 @@ def _with_links_file(name: str, base_dir: Path, cluster: dict) -> dict:
     if "links" not in cluster:
         return cluster
     links_path = _path(base_dir, cluster["links"])
-    try:
-        links = yaml.safe_load(links_path.read_text())
-    except FileNotFoundError:
-        raise ScenarioError(name, "cluster.links", f"no such file: {links_path}") from None
-    except yaml.YAMLError:
-        raise ScenarioError(name, "cluster.links", f"{links_path} is not valid YAML") from None
+    links = _load_yaml(links_path, name, "cluster.links")
     if not isinstance(links, dict) or not {"intra_node", "inter_node"} <= set(links):
         raise ScenarioError(name, "cluster.links", f"{links_path} has no intra_node and inter_node links")
     merged = {k: v for k, v in cluster.items() if k != "links"}
@@ -415,19 +430,22 @@ def _gradients(name: str, spec, scenario: Scenario) -> None:
         raise ScenarioError(name, "gradients.total", "must be positive")
 
 
-def _straggler(name: str, index: int, spec) -> Straggler:
+def _straggler(name: str, index: int, spec, machines: int) -> Straggler:
     key = f"stragglers[{index}]"
     _check_keys(name, spec, tuple(f.name for f in fields(Straggler)), key)
     if "machine" not in spec:
         raise ScenarioError(name, f"{key}.machine", "missing")
     machine = spec["machine"]
-    if not isinstance(machine, int) or machine < 0:
+    if isinstance(machine, bool) or not isinstance(machine, int) or machine < 0:
         raise ScenarioError(name, f"{key}.machine", f"must be a machine index >= 0, got {machine!r}")
+    if machine >= machines:
+        raise ScenarioError(name, f"{key}.machine", f"machine {machine} does not exist: the largest cluster has "
+                                                    f"{machines} (machines are numbered from 0)")
     factors = {}
     for factor in (f.name for f in fields(Straggler) if f.name != "machine"):
         value = spec.get(factor, 1.0)
-        if not isinstance(value, (int, float)) or value <= 0:
-            raise ScenarioError(name, f"{key}.{factor}", f"must be a positive number, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < float("inf")):
+            raise ScenarioError(name, f"{key}.{factor}", f"must be a positive finite number, got {value!r}")
         factors[factor] = float(value)
     return Straggler(machine, **factors)
 

@@ -140,6 +140,8 @@ def parse_optimization(spec: str) -> tuple[str, Optional[float]]:
         raise GraphError(f"optimization {name}: {value!r} is not a number") from None
     if name != "faster-gpu":
         raise GraphError(f"optimization {name} takes no value")
+    if not (np.isfinite(argument) and argument > 0):
+        raise GraphError(f"optimization {spec!r}: the speed-up must be a positive finite number")
     return name, argument
 
 

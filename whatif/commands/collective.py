@@ -26,6 +26,7 @@ from whatif.topology.calibrate import fit_tables
 from whatif.topology.nccl.tuning import OPS, parse_choices
 from whatif.topology.nccl.versions import LATEST, version_text
 from whatif.topology.nccl_tests import bus_factor, read_table
+from whatif.topology.yamlfile import read_yaml
 
 DTYPES = {"int8": 1, "uint8": 1, "half": 2, "bfloat16": 2, "float": 4, "int32": 4, "double": 8, "int64": 8}
 REDOP = {"all_reduce": "sum", "reduce_scatter": "sum", "reduce": "sum"}
@@ -71,11 +72,9 @@ def add_parsers(subparsers) -> None:
 def load_cluster_config(path: Path) -> dict:
     """The cluster mapping in ``path``: a cluster YAML or a scenario's ``cluster:`` block."""
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except OSError as err:
-        raise TopologyError(str(path), err.strerror or str(err)) from None
-    except yaml.YAMLError as err:
-        raise TopologyError(str(path), f"not valid YAML ({str(err).splitlines()[0]})") from None
+        data = read_yaml(path)
+    except TopologyError as err:
+        raise TopologyError(str(path), err.message) from None
     if not isinstance(data, Mapping):
         raise TopologyError(str(path), "expected a mapping with machines, gpus_per_machine, ... or a cluster: block")
     key = "cluster" if "cluster" in data else ""
@@ -84,9 +83,9 @@ def load_cluster_config(path: Path) -> dict:
         links_path = Path(str(config.pop("links")))
         links_path = links_path if links_path.is_absolute() else path.parent / links_path
         try:
-            links = yaml.safe_load(links_path.read_text(encoding="utf-8")) or {}
-        except (OSError, yaml.YAMLError):
-            raise TopologyError(f"{path}: {key + '.' if key else ''}links", f"cannot read {links_path}") from None
+            links = read_yaml(links_path) or {}
+        except TopologyError as err:
+            raise TopologyError(f"{path}: {key + '.' if key else ''}links", f"{links_path}: {err.message}") from None
         for name in ("intra_node", "inter_node", "shared_memory"):
             if name in links and not isinstance(config.get(name), str):
                 config[name] = {**links[name], **config[name]} if isinstance(config.get(name), Mapping) else links[name]
@@ -134,12 +133,22 @@ def _nccl_size(text: str, key: str) -> float:
     return parse_size(value, key)
 
 
+#: The most message sizes one table may have (nccl-tests' default sweep has 30 or so)
+MAX_SIZES = 10_000
+
+
 def _sizes(args, op: str, n_ranks: int) -> list:
     lo, hi = _nccl_size(args.min_bytes, "--min-bytes"), _nccl_size(args.max_bytes, "--max-bytes")
     if hi < lo:
         raise TopologyError("--max-bytes", f"{args.max_bytes} is below --min-bytes {args.min_bytes}")
     if not args.step_factor > 1:
         raise TopologyError("--step-factor", f"must be above 1, got {args.step_factor}")
+    if lo <= 0:
+        raise TopologyError("--min-bytes", f"must be positive, got {args.min_bytes}")
+    rows = math.floor(math.log(hi / lo) / math.log(args.step_factor)) + 1 if math.isfinite(args.step_factor) else 1
+    if rows > MAX_SIZES:
+        raise TopologyError("--step-factor", f"{args.step_factor:g} from {args.min_bytes} to {args.max_bytes} makes "
+                                             f"{rows} sizes (more than {MAX_SIZES}); take a larger step")
     elem = DTYPES[args.dtype]
     sizes, size = [], lo
     while size <= hi * (1 + 1e-12):

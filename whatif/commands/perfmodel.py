@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 import warnings
@@ -13,6 +14,7 @@ from pathlib import Path
 import msgspec
 import pandas as pd
 
+from whatif.collectors.diagnostics import report
 from whatif.report.tables import held_out_table
 from whatif.sim.perfmodels.cache import cache_models, default_models
 from whatif.sim.perfmodels.device import current_device
@@ -41,10 +43,6 @@ def add_parsers(sub) -> None:
     report.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
-def _warn(message: str) -> None:
-    print(f"whatif: warning: {message}", file=sys.stderr)
-
-
 def load_for_cli(path: Path) -> PerfModels:
     """Load a models file, telling the user on stderr when it was measured on another device."""
     with warnings.catch_warnings(record=True) as caught:
@@ -52,7 +50,7 @@ def load_for_cli(path: Path) -> PerfModels:
         models = load_models(path) if path is not None else default_models()
     for warning in caught:
         if issubclass(warning.category, DeviceMismatchWarning):
-            _warn(str(warning.message))
+            report(str(warning.message))  # a warning of the run: --strict makes it an error
     return models
 
 
@@ -73,11 +71,26 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_fit_arguments(args: argparse.Namespace) -> None:
+    """What the sweep's minutes would otherwise end on, checked before it starts."""
+    if args.threads < 1:
+        raise PerfModelError(f"perfmodel fit --threads {args.threads}: expected a positive whole number")
+    for option, value in (("--peak-gflops", args.peak_gflops), ("--bandwidth-gbps", args.bandwidth_gbps)):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise PerfModelError(f"perfmodel fit {option} {value}: expected a positive number")
+    for trace in args.from_trace:
+        if not trace.exists():
+            raise PerfModelError(f"perfmodel fit --from-trace {trace}: no such file or bundle")
+    if args.out is not None and not args.out.resolve().parent.is_dir():
+        raise PerfModelError(f"perfmodel fit --out {args.out}: no such folder {args.out.parent}")
+
+
 def _fit(args: argparse.Namespace) -> int:
     if args.out is None and not args.cache:
         raise PerfModelError("perfmodel fit: give --out MODELS.json, --cache (this machine's default models), or both")
     if args.no_sweep and not args.from_trace:
         raise PerfModelError("perfmodel fit --no-sweep: give at least one --from-trace TRACE")
+    _check_fit_arguments(args)
     started = time.perf_counter()
     parts, sources = [], []
     if args.no_sweep:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import msgspec
 
+from whatif.collectors.diagnostics import plural
 from whatif.pipeline import predict
 from whatif.report.cluster import collective_notes
 from whatif.report.plots import plot_scenario
@@ -17,9 +18,13 @@ from whatif.report.tables import json_records, results_table
 from whatif.report.timeline import write_atomically, write_timeline
 from whatif.scenario import Scenario, ScenarioError
 
-from . import refuse_inputs
+from . import UsageError, refuse_inputs
 
 ERRORS = (ScenarioError,)
+
+#: Above this many GPUs simulated over a scenario's grid (summed over its configurations),
+#: ``whatif predict`` asks for ``--yes``: a grid of a few thousand takes minutes
+MAX_GRID_GPUS = 2048
 
 
 def add_parsers(sub) -> None:
@@ -29,10 +34,16 @@ def add_parsers(sub) -> None:
     predict_.add_argument("--plot", type=Path, metavar="OUT.png", help="scaling curve and time breakdown")
     predict_.add_argument("--csv", type=Path, metavar="OUT.csv", help="the results table as CSV")
     predict_.add_argument("--timeline", type=Path, metavar="OUT.json", help="simulated timeline of each configuration")
+    predict_.add_argument("--yes", action="store_true",
+                          help=f"run a grid of more than {MAX_GRID_GPUS} GPUs in all (refused without it)")
 
 
 def run(args: argparse.Namespace) -> int:
     scenario = Scenario.from_file(args.scenario)
+    gpus = sum(point.cluster.n_gpus for point in scenario.points)
+    if gpus > MAX_GRID_GPUS and not args.yes:
+        raise UsageError(f"{args.scenario}: the grid simulates {gpus} GPUs over {plural(len(scenario.points), 'configuration')}, "
+                         f"more than {MAX_GRID_GPUS} (minutes to hours); pass --yes to run it anyway")
     inputs = (args.scenario, scenario.trace)
     prediction = predict(scenario.request())
     results = prediction.results

@@ -15,6 +15,7 @@ what-ifs to every rank, and report each rank's iterations.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -22,6 +23,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
+from whatif.collectors.diagnostics import warn
 from whatif.collectors.ranks import is_job, load_traces
 from whatif.pipeline import Prediction, Request, WhatIf, predict
 from whatif.report.iterations import steady_median
@@ -29,7 +31,8 @@ from whatif.report.ranks import job_json, rank_reports
 from whatif.report.tables import iteration_table, json_records
 from whatif.report.timeline import write_timeline
 from whatif.sim.multirank import build_job
-from whatif.sim.passes.optimizations import OPTIMIZATIONS
+from whatif.sim.graph import GraphError
+from whatif.sim.passes.optimizations import OPTIMIZATIONS, parse_optimization
 
 from . import UsageError, add_trace_options
 from .perfmodel import load_for_cli
@@ -59,6 +62,8 @@ def add_parsers(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.command == "simulate":
+        _check_arguments(args)
     if is_job(args.trace):
         return run_job(args)
     args.trace = args.trace[0]
@@ -97,7 +102,7 @@ def run_job(args: argparse.Namespace) -> int:
         raise UsageError("--batch-size: a multi-rank job cannot be rebatched yet; give one rank's trace")
     job = build_job(load_traces(args.trace), args.iteration)
     for path, why in job.skipped:
-        print(f"whatif: skipped {path}: {why}", file=sys.stderr)
+        warn(path, 1, f"skipped, {why}")
     replay = schedule = job.replay()
     what = {}
     if args.command == "simulate":
@@ -119,6 +124,27 @@ def run_job(args: argparse.Namespace) -> int:
     if args.timeline is not None:
         print(f"timeline written to {args.timeline}")
     return 0
+
+
+def _check_arguments(args: argparse.Namespace) -> None:
+    """Every what-if argument checked before any trace is read or model loaded."""
+    for option, value in (("--batch-size", args.batch_size), ("--from-batch-size", args.from_batch_size)):
+        if value is not None and value < 1:
+            raise UsageError(f"{option} {value}: expected a positive whole number")
+    for spec in args.optimization:
+        try:
+            parse_optimization(spec)
+        except GraphError as err:
+            raise UsageError(str(err)) from None
+    for spec in args.scale:
+        _parse_scale(spec)
+    for pattern in args.remove:
+        try:
+            re.compile(pattern)
+        except re.error as err:
+            raise UsageError(f"--remove {pattern!r}: not a valid regular expression ({err})") from None
+    if args.perfmodel is not None and not args.perfmodel.is_file():
+        raise UsageError(f"--perfmodel {args.perfmodel}: no such file")
 
 
 def _simulate_request(args: argparse.Namespace) -> Request:

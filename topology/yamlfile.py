@@ -1,0 +1,64 @@
+"""A YAML file a user gives (a scenario, a cluster, its links), read within bounds.
+
+PyYAML's safe loader builds a document as written, but a few lines of aliases (``*name``) can
+name one list inside another nine times over, a "billion laughs" that whatever walks the result
+expands into gigabytes; and a trace passed by mistake is megabytes of JSON, or gzip bytes. So a
+file is refused, with one line naming it and the limit, when it is larger than
+:data:`MAX_YAML_BYTES`, uses more than :data:`MAX_YAML_ALIASES` aliases, or is not UTF-8 text.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .units import TopologyError
+
+#: A scenario or cluster file is a page of YAML: larger than this (bytes) is not one; and a
+#: document may use this many aliases, which bounds what a few lines can expand to (16 aliases
+#: make at most about 256 copies).
+MAX_YAML_BYTES = 1_000_000
+MAX_YAML_ALIASES = 16
+
+
+class _TooManyAliases(Exception):
+    pass
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing more than :data:`MAX_YAML_ALIASES` aliases."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            self.aliases = getattr(self, "aliases", 0) + 1
+            if self.aliases > MAX_YAML_ALIASES:
+                raise _TooManyAliases
+        return super().compose_node(parent, index)
+
+
+def read_yaml(path: Path) -> Any:
+    """The document in ``path``; a :class:`TopologyError` whose key is "" and whose message
+    says what is wrong with the file (not its name: the caller says which file and key)."""
+    try:
+        raw = Path(path).read_bytes()
+    except FileNotFoundError:
+        raise TopologyError("", "no such file") from None
+    except OSError as err:
+        raise TopologyError("", f"cannot be read ({err.strerror})") from None
+    if raw[:2] == b"\x1f\x8b":
+        raise TopologyError("", "is gzip data, not YAML (a trace? name it in a scenario's trace: key)")
+    if len(raw) > MAX_YAML_BYTES:
+        raise TopologyError("", f"{len(raw) / 1e6:.1f} MB is not a page of YAML (at most {MAX_YAML_BYTES / 1e6:g} MB; "
+                                "a trace? name it in a scenario's trace: key)")
+    try:
+        return yaml.load(raw.decode("utf-8"), Loader=_BoundedLoader)
+    except UnicodeDecodeError:
+        raise TopologyError("", "is not UTF-8 text, so not YAML") from None
+    except _TooManyAliases:
+        raise TopologyError("", f"more than {MAX_YAML_ALIASES} YAML aliases (*name); refusing a document that may "
+                                "expand beyond bounds (write the values out)") from None
+    except (yaml.YAMLError, RecursionError) as err:
+        mark = getattr(err, "problem_mark", None)
+        raise TopologyError("", "not valid YAML" + (f" at line {mark.line + 1}" if mark else "")) from None
