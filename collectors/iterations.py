@@ -87,7 +87,8 @@ def whole_trace_note(trace: KinetoTrace, iterations: pd.DataFrame) -> str:
             "to split it, give --iteration NAME (a regular expression): each range it names becomes an iteration")
     candidates = repeating_annotations(trace)
     if candidates.empty:
-        return line + "; this trace has no annotation that repeats (wrap each step in record_function, or call prof.step())"
+        return line + ("; it has no annotation that repeats: right for a trace cut to one step, else wrap each "
+                       "step in record_function, or call prof.step()")
     shown = ", ".join(f"'{as_pattern(name)}' ({count} times, median {ms:.1f} ms)"
                       for name, count, ms in zip(candidates["name"], candidates["count"], candidates["median_ms"]))
     return f"{line}; the annotations that repeat here are {shown}"
