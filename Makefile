@@ -17,9 +17,13 @@ TRACE := data/convnet_cpu.pt.trace.json.gz
 demo: $(VENV)/.installed-demo
 	$(BIN)/whatif replay $(TRACE)
 
-# the tests hold predictions against real Horovod and DDP runs, so they install the lab first
+# the tests hold predictions against real Horovod and DDP runs, so they install the lab first;
+# the run says how many tests there are and what to expect first, and what it took at the end
 test: $(VENV)/.installed-test horovod
-	$(BIN)/python -m pytest -q tests
+	@echo "make test: $$($(BIN)/python -m pytest -q --collect-only tests | tail -n 1 | sed 's/ in .*//');" \
+	  "about 35-40 minutes on 2 cores (the lab's real runs are most of it)"
+	@start=$$(date +%s); $(BIN)/python -m pytest -q tests; status=$$?; took=$$(( $$(date +%s) - start )); \
+	  echo "make test: took $$(( took / 60 )) min $$(( took % 60 )) s (exit status $$status)"; exit $$status
 
 horovod: $(VENV)/.installed-lab
 	lab/horovod_build.sh $(BIN)/python

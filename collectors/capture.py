@@ -73,6 +73,10 @@ from .host import cpu_model
 from .kineto import TraceError
 from .load import load_trace
 
+#: the least warm-up that times a step without the profiler (step 1 of 0, 1, 2: the first is cold,
+#: the last is the profiler's own warm-up), which the profiler-overhead correction needs
+MIN_WARMUP_FOR_OVERHEAD = 3
+
 #: glibc's malloc without its moving mmap threshold and without trimming, as environment
 #: variables for a process about to start. With glibc's defaults whether a step's large tensors
 #: page-fault in again depends on what else the heap holds: the wide MLP's plain steps took 134 ms
@@ -129,6 +133,13 @@ class Capture:
         self.out = Path(out)
         self.steps = count_setting(STEPS_ENV, "steps", steps, minimum=1)
         self.warmup = count_setting(WARMUP_ENV, "warmup", warmup, minimum=0)
+        if self.warmup < MIN_WARMUP_FOR_OVERHEAD:
+            print(
+                f"whatif: warning: warm-up of {self.warmup} steps times no step without the profiler (steps 2 to "
+                f"warm-up - 1 are), so predictions from this bundle cannot remove the profiler's overhead and "
+                f"will be slower than the plain run; use --warmup {MIN_WARMUP_FOR_OVERHEAD} or more",
+                file=sys.stderr, flush=True,
+            )
         self.model = model
         self.batch_size = batch_size
         self.layers = layers

@@ -78,6 +78,8 @@ def load_traces(paths_or_folder: Union[str, Path, Sequence[Union[str, Path]]]) -
         else:
             ranks.append(_identify(load_trace(path)))
     where = paths[0] if len(paths) == 1 else ", ".join(str(p) for p in paths)
+    if not ranks and not skipped and len(paths) == 1:
+        raise TraceError(where, "neither a trace file nor a trace bundle (no bundle.json), and no rank traces in it")
     if len(ranks) < 2:
         raise TraceError(
             where,

@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from .cluster import LabError, LabSpec, run_job
+from .cluster import LabError, LabSpec, check_can_run, progress, run_job
 
 SIZES_BYTES = (64e3, 256e3, 1e6, 4e6, 16e6, 32e6, 64e6)  # up to Horovod's fusion buffer
 RUNS = 3
@@ -69,6 +69,7 @@ def run_probe(spec: LabSpec, framework: str, argv: list, out_dir: Path, result_f
     records = []
     for run in range(runs):
         run_dir = out_dir / f"run{run}"
+        progress(f"calibration: {what} on {spec.machines}x{spec.gpus_per_machine}, run {run + 1} of {runs}")
         result = run_job(spec, framework, argv, run_dir, timeout_s=timeout_s, env=env)
         if any(result.exit_codes):
             raise LabError(f"{what} failed; see the logs in {run_dir}")
@@ -146,6 +147,7 @@ def add_shared_memory(links_yaml: Path, bandwidth_mbit: float, work_dir: Path = 
         raise LabError(f"{links_yaml}: cannot read it as a topology YAML ({str(err).splitlines()[0]})") from None
     if not isinstance(doc, dict) or not {"intra_node", "inter_node"} <= set(doc):
         raise LabError(f"{links_yaml}: has no intra_node and inter_node links; write one with whatif lab calibrate --out")
+    check_can_run(LabSpec(1, 2, bandwidth_mbit))
     work_dir = Path(work_dir or tempfile.mkdtemp(prefix="whatif-calibrate-"))
     measured = measure_shared_memory(LabSpec(1, 2, bandwidth_mbit), work_dir / "shared_memory", runs)
     doc["shared_memory"] = fit_shared_memory(measured)
@@ -160,8 +162,10 @@ def calibrate(bandwidth_mbit: float, out_yaml: Path, work_dir: Path = None, horo
               runs: int = RUNS) -> dict:
     """Measure across two machines and inside one; write the fitted topology to ``out_yaml``.
     Horovod's loop is measured at ``horovod_cycle_ms``, the cycle time of the jobs to predict."""
-    work_dir = Path(work_dir or tempfile.mkdtemp(prefix="whatif-calibrate-"))
     specs = {"across_machines": LabSpec(2, 1, bandwidth_mbit), "inside_a_machine": LabSpec(1, 2, bandwidth_mbit)}
+    for spec in specs.values():
+        check_can_run(spec)
+    work_dir = Path(work_dir or tempfile.mkdtemp(prefix="whatif-calibrate-"))
     measured = {where: measure(spec, work_dir / where.split("_")[0], runs=runs) for where, spec in specs.items()}
     contention = {where: fit_contention(probe) for where, probe in measured.items()}
     if importlib.util.find_spec("horovod") is not None:
@@ -193,4 +197,5 @@ def calibrate(bandwidth_mbit: float, out_yaml: Path, work_dir: Path = None, horo
         "measured": {**measured, "shared_memory": shared},
     }
     out_yaml.write_text(yaml.safe_dump(doc, sort_keys=False))
+    progress(f"calibration at {bandwidth_mbit:g} Mbps done: {out_yaml}")
     return doc

@@ -16,7 +16,7 @@ import msgspec
 from whatif.topology import as_gbps, parse_bandwidth, parse_latency
 
 from .calibrate import add_shared_memory, calibrate
-from .cluster import FRAMEWORKS, LabError, LabSpec, run_job
+from .cluster import FRAMEWORKS, PREFIX, STATE_DIR, LabError, LabSpec, clean, run_job
 from .validate import as_record
 from .validate import validate as validate_point
 
@@ -44,6 +44,8 @@ def add_parsers(sub) -> None:
     lab_cal.add_argument("--horovod-cycle", default="5ms", help="Horovod's cycle time to measure its loop at (default: 5ms)")
     lab_cal.add_argument("--shared-memory-into", type=Path, metavar="YAML",
                          help="measure only the workers' shared memory, into this existing topology YAML")
+    lab_sub.add_parser(
+        "clean", help=f"remove the namespaces, veths and /etc/netns entries ({PREFIX}<pid>...) of labs whose process is gone")
     validate = sub.add_parser("validate", help="capture 1x1, predict, run for real on the lab, compare (root)")
     validate.add_argument("--model", required=True, help="an example model: convnet, vgg, wide_mlp, transformer, moe")
     validate.add_argument("--machines", type=int, default=2)
@@ -68,6 +70,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_lab(args: argparse.Namespace) -> int:
+    if args.lab_command == "clean":
+        removed = clean()
+        for kind, name in removed:
+            print(f"removed {kind} {name}")
+        print(f"{sum(kind != 'state' for kind, _ in removed)} objects of dead labs removed "
+              f"(state files in {STATE_DIR}); running labs left alone")
+        return 0
     if args.lab_command == "calibrate":
         bandwidth_mbit = as_gbps(parse_bandwidth(args.bandwidth, "--bandwidth")) * 1e3
         if args.shared_memory_into is not None:

@@ -14,14 +14,19 @@ where ``tc qdisc ... netem`` works; otherwise the lab refuses a non-zero ``--lat
 quietly ignoring it (the veth path itself has a few tens of microseconds, which calibration
 measures).
 
-Everything created is removed on leaving the context, on success, error, Ctrl-C or timeout; the
-names carry the creating process's id so that concurrent labs never collide and a crashed lab's
-leftovers can be recognised.
+Everything created is removed on leaving the context, on success, error, Ctrl-C or timeout.
+Every namespace, veth and ``/etc/netns`` entry is named ``wfl<pid>...`` (:data:`PREFIX` and the
+creating process's id, so that concurrent labs never collide) and written to a state file,
+``/run/whatif-lab/wfl<pid>.json`` (:data:`STATE_DIR`), before it is made. A lab killed with
+SIGKILL cannot clean up after itself; ``whatif lab clean`` (:func:`clean`) removes what every
+lab whose process is gone left behind, from the state files and from the names themselves.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -35,6 +40,25 @@ from typing import Optional, Sequence
 
 class LabError(Exception):
     """The lab cannot run here or as asked; the message is one line."""
+
+
+#: what every namespace, veth, bridge port and ``/etc/netns`` entry of the lab is named from,
+#: followed by the creating process's id (an interface name has at most 15 characters)
+PREFIX = "wfl"
+#: where each running lab records what it creates, one JSON file per lab (``WHATIF_LAB_STATE``)
+STATE_DIR = Path(os.environ.get("WHATIF_LAB_STATE", "/run/whatif-lab"))
+ETC_NETNS = Path("/etc/netns")
+
+
+def progress(message: str) -> None:
+    """One line on stderr saying what the lab is doing now, with the time of day: calibration and
+    validation run for minutes."""
+    print(f"[{time.strftime('%H:%M:%S')}] lab: {message}", file=sys.stderr, flush=True)
+
+
+def tag_for(pid: int) -> str:
+    """The name every object of the lab run by process ``pid`` starts with."""
+    return f"{PREFIX}{pid}"
 
 
 @dataclass(frozen=True)
@@ -63,7 +87,7 @@ class EmulatedCluster:
     """Namespaces, veths, bridge and shaping for ``spec``; use as a context manager."""
 
     spec: LabSpec
-    tag: str = field(default_factory=lambda: f"wf{os.getpid() % 100000}")
+    tag: str = field(default_factory=lambda: tag_for(os.getpid()))
     created: list = field(default_factory=list)
     processes: list = field(default_factory=list)
 
@@ -88,7 +112,7 @@ class EmulatedCluster:
     # -- lifecycle -------------------------------------------------------------------------------
 
     def __enter__(self) -> "EmulatedCluster":
-        _check_can_run(self.spec)
+        check_can_run(self.spec)
         self._previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
         for s in self._previous:
             signal.signal(s, _raise_interrupt)
@@ -102,12 +126,9 @@ class EmulatedCluster:
     def __exit__(self, *exc) -> None:
         for proc in self.processes:
             _kill_group(proc)
-        for kind, name in reversed(self.created):
-            if kind == "netns":
-                subprocess.run(["ip", "netns", "del", name], capture_output=True)
-            elif kind == "hosts":
-                shutil.rmtree(name, ignore_errors=True)
+        _remove(reversed(self.created))
         self.created.clear()
+        self.state_file.unlink(missing_ok=True)
         for s, handler in getattr(self, "_previous", {}).items():
             signal.signal(s, handler)
 
@@ -120,6 +141,7 @@ class EmulatedCluster:
         for m in range(spec.machines):
             ns, nic, port = self.namespace(m), self.nic(m), f"{self.tag}p{m}"
             self._netns(ns)
+            self._record("link", nic)
             _run(["ip", "link", "add", nic, "type", "veth", "peer", "name", port])
             _run(["ip", "link", "set", nic, "netns", ns])
             _run(["ip", "link", "set", port, "netns", self.switch])
@@ -130,16 +152,30 @@ class EmulatedCluster:
             _ip(ns, "link", "set", nic, "up")
             _shape(ns, nic, spec)  # what the machine sends
             _shape(self.switch, port, spec)  # what it receives
-            hosts = Path("/etc/netns") / ns
+            hosts = ETC_NETNS / ns
+            self._record("hosts", str(hosts))
             hosts.mkdir(parents=True, exist_ok=True)
-            self.created.append(("hosts", str(hosts)))
             (hosts / "hosts").write_text(
                 "127.0.0.1 localhost\n" + "".join(f"{addr} {name}\n" for name, addr in names)
             )
 
     def _netns(self, name: str) -> None:
+        self._record("netns", name)
         _run(["ip", "netns", "add", name])
-        self.created.append(("netns", name))
+
+    @property
+    def state_file(self) -> Path:
+        return STATE_DIR / f"{self.tag}.json"
+
+    def _record(self, kind: str, name: str) -> None:
+        """Write ``name`` to the state file before it is made, so that a lab killed between the
+        two still names it."""
+        self.created.append((kind, name))
+        STATE_DIR.mkdir(parents=True, exist_ok=True)
+        state = {"pid": os.getpid(), "started": _start_time(os.getpid()), "created": self.created}
+        written = self.state_file.with_suffix(".new")
+        written.write_text(json.dumps(state))
+        written.replace(self.state_file)
 
     # -- workers ---------------------------------------------------------------------------------
 
@@ -189,7 +225,16 @@ def pin(spec: LabSpec, rank: int, cores: int) -> list[int]:
     return sorted({(first + c) % cores for c in range(per_machine)})
 
 
-def _check_can_run(spec: LabSpec) -> None:
+def check_can_run(spec: LabSpec) -> None:
+    """Refuse, in one line, a lab this box cannot run: before any capture or calibration."""
+    if spec.machines < 1 or spec.gpus_per_machine < 1:
+        raise LabError("machines and GPUs per machine must be at least 1")
+    cores = box_cores()
+    if spec.machines > cores:
+        raise LabError(f"--machines {spec.machines} is more than this box's {cores} cores: the lab gives every "
+                       f"machine a core of its own, so at most {cores} machines here")
+    if spec.bandwidth_mbit <= 0:
+        raise LabError("bandwidth must be positive")
     if os.geteuid() != 0:
         raise LabError("the lab needs root to create network namespaces (run as root, or use a machine where you are)")
     for tool in ("ip", "tc", "unshare"):
@@ -198,16 +243,20 @@ def _check_can_run(spec: LabSpec) -> None:
     probe = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
     if probe.returncode != 0:
         raise LabError(f"network namespaces are not available here: {probe.stderr.strip()}")
-    if spec.machines < 1 or spec.gpus_per_machine < 1:
-        raise LabError("machines and GPUs per machine must be at least 1")
-    if spec.bandwidth_mbit <= 0:
-        raise LabError("bandwidth must be positive")
     if spec.latency_ms > 0 and not _netem_available():
         raise LabError("--latency needs the kernel's sch_netem qdisc, which this kernel lacks; run with --latency 0")
 
 
+def box_cores() -> int:
+    """The cores this process may run on: the most machines the lab can emulate."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def _netem_available() -> bool:
-    name = f"wfprobe{os.getpid() % 100000}"
+    name = f"{tag_for(os.getpid())}-probe"
     subprocess.run(["ip", "netns", "add", name], capture_output=True)
     try:
         done = subprocess.run(
@@ -244,6 +293,79 @@ def _run(argv: list) -> None:
     done = subprocess.run(argv, capture_output=True, text=True)
     if done.returncode != 0:
         raise LabError(f"'{' '.join(argv)}' failed: {done.stderr.strip() or done.returncode}")
+
+
+def _remove(created) -> None:
+    """Remove ``(kind, name)`` objects: a namespace once the processes left in it are killed (a
+    namespace lives on while a process is in it), a veth left in the host's namespace (deleting
+    one end removes its peer), an ``/etc/netns`` entry."""
+    for kind, name in created:
+        if kind == "netns":
+            pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()
+            for pid in pids:
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        elif kind == "link":
+            subprocess.run(["ip", "link", "del", name], capture_output=True)
+        elif kind == "hosts":
+            shutil.rmtree(name, ignore_errors=True)
+
+
+def _start_time(pid: int) -> Optional[str]:
+    """When process ``pid`` started (field 22 of /proc/PID/stat), to tell it from a later process
+    given the same id; None when there is no such process."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _alive(pid: int, started: Optional[str] = None) -> bool:
+    now = _start_time(pid)
+    return now is not None and (started is None or now == started)
+
+
+_OWNER = re.compile(rf"^{PREFIX}(\d+)")
+
+
+def leftovers() -> list:
+    """``(kind, name)`` of every lab object whose creating process is gone: those its state file
+    names, and any namespace, host-side veth or ``/etc/netns`` entry named :data:`PREFIX` + a
+    dead process's id (a state file lost, or a lab from before state files)."""
+    found = []
+    for state_file in sorted(STATE_DIR.glob(f"{PREFIX}*.json")) if STATE_DIR.is_dir() else []:
+        try:
+            state = json.loads(state_file.read_text())
+            if _alive(int(state["pid"]), state.get("started")):
+                continue
+            found += [(kind, name) for kind, name in reversed(state["created"])]
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # unreadable: the names below still find its objects
+        found.append(("state", str(state_file)))
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split("\n")
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout.split("\n")
+    candidates = [("netns", line.split()[0]) for line in names if line.strip()]
+    candidates += [("link", line.split(":")[1].strip().split("@")[0]) for line in links if line.count(":") >= 2]
+    candidates += [("hosts", str(p)) for p in ETC_NETNS.iterdir()] if ETC_NETNS.is_dir() else []
+    for kind, name in candidates:
+        owner = _OWNER.match(Path(name).name)
+        if owner and not _alive(int(owner.group(1))) and (kind, name) not in found:
+            found.append((kind, name))
+    return found
+
+
+def clean() -> list:
+    """Remove what labs killed before they could clean up left behind (:func:`leftovers`);
+    a running lab's objects are left alone. Returns what was removed."""
+    found = leftovers()
+    _remove([(kind, name) for kind, name in found if kind != "state"])
+    for kind, name in found:
+        if kind == "state":
+            Path(name).unlink(missing_ok=True)
+    return found
 
 
 def _quote(arg: str) -> str:

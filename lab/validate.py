@@ -39,7 +39,7 @@ from whatif.pipeline import predict
 from whatif.scenario import Scenario
 
 from .calibrate import calibrate
-from .cluster import LabError, LabSpec, run_job
+from .cluster import LabError, LabSpec, check_can_run, progress, run_job
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
@@ -125,6 +125,7 @@ def capture(model: str, work: Path, steps: int = CAPTURE_STEPS, warmup: int = CA
     plain_steps: dict[Path, list] = {}  # each process's bundle and its plain steps
     try:
         for process in range(CAPTURE_PROCESSES):
+            progress(f"capturing {model} on one worker, process {process + 1} of {CAPTURE_PROCESSES}")
             candidate = bundle.with_name(f"{bundle.name}.process{process}")
             shutil.rmtree(candidate, ignore_errors=True)
             collect(command, out=candidate, steps=steps, warmup=warmup, env=env)
@@ -165,6 +166,7 @@ def links(bandwidth_mbps: float, work: Path) -> Path:
     """The lab network calibrated at ``bandwidth_mbps`` (kept in ``work``)."""
     path = links_path(bandwidth_mbps, work)
     if not path.exists():
+        progress(f"calibrating the lab's network at {bandwidth_mbps:g} Mbps (once per bandwidth; kept in {path})")
         path.parent.mkdir(parents=True, exist_ok=True)
         calibrate(bandwidth_mbps, path, path.parent / f"calibration_{bandwidth_mbps:g}", horovod_cycle_ms=CYCLE_TIME_MS)
     return path
@@ -229,18 +231,21 @@ def validate(
         raise LabError("--predict-from B0 needs --batch-size B: the batch size to predict and run at")
     captured_at = predict_from if predict_from is not None else batch_size
     allocator = STEADY_ALLOCATOR if steady_allocator else None
+    spec = LabSpec(machines, gpus, bandwidth_mbps, latency_ms)
+    check_can_run(spec)  # a latency without sch_netem, or too many machines: before minutes of captures
     trace = capture(model, work, batch_size=captured_at, allocator=allocator)
     links_file = links(bandwidth_mbps, work)
     changed = (predict_from, batch_size) if predict_from is not None and predict_from != batch_size else None
+    progress(f"predicting {model} at {machines}x{gpus}")
     predicted_ms, overhead = predict(trace, links_file, machines, gpus, bandwidth_mbps, framework, changed)
     with_profiler_ms, _ = predict(trace, links_file, machines, gpus, bandwidth_mbps, framework, changed, "keep")
-    spec = LabSpec(machines, gpus, bandwidth_mbps, latency_ms)
     batch = "" if batch_size is None else f"_batch{batch_size}"
     run_dir = work / "runs" / f"{model}_{framework}_{machines}x{gpus}_{bandwidth_mbps:g}mbps{batch}"
-    reports = [
-        measure(model, spec, framework, run_dir / f"run{r}", steps=steps, batch_size=batch_size, allocator=allocator)
-        for r in range(repeats)
-    ]
+    reports = []
+    for r in range(repeats):
+        progress(f"running {model} for real on {machines}x{gpus} with {framework}, run {r + 1} of {repeats}")
+        reports.append(measure(model, spec, framework, run_dir / f"run{r}", steps=steps, batch_size=batch_size,
+                               allocator=allocator))
     runs_ms = [float(report["median_ms"]) for report in reports]
     measured_ms = statistics.median(runs_ms)
     median_run = min(reports, key=lambda report: abs(float(report["median_ms"]) - measured_ms))

@@ -1,5 +1,13 @@
 """Figures for a design doc: the scaling curve and the per-configuration breakdown.
 
+The x axis orders the configurations by machines, then GPUs per machine (1x1, 1x2, 2x1, 2x2,
+...); each series (a bandwidth, framework and policy) is drawn as one line per GPUs-per-machine
+count, so that every line follows machines and rises as it should instead of rising and falling
+between 1x2 and 2x1. Series that predict the same are drawn side by side (each its own marker,
+shifted a little along x) and named as the same in the legend, rather than hiding each other.
+Both legends sit below their panels, never on the data; the title is the scenario's ``name``
+and ``description`` where it has them.
+
 Where the results are of parallel jobs (``parallelism`` and ``exposed_<dimension>_ms``
 columns, ``report/cluster.py``), each parallelism is its own series and the exposed
 communication bar is split by dimension: each dimension's exposed time scaled so that the parts
@@ -9,6 +17,7 @@ overlaps too, so they may add up to more)."""
 from __future__ import annotations
 
 import io
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -16,9 +25,17 @@ import pandas as pd
 
 from .timeline import write_atomically
 
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+LINESTYLES = ("-", "--", ":", "-.")
+#: two series whose speed-ups differ by less than this (relative) everywhere are the same line
+SAME = 1e-3
 
-def _configuration(frame: pd.DataFrame) -> pd.Series:
-    return frame["machines"].astype(str) + "x" + frame["gpus_per_machine"].astype(str)
+
+def configuration_order(results: pd.DataFrame) -> list[str]:
+    """The configurations ``MxG`` of ``results``, by machines, then GPUs per machine."""
+    shapes = results[["machines", "gpus_per_machine"]].drop_duplicates().astype(int)
+    shapes = shapes.sort_values(["machines", "gpus_per_machine"])
+    return [f"{m}x{g}" for m, g in zip(shapes["machines"], shapes["gpus_per_machine"])]
 
 
 def _series_label(row) -> str:
@@ -50,36 +67,74 @@ def _exposed_by_dimension(frame: pd.DataFrame) -> tuple[dict, dict]:
     return colours, names
 
 
-def plot_scenario(results: pd.DataFrame, path: Path, title: str = "") -> None:
-    """Two panels: throughput speed-up against configuration (1x1 ... 4x2), one line per
-    bandwidth (and framework / policy where the grid varies them), with ideal scaling dashed;
-    and stacked bars of compute, exposed communication and idle time per configuration."""
+def same_as(frame: pd.DataFrame, series: list[str]) -> dict:
+    """For each series whose speed-ups equal an earlier series' (within :data:`SAME`), that
+    earlier series."""
+    curves = {label: frame[frame["series"] == label].set_index("configuration")["speedup"] for label in series}
+    found = {}
+    for i, label in enumerate(series):
+        for earlier in series[:i]:
+            a, b = curves[label].align(curves[earlier], join="outer")
+            if earlier not in found and np.allclose(a, b, rtol=SAME, atol=0.0, equal_nan=False):
+                found[label] = earlier
+                break
+    return found
+
+
+def plot_scenario(results: pd.DataFrame, path: Path, title: str = "", subtitle: str = "") -> None:
+    """Two panels: throughput speed-up against configuration (1x1, 1x2, 2x1 ... by machines),
+    one line per series and GPUs-per-machine count, with ideal scaling in thin black; and
+    stacked bars of compute, exposed communication and idle time per configuration, one bar per
+    series. ``title`` (bold) and ``subtitle`` (wrapped) head the figure."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
     frame = results.copy()
-    frame["configuration"] = _configuration(frame)
-    order = frame.sort_values(["workers", "machines"])["configuration"].drop_duplicates().tolist()
+    frame["configuration"] = [f"{int(m)}x{int(g)}" for m, g in zip(frame["machines"], frame["gpus_per_machine"])]
+    order = configuration_order(frame)
     position = {c: i for i, c in enumerate(order)}
     frame["x"] = frame["configuration"].map(position)
     frame["series"] = [_series_label(r) for r in frame.itertuples()]
+    series = frame["series"].unique().tolist()
+    duplicates = same_as(frame, series)
+    per_machine = sorted(frame["gpus_per_machine"].astype(int).unique())
+    style = {g: LINESTYLES[i % len(LINESTYLES)] for i, g in enumerate(per_machine)}
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    shift = 0.08 if len(series) > 1 else 0.0
 
-    fig, (curve, bars) = plt.subplots(1, 2, figsize=(13, 4.8))
-    for label, group in frame.groupby("series", sort=False):
-        group = group.sort_values("x")
-        curve.plot(group["x"], group["speedup"], marker="o", label=label)
-    ideal = frame.drop_duplicates("configuration").sort_values("x")
-    curve.plot(ideal["x"], ideal["workers"], "k--", linewidth=1, label="ideal (linear)")
+    fig, (curve, bars) = plt.subplots(1, 2, figsize=(13, 5.2))
+    handles = []
+    for k, label in enumerate(series):
+        colour, marker = colours[k % len(colours)], MARKERS[k % len(MARKERS)]
+        offset = (k - (len(series) - 1) / 2) * shift
+        group = frame[frame["series"] == label]
+        for g in per_machine:
+            line = group[group["gpus_per_machine"].astype(int) == g].sort_values("machines")
+            curve.plot(line["x"] + offset, line["speedup"], color=colour, marker=marker, linestyle=style[g],
+                       markersize=6, linewidth=1.5, markerfacecolor="white" if k in (1, 3, 5) else colour)
+        shown = label + (f" (same as {duplicates[label]})" if label in duplicates else "")
+        handles.append(Line2D([], [], color=colour, marker=marker, linestyle="-", label=shown,
+                              markerfacecolor="white" if k in (1, 3, 5) else colour))
+    ideal = frame.drop_duplicates("configuration")
+    for g in per_machine:
+        line = ideal[ideal["gpus_per_machine"].astype(int) == g].sort_values("machines")
+        curve.plot(line["x"], line["machines"] * line["gpus_per_machine"], color="black", linewidth=0.8,
+                   linestyle=style[g], alpha=0.6)
+    handles.append(Line2D([], [], color="black", linewidth=0.8, alpha=0.6, label="ideal (linear)"))
+    if len(per_machine) > 1:
+        handles += [Line2D([], [], color="grey", linestyle=style[g], label=f"{g} GPU{'s' if g > 1 else ''} per machine")
+                    for g in per_machine]
     curve.set_xticks(range(len(order)), order)
+    curve.set_xlim(-0.5, len(order) - 0.5)
     curve.set_xlabel("machines x GPUs per machine")
     curve.set_ylabel("throughput speed-up over 1x1")
     curve.grid(alpha=0.3)
-    curve.legend(fontsize=8)
+    curve.legend(handles=handles, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, frameon=False)
     curve.set_title("Scaling")
 
-    series = frame["series"].unique().tolist()
     width = 0.8 / max(len(series), 1)
     colours, names = _exposed_by_dimension(frame)
     for k, label in enumerate(series):
@@ -92,18 +147,21 @@ def plot_scenario(results: pd.DataFrame, path: Path, title: str = "") -> None:
             bottom = bottom + group[column].to_numpy()
     bars.set_xticks(range(len(order)), order)
     bars.set_xlabel("machines x GPUs per machine")
-    if len(series) > 1:
-        bars.text(0.0, 1.0, "bars, left to right: " + "; ".join(series), transform=bars.transAxes,
-                  fontsize=7, va="bottom", ha="left")
     bars.set_ylabel("iteration time, ms")
-    bars.legend(fontsize=8)
-    bars.set_title("Where the iteration goes", pad=14 if len(series) > 1 else 6)
+    note = "bars, left to right: " + "; ".join(series) if len(series) > 1 else None
+    legend = bars.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3, frameon=False,
+                         title=note, title_fontsize=7)
+    legend._legend_box.align = "left"
+    bars.set_title("Where the iteration goes")
     if title:
-        fig.suptitle(title)
-    fig.tight_layout()
+        fig.suptitle(title, fontweight="bold", y=0.995)
+    if subtitle:
+        fig.text(0.5, 0.935 if title else 0.97, "\n".join(textwrap.wrap(subtitle, 150)), ha="center", va="top",
+                 fontsize=8.5)
+    fig.tight_layout(rect=(0, 0, 1, 0.9 if subtitle else 0.95))
     image = io.BytesIO()
     try:
-        fig.savefig(image, format="png", dpi=130)
+        fig.savefig(image, format="png", dpi=130, bbox_inches="tight")
     finally:
         plt.close(fig)
     write_atomically(Path(path), image.getvalue())

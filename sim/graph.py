@@ -194,6 +194,15 @@ class TaskGraph:
         before that call. A bypass edge's lag is the sum of the lags along the removed path (the
         longest such sum where there are several), as if the removed tasks took no time; lags out
         of a removed task count from its start, so they are never negative.
+
+        Bypass edges that another bypass edge implies are not made: of two sources on one CPU
+        thread or GPU stream, the later one ends no earlier than the first (a resource runs its
+        tasks one after another, in order), so an edge from the first with no more lag than the
+        later one's can never decide its destination's start. Without this, removing a chain
+        joined to many outside tasks joins every one of them to every successor: ``fused-optimizer``
+        on the ResNet-50 V100 trace, whose optimizer kernels each hold a launch-queue edge from an
+        earlier kernel and to a later launch, made 592,643 bypass edges (607,840 dependencies
+        against 26,289); 6,782 carry the same schedule (21,979 in all), in a quarter of the time.
         """
         removed = np.zeros(len(self.tasks), dtype=bool)
         removed[np.asarray(task_ids, dtype=np.int64)] = True
@@ -208,6 +217,7 @@ class TaskGraph:
                     src.append(int(seq[i - 1])); dst.append(int(seq[i])); lag.append(0.0)
                 if i + 1 < len(seq):
                     src.append(int(seq[i])); dst.append(int(seq[i + 1])); lag.append(0.0)
+        ordered = _fixed_order_positions(self)
         into: dict[int, list] = {}
         out: dict[int, list] = {}
         for s_, d_, l_ in zip(src, dst, lag):
@@ -227,6 +237,7 @@ class TaskGraph:
             for s_, l_ in into.get(r, ()):
                 if not removed[s_] and sources.get(s_, -np.inf) < l_:
                     sources[s_] = l_
+            sources = _undominated(sources, ordered)
             for d_, l_ in out.get(r, ()):
                 # a removed task takes no time, and nothing starts before its cause started: a
                 # negative lag out of it (a kernel starting before its launch call returned) is 0
@@ -246,8 +257,12 @@ class TaskGraph:
         if any(n > 0 for n in pending.values()):
             raise GraphError("the tasks to remove depend on each other in a cycle")
         kept_edges = self.edges[~(removed[self.edges["src"].to_numpy()] | removed[self.edges["dst"].to_numpy()])]
+        into_kept: dict[int, dict] = {}
+        for (s_, d_), l_ in bypass.items():
+            into_kept.setdefault(d_, {})[s_] = l_
         new_edges = pd.DataFrame(
-            [(s_, d_, l_, int(EdgeKind.BYPASS)) for (s_, d_), l_ in bypass.items()],
+            [(s_, d_, l_, int(EdgeKind.BYPASS)) for d_, sources in into_kept.items()
+             for s_, l_ in _undominated(sources, ordered).items()],
             columns=["src", "dst", "lag_us", "kind"],
         ).astype(self.edges.dtypes.to_dict())
         # a resource whose first tasks go keeps its start: the first survivor inherits the release
@@ -305,3 +320,37 @@ def empty_edges() -> pd.DataFrame:
             "kind": np.zeros(0, dtype=np.int8),
         }
     )
+
+
+def _fixed_order_positions(graph: "TaskGraph") -> tuple[np.ndarray, np.ndarray]:
+    """For every task, its resource's code and its place in the resource's order, the code -1
+    where the order is not known to hold when simulated: only CPU threads and GPU streams are
+    taken, as a scheduling policy (``sim.engine``) may reorder a framework's queues."""
+    codes = graph.tasks["resource"].cat.codes.to_numpy().astype(np.int64)
+    names = graph.tasks["resource"].cat.categories
+    fixed = np.asarray([str(n).startswith(("cpu ", "gpu ")) for n in names] + [False])
+    code = np.where(fixed[codes], codes, -1)
+    position = np.zeros(len(codes), dtype=np.int64)
+    for seq in graph.resource_order():
+        position[seq] = np.arange(len(seq))
+    return code, position
+
+
+def _undominated(sources: dict, ordered: tuple[np.ndarray, np.ndarray]) -> dict:
+    """``sources`` (task: lag to one destination) without those another implies: a source
+    earlier on the same fixed-order resource as one with at least its lag ends no later, so
+    ``end + lag`` from it is never the larger."""
+    if len(sources) < 2:
+        return sources
+    code, position = ordered
+    kept: dict = {}
+    best: dict = {}  # resource code: the largest lag of a later source on it so far
+    for s_ in sorted(sources, key=lambda t: -position[t]):
+        l_ = sources[s_]
+        c = int(code[s_])
+        if c < 0:
+            kept[s_] = l_
+        elif l_ > best.get(c, -np.inf):
+            kept[s_] = l_
+            best[c] = l_
+    return kept

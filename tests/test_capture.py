@@ -311,6 +311,17 @@ def test_a_loop_that_ends_before_the_profiled_steps_are_done_is_an_error(tmp_pat
     assert not (tmp_path / "short.bundle").exists()
 
 
+def test_a_warmup_below_three_warns_that_the_profiler_overhead_cannot_be_removed(tmp_path, capsys):
+    """Steps 2 .. warm-up - 1 are the ones timed without the profiler: a warm-up of 2 times none,
+    and the bundle's predictions keep the profiler's overhead. Said once, on stderr."""
+    Capture(tmp_path / "short.bundle", model=None, warmup=2)
+    err = capsys.readouterr().err
+    assert "warm-up of 2 steps times no step without the profiler" in err
+    assert "cannot remove the profiler's overhead" in err and "use --warmup 3 or more" in err
+    Capture(tmp_path / "short.bundle", model=None, warmup=3)
+    assert capsys.readouterr().err == ""
+
+
 @needs_torch
 def test_capture_refuses_a_folder_that_is_not_a_bundle_before_training(tmp_path):
     (tmp_path / "results").mkdir()

@@ -15,16 +15,23 @@ from whatif.cli import main
 BUNDLED_STEPS = [f"ProfilerStep#{n}" for n in range(1, 6)]
 
 
-def run_cli(capsys, *argv):
+NOTE_ONE_ITERATION = "whatif: note: "  # a trace without ProfilerStep#N ranges is one iteration
+LITTLE_GAIN = "whatif: note: speed-up 1.0"  # a what-if that gains under 2 % says what bounds the step
+
+
+def run_cli(capsys, *argv, said=()):
+    """stdout of ``whatif ARGV``; stderr must be one line starting with each of ``said``, in
+    order (none: empty)."""
     status = main([str(a) for a in argv])
     out, err = capsys.readouterr()
     assert status == 0, err
-    assert err == ""
+    lines = err.splitlines()
+    assert len(lines) == len(said) and all(line.startswith(s) for line, s in zip(lines, said)), err
     return out
 
 
-def run_json(capsys, *argv) -> dict:
-    out = run_cli(capsys, *argv, "--json")
+def run_json(capsys, *argv, said=()) -> dict:
+    out = run_cli(capsys, *argv, "--json", said=said)
     assert out.endswith("\n") and out.count("\n") == 1, "one JSON object on one line"
     return json.loads(out)
 
@@ -60,7 +67,7 @@ def test_simulate_json_reports_the_prediction_beside_the_replay(capsys):
 
 def test_simulate_json_on_a_gpu_trace_predicts_a_speed_up(capsys, traces):
     path = traces.path(EVENT_SYNC_MULTISTREAM)
-    doc = run_json(capsys, "simulate", path, "--optimization", "amp")
+    doc = run_json(capsys, "simulate", path, "--optimization", "amp", said=[NOTE_ONE_ITERATION])
     (it,) = doc["iterations"]
     assert it["predicted_ms"] < it["replay_ms"]
     assert it["speedup"] > 1.0
@@ -90,7 +97,7 @@ def test_the_table_has_a_header_and_one_row_per_iteration(capsys):
 
 
 def test_the_simulate_table_shows_the_speed_up(capsys):
-    lines = run_cli(capsys, "simulate", BUNDLED_TRACE, "--remove", "Optimizer").splitlines()
+    lines = run_cli(capsys, "simulate", BUNDLED_TRACE, "--remove", "Optimizer", said=[LITTLE_GAIN]).splitlines()
     header, rows = lines[1], lines[2:]
     assert "replay ms" in header and "speed-up" in header and "error %" not in header
     assert len(rows) == 5
@@ -117,7 +124,8 @@ def test_the_timeline_is_a_chrome_trace_with_one_event_per_task(capsys, tmp_path
 
 def test_the_timeline_of_a_gpu_trace_has_cpu_and_gpu_tracks(capsys, tmp_path, traces):
     out = tmp_path / "timeline.json"
-    run_cli(capsys, "simulate", traces.path(EVENT_SYNC_MULTISTREAM), "--optimization", "faster-gpu=2", "--timeline", out)
+    run_cli(capsys, "simulate", traces.path(EVENT_SYNC_MULTISTREAM), "--optimization", "faster-gpu=2", "--timeline", out,
+            said=[NOTE_ONE_ITERATION, "whatif: note: speed-up 1.00 (under 2 %): the step is CPU-bound"])
     events = json.loads(out.read_text())["traceEvents"]
     processes = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
     assert processes == {"CPU threads (simulated)", "GPU streams (simulated)"}
@@ -133,3 +141,18 @@ def test_the_installed_command_runs_a_replay(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert [it["name"] for it in json.loads(result.stdout)["iterations"]] == BUNDLED_STEPS
+
+
+def test_a_what_if_that_gains_nothing_says_what_bounds_the_step(capsys, traces):
+    """amp on ResNet-50 (V100): the step's critical path is the CPU launching kernels, so faster
+    kernels gain nothing; the line says so instead of a bare "speed-up 1.00"."""
+    assert main(["simulate", str(traces.path(RESNET50)), "--optimization", "amp"]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("whatif: note: speed-up 1.00 (under 2 %): the step is CPU-bound: 99 % of its critical path is CPU work")
+    assert "the GPU is idle 36 % of it; amp speeds GPU kernels only" in err
+    assert err.count("\n") == 1
+
+
+def test_a_what_if_that_gains_says_nothing_more(capsys, traces):
+    assert main(["simulate", str(traces.path(RESNET50)), "--optimization", "fused-optimizer"]) == 0
+    assert capsys.readouterr().err == ""

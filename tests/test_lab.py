@@ -59,13 +59,13 @@ def test_a_shaped_link_gives_the_all_reduce_time_of_its_bandwidth(tmp_path):
     result = run_job(LabSpec(2, 1, 100.0), "ddp", [sys.executable, str(script)], tmp_path / "out", timeout_s=240)
     assert result.exit_codes == [0, 0]
     reports = [json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in (0, 1)]
-    assert {r["host"] for r in reports} == {f"wf{os.getpid() % 100000}-m0", f"wf{os.getpid() % 100000}-m1"}
+    assert {r["host"] for r in reports} == {f"{cluster.tag_for(os.getpid())}-m0", f"{cluster.tag_for(os.getpid())}-m1"}
     assert all(r["sum"] == 2 ** 4 for r in reports), "four all-reduces of ones over two workers"
     line_rate_s = 25e6 / (100e6 / 8)
     # TCP over the token bucket delivers about 94 % of the rate; the bound leaves room for a busy box
     assert line_rate_s <= reports[0]["seconds"] <= line_rate_s / 0.7
     assert namespaces() == before, "every namespace the lab made is gone"
-    assert not any(p.name.startswith(f"wf{os.getpid() % 100000}") for p in _etc_netns())
+    assert not any(p.name.startswith(cluster.tag_for(os.getpid())) for p in _etc_netns())
 
 
 @can_run
@@ -108,6 +108,66 @@ def test_a_latency_without_netem_is_refused_not_ignored(monkeypatch):
     with pytest.raises(LabError, match="sch_netem"):
         with EmulatedCluster(LabSpec(2, 1, 100.0, latency_ms=1.0)):
             pass
+
+
+KILLED_LAB = """
+import sys, time
+from whatif.lab.cluster import EmulatedCluster, LabSpec
+lab = EmulatedCluster(LabSpec(2, 1, 100.0)).__enter__()
+lab.start(lab.workers()[0], ["sleep", "300"], {{}}, __import__("pathlib").Path("{log}"))
+print(lab.tag, flush=True)
+time.sleep(300)
+"""
+
+
+def _objects_named(tag: str) -> list:
+    """Every namespace, link (host side) and /etc/netns entry whose name starts with ``tag``."""
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    return sorted(
+        [n for n in namespaces() if n.startswith(tag)]
+        + [line.split(":")[1].strip() for line in links.splitlines() if line.split(":")[1].strip().startswith(tag)]
+        + [p.name for p in _etc_netns() if p.name.startswith(tag)]
+    )
+
+
+@can_run
+def test_lab_clean_removes_what_a_lab_killed_with_sigkill_left(tmp_path):
+    """A lab killed with SIGKILL leaves its namespaces, a worker in one, and /etc/netns entries;
+    they are all named from the one prefix and in the state file, and `whatif lab clean` removes
+    every one of them (and the worker), leaving nothing with the prefix."""
+    lab = subprocess.Popen([sys.executable, "-c", KILLED_LAB.format(log=tmp_path / "worker.log")],
+                           stdout=subprocess.PIPE, text=True)
+    tag = lab.stdout.readline().strip()
+    assert tag == cluster.tag_for(lab.pid)
+    assert len(_objects_named(tag)) >= 5, "switch and two machine namespaces, two /etc/netns entries"
+    state = json.loads((cluster.STATE_DIR / f"{tag}.json").read_text())
+    assert {name for _, name in state["created"]} >= {f"{tag}-sw", f"{tag}-m0", f"{tag}-m1"}
+    worker = subprocess.run(["ip", "netns", "pids", f"{tag}-m0"], capture_output=True, text=True).stdout.split()
+    assert worker, "the worker runs in machine 0's namespace"
+    lab.kill()
+    lab.wait()
+    assert _objects_named(tag), "SIGKILL left the lab's objects behind"
+    done = subprocess.run([sys.executable, "-m", "whatif.cli", "lab", "clean"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert f"removed netns {tag}-m0" in done.stdout
+    assert _objects_named(tag) == []
+    assert not (cluster.STATE_DIR / f"{tag}.json").exists()
+    assert not any(os.path.exists(f"/proc/{pid}") and "sleep" in open(f"/proc/{pid}/cmdline").read() for pid in worker)
+
+
+@can_run
+def test_lab_clean_leaves_a_running_lab_alone():
+    with EmulatedCluster(LabSpec(1, 1, 100.0)) as lab:
+        cluster.clean()
+        assert f"{lab.tag}-m0" in namespaces()
+    assert not _objects_named(lab.tag)
+
+
+def test_more_machines_than_cores_are_refused_naming_the_limit(monkeypatch):
+    monkeypatch.setattr(cluster, "box_cores", lambda: 2)
+    monkeypatch.setattr(cluster.os, "geteuid", lambda: 0)
+    with pytest.raises(LabError, match=r"--machines 3 is more than this box's 2 cores.*at most 2 machines"):
+        cluster.check_can_run(LabSpec(3, 1, 100.0))
 
 
 def _etc_netns():
@@ -185,3 +245,15 @@ def test_calibrate_writes_links_a_scenario_can_use(tmp_path):
         assert all(0 < p.cluster.inter_node.framework_loop_us("horovod") < 5000 for p in points), "a part of every 5 ms cycle"
     assert all(p.cluster.workers_sharing_memory == 2 for p in points), "the lab's machines share one box's memory"
     assert all(p.cluster.shared_memory.memory_slowdown(2) >= 1 for p in points)
+
+
+@can_run
+def test_validate_refuses_a_latency_without_netem_before_any_capture(monkeypatch, tmp_path):
+    """`whatif validate --latency 2ms` on a kernel without sch_netem: refused at once, not after
+    minutes of captures and calibration."""
+    from whatif.lab import validate
+
+    monkeypatch.setattr(cluster, "_netem_available", lambda: False)
+    monkeypatch.setattr(validate, "capture", lambda *a, **k: pytest.fail("captured before checking the latency"))
+    with pytest.raises(LabError, match="sch_netem"):
+        validate.validate("convnet", 2, 1, 200.0, "horovod", tmp_path, latency_ms=2.0)

@@ -152,6 +152,49 @@ def test_plot_writes_a_png(capsys, tmp_path, trace):
     assert not list(tmp_path.glob(".scaling.png*")), "no temporary file left behind"
 
 
+def test_the_plot_orders_setups_by_machines_then_gpus_per_machine():
+    """By worker count 1x2 came before 2x1 and the curve rose and fell; by machines it does not."""
+    import pandas as pd
+
+    from whatif.report.plots import configuration_order
+
+    shapes = [(2, 1), (1, 2), (4, 1), (1, 1), (2, 2), (3, 1), (2, 1)]
+    frame = pd.DataFrame({"machines": [m for m, _ in shapes], "gpus_per_machine": [g for _, g in shapes]})
+    assert configuration_order(frame) == ["1x1", "1x2", "2x1", "2x2", "3x1", "4x1"]
+
+
+def test_identical_lines_are_named_as_the_same():
+    import pandas as pd
+
+    from whatif.report.plots import same_as
+
+    frame = pd.DataFrame({"series": ["a", "a", "b", "b", "c", "c"], "configuration": ["1x1", "2x1"] * 3,
+                          "speedup": [1.0, 1.9, 1.0, 1.9000001, 1.0, 1.5]})
+    assert same_as(frame, ["a", "b", "c"]) == {"b": "a"}
+
+
+def test_the_plot_title_is_the_scenarios_name_and_description_not_its_file_name(tmp_path, trace):
+    from whatif.commands.predict import plot_titles
+    from whatif.scenario import Scenario
+
+    path = scenario_file(tmp_path, trace, extra='name: "10 or 40 Gbps?"\ndescription: >-\n  The small CNN,\n  Horovod.\n')
+    assert plot_titles(path, Scenario.from_file(path)) == ("10 or 40 Gbps?", "The small CNN, Horovod.")
+    bare = scenario_file(tmp_path, trace)
+    title, subtitle = plot_titles(bare, Scenario.from_file(bare))
+    assert (title, subtitle) == (f"Predicted scaling of {trace.name}", "")
+    assert "scenario.yaml" not in title
+
+
+def test_every_shipped_scenario_with_a_plot_has_a_title():
+    import yaml
+
+    from trace_corpus import REPO
+
+    for path in sorted((REPO / "scenarios").glob("*.yaml")):
+        doc = yaml.safe_load(path.read_text())
+        assert doc.get("name") and doc.get("description"), path
+
+
 def network_events(timeline: dict) -> list:
     events = timeline["traceEvents"]
     tracks = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e.get("name") == "thread_name"}

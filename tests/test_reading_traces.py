@@ -13,7 +13,7 @@ import pytest
 
 from trace_corpus import BUNDLED, EXECUTION_TRACE, RESNET18, RESNET50, V100_1GPU
 from whatif import TraceError, load_trace
-from whatif.collectors.iterations import WHOLE_TRACE, find_iterations
+from whatif.collectors.iterations import WHOLE_TRACE, as_pattern, find_iterations, whole_trace_note
 from whatif.collectors.kineto import CPU_KINDS, GPU_KINDS, EventKind
 
 #: What each Kineto category is, written out independently of the reader: the 2021 schema's
@@ -168,6 +168,34 @@ def test_a_trace_without_profiler_steps_is_one_whole_trace_span(traces):
     timed = ev[~ev["kind"].isin([int(EventKind.CUDA_SYNC), int(EventKind.GPU_ANNOTATION)])]
     assert spans["start_us"].iat[0] == 0.0
     assert spans["end_us"].iat[0] == pytest.approx((timed["ts_us"] + timed["dur_us"]).max())
+
+
+def test_a_trace_that_became_one_iteration_says_so_and_names_what_repeats(traces):
+    """param-resnet18 became one 16-second iteration without a word; the note says so and names
+    its three annotations that repeat, each as a pattern --iteration takes literally."""
+    trace = traces.trace(RESNET18)
+    note = whole_trace_note(trace, find_iterations(trace))
+    assert note.startswith(f"{trace.path}: no ProfilerStep#N ranges, so the whole trace (16172.1 ms) is one iteration; ")
+    assert "give --iteration NAME" in note and "\n" not in note
+    assert note.endswith(
+        "the annotations that repeat here are "
+        "'enumerate\\(DataLoader\\)#_MultiProcessingDataLoaderIter\\.__next__' (30 times, median 110.3 ms), "
+        "'Optimizer\\.step#SGD\\.step' (30 times, median 1.7 ms), "
+        "'Optimizer\\.zero_grad#SGD\\.zero_grad' (30 times, median 0.2 ms)"
+    )
+    for pattern in ("Optimizer\\.step#SGD\\.step", as_pattern("enumerate(DataLoader)#_MultiProcessingDataLoaderIter.__next__")):
+        assert len(find_iterations(trace, pattern)) == 30
+    assert whole_trace_note(traces.trace(RESNET50), find_iterations(traces.trace(RESNET50))) == ""
+
+
+def test_the_cli_notes_a_trace_that_became_one_iteration_on_stderr(traces, capsys):
+    from whatif.cli import main
+
+    assert main(["replay", str(traces.path(RESNET18)), "--json"]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("whatif: note: ") and "is one iteration" in err and err.count("\n") == 1
+    assert main(["replay", str(traces.path(RESNET18)), "--json", "--iteration", "Optimizer.step#SGD.step"]) == 0
+    assert capsys.readouterr().err == ""
 
 
 @pytest.mark.parametrize("name", [BUNDLED, RESNET50])

@@ -9,6 +9,7 @@ first time it is asked for, and kept.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Optional
 
 import pandas as pd
 
-from whatif.collectors.iterations import find_iterations
+from whatif.collectors.iterations import find_iterations, whole_trace_note
 from whatif.collectors.kineto import KinetoTrace
 from whatif.collectors.load import load_trace
 from whatif.report.iterations import iteration_report
@@ -36,9 +37,15 @@ class TraceStudy:
     @classmethod
     def from_trace(cls, path: Path, iteration: Optional[str] = None) -> "TraceStudy":
         """``path`` (a trace file or a bundle folder) loaded; ``iteration`` is the annotation that
-        marks an iteration (default: ``ProfilerStep#N``)."""
+        marks an iteration (default: ``ProfilerStep#N``). A trace without ``ProfilerStep#N``
+        ranges is one iteration, which is said on stderr with the annotations that could split it
+        (``collectors.iterations.whole_trace_note``)."""
         trace = load_trace(path)
-        return cls(trace, build_graph(trace), find_iterations(trace, iteration))
+        iterations = find_iterations(trace, iteration)
+        note = whole_trace_note(trace, iterations) if iteration is None else ""
+        if note:
+            print(f"whatif: note: {note}", file=sys.stderr)
+        return cls(trace, build_graph(trace), iterations)
 
     @cached_property
     def replay(self) -> Schedule:

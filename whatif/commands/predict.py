@@ -9,6 +9,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import msgspec
+import yaml
 
 from whatif.collectors.diagnostics import plural
 from whatif.pipeline import predict
@@ -38,6 +39,15 @@ def add_parsers(sub) -> None:
                           help=f"run a grid of more than {MAX_GRID_GPUS} GPUs in all (refused without it)")
 
 
+def plot_titles(path: Path, scenario: Scenario) -> tuple[str, str]:
+    """The plot's title and subtitle: the scenario's ``name`` and ``description`` (read again
+    from the file, which ``Scenario.from_file`` has just accepted), else what was predicted
+    from which trace; never the file's name, which says nothing in a design doc."""
+    doc = yaml.safe_load(path.read_text())
+    name, description = (str(doc.get(key) or "").strip() for key in ("name", "description"))
+    return name or f"Predicted scaling of {scenario.trace.name}", description
+
+
 def run(args: argparse.Namespace) -> int:
     scenario = Scenario.from_file(args.scenario)
     gpus = sum(point.cluster.n_gpus for point in scenario.points)
@@ -52,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         write_atomically(args.csv, results.to_csv(index=False).encode())
     if args.plot is not None:
         refuse_inputs(args.plot, inputs)
-        plot_scenario(results, args.plot, title=args.scenario.name)
+        plot_scenario(results, args.plot, *plot_titles(args.scenario, scenario))
     if args.timeline is not None:
         for label, run_ in prediction.runs.items():
             target = args.timeline if len(prediction.runs) == 1 else _suffixed(args.timeline, label)

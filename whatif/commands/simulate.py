@@ -26,13 +26,14 @@ import numpy as np
 from whatif.collectors.diagnostics import warn
 from whatif.collectors.ranks import is_job, load_traces
 from whatif.pipeline import Prediction, Request, WhatIf, predict
-from whatif.report.iterations import steady_median
+from whatif.report.critical_path import bound_verdict
+from whatif.report.iterations import iteration_report, steady_median
 from whatif.report.ranks import job_json, rank_reports
 from whatif.report.tables import iteration_table, json_records
 from whatif.report.timeline import write_timeline
 from whatif.sim.multirank import build_job
 from whatif.sim.graph import GraphError
-from whatif.sim.passes.optimizations import OPTIMIZATIONS, parse_optimization
+from whatif.sim.passes.optimizations import OPTIMIZATIONS, optimization_name, parse_optimization
 
 from . import UsageError, add_trace_options
 from .perfmodel import load_for_cli
@@ -73,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         prediction = predict(_simulate_request(args))
         report, what = prediction.speedup_report(), _what_was_asked(args, prediction)
+        _say_why_it_gains_little(args, prediction, report)
     schedule = prediction.schedule
     if args.timeline is not None:
         write_timeline(schedule, args.timeline, protect=(args.trace,))
@@ -177,6 +179,30 @@ def _what_was_asked(args: argparse.Namespace, prediction: Prediction) -> dict:
             print(overhead.describe(), file=sys.stderr)
         what["profiler_overhead"] = asdict(overhead)
     return what
+
+
+#: a what-if whose steady speed-up is below this is explained (on stderr)
+LITTLE_GAIN = 1.02
+
+
+def _say_why_it_gains_little(args: argparse.Namespace, prediction: Prediction, report) -> None:
+    """Where the what-ifs speed the steady step up by less than 2 %, say beside the table (on
+    stderr, as the profiler's overhead is said) what bounds
+    the step, from the unchanged job's critical paths (``report.critical_path.bound_verdict``):
+    a speed-up of 1.00 alone does not say that the step was CPU-bound all along."""
+    if args.json or not (args.optimization or args.scale or args.remove):
+        return
+    speedup = steady_median(report["replay_ms"]) / steady_median(report["predicted_ms"])
+    if not speedup < LITTLE_GAIN:
+        return
+    unchanged = prediction.unchanged_schedule
+    spans = iteration_report(unchanged, prediction.study.iterations).assign(
+        thread=prediction.study.iterations["thread"].to_numpy())
+    changes = [optimization_name(o) for o in args.optimization]
+    changes += [f"--scale {s} changes only the tasks it matches" for s in args.scale]
+    changes += [f"--remove {r} removes only the tasks it matches" for r in args.remove]
+    print(f"whatif: note: speed-up {speedup:.2f} (under {100 * (LITTLE_GAIN - 1):.0f} %): "
+          f"{bound_verdict(unchanged, spans, changes)}", file=sys.stderr)
 
 
 def _parse_scale(spec: str) -> tuple[str, float]:
