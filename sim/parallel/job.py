@@ -8,14 +8,13 @@ Units)``), ``ranks_of`` being rank 0's group in each dimension. Identical ranks 
 once, as the data-parallel fast path does: rank 0 stands for all (the pipeline pass builds its
 stages into the graph it returns). A family with no pass registered is refused with a one-line
 error, never ignored. The passes register themselves when their module is imported
-(``PASSES["tensor"] = apply_tensor``); the modules that hold them are imported by the
-application (``whatif/pipeline.py``), so this package never imports them and holds no cycle.
+(``PASSES["tensor"] = apply_tensor``), which this module does; the passes import only the
+package's ``__init__`` and ``units``, so there is no cycle.
 
 Plain data parallelism (``zero: 0``, no other family) is not a job here: it takes the
 data-parallel cluster path of ``sim/distributed.py`` unchanged. Data parallelism beside
-another family is modelled by the ZeRO / FSDP pass (``zero >= 1``); with ``zero: 0`` the
-gradient all-reduce of the data groups beside a model-parallel family is not modelled yet and is
-refused.
+another family is the ``fsdp`` family's pass: ZeRO / FSDP sharding (``zero >= 1``), or with
+``zero: 0`` DDP's all-reduce of each unit's gradients over the data group.
 
 The COMM tasks the passes insert name their dimension and bytes (``tensor``, ``data``,
 ``pipeline``, ``expert``, ``fsdp``; ``1.05MB``, ``3.159 MB``, ``1048576 B``): :func:`comm_name`
