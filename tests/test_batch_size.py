@@ -190,4 +190,4 @@ def test_simulate_batch_size_on_the_command_line(quick_models_file, capsys):
     argv = ["simulate", str(BUNDLED_TRACE), "--batch-size", "64", "--from-batch-size", "0", "--perfmodel", str(quick_models_file)]
     assert main(argv) == 2
     out, err = capsys.readouterr()
-    assert err.count("\n") == 1 and "traced batch size must be a positive integer" in err
+    assert err == "whatif: error: --from-batch-size 0: expected a positive whole number\n"
