@@ -21,7 +21,7 @@ demo: $(VENV)/.installed-demo
 # the run says how many tests there are and what to expect first, and what it took at the end
 test: $(VENV)/.installed-test horovod
 	@echo "make test: $$($(BIN)/python -m pytest -q --collect-only tests | tail -n 1 | sed 's/ in .*//');" \
-	  "about 35-40 minutes on 2 cores (the lab's real runs are most of it)"
+	  "about 25-40 minutes on 2 cores (the lab's real runs are most of it)"
 	@start=$$(date +%s); $(BIN)/python -m pytest -q tests; status=$$?; took=$$(( $$(date +%s) - start )); \
 	  echo "make test: took $$(( took / 60 )) min $$(( took % 60 )) s (exit status $$status)"; exit $$status
 
