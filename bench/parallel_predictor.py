@@ -1,0 +1,32 @@
+"""The predictor ``bench/parallel_validation.py`` calls: a lab setting predicted by ``whatif``.
+
+``predict(setting, captures, work)`` builds the scenario a user would write for the setting: its
+one-rank capture (the rank's batch), the lab's machines and workers on the links calibrated at
+its bandwidth (``lab/validate.py``'s ``links``, kept in ``work``), DDP as the framework and the
+setting's ``parallelism:`` block, and returns the predicted steady iteration in milliseconds.
+
+    sudo .venv/bin/python bench/parallel_validation.py --variants fsdp --bandwidths 200 --no-loopback \\
+        --predictor parallel_predictor:predict
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from whatif.lab.parallel import LOOPBACK_MBPS, ParallelSetting
+from whatif.lab.validate import links
+from whatif.pipeline import predict as run_pipeline
+from whatif.scenario import Scenario
+
+
+def predict(setting: ParallelSetting, captures: dict, work: Path) -> float:
+    bandwidth = LOOPBACK_MBPS if setting.bandwidth_mbps is None else setting.bandwidth_mbps
+    doc = {
+        "trace": str(captures["step"]),
+        "cluster": {"machines": setting.machines, "gpus_per_machine": setting.gpus_per_machine,
+                    "links": str(links(bandwidth, work))},
+        "framework": "ddp",
+        "parallelism": setting.parallelism(),
+    }
+    prediction = run_pipeline(Scenario.from_dict(doc, base_dir=work).request())
+    return float(prediction.results["iteration_ms"].iloc[0])
