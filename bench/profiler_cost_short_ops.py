@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -22,26 +23,8 @@ from whatif.collectors.bundle import read_bundle
 from whatif.sim.passes.profiler_overhead import PROFILER_COST_CAP_US, ProfilerOverhead, remove_profiler_overhead
 from whatif.study import TraceStudy
 
-
-def capture_mlp(out: Path, width: int = 32, depth: int = 8, batch: int = 8, warmup: int = 8, steps: int = 5) -> Path:
-    """The short-operator MLP, captured into ``out`` on one thread."""
-    import torch
-
-    from whatif.collectors.capture import Capture
-
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU()) for _ in range(depth)))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    x, y = torch.randn(batch, width), torch.randn(batch, width)
-    with Capture(out, model=model, warmup=warmup, steps=steps) as capture:
-        while True:
-            optimizer.zero_grad()
-            torch.nn.functional.mse_loss(model(x), y).backward()
-            optimizer.step()
-            if not capture.step():
-                break
-    return out
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from short_mlp import capture_mlp  # noqa: E402
 
 
 def main() -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -26,30 +27,15 @@ from whatif.sim.passes.profiler_overhead import PROFILER_COST_CAP_US, ProfilerOv
 from whatif.study import TraceStudy
 
 torch = pytest.importorskip("torch", reason="torch is not importable: pip install -e '.[test]' to capture")
-from whatif.collectors.capture import Capture  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import short_mlp  # noqa: E402  (examples/short_mlp.py, which bench/profiler_cost_short_ops.py runs too)
 
 WARMUP, STEPS = 8, 5
 
 
 def capture_mlp(tmp_path_factory, width: int, depth: int, batch: int):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU()) for _ in range(depth)))
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-        out = tmp_path_factory.mktemp("overhead") / "mlp.bundle"
-        x, y = torch.randn(batch, width), torch.randn(batch, width)
-        with Capture(out, model=model, warmup=WARMUP, steps=STEPS) as capture:
-            while True:
-                optimizer.zero_grad()
-                torch.nn.functional.mse_loss(model(x), y).backward()
-                optimizer.step()
-                if not capture.step():
-                    break
-        return out
-    finally:
-        torch.set_num_threads(threads)
+    out = tmp_path_factory.mktemp("overhead") / "mlp.bundle"
+    return short_mlp.capture_mlp(out, width=width, depth=depth, batch=batch, warmup=WARMUP, steps=STEPS)
 
 
 @pytest.fixture(scope="module")
