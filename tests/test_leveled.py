@@ -16,12 +16,14 @@ import pytest
 
 from trace_corpus import REPO, SHARED_TRACES, V100_1GPU
 from whatif.cli import main
+from whatif.collectors.diagnostics import Diagnostics, collecting
 from whatif.collectors.iterations import find_iterations
 from whatif.collectors.load import load_trace
 from whatif.collectors.xsp.levels import LEVELS, RUN_FORMAT, VERSION, ProfileError, parse_levels
 from whatif.collectors.xsp.measure import LeveledProfile
 from whatif.collectors.xsp.session import run_levels
-from whatif.collectors.xsp.view import build_view, flat_table, profiler_overhead
+from whatif.collectors.xsp.view import build_view, flat_table, level_disagreements, profiler_overhead
+from whatif.commands.capture import warn_disagreements
 
 torch = pytest.importorskip("torch", reason="leveled profiling runs torch: pip install -e '.[test]'")
 from torch import nn  # noqa: E402
@@ -283,3 +285,54 @@ def test_levels_are_ordered_by_intrusion_whatever_order_they_are_named_in():
     assert parse_levels("operator,model") == ("model", "operator")
     with pytest.raises(ProfileError, match="unknown level"):
         parse_levels(["model", "layers"])
+
+
+# -- where the levels disagree -------------------------------------------------------------------
+
+
+def test_every_measured_node_keeps_the_range_of_its_per_step_times_around_its_mean(profiled):
+    _, view = profiled
+
+    def check(node: dict) -> None:
+        for run, latency_ms in node["by_level"].items():
+            if node["level"] != "model":
+                low, high = node["range_by_level"][run]
+                assert low - 1e-9 <= latency_ms <= high + 1e-9, (node["name"], run)
+        for child in node["children"]:
+            check(child)
+
+    check(view["view"])
+
+
+def _layer_view(layer_ms, operator_ms, layer_range, operator_range) -> dict:
+    layer = {"name": "fc (backward)", "level": "layer", "by_level": {"layer": layer_ms, "operator": operator_ms},
+             "range_by_level": {"layer": layer_range, "operator": operator_range}, "children": []}
+    return {"view": {"name": "m", "level": "model", "by_level": {}, "range_by_level": {}, "children": [layer]}}
+
+
+def test_a_layer_slow_in_one_run_because_of_one_preempted_step_is_called_noise():
+    """The issue's case: 0.34 ms at the layer level, 8.40 ms at the operator level, where one of
+    the operator run's steps took 25 ms and another 0.4 ms."""
+    found = level_disagreements(_layer_view(0.34, 8.40, [0.30, 0.41], [0.38, 25.0]))
+    assert [(d["name"], d["verdict"]) for d in found] == [("fc (backward)", "noise")]
+    assert found[0]["ratio"] == pytest.approx(8.40 / 0.34)
+
+
+def test_a_layer_slower_in_every_step_of_one_run_is_called_systematic():
+    found = level_disagreements(_layer_view(0.34, 8.40, [0.30, 0.41], [8.0, 9.0]))
+    assert [d["verdict"] for d in found] == ["systematic"]
+
+
+def test_layers_within_the_factor_are_not_listed():
+    assert level_disagreements(_layer_view(0.34, 0.60, [0.30, 0.41], [0.5, 0.7])) == []
+
+
+def test_profile_warns_once_per_verdict_with_the_worst_layer():
+    result = {"disagreements": level_disagreements(_layer_view(0.34, 8.40, [0.30, 0.41], [0.38, 25.0]))}
+    diagnostics = Diagnostics()
+    with collecting(diagnostics):
+        warn_disagreements(result, Path("m.xsp/view.json"))
+    assert diagnostics.messages == [
+        "m.xsp/view.json: 1 layer differ more than 2x between the layer and operator runs (worst fc (backward): "
+        "0.34 ms against 8.40 ms); their per-step times overlap, so a step was preempted or stalled in one run: "
+        "profile with more --rounds or --steps on a quieter machine"]

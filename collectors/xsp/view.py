@@ -10,6 +10,15 @@ Operators outside every leaf module (the loss, the optimizer, functional code in
 ``forward``) hang under the model directly, as do their kernels. A layer's latency and its
 operators' come from different runs, so their sum can exceed it where the profiler's
 bookkeeping inside the operators outweighs the hooks' own time in the layer run.
+
+The two runs can disagree much more than that on one layer: a step in which the machine took the
+core away for a few milliseconds inside that layer (a scheduler's time slice on a shared
+machine) adds them to the layer in that run only. Every node therefore also keeps, per run, the
+range of its per-step times over the kept steps, and :func:`level_disagreements` lists the layers
+whose two runs differ by more than a factor :data:`DISAGREEMENT_FACTOR`: ``noise`` where one
+run's range reaches the other's (a preempted step, not a property of the layer: more steps or
+rounds on a quieter machine settle it), ``systematic`` where even the ranges stay that far
+apart (the profiler's per-operator cost, or a layer whose work really differs between runs).
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ VIEW_FILE = "view.json"
 TABLE_FILE = "view.csv"
 TABLE_COLUMNS = ["level", "name", "parent", "latency_ms", "calls_per_step", "measured_at_level"]
 _EVALUATE = "autograd::engine::evaluate_function: "
+DISAGREEMENT_FACTOR = 2.0
 
 
 def build_view(folder: Union[str, Path]) -> dict:
@@ -61,8 +71,8 @@ def build_view(folder: Union[str, Path]) -> dict:
         _measured_by(root, run, m["step_ms"], 1.0)
     for level in LEVELS[1:]:
         for run, m in measured.items():
-            for path, latency_ms, calls in m["rows"].get(level, []):
-                _measured_by(_descendant(root, path, level), run, latency_ms, calls)
+            for path, latency_ms, calls, range_ms in m["rows"].get(level, []):
+                _measured_by(_descendant(root, path, level), run, latency_ms, calls, range_ms)
     result = {
         "format": VIEW_FORMAT,
         "version": VERSION,
@@ -83,7 +93,41 @@ def build_view(folder: Union[str, Path]) -> dict:
         "view": root,
     }
     result["overhead"] = profiler_overhead(result)
+    result["disagreements"] = level_disagreements(result)
     return result
+
+
+def level_disagreements(result: dict, factor: float = DISAGREEMENT_FACTOR) -> list[dict]:
+    """The layers whose latency in the layer run and in the operator run differ by more than
+    ``factor`` either way, largest ratio first: ``{"name", "layer_ms", "operator_ms", "ratio",
+    "layer_range_ms", "operator_range_ms", "verdict"}``. ``verdict`` is ``"noise"`` where the
+    runs' per-step ranges come within ``factor`` of each other (some step of one run was that slow
+    or that fast too), else ``"systematic"``. Views written before the ranges were kept give
+    ``"unknown"``."""
+    found = []
+
+    def visit(node: dict) -> None:
+        by_level = node["by_level"]
+        if node["level"] == "layer" and "layer" in by_level and "operator" in by_level:
+            layer_ms, operator_ms = by_level["layer"], by_level["operator"]
+            low, high = sorted((layer_ms, operator_ms))
+            if high > factor * max(low, 1e-6):
+                ranges = node.get("range_by_level", {})
+                layer_range, operator_range = ranges.get("layer"), ranges.get("operator")
+                if layer_range is None or operator_range is None:
+                    verdict = "unknown"
+                else:
+                    (slow_low, _), (_, fast_high) = (
+                        (operator_range, layer_range) if operator_ms > layer_ms else (layer_range, operator_range))
+                    verdict = "systematic" if slow_low > factor * max(fast_high, 1e-6) else "noise"
+                found.append({"name": node["name"], "layer_ms": layer_ms, "operator_ms": operator_ms,
+                              "ratio": high / max(low, 1e-6), "layer_range_ms": layer_range,
+                              "operator_range_ms": operator_range, "verdict": verdict})
+        for child in node["children"]:
+            visit(child)
+
+    visit(result["view"])
+    return sorted(found, key=lambda d: -d["ratio"])
 
 
 def profiler_overhead(result: dict) -> dict[str, dict]:
@@ -150,6 +194,7 @@ def _node(name: str, level: str) -> dict:
         "calls_per_step": None,
         "measured_at_level": None,
         "by_level": {},
+        "range_by_level": {},
         "children": [],
     }
 
@@ -166,17 +211,21 @@ def _descendant(root: dict, path: tuple, level: str) -> dict:
     return node
 
 
-def _measured_by(node: dict, run: str, latency_ms: float, calls: float) -> None:
-    """Note what the run at level ``run`` measured for ``node``; the first run to measure it,
-    the least intrusive (runs come in LEVELS order), gives its latency."""
+def _measured_by(node: dict, run: str, latency_ms: float, calls: float, range_ms: Optional[list] = None) -> None:
+    """Note what the run at level ``run`` measured for ``node`` (its mean per step and, below the
+    model, the range of its per-step times); the first run to measure it, the least intrusive
+    (runs come in LEVELS order), gives its latency."""
     if node["measured_at_level"] is None:
         node["latency_ms"], node["calls_per_step"], node["measured_at_level"] = latency_ms, calls, run
     node["by_level"][run] = latency_ms
+    if range_ms is not None:
+        node["range_by_level"][run] = range_ms
 
 
 def _measure(records: list[dict], folder: Path) -> dict:
     """One level's step time and what it measured, over its rounds: per level, rows (path
-    below the model, mean latency in ms per kept step, mean calls per kept step)."""
+    below the model, mean latency in ms per kept step, mean calls per kept step, [lowest,
+    highest] of its per-step latencies in ms over the kept steps, a step without it counting 0)."""
     steps_ms = {(r, i): ms for r, record in enumerate(records) for i, ms in enumerate(record["step_ms"][record["warmup_steps"]:])}
     cpu_ms = {(r, i): ms for r, record in enumerate(records) for i, ms in enumerate(record["step_cpu_ms"][record["warmup_steps"]:])}
     median_ms = statistics.median(steps_ms.values())
@@ -191,7 +240,7 @@ def _measure(records: list[dict], folder: Path) -> dict:
         "events_per_step": None,
         "rows": {},
     }
-    totals: dict[str, dict] = defaultdict(dict)  # level -> path -> [total_us, calls] over the kept steps
+    totals: dict[str, dict] = defaultdict(dict)  # level -> path -> [total_us, calls, {step: us}] over the kept steps
     events = 0.0
     for r, record in enumerate(records):
         mine = [i for round_, i in kept if round_ == r]
@@ -199,18 +248,19 @@ def _measure(records: list[dict], folder: Path) -> dict:
             layers = pd.DataFrame(record["layers"], columns=["step", "layer", "pass", "total_us", "calls"])
             layers["step"] -= record["warmup_steps"]
             layers["path"] = [(_layer_label(layer, phase),) for layer, phase in zip(layers["layer"], layers["pass"])]
-            _add_step_sums(totals["layer"], layers, mine)
+            _add_step_sums(totals["layer"], layers, mine, r)
         elif record["level"] in PROFILER_LEVELS:
             measured = len(record["step_ms"]) - record["warmup_steps"]
             frames, count = _trace_frames(folder / record["trace"], record.get("layer_sequence_nr"), measured)
             for level, frame in frames.items():
                 if level != "kernel" or record["level"] == "kernel":
-                    _add_step_sums(totals[level], frame, mine)
+                    _add_step_sums(totals[level], frame, mine, r)
             events += float(np.isin(count["step"], mine).sum())
     if records[0]["level"] in PROFILER_LEVELS:
         out["events_per_step"] = events / len(kept)
     out["rows"] = {
-        level: [(path, total_us / 1e3 / len(kept), calls / len(kept)) for path, (total_us, calls) in paths.items()]
+        level: [(path, total_us / 1e3 / len(kept), calls / len(kept), _range_ms(per_step, len(kept)))
+                for path, (total_us, calls, per_step) in paths.items()]
         for level, paths in totals.items()
     }
     return out
@@ -220,14 +270,23 @@ def _layer_label(layer: str, phase: str) -> str:
     return f"{layer} ({phase})"
 
 
-def _add_step_sums(totals: dict, frame: pd.DataFrame, steps: list[int]) -> None:
-    """Add to ``totals`` (path -> [total_us, calls], in order of first appearance) the sums over
-    ``steps`` of a frame with columns path, step, total_us, calls."""
+def _range_ms(per_step: dict, kept: int) -> list:
+    """[lowest, highest] per-step time in ms over ``kept`` steps, of which ``per_step`` (step ->
+    us) holds those the node appeared in."""
+    values = list(per_step.values()) + [0.0] * (kept - len(per_step))
+    return [min(values) / 1e3, max(values) / 1e3]
+
+
+def _add_step_sums(totals: dict, frame: pd.DataFrame, steps: list[int], round_: int) -> None:
+    """Add to ``totals`` (path -> [total_us, calls, {(round, step): us}], in order of first
+    appearance) the sums over ``steps`` of round ``round_``'s frame with columns path, step,
+    total_us, calls."""
     chosen = frame[frame["step"].isin(steps)]
-    for path, total_us, calls in chosen.groupby("path", sort=False)[["total_us", "calls"]].sum().itertuples():
-        entry = totals.setdefault(path, [0.0, 0.0])
+    for (path, step), total_us, calls in chosen.groupby(["path", "step"], sort=False)[["total_us", "calls"]].sum().itertuples():
+        entry = totals.setdefault(path, [0.0, 0.0, {}])
         entry[0] += total_us
         entry[1] += calls
+        entry[2][(round_, step)] = entry[2].get((round_, step), 0.0) + total_us
 
 
 def _trace_frames(path: Path, sequence_nr: Optional[dict], steps: int) -> tuple[dict, pd.DataFrame]:

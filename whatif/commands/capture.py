@@ -14,13 +14,31 @@ import sys
 from pathlib import Path
 
 from whatif.collectors.capture import CaptureError, collect
+from whatif.collectors.diagnostics import plural, report
 from whatif.collectors.xsp.levels import LEVELS
 from whatif.collectors.xsp.session import profile_command
-from whatif.collectors.xsp.view import TABLE_FILE, VIEW_FILE, flat_table
+from whatif.collectors.xsp.view import DISAGREEMENT_FACTOR, TABLE_FILE, VIEW_FILE, flat_table
 from whatif.report.tables import levels_table, profile_table
 
 ERRORS = (CaptureError,)
 TOP_OPERATORS = 10
+_WHY = {
+    "noise": "their per-step times overlap, so a step was preempted or stalled in one run: "
+             "profile with more --rounds or --steps on a quieter machine",
+    "systematic": "beyond their step-to-step spread: the profiler's per-operator cost, or work "
+                  "that differs between the runs; the layer run's figure is the one the view keeps",
+}
+
+
+def warn_disagreements(result: dict, where: Path) -> None:
+    """One warning per verdict of :func:`~whatif.collectors.xsp.view.level_disagreements`, with
+    the count of layers and the worst of them."""
+    for verdict, why in _WHY.items():
+        these = [d for d in result.get("disagreements") or [] if d["verdict"] == verdict]
+        if these:
+            worst = these[0]
+            report(f"{where}: {plural(len(these), 'layer')} differ more than {DISAGREEMENT_FACTOR:g}x between the layer and operator runs "
+                   f"(worst {worst['name']}: {worst['layer_ms']:.2f} ms against {worst['operator_ms']:.2f} ms); {why}")
 
 
 def add_parsers(sub) -> None:
@@ -68,6 +86,7 @@ def run_collect(args: argparse.Namespace) -> int:
 
 def run_profile(args: argparse.Namespace) -> int:
     result = profile_command(args.argv, args.levels, args.out, args.steps, args.warmup, args.rounds)
+    warn_disagreements(result, Path(result["folder"]) / VIEW_FILE)
     if args.json:
         sys.stdout.write(json.dumps(result) + "\n")
         return 0
