@@ -421,6 +421,8 @@ _BYTES_PER_ELEMENT = {
     "float": 4, "float32": 4, "c10::half": 2, "half": 2, "float16": 2, "c10::bfloat16": 2, "bfloat16": 2,
     "double": 8, "float64": 8, "int": 4, "int32": 4, "long int": 8, "long": 8, "int64": 8,
     "bool": 1, "byte": 1, "char": 1, "signed char": 1, "unsigned char": 1, "uint8": 1, "int8": 1,
+    "short int": 2, "short": 2, "int16": 2, "c10::complex<float>": 8, "complex64": 8,
+    "c10::complex<double>": 16, "complex128": 16,
 }
 
 
@@ -428,6 +430,12 @@ def element_bytes(dtype: str) -> int:
     """Bytes of one element of a profiler's or c10d's dtype name (``float``, ``c10::Half``,
     ``long int``...); 4 where unknown."""
     return _BYTES_PER_ELEMENT.get(str(dtype).strip().lower(), 4)
+
+
+def is_dtype(name: str) -> bool:
+    """Whether ``name`` is one of the dtype names :func:`element_bytes` knows (a profiler's
+    ``Input type`` of a tensor, not of a scalar or a list)."""
+    return str(name).strip().lower() in _BYTES_PER_ELEMENT
 
 
 def _has_inputs(kind: int, name: str) -> bool:

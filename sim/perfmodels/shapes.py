@@ -19,13 +19,9 @@ import json
 import numpy as np
 import pandas as pd
 
+from whatif.collectors.kineto import element_bytes, is_dtype
 from ..workload import decode_inputs
 from .families import FAMILY_OF
-
-_ELEMENT_BYTES = {
-    "float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "long int": 8, "int": 4,
-    "short int": 2, "signed char": 1, "unsigned char": 1, "bool": 1, "c10::complex<float>": 8,
-}
 
 
 def parse_shapes(dims, types) -> list:
@@ -35,12 +31,12 @@ def parse_shapes(dims, types) -> list:
     types = list(types) if types is not None else []
     for i, d in enumerate(dims):
         kind = types[i] if i < len(types) else ""
-        size = _ELEMENT_BYTES.get(kind, 4)
+        size = element_bytes(kind)
         if isinstance(d, list) and d and all(isinstance(x, list) for x in d):
             inputs.append(([tuple(int(v) for v in x) for x in d], size))
         elif isinstance(d, list) and d and all(isinstance(x, (int, float)) for x in d) and kind not in ("ScalarList", ""):
             inputs.append((tuple(int(v) for v in d), size))
-        elif isinstance(d, list) and not d and kind in _ELEMENT_BYTES:
+        elif isinstance(d, list) and not d and is_dtype(kind):
             inputs.append(((), size))  # a 0-d tensor
         else:
             inputs.append(None)
