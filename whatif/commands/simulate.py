@@ -23,7 +23,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from whatif.collectors.diagnostics import warn
+from whatif.collectors.diagnostics import plural, warn
 from whatif.collectors.ranks import is_job, load_traces
 from whatif.pipeline import Prediction, Request, WhatIf, predict
 from whatif.report.critical_path import bound_verdict
@@ -91,7 +91,10 @@ def run(args: argparse.Namespace) -> int:
         out = {"trace": str(args.trace), "iterations": json_records(report), "summary": summary, **what}
         sys.stdout.write(msgspec.json.encode(out).decode() + "\n")
     else:
-        print(f"{args.trace}: {summary['tasks']} tasks, {summary['edges']} dependencies")
+        resources = int(schedule.graph.tasks["resource"].nunique())
+        # a resource runs its tasks in order without an edge: the edges are what crosses resources
+        print(f"{args.trace}: {summary['tasks']} tasks on {plural(resources, 'thread or stream', 'threads and streams')}, "
+              f"{summary['edges']} dependencies across them")
         print(iteration_table(report))
         if args.timeline is not None:
             print(f"timeline written to {args.timeline}")
