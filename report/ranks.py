@@ -5,7 +5,8 @@ idle, synchronisation waits) of its part of the joined schedule, and two columns
 job has: ``collective_wait_ms``, the time the rank's collectives waited for the last rank to
 arrive (a completion's start less its arrival's end), and ``transfer_ms``, the time they then
 took to move the data. A collective kernel that spins while it waits is not GPU work, so
-``gpu_busy_ms`` counts the transfers alone.
+``gpu_busy_ms`` counts the transfers alone. :func:`step_segments` cuts one rank's iteration at
+its collectives, so two runs of a rank (measured and predicted) compare part by part.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import numpy as np
 import pandas as pd
 
 from whatif.sim.engine import Schedule
-from whatif.sim.graph import TaskKind
+from whatif.sim.graph import GraphError, TaskKind
 from whatif.sim.multirank import ARRIVAL_SUFFIX, Job
 
 from .iterations import iteration_report, steady_median, union_within
@@ -75,6 +76,40 @@ def _collective_time(schedule: Schedule, report: pd.DataFrame) -> tuple[np.ndarr
         waits.append(union_within(end[arrivals], start[completions], lo, hi) / 1e3)
         transfers.append(union_within(start[completions], end[completions], lo, hi) / 1e3)
     return np.asarray(waits), np.asarray(transfers)
+
+
+def step_segments(job: Job, schedule: Schedule, rank: int, iteration: int = 0) -> pd.DataFrame:
+    """Rank ``rank``'s iteration ``iteration`` of ``schedule`` (the job's, or a graph's transformed
+    from it) cut at the rank's collectives, in the order it reached them: ``to`` (from the
+    iteration's start, or the previous collective's end, to the arrival: the rank's own compute
+    and host time), ``wait`` (until the last rank arrived) and ``transfer`` of each collective,
+    then ``after`` (from the last one's end to the iteration's end). Rows: part, collective (its
+    id in :attr:`Job.collectives`; -1 for ``after``), ms. The rows sum to the iteration's
+    predicted span; where two collectives overlap on the rank, the overlap counts in the first."""
+    where = next((r for r in job.ranks if r.rank == rank), None)
+    if where is None:
+        raise GraphError(f"no rank {rank} in this job")
+    report = iteration_report(job.rank_schedule(schedule, rank), where.iterations)
+    if not 0 <= iteration < len(report):
+        raise GraphError(f"rank {rank} has {len(report)} iterations, not an iteration {iteration}")
+    lo = float(report["span_start_us"].iat[iteration]) + where.shift_us
+    hi = float(report["span_end_us"].iat[iteration]) + where.shift_us
+    mine = job.members[job.members["rank"] == rank]
+    arrive = schedule.end_us[mine["arrival"].to_numpy()]
+    begin = schedule.start_us[mine["completion"].to_numpy()]
+    end = schedule.end_us[mine["completion"].to_numpy()]
+    inside = (arrive >= lo) & (arrive < hi)
+    order = np.argsort(arrive, kind="stable")
+    rows, cursor = [], lo
+    for k in order[inside[order]]:
+        a = min(max(arrive[k], cursor), hi)
+        s = min(max(begin[k], a), hi)
+        e = min(max(end[k], s), hi)
+        key = int(mine["collective"].iat[k])
+        rows += [("to", key, (a - cursor) / 1e3), ("wait", key, (s - a) / 1e3), ("transfer", key, (e - s) / 1e3)]
+        cursor = e
+    rows.append(("after", -1, (hi - cursor) / 1e3))
+    return pd.DataFrame(rows, columns=["part", "collective", "ms"])
 
 
 def job_summary(job: Job, reports: list[RankReport], schedule: Schedule) -> dict:

@@ -20,7 +20,7 @@ from whatif.cli import main
 from whatif.collectors.kineto import TraceError
 from whatif.collectors.ranks import load_traces
 from whatif.report.iterations import iteration_report
-from whatif.report.ranks import rank_reports
+from whatif.report.ranks import rank_reports, step_segments
 from whatif.sim.engine import simulate
 from whatif.sim.graph import EdgeKind, GraphError, TaskKind, cpu_work
 from whatif.sim.passes.stream_waits import infer_stream_waits
@@ -280,6 +280,55 @@ def test_a_replica_that_enters_early_waits_for_the_others(dgx1):
     steps = [r.iterations["predicted_ms"].iat[0] for r in rank_reports(job, job.simulate(job.entering({1: -2000.0}, graph)))]
     # it waits the 2 ms at the first collective, less what its early start let it do ahead
     assert 1.5 < steps[1] - steps[0] <= 2.0 + 1e-6
+
+
+# -- where the slowest rank's step goes ---------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def rank0_replicas(dgx1):
+    """Rank 0's trace as 8 replicas, priced on the DGX-1V, each collective held back for as long as
+    rank 0 waited there less the model's transfer (the bench's prediction)."""
+    if not DLRM.is_dir():
+        pytest.skip(NO_SHARED)
+    job = replicate_rank(load_traces(DLRM).ranks[0], 8)
+    price = transfer_on(dgx1)
+    late = {key: max(c["transfer_us"] - price(c), 0.0) for key, c in job.collectives.iterrows()}
+    return job, job.with_collectives(price, lambda c: late[c.name]), late
+
+
+def test_a_steps_parts_add_up_to_it_on_every_rank(dlrm):
+    job, replay = dlrm
+    for report in rank_reports(job, replay):
+        parts = step_segments(job, replay, report.rank)
+        assert parts["ms"].sum() == pytest.approx(report.iterations["predicted_ms"].iat[0], abs=1e-6)
+        assert parts["part"].tolist() == ["to", "wait", "transfer"] * 8 + ["after"]
+        assert parts["collective"].tolist()[:-1:3] == list(range(8)) and (parts["ms"] >= 0).all()
+    waits = step_segments(job, replay, 1).query("part == 'wait'")["ms"].to_numpy()
+    assert waits[0] == pytest.approx(7.62, abs=0.01), "rank 1 entered first and waited for rank 7"
+    with pytest.raises(GraphError, match="no rank 8"):
+        step_segments(job, replay, 8)
+    with pytest.raises(GraphError, match="not an iteration 1"):
+        step_segments(job, replay, 0, iteration=1)
+
+
+def test_rank0s_prediction_misses_the_slowest_rank_by_its_entry_alone(dlrm, rank0_replicas):
+    job, replay = dlrm
+    replicas, skewed, late = rank0_replicas
+    predicted = replicas.simulate(replicas.entering({1: -late[0]}, skewed))
+    diff = (step_segments(replicas, predicted, 1).set_index(["part", "collective"])["ms"]
+            - step_segments(job, replay, 1).set_index(["part", "collective"])["ms"])
+    assert diff[("wait", 0)] < -3.0, "the first rank entered 5.5 ms before rank 0, not the 2.1 ms rank 0 waited"
+    assert diff.drop(index=[("wait", 0)]).abs().max() < 0.1, "compute, host time, the other waits, the transfers"
+
+
+def test_given_how_early_the_first_rank_entered_rank0s_replicas_make_the_slowest_step(dlrm, rank0_replicas):
+    job, replay = dlrm
+    replicas, skewed, _ = rank0_replicas
+    starts = {r.rank: float(r.iterations["start_us"].iat[0]) + r.shift_us for r in job.ranks}
+    lead_us = starts[0] - min(starts.values())
+    assert lead_us == pytest.approx(5470.0, abs=10.0)
+    steps = [r.iterations["predicted_ms"].iat[0] for r in rank_reports(replicas, replicas.simulate(replicas.entering({1: -lead_us}, skewed)))]
+    assert max(steps) == pytest.approx(19.901, rel=0.01)
 
 
 # -- refusing what is not one job ---------------------------------------------------------------
