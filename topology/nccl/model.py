@@ -524,8 +524,8 @@ def predict(comm: Comm, op: str, nbytes: float, algorithms=None, protocols=None,
 
     ``L' = (NCCL's L + kernel + hops x hop latency) x latency factor``; ``S / B'`` is NCCL's
     transfer time on the channels it launches, slowed by NVLS's small chunks and with NVLS's
-    pipeline fill, over the achieved fraction of the network's rate (across nodes) and the
-    bandwidth factor. Kernel, hop latency and achieved rate are the measured constants of
+    pipeline fill, its part inside a node over the achieved fraction of the NVLink (PCIe) rate
+    and its part across nodes over that of the network's, and over the bandwidth factor. Kernel, hop latency and achieved rate are the measured constants of
     ``calibration.constants`` (``measured.py``; the public estimates without a calibration),
     the two factors the calibration's own (1 without), so a fit sees ``T = f L + X / e``.
     """
@@ -547,6 +547,7 @@ def predict(comm: Comm, op: str, nbytes: float, algorithms=None, protocols=None,
     share = network_share(comm, option, used)
     local, net = transfer * (1.0 - share), transfer * share
     measured_latency = latency + measured.kernel(comm.arch) + hops * measured.hop(nic.kind, nic.transport)
-    measured_transfer = local + net / measured.net_efficiency(nic.kind, nic.transport)
+    measured_transfer = local / measured.local_efficiency(comm.link_intra) + net / measured.net_efficiency(
+        nic.kind, nic.transport)
     return Predicted(chosen, measured_latency * latency_factor, measured_transfer / efficiency, used,
                      hops, nic.kind, local, net, "sum", latency)
