@@ -106,9 +106,11 @@ def test_calibrate_fits_measured_tables_writes_a_cluster_and_says_when_the_netwo
     assert code == 0, err
     assert "this network delivers 25 % of the" in out and "8 x 400 Gb/s NICs" in out and "check NICs and routing" in out
     errors = sorted(abs(float(line.split()[4].rstrip("%"))) for line in out.splitlines() if line.startswith("ar.txt"))
-    # every (algorithm, protocol) with three or more rows fits both factors; one with fewer, the
-    # factor of what dominates its rows
-    assert len(errors) == 15 and errors[len(errors) // 2] < 1.0 and errors[-1] < 15.0
+    # the physical constants first (kernel start, hop latency, NVLink and NIC efficiency), then every
+    # (algorithm, protocol) with three or more rows fits both factors on what they leave; one with
+    # fewer, the factor of what dominates its rows. A table slowed 4x in latency as well as in
+    # bandwidth is not what physical constants describe, so about 1 % is left in the median.
+    assert len(errors) == 15 and errors[len(errors) // 2] < 1.5 and errors[-1] < 25.0
     calibrated = yaml.safe_load(out_path.read_text())
     assert calibrated["machine"] == "dgx_h100" and "net" in calibrated["nccl"]
     code, out, _ = run(capsys, "collective", str(out_path), "-b", "1G", "-e", "1G", "--json")

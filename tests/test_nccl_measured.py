@@ -116,3 +116,73 @@ def test_nccl_min_nchannels_lifts_per_channel_ceilings_but_not_the_nics():
     simple = dict(algorithm="ring", protocol="simple")  # the NICs bound Simple: more channels, same time
     assert collective_cost(more, "all_reduce", size, **simple).time_us == pytest.approx(
         collective_cost(plain, "all_reduce", size, **simple).time_us)
+
+
+def test_link_efficiency_slows_only_what_crosses_no_network():
+    nvlink = {"link_efficiency": {"nvlink": 0.5}}
+    one, slow = cluster(), cluster(measured=nvlink)
+    size = 1 << 30
+    fast_ring = predict(Comm.of(one.fabric), "all_reduce", size, calibration=one.fabric.calibration)
+    slow_ring = predict(Comm.of(slow.fabric), "all_reduce", size, calibration=slow.fabric.calibration)
+    assert slow_ring.latency_us == pytest.approx(fast_ring.latency_us)
+    assert slow_ring.transfer_us == pytest.approx(2 * fast_ring.transfer_us)  # T = L + S / (0.5 B)
+    ring = dict(algorithm="ring", protocol="simple")  # two nodes, a ring: every byte waits for the NICs
+    assert collective_cost(cluster(machines=2, measured=nvlink), "all_reduce", size, **ring).time_us == pytest.approx(
+        collective_cost(cluster(machines=2), "all_reduce", size, **ring).time_us)
+    assert Measured.from_config(slow.fabric.calibration.constants.as_config()) == slow.fabric.calibration.constants
+    with pytest.raises(TopologyError, match="link_efficiency.carrier_pigeon"):
+        cluster(measured={"link_efficiency": {"carrier_pigeon": 0.5}})
+
+
+def test_the_fit_recovers_both_efficiencies_and_keeps_the_prior_where_no_row_informs():
+    truth = Measured(kernel_us=(("hopper", 5.0),), hop_us=(("ib", 3.0),), efficiency=(("ib", 0.7),),
+                     link_efficiency=(("nvlink", 0.9),))
+    prior = Measured(kernel_us=(("hopper", 1.0), ("ampere", 7.0)), hop_us=(("ib", 1.0), ("efa2", 25.0)))
+    rows = [Row("lat", "hopper", 0.0, latency, 2, "ib", 0.1, 0.0, False, "sum", 1, 1, "ring")
+            for latency in (20.0, 25.0, 30.0)]
+    rows += [Row("lat4", "hopper", 0.0, latency, 4, "ib", 0.1, 0.0, False, "sum", 1, 1, "tree")
+             for latency in (20.0, 30.0)]
+    rows += [Row("nvlink", "hopper", 0.0, 10.0, 0, "ib", local, 0.0, False, "sum", 1, 1, "ring")
+             for local in (500.0, 1000.0, 2000.0)]
+    rows += [Row("net", "hopper", 0.0, 10.0, 2, "ib", 0.0, net, False, "sum", 1, 1, "ring")
+             for net in (500.0, 1000.0, 2000.0)]
+    rows = [dataclasses.replace(r, measured_us=float(t)) for r, t in zip(rows, predict_rows(rows, truth))]
+    assert fit(rows).net_efficiency("ib") == 1.0 and fit(rows).local_efficiency("nvlink") == 1.0  # public: not fitted
+    found = fit(rows, fit_efficiency=True, prior=prior)
+    assert found.net_efficiency("ib") == pytest.approx(0.7, rel=0.01)
+    assert found.local_efficiency("nvlink") == pytest.approx(0.9, rel=0.01)
+    assert found.kernel("hopper") == pytest.approx(5.0, abs=0.3) and found.hop("ib") == pytest.approx(3.0, abs=0.2)
+    assert found.hop("efa2") == 25.0 and found.kernel("ampere") == 7.0  # no row of theirs: the prior's
+
+
+def _table(truth: Cluster, machines: int, name: str):
+    """An nccl-tests all-reduce table as ``truth`` would print it on ``machines`` of its machines."""
+    sized = Cluster.from_config({"machine": "dgx_h100", "machines": machines,
+                                 "nccl": truth.fabric.calibration.as_config()})
+    n = sized.n_gpus
+    lines = []
+    for size in (4**k * 8 for k in range(16)):
+        time = collective_cost(sized, "all_reduce", size).time_us
+        algbw = size / time / 1e3
+        lines.append(f"{size:>12} {size // 4:>12} float sum -1 {time:10.2f} {algbw:7.2f} "
+                     f"{algbw * 2 * (n - 1) / n:7.2f} 0")
+    return dataclasses.replace(parse_text("\n".join(lines) + "\n", name, "all_reduce"), n_ranks=n)
+
+
+def test_a_calibration_at_one_scale_carries_its_physical_constants_to_another():
+    from whatif.topology.calibrate import fit_tables
+
+    measured = {"kernel_us": {"hopper": 6.0}, "hop_us": {"ib": 9.0}, "efficiency": {"ib": 0.6},
+                "link_efficiency": {"nvlink": 0.8}}
+    truth = cluster(machines=8, measured=measured)
+    tables = [_table(truth, 1, "one_node.txt"), _table(truth, 2, "two_nodes.txt")]
+    found = fit_tables(tables, cluster(machines=8), per_algorithm=False).cluster
+    constants = found.fabric.calibration.constants
+    assert constants.local_efficiency("nvlink") == pytest.approx(0.8, rel=0.02)
+    assert constants.net_efficiency("ib") == pytest.approx(0.6, rel=0.05)
+    assert constants.kernel("hopper") == pytest.approx(6.0, abs=0.5) and constants.hop("ib") == pytest.approx(9.0, abs=1)
+    eight = _table(truth, 8, "eight_nodes.txt")  # never seen: predicted from the constants alone
+    comm = table_comm(found.fabric, eight)[1]
+    for row in eight.rows:
+        predicted = predict(comm, "all_reduce", row.size_bytes, calibration=found.fabric.calibration)
+        assert predicted.time_us == pytest.approx(row.time_us, rel=0.03)

@@ -12,10 +12,12 @@ GB = 1e9
 BIG = 2**33  # 8 GiB: every channel busy, no tree correction, NVLS at its largest chunk
 
 
-def cluster(machine="dgx_a100", machines=1, measured="spec", **overrides) -> Cluster:
+def cluster(machine="dgx_a100", machines=1, measured="spec", nccl_version=None, **overrides) -> Cluster:
     """A cluster priced from NCCL's constants and the specs alone (``measured: spec``), so that
     the closed forms below hold; ``measured=None`` takes the public tables' constants."""
     nccl = {"measured": measured} if measured else {}
+    if nccl_version:
+        nccl["version"] = nccl_version
     return Cluster.from_config({"machine": machine, "machines": machines, **overrides, "nccl": nccl})
 
 
@@ -103,6 +105,24 @@ def test_fewer_channels_move_small_messages_more_slowly_than_the_tuners_estimate
     small = collective_cost(c, "all_reduce", 256 * 1024, algorithm="ring", protocol="simple")
     large = collective_cost(c, "all_reduce", 64 * 2**20, algorithm="ring", protocol="simple")
     assert small.channels < large.channels == 24
+
+
+@pytest.mark.parametrize("version, nbytes, channels", [
+    # 4 DGX A100 with SHARP: 16 channels, 8 heads (one per NIC); NCCL 2.12 gives CollNet 512
+    # threads, each owed 512 bytes per head: 2 MiB a channel, halved at 12, 6, 3 channels
+    ("2.12.12", 64 << 20, 16),   # 64 MiB >= 16 x 2 MiB: every channel
+    ("2.12.12", 16 << 20, 11),   # 16 -> 12 at 2 MiB each, then 1 MiB each: 11 carry 16 MiB
+    ("2.12.12", 2 << 20, 4),     # ... 8 at 1 MiB, 6 -> 4 at 512 KiB: 4 x 512 KiB = 2 MiB
+    ("2.12.12", 256 << 10, 1),
+    ("2.18.3", 2 << 20, 3),      # 640 threads from 2.18: 640 KiB a channel at the 4-channel step
+])
+def test_collnet_direct_steps_down_its_channels_by_ncswitch(version, nbytes, channels):
+    c = cluster("dgx_a100", 4, network={"sharp": True}, nccl_version=version)
+    cost = collective_cost(c, "all_reduce", nbytes, algorithm="collnet_direct")
+    assert cost.channels == channels
+    full = collective_cost(c, "all_reduce", 64 << 20, algorithm="collnet_direct")
+    if channels < full.channels:  # fewer channels, each as fast: more time per byte
+        assert cost.time_us / nbytes > 1.2 * full.time_us / (64 << 20)
 
 
 def test_an_oversubscribed_spine_slows_all_to_all_between_leaves():

@@ -2,7 +2,13 @@
 
 The NCCL model (``nccl/model.py``) prices a collective as ``T = L + S / B`` for the
 (algorithm, protocol) NCCL picks, ``L`` and ``B`` from NCCL's tables and the fabric's specs.
-Measurements know two more things per link class and (algorithm, protocol): the fraction of
+:func:`fit_tables` first fits the cluster's physical constants (``nccl/measured.py``'s
+:func:`~whatif.topology.nccl.measured.fit` on the tables' latency- and bandwidth-bound rows, the
+public estimates as the prior): the kernel start, one network hop's latency for its NIC kind,
+and the fraction of the line rate its NICs and its NVLink (PCIe) deliver, each acting on the
+part of a row's time it governs. They are the same at every scale, so a calibration at one
+scale carries to another through them. On top of them, measurements know two more things per
+link class and (algorithm, protocol) (``per_algorithm``): the fraction of
 ``B`` this fabric really delivers (NIC firmware, PCIe settings, congestion, a slower switch) and
 how much longer its steps take than NCCL's constants (a slower network stack, EFA, sockets).
 :func:`fit_tables` finds them::
@@ -43,6 +49,7 @@ from .cluster import Cluster
 from .fabric import Calibration, Fabric
 from .nccl import p2p
 from .nccl.measured import SPEC, Measured
+from .nccl.measured import fit as fit_measured
 from .nccl.measured import Row as MeasuredRow
 from .nccl.graphs import Comm
 from .nccl.model import predict
@@ -130,7 +137,8 @@ def decompose(table: Table, comm: Comm, choice: tuple = (None, None)) -> list:
         found = _predict(comm, table.op, row.size_bytes, choice, spec)
         rows.append(MeasuredRow(table.path, comm.arch, row.time_us, found.base_latency_us, found.hops, found.kind,
                                 found.local_us, found.net_us, table.op in ("all_to_all", "send_recv"), found.combine,
-                                table.gpus_per_thread, calls_per_gpu(table.op, n), found.option.algorithm))
+                                table.gpus_per_thread, calls_per_gpu(table.op, n), found.option.algorithm,
+                                comm.link_intra))
     return rows
 
 
@@ -166,7 +174,7 @@ def _solve(latency: np.ndarray, transfer: np.ndarray, measured: np.ndarray) -> t
 
 
 def fit_tables(tables: Sequence[Table], cluster: Cluster, choices: Optional[Sequence[tuple]] = None,
-               source: str = "") -> Fit:
+               source: str = "", per_algorithm: bool = True) -> Fit:
     """Fit the fabric's calibration to ``tables``; ``choices`` are per-table ``(algorithms,
     protocols)`` name sets (None: NCCL's own choice), as the runs' NCCL_ALGO / NCCL_PROTO set them."""
     if cluster.backend != "nccl" or cluster.fabric is None:
@@ -175,10 +183,12 @@ def fit_tables(tables: Sequence[Table], cluster: Cluster, choices: Optional[Sequ
         raise TopologyError("tables", "give at least one nccl-tests output")
     choices = list(choices) if choices is not None else [(None, None)] * len(tables)
     version, constants = cluster.fabric.calibration.version, cluster.fabric.calibration.measured
-    base = Calibration(version=version, measured=constants)
-    priors = base.constants
-    spec = dataclasses.replace(cluster.fabric, calibration=base)
+    spec = dataclasses.replace(cluster.fabric, calibration=Calibration(version=version, measured=constants))
     comms = [table_comm(spec, table)[1] for table in tables]
+    decomposed = [r for table, comm, choice in zip(tables, comms, choices) for r in decompose(table, comm, choice)]
+    priors = fit_measured(decomposed, source or "whatif calibrate nccl-tests", fit_efficiency=True,
+                          prior=spec.calibration.constants)
+    base = Calibration(version=version, measured=priors)
     groups: dict = {}
     for table, comm, choice in zip(tables, comms, choices):
         for row in table.rows:
@@ -188,7 +198,7 @@ def fit_tables(tables: Sequence[Table], cluster: Cluster, choices: Optional[Sequ
             key = (found.option.link, found.option.algorithm, found.option.protocol)
             groups.setdefault(key, []).append((found.latency_us, found.transfer_us, row.time_us))
     fitted, informed = [], {}
-    for key, items in sorted(groups.items()):
+    for key, items in sorted(groups.items()) if per_algorithm else ():
         latency, transfer, measured = (np.array(column, dtype=float) for column in zip(*items))
         e, f, n = _solve(latency, transfer, measured)
         fitted.append((*key, e, f, len(items)))
@@ -200,7 +210,7 @@ def fit_tables(tables: Sequence[Table], cluster: Cluster, choices: Optional[Sequ
         weights = np.array([informed[row[:3]] for row in rows], dtype=float)
         mean = float(np.exp(np.average(np.log([row[3] for row in rows]), weights=weights)))
         fitted.append((link, "*", "*", mean, 1.0, int(weights.sum())))
-    calibration = Calibration(tuple(row[:5] for row in fitted), source, version, constants)
+    calibration = Calibration(tuple(row[:5] for row in fitted), source, version, priors)
     calibrated = dataclasses.replace(cluster, fabric=dataclasses.replace(cluster.fabric, calibration=calibration))
     rows, diagnoses = [], []
     for table, comm, choice in zip(tables, comms, choices):

@@ -12,6 +12,12 @@ and most of its constants, but not all of them:
   CXI provider, RoCE and InfiniBand themselves.
 * ``efficiency[kind]``: the fraction of NCCL's network-bound bandwidth a NIC kind delivers
   (not estimated from the public tables, see :func:`fit`; 1 unless set).
+* ``link_efficiency[link]``: the same for what crosses no network, by link class (``nvlink``,
+  ``pci``): the share of the NVLink or PCIe rate NCCL's kernels reach on this machine (clocks,
+  NVLink generation's real rate, ACS); fitted only from a cluster's own tables, like
+  ``efficiency``. With the kernel start and the per-hop latency these are physical constants of
+  a machine and its NICs, the same at every scale, so a calibration at one scale carries to
+  another (``whatif calibrate nccl-tests``).
 * ``p2p_efficiency``: the same for point-to-point traffic between nodes (all-to-all), whose
   per-peer connections move far less than a ring's.
 * ``host_launch_us``, ``host_call_us``: what nccl-tests' host thread spends per iteration and
@@ -43,18 +49,21 @@ from ..units import TopologyError
 
 ARCHS = ("volta", "turing", "ampere", "hopper", "blackwell")
 KINDS = ("ib", "roce", "gib", "efa1", "efa2", "efa3", "efa", "tcpx", "tcpxo", "socket", "slingshot", "ofi")
-BOUNDS = {"kernel_us": (0.0, 40.0), "hop_us": (0.0, 200.0), "efficiency": (0.1, 1.5), "p2p_efficiency": (0.1, 1.5),
+LINKS = ("nvlink", "pci")
+BOUNDS = {"kernel_us": (0.0, 40.0), "hop_us": (0.0, 200.0), "efficiency": (0.1, 1.5), "link_efficiency": (0.1, 1.5),
+          "p2p_efficiency": (0.1, 1.5),
           "host_launch_us": (0.0, 20.0), "host_call_us": (0.0, 5.0)}
 
 
 @dataclass(frozen=True)
 class Measured:
-    """See the module docstring; ``kernel_us``, ``hop_us`` and ``efficiency`` are ``((key, value),
-    ...)`` by GPU generation or NIC kind."""
+    """See the module docstring; ``kernel_us``, ``hop_us``, ``efficiency`` and ``link_efficiency``
+    are ``((key, value), ...)`` by GPU generation, NIC kind or link class."""
 
     kernel_us: tuple = ()
     hop_us: tuple = ()
     efficiency: tuple = ()
+    link_efficiency: tuple = ()
     p2p_efficiency: float = 1.0
     host_launch_us: float = 0.0
     host_call_us: float = 0.0
@@ -70,6 +79,9 @@ class Measured:
     def net_efficiency(self, kind: str, transport: str = "") -> float:
         return _lookup(self.efficiency, kind, transport, 1.0)
 
+    def local_efficiency(self, link: str) -> float:
+        return _lookup(self.link_efficiency, link, "", 1.0)
+
     def host_us(self, gpus_per_thread: int, calls_per_gpu: int) -> float:
         """nccl-tests' host time per iteration for one thread driving ``gpus_per_thread`` GPUs."""
         return gpus_per_thread * (self.host_launch_us + calls_per_gpu * self.host_call_us)
@@ -78,6 +90,8 @@ class Measured:
         return {"source": self.source, "kernel_us": {k: round(v, 3) for k, v in self.kernel_us},
                 "hop_us": {k: round(v, 3) for k, v in self.hop_us},
                 "efficiency": {k: round(v, 4) for k, v in self.efficiency},
+                **({"link_efficiency": {k: round(v, 4) for k, v in self.link_efficiency}}
+                   if self.link_efficiency else {}),
                 "p2p_efficiency": round(self.p2p_efficiency, 4), "host_launch_us": round(self.host_launch_us, 3),
                 "host_call_us": round(self.host_call_us, 3), "fitted_on": list(self.fitted_on)}
 
@@ -89,14 +103,14 @@ class Measured:
             return public()
         if not isinstance(value, Mapping):
             raise TopologyError(key, f"expected spec, public, or a mapping of measured constants, got {value!r}")
-        allowed = ("source", "kernel_us", "hop_us", "efficiency", "p2p_efficiency", "host_launch_us", "host_call_us",
-                   "fitted_on")
+        allowed = ("source", "kernel_us", "hop_us", "efficiency", "link_efficiency", "p2p_efficiency",
+                   "host_launch_us", "host_call_us", "fitted_on")
         for k in value:
             if k not in allowed:
                 raise TopologyError(f"{key}.{k}", f"unknown key; known keys: {', '.join(allowed)}")
         pairs = {}
         for name, known, what in (("kernel_us", ARCHS, "GPU generation"), ("hop_us", KINDS, "NIC kind"),
-                                  ("efficiency", KINDS, "NIC kind")):
+                                  ("efficiency", KINDS, "NIC kind"), ("link_efficiency", LINKS, "link class")):
             entries = value.get(name) or {}
             if not isinstance(entries, Mapping):
                 raise TopologyError(f"{key}.{name}", f"expected a mapping of {what} to a number, got {entries!r}")
@@ -106,6 +120,7 @@ class Measured:
                 pairs.setdefault(name, []).append((str(kind), _number(number, f"{key}.{name}.{kind}", BOUNDS[name])))
         return cls(kernel_us=tuple(pairs.get("kernel_us", ())),
                    hop_us=tuple(pairs.get("hop_us", ())), efficiency=tuple(pairs.get("efficiency", ())),
+                   link_efficiency=tuple(pairs.get("link_efficiency", ())),
                    p2p_efficiency=_number(value.get("p2p_efficiency", 1.0), f"{key}.p2p_efficiency",
                                           BOUNDS["p2p_efficiency"]),
                    host_launch_us=_number(value.get("host_launch_us", 0.0), f"{key}.host_launch_us",
@@ -149,10 +164,10 @@ def public() -> Measured:
 class Row:
     """One table row as the model decomposes it under :data:`SPEC` (see :func:`fit`).
 
-    ``time_us = max(gpu, host)`` with ``gpu = latency_us + kernel[arch] + hops x hop[kind] + local_us +
-    net_us / efficiency`` (``combine`` "sum"; "max": ``max(local_us, net_us / efficiency)``, for
-    all-to-all, whose NVLink and network parts run at once), and ``host = gpus_per_thread x
-    (launch + calls x call)``.
+    ``time_us = max(gpu, host)`` with ``gpu = latency_us + kernel[arch] + hops x hop[kind] +
+    local_us / link_efficiency[link] + net_us / efficiency[kind]`` (``combine`` "sum"; "max":
+    the larger of the two transfers, for all-to-all, whose NVLink and network parts run at
+    once), and ``host = gpus_per_thread x (launch + calls x call)``.
     """
 
     table: str
@@ -168,6 +183,7 @@ class Row:
     gpus_per_thread: int
     calls: int
     algorithm: str = ""
+    link: str = "nvlink"
 
 
 class _Arrays:
@@ -186,13 +202,16 @@ class _Arrays:
         self.kind = np.array([index.get(r.kind, len(kinds)) for r in rows])
         index = {a: i for i, a in enumerate(archs)}
         self.arch = np.array([index.get(r.arch, len(archs)) for r in rows])
+        index = {link: i for i, link in enumerate(LINKS)}
+        self.link = np.array([index.get(r.link, len(LINKS)) for r in rows])
 
     def predict(self, kernel: np.ndarray, hop: np.ndarray, eff: np.ndarray, p2p: float, launch: float,
-                call: float) -> np.ndarray:
+                call: float, link_eff: Optional[np.ndarray] = None) -> np.ndarray:
         hop_of = np.append(hop, 0.0)[self.kind]
         eff_of = np.where(self.p2p, p2p, np.append(eff, 1.0)[self.kind])
         net = self.net / eff_of
-        transfer = np.where(self.maxed, np.maximum(self.local, net), self.local + net)
+        local = self.local if link_eff is None else self.local / np.append(link_eff, 1.0)[self.link]
+        transfer = np.where(self.maxed, np.maximum(local, net), local + net)
         gpu = self.latency + np.append(kernel, 0.0)[self.arch] + self.hops * hop_of + transfer
         return np.maximum(gpu, self.host_gpus * (launch + self.calls * call))
 
@@ -203,10 +222,11 @@ def predict_rows(rows: Sequence[Row], m: Measured) -> np.ndarray:
     arrays = _Arrays(rows, kinds, archs)
     return arrays.predict(np.array([m.kernel(a) for a in archs]), np.array([m.hop(k) for k in kinds]),
                           np.array([m.net_efficiency(k) for k in kinds]), m.p2p_efficiency, m.host_launch_us,
-                          m.host_call_us)
+                          m.host_call_us, np.array([m.local_efficiency(link) for link in LINKS]))
 
 
 LATENCY_ALGORITHMS = ("ring", "tree", "p2p")
+SHARE = 0.2  # a link's efficiency is fitted from bandwidth-bound rows it carries at least this share of
 
 
 def _regime(row: Row) -> str:
@@ -223,33 +243,48 @@ def _regime(row: Row) -> str:
     return "bandwidth" if share >= 0.8 else "mixed"
 
 
-def fit(rows: Sequence[Row], source: str = "", fit_efficiency: bool = False) -> Measured:
+def _merged(fitted: Sequence[tuple], prior: tuple) -> tuple:
+    """``fitted`` ``(key, value)`` pairs, then ``prior``'s for the keys no row informed."""
+    keys = {k for k, _ in fitted}
+    return tuple(fitted) + tuple((k, v) for k, v in prior if k not in keys)
+
+
+def fit(rows: Sequence[Row], source: str = "", fit_efficiency: bool = False, prior: Measured = SPEC) -> Measured:
     """The constants that best explain ``rows`` (least squares on log time, every table weighted
     equally, a soft-L1 loss so that a few odd rows do not steer it). Only constants some row
-    informs are fitted, the others keep their :data:`SPEC` values: a GPU generation's kernel
+    informs are fitted, the others keep their ``prior`` values (:data:`SPEC`'s unless given: a
+    cluster's calibration starts from the public estimates): a GPU generation's kernel
     start and a NIC kind's hop latency need latency-bound rows, point-to-point efficiency
     bandwidth-bound all-to-all rows across nodes, the host costs tables in which one thread
-    drives several GPUs. A NIC kind's efficiency is fitted only when ``fit_efficiency`` says so:
-    across the public tables the same kind delivers anywhere from 60 % to all of its rate
-    (p4d's EFA under NCCL 2.7 against p4de's under 2.20; Vultr's NICs that perftest shows at
-    81 %), so a public estimate would move a healthy cluster as often away from the truth as
-    towards it; a cluster's own tables (``whatif calibrate nccl-tests``) tell its rate."""
+    drives several GPUs. A NIC kind's efficiency, and a link class's, are fitted only when
+    ``fit_efficiency`` says so: across the public tables the same kind delivers anywhere from
+    60 % to all of its rate (p4d's EFA under NCCL 2.7 against p4de's under 2.20; Vultr's NICs
+    that perftest shows at 81 %), so a public estimate would move a healthy cluster as often
+    away from the truth as towards it; a cluster's own tables (``whatif calibrate
+    nccl-tests``) tell its rate: the network's from bandwidth-bound rows of which the network
+    carries at least a fifth (``SHARE``), NVLink's (PCIe's) from those of which it does."""
     from scipy.optimize import least_squares
 
     rows = [r for r in rows if _regime(r) != "mixed"]
     if not rows:
-        return SPEC
+        return prior
     kinds, archs = sorted({r.kind for r in rows}), sorted({r.arch for r in rows})
     kernel_archs = [a for a in archs if any(r.arch == a and _regime(r) == "latency" for r in rows)]
     hop_kinds = [k for k in kinds if any(r.kind == k and r.hops > 0 and _regime(r) == "latency" for r in rows)]
     eff_kinds = [k for k in kinds if fit_efficiency and any(
-        r.kind == k and not r.p2p and r.net_us > r.local_us and _regime(r) == "bandwidth" for r in rows)]
+        r.kind == k and not r.p2p and r.net_us >= SHARE * (r.local_us + r.net_us) and _regime(r) == "bandwidth"
+        for r in rows)]
+    eff_links = [link for link in LINKS if fit_efficiency and any(
+        r.link == link and r.local_us >= SHARE * (r.local_us + r.net_us) and _regime(r) == "bandwidth"
+        for r in rows)]
     p2p = any(r.p2p and r.net_us > r.local_us and _regime(r) == "bandwidth" for r in rows)
     host = any(r.gpus_per_thread > 1 for r in rows)
     arrays = _Arrays(rows, kinds, archs)
-    layout = [(f"kernel:{a}", 4.0, BOUNDS["kernel_us"]) for a in kernel_archs]
-    layout += [(f"hop:{k}", 5.0, BOUNDS["hop_us"]) for k in hop_kinds]
+    start = prior if prior != SPEC else None
+    layout = [(f"kernel:{a}", start.kernel(a) if start else 4.0, BOUNDS["kernel_us"]) for a in kernel_archs]
+    layout += [(f"hop:{k}", start.hop(k) if start else 5.0, BOUNDS["hop_us"]) for k in hop_kinds]
     layout += [(f"eff:{k}", 0.9, BOUNDS["efficiency"]) for k in eff_kinds]
+    layout += [(f"link:{k}", 0.9, BOUNDS["link_efficiency"]) for k in eff_links]
     layout += [("p2p", 0.8, BOUNDS["p2p_efficiency"])] if p2p else []
     layout += [("host_launch_us", 3.0, BOUNDS["host_launch_us"]), ("host_call_us", 0.3, BOUNDS["host_call_us"])] \
         if host else []
@@ -257,11 +292,13 @@ def fit(rows: Sequence[Row], source: str = "", fit_efficiency: bool = False) -> 
 
     def unpack(x: np.ndarray) -> tuple:
         values = dict(zip(names, x))
-        kernel = np.array([values.get(f"kernel:{a}", 0.0) for a in archs])
-        hop = np.array([values.get(f"hop:{k}", 0.0) for k in kinds])
-        eff = np.array([values.get(f"eff:{k}", 1.0) for k in kinds])
-        return (kernel, hop, eff, values.get("p2p", 1.0), values.get("host_launch_us", 0.0),
-                values.get("host_call_us", 0.0))
+        kernel = np.array([values.get(f"kernel:{a}", prior.kernel(a)) for a in archs])
+        hop = np.array([values.get(f"hop:{k}", prior.hop(k)) for k in kinds])
+        eff = np.array([values.get(f"eff:{k}", prior.net_efficiency(k)) for k in kinds])
+        link_eff = np.array([values.get(f"link:{k}", prior.local_efficiency(k)) for k in LINKS])
+        return (kernel, hop, eff, values.get("p2p", prior.p2p_efficiency),
+                values.get("host_launch_us", prior.host_launch_us), values.get("host_call_us", prior.host_call_us),
+                link_eff)
 
     measured = np.array([r.measured_us for r in rows])
     count: dict = {}
@@ -272,10 +309,17 @@ def fit(rows: Sequence[Row], source: str = "", fit_efficiency: bool = False) -> 
     def residuals(x: np.ndarray) -> np.ndarray:
         return weights * np.log(arrays.predict(*unpack(x)) / measured)
 
+    if not layout:
+        return prior
     lo, hi = [b[0] for _, _, b in layout], [b[1] for _, _, b in layout]
-    found = least_squares(residuals, [v for _, v, _ in layout], bounds=(lo, hi), loss="soft_l1", f_scale=0.1)
-    kernel, hop, eff, p2p_eff, launch, call = unpack(found.x)
-    return Measured(kernel_us=tuple((a, float(kernel[archs.index(a)])) for a in kernel_archs), hop_us=tuple((k, float(hop[kinds.index(k)])) for k in hop_kinds),
-                    efficiency=tuple((k, float(eff[kinds.index(k)])) for k in eff_kinds), p2p_efficiency=float(p2p_eff),
-                    host_launch_us=float(launch), host_call_us=float(call), source=source,
+    found = least_squares(residuals, [min(max(v, b[0]), b[1]) for _, v, b in layout], bounds=(lo, hi),
+                          loss="soft_l1", f_scale=0.1)
+    kernel, hop, eff, p2p_eff, launch, call, link_eff = unpack(found.x)
+    return Measured(kernel_us=_merged([(a, float(kernel[archs.index(a)])) for a in kernel_archs], prior.kernel_us),
+                    hop_us=_merged([(k, float(hop[kinds.index(k)])) for k in hop_kinds], prior.hop_us),
+                    efficiency=_merged([(k, float(eff[kinds.index(k)])) for k in eff_kinds], prior.efficiency),
+                    link_efficiency=_merged([(k, float(link_eff[LINKS.index(k)])) for k in eff_links],
+                                            prior.link_efficiency),
+                    p2p_efficiency=float(p2p_eff), host_launch_us=float(launch), host_call_us=float(call),
+                    source=source,
                     fitted_on=tuple(sorted({r.table.replace("\\", "/").rsplit("/", 1)[-1] for r in rows})))

@@ -38,8 +38,10 @@ NCCL's, made on NCCL's estimate, as NCCL itself makes it):
   the same algorithm does on the same hardware (LL moves half the bus bandwidth whatever 2.7
   assumed).
 * *channels in use.* For small messages NCCL launches fewer channels (``topoGetAlgoInfo``: while
-  ``bytes < channels x threads x threshold`` one fewer); we price them with the tuner's own
-  formula on that many channels (:func:`bandwidth_on`), so per-channel ceilings shrink with them.
+  ``bytes < channels x threads x threshold`` one fewer; CollNet direct by ``ncSwitch`` steps
+  with a threshold per head 8 to 64 times a ring's, so it runs on fewer channels up to tens
+  of MiB, :func:`channels_used`); we price them with the tuner's own formula on that many
+  channels (:func:`bandwidth_on`), so per-channel ceilings shrink with them.
 * *NVLS chunks and pipeline.* NVLS and NVLS tree cut small messages into small chunks
   (``calcCollChunking``), each paying a synchronisation, and take one chunk time per stage to
   fill their pipeline (:func:`chunk_slowdown`, :func:`pipeline_fill_us`).
@@ -328,9 +330,13 @@ def priced(comm: Comm, option: Option) -> tuple:
 def bandwidth_on(comm: Comm, option: Option, channels: int) -> float:
     """``option``'s bandwidth when NCCL launches only ``channels`` of its channels: the tuner's
     formula on a graph of proportionally fewer channels, so per-channel ceilings shrink with
-    them and whole-GPU ones (LL's) do not."""
+    them and whole-GPU ones (LL's) do not. CollNet direct keeps its heads (the tuner's
+    ``ppn / heads`` factor is the graph's, not the launch's), each on fewer channels: its
+    bandwidth scales with the channels."""
     if channels == option.channels:
         return option.bandwidth_gbs
+    if option.algorithm == "collnet_direct" and channels < option.channels:
+        return option.bandwidth_gbs * channels / option.channels  # same heads, fewer channels each
     graph = _graph(comm, option.algorithm)
     if channels > option.channels:  # NCCL_MIN_NCHANNELS: more blocks on the same links
         more = dataclasses.replace(graph, cap_channels=graph.channels * channels / option.channels)
@@ -456,15 +462,41 @@ def pipeline_fill_us(comm: Comm, option: Option, nbytes: float, bandwidth_gbs: f
     return (depth - 1) * min(chunk, nbytes / ops) / lane_bytes_per_us
 
 
-def channels_used(comm: Comm, option: Option, nbytes: float) -> int:
-    """Channels NCCL launches for ``nbytes`` (topoGetAlgoInfo's thread-threshold rule)."""
-    if option.algorithm in ("nvls", "nvls_tree", "collnet_direct"):
+def channels_used(comm: Comm, option: Option, nbytes: float, version: Optional[tuple] = None) -> int:
+    """Channels NCCL launches for ``nbytes`` (enqueue.cc topoGetAlgoInfo) under release ``version``
+    (default ``comm.tuner``'s).
+
+    Rings and trees drop one channel while ``nbytes < channels x threads x threshold``
+    (``NCCL_*_THREAD_THRESHOLD``, ring LL's times the ranks). CollNet direct's threshold is
+    512 bytes per thread and head (tuning.cc), counted over ``nHeads``, and it steps down
+    only to 16, 8, 4, 2 and 1 channels in turn, halving the threshold at 1.5 times each step
+    (``ncSwitch``); CollNet chain uses the ring/tree rule with the same 512. NVLS keeps all its
+    channels."""
+    if option.algorithm in ("nvls", "nvls_tree"):
         return option.channels
-    threads = tuning.MAX_THREADS[option.protocol]
-    threshold = tuning.THREAD_THRESHOLD[option.protocol]
-    if option.algorithm == "ring" and option.protocol == "ll":
-        threshold *= comm.n_ranks
+    version = comm.tuner.version if version is None else version
     channels = option.channels
+    if option.algorithm.startswith("collnet"):
+        threads = max(v for since, v in tuning.COLLNET_MAX_THREADS.items() if version >= since)
+        threshold = tuning.COLLNET_THREAD_THRESHOLD
+    else:
+        threads = tuning.MAX_THREADS[option.protocol]
+        threshold = tuning.THREAD_THRESHOLD[option.protocol]
+        if option.algorithm == "ring" and option.protocol == "ll":
+            threshold *= comm.n_ranks
+    if option.algorithm == "collnet_direct":
+        heads = collnet_graph(comm).channels
+        switch, below = 16, True
+        while switch >= 1 and below:
+            while True:
+                below = nbytes < channels * threads * heads * threshold
+                if not (below and channels > switch):
+                    break
+                if channels == switch + switch // 2:
+                    threshold //= 2
+                channels -= 1
+            switch //= 2
+        return channels
     while nbytes < channels * threads * threshold and channels >= 2:
         channels -= 1
     return channels
@@ -524,8 +556,8 @@ def predict(comm: Comm, op: str, nbytes: float, algorithms=None, protocols=None,
 
     ``L' = (NCCL's L + kernel + hops x hop latency) x latency factor``; ``S / B'`` is NCCL's
     transfer time on the channels it launches, slowed by NVLS's small chunks and with NVLS's
-    pipeline fill, over the achieved fraction of the network's rate (across nodes) and the
-    bandwidth factor. Kernel, hop latency and achieved rate are the measured constants of
+    pipeline fill, its part inside a node over the achieved fraction of the NVLink (PCIe) rate
+    and its part across nodes over that of the network's, and over the bandwidth factor. Kernel, hop latency and achieved rate are the measured constants of
     ``calibration.constants`` (``measured.py``; the public estimates without a calibration),
     the two factors the calibration's own (1 without), so a fit sees ``T = f L + X / e``.
     """
@@ -533,8 +565,9 @@ def predict(comm: Comm, op: str, nbytes: float, algorithms=None, protocols=None,
         return Predicted(Option(op, "ring", "simple", 0.0, math.inf, 1, comm.link_intra), 0.0, 0.0, 1)
     measured = public() if calibration is None else calibration.constants
     chosen = choose(comm, op, nbytes, algorithms, protocols)
+    release = comm.tuner.version
     comm, option = priced(comm, chosen)
-    used = channels_used(comm, option, nbytes)
+    used = channels_used(comm, option, nbytes, release)
     if calibration is not None and calibration.min_channels and option.algorithm in ("ring", "tree"):
         used = max(used, calibration.min_channels)
     efficiency, latency_factor = (1.0, 1.0) if calibration is None else calibration.factors_for(
@@ -547,6 +580,7 @@ def predict(comm: Comm, op: str, nbytes: float, algorithms=None, protocols=None,
     share = network_share(comm, option, used)
     local, net = transfer * (1.0 - share), transfer * share
     measured_latency = latency + measured.kernel(comm.arch) + hops * measured.hop(nic.kind, nic.transport)
-    measured_transfer = local + net / measured.net_efficiency(nic.kind, nic.transport)
+    measured_transfer = local / measured.local_efficiency(comm.link_intra) + net / measured.net_efficiency(
+        nic.kind, nic.transport)
     return Predicted(chosen, measured_latency * latency_factor, measured_transfer / efficiency, used,
                      hops, nic.kind, local, net, "sum", latency)

@@ -76,14 +76,16 @@ def _latency(comm: Comm, protocol: str, link: str, steps: int) -> float:
 def _timed(comm: Comm, option: Option, latency: float, hops: float, local: float, net: float, combine: str,
            calibration, channels: int) -> Predicted:
     """A point-to-point prediction with the measured constants (``measured.py``): the kernel's
-    start, the NIC kind's hop latency, and the achieved fraction of the network rate that
-    point-to-point traffic between nodes gets; then the calibration's factors."""
+    start, the NIC kind's hop latency, the achieved fraction of the NVLink (PCIe) rate and of
+    the network rate that point-to-point traffic between nodes gets; then the calibration's
+    factors."""
     measured = public() if calibration is None else calibration.constants
     efficiency, latency_factor = _factors(calibration, option.link, option.protocol)
     nic = comm.fabric.nic
     timed_latency = (latency + measured.kernel(comm.arch) + hops * measured.hop(nic.kind, nic.transport)) * latency_factor
     net_time = net / measured.p2p_efficiency if net else 0.0
-    transfer = (max(local, net_time) if combine == "max" else local + net_time) / efficiency
+    local_time = local / measured.local_efficiency(comm.link_intra)
+    transfer = (max(local_time, net_time) if combine == "max" else local_time + net_time) / efficiency
     return Predicted(option, timed_latency, transfer, channels, hops, nic.kind, local, net, combine, latency)
 
 

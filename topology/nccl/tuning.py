@@ -99,6 +99,9 @@ MAX_DIRECT_ARITY = 7        # CollNet Direct: at most 8 local GPUs
 MAX_THREADS = {"ll": 512, "ll128": 640, "simple": 512}
 THREAD_THRESHOLD = {"ll": 8, "ll128": 8, "simple": 64}
 COLLNET_THREAD_THRESHOLD = 512
+# CollNet's threads per channel (tuning.cc ncclTopoTuneModel): NCCL_SIMPLE_MAX_NTHREADS up to
+# 2.17, NCCL_MAX_NTHREADS from 2.18.
+COLLNET_MAX_THREADS = {(0, 0, 0): 512, (2, 18, 0): 640}
 
 # NVLS chunking (nvls.cc ncclNvlsTuning, enqueue.cc calcCollChunking): the default chunk, the
 # smaller chunks NCCL falls back to when a message is small against channels x heads x chunk,
