@@ -24,6 +24,8 @@ lag cannot pull it before them).
 
 from __future__ import annotations
 
+import bisect
+import heapq
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -113,6 +115,15 @@ class _Compiled:
                 self.preds[t] = pairs[a:b]
 
 
+class _Watch:
+    """A policy resource's tasks whose predecessors were computed since it last looked
+    (``dirty``), and the event that wakes it while it sleeps (``poke``)."""
+
+    def __init__(self, dirty: list):
+        self.dirty = dirty
+        self.poke: Optional[simpy.Event] = None
+
+
 class _Run:
     """One simulation: shared state of the resource processes."""
 
@@ -123,6 +134,7 @@ class _Run:
         self.start: list = [None] * self.c.n
         self.end: list = [None] * self.c.n
         self.waiting: dict = {}
+        self.watchers: dict = {}  # task -> [(_Watch, task)]: policy resources' tasks waiting on it
         self.events = 0
         self.event_per_task = event_per_task
         policies = policies or {}
@@ -151,6 +163,12 @@ class _Run:
         ev = self.waiting.pop(task, None)
         if ev is not None:
             ev.succeed()
+        watching = self.watchers.pop(task, None)
+        if watching is not None:
+            for watch, t in watching:
+                watch.dirty.append(t)
+                if watch.poke is not None and not watch.poke.triggered:
+                    watch.poke.succeed()
 
     def _run_in_order(self, ids: list):
         end, release, duration, preds = self.end, self.c.release, self.c.duration, self.c.preds
@@ -191,52 +209,69 @@ class _Run:
             self._finish(t, s, free)
 
     def _run_with_policy(self, ids: list, policy: Policy):
+        """A resource whose policy picks among its ready tasks at each decision. A task is ready
+        once every predecessor has ended by now on the SimPy clock (the fast engine may know a
+        later end already; using it would let negative lags act early), that is from
+        ``max(release, end(pred) + lag, end(pred))`` on, fixed once its predecessors are known.
+        Each task is resolved once: while a predecessor is unknown it waits on that predecessor
+        (``_finish`` hands it back), then on a heap of ready times; the decisions look at the
+        ready tasks alone, not at every pending one."""
         env, end, release, duration, preds = self.env, self.end, self.c.release, self.c.duration, self.c.preds
-        pending = list(ids)
+        position = {t: i for i, t in enumerate(ids)}
+        watch = _Watch(list(ids))
+        blocked: dict = {}  # task -> index of its first predecessor not computed yet
+        later: list = []  # heap of (ready time, position) of the resolved tasks not ready yet
+        ready: list = []  # positions of the ready tasks, in the resource's order
+        left = len(ids)
         free = 0.0  # simulated time starts at the trace's first event
-        while pending:
+        while left:
             now = max(free, env.now)
             if now > env.now:
                 self.events += 1
                 yield env.timeout(now - env.now)
             self.events += 1
             yield env.timeout(0)  # let every task that ends at this instant be computed first
-            # a task is ready once every predecessor has ended by now on the SimPy clock (the fast
-            # engine may know a later end already; using it would let negative lags act early)
-            ready, next_ready, unknown = [], np.inf, []
-            for t in pending:
-                r = release[t]
-                for d, lag in preds[t]:
+            dirty, watch.dirty = watch.dirty, []
+            for t in dirty:
+                k = blocked.pop(t, 0)
+                own = preds[t]
+                r, last = release[t], -np.inf
+                while k < len(own):
+                    d, lag = own[k]
                     e = end[d]
                     if e is None:
-                        unknown.append(d)
-                        r = None
                         break
-                    if e > now:
-                        next_ready = min(next_ready, e)
-                        r = None
-                        break
-                    r = max(r, e + lag)
-                if r is None:
-                    continue
-                if r <= now:
-                    ready.append(t)
-                elif r < next_ready:
-                    next_ready = r
+                    if e > last:
+                        last = e
+                    if e + lag > r:
+                        r = e + lag
+                    k += 1
+                if k < len(own):
+                    blocked[t] = k
+                    self.watchers.setdefault(own[k][0], []).append((watch, t))
+                else:
+                    heapq.heappush(later, (r if r > last else last, position[t]))
+            while later and later[0][0] <= now:
+                bisect.insort(ready, heapq.heappop(later)[1])
             if not ready:
-                wake = [self._done_event(d) for d in dict.fromkeys(unknown)]
-                if next_ready < np.inf:
+                wake = []
+                if blocked:
+                    watch.poke = env.event()
+                    wake.append(watch.poke)
+                if later:
                     self.events += 1
-                    wake.append(env.timeout(next_ready - env.now))
+                    wake.append(env.timeout(later[0][0] - env.now))
                 if not wake:
                     return  # blocked for good: reported as unscheduled tasks
+                self.events += 1
                 yield env.any_of(wake)
+                watch.poke = None
                 continue
             start_at = policy.start_at(now)
             if start_at > now:
                 free = start_at  # wait for the policy's next opportunity, then look again
                 continue
-            batch = policy.choose_batch(ready, now)
+            batch = policy.choose_batch([ids[p] for p in ready], now)
             running = policy.execute(env, batch, now)
             if running is not None:
                 self.events += 1
@@ -249,7 +284,8 @@ class _Run:
                 self.events += 1
                 yield env.timeout(free - env.now)
             for t in batch:
-                pending.remove(t)
+                del ready[bisect.bisect_left(ready, position[t])]
+                left -= 1
                 self._finish(t, now, free)
 
     def run(self) -> Schedule:
