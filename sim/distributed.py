@@ -44,7 +44,7 @@ from .frameworks import Framework, FrameworkOptions, Message, framework
 from .frameworks.sync_points import SyncPoints, iteration_thread
 from .gradients import Gradients
 from .parallel import Parallelism
-from .graph import GPU_TASK_KINDS, EdgeKind, GraphError, TaskGraph, TaskKind
+from .graph import GPU_TASK_KINDS, EdgeKind, GraphError, TaskGraph, TaskKind, concat_tasks
 from .passes.shared_memory import slow_beside_peers
 from .policies import Fifo, Priority
 
@@ -143,9 +143,10 @@ def simulate_cluster(worker: TaskGraph, gradients: Gradients, iterations: pd.Dat
     graph = _replicate(worker, copies, config)
     rows, edges = [], []
     nbytes, priority, order = [], [], []
-    per_iteration = {}
+    per_iteration, layers = {}, {}
     for it in range(len(iterations)):
-        per_iteration[it] = fw.messages(gradients.of_iteration(it), config.options, sliced)
+        of_iteration = gradients.of_iteration(it)
+        per_iteration[it], layers[it] = fw.messages(of_iteration, config.options, sliced), len(of_iteration)
     barrier = sync.barrier(graph) if any(per_iteration.values()) else None
     base = len(graph.tasks)
     measured_end = worker.tasks["measured_end_us"].to_numpy()
@@ -165,7 +166,7 @@ def simulate_cluster(worker: TaskGraph, gradients: Gradients, iterations: pd.Dat
                 edges.append((first_id + m.follows, tid, 0.0))
             if m.phase == "push":
                 continue
-            waiter = waiters.get(it, fw.waiter(sync, it, m, layerwise, len(gradients.of_iteration(it))))
+            waiter = waiters[it] if it in waiters else fw.waiter(sync, it, m, layerwise, layers[it])
             targets = [waiter + k * n for k in range(copies)] if waiter is not None else []
             if waiter is None or it == last_iteration:
                 # the step's end waits for its communication: with a GPU-side wait (DDP) nothing
@@ -289,11 +290,7 @@ def _comm_row(m: Message, resource: str, duration_us: float, ready_us: float) ->
 def _add_comm_tasks(graph: TaskGraph, rows: list, edges: list) -> None:
     if not rows:
         return
-    extra = pd.DataFrame(rows)
-    tasks = graph.tasks
-    categorical = [c for c in tasks.columns if isinstance(tasks[c].dtype, pd.CategoricalDtype)]
-    combined = pd.concat([tasks.astype({c: object for c in categorical}), extra], ignore_index=True)
-    graph.tasks = combined.astype({c: "category" for c in categorical})
+    graph.tasks = concat_tasks([graph.tasks, pd.DataFrame(rows)])
     graph.add_edges([(s, d, lag, int(EdgeKind.USER)) for s, d, lag in edges])
 
 
@@ -323,8 +320,6 @@ def _replicate(worker: TaskGraph, copies: int, config: ClusterConfig) -> TaskGra
         e["src"] += k * n
         e["dst"] += k * n
         edge_frames.append(e)
-    categorical = [c for c in worker.tasks.columns if isinstance(worker.tasks[c].dtype, pd.CategoricalDtype)]
-    tasks = pd.concat([f.astype({c: object for c in categorical}) for f in frames], ignore_index=True)
-    graph.tasks = tasks.astype({c: "category" for c in categorical})
+    graph.tasks = concat_tasks(frames)
     graph.edges = pd.concat(edge_frames, ignore_index=True)
     return graph

@@ -25,8 +25,10 @@ lag cannot pull it before them).
 from __future__ import annotations
 
 import bisect
+import hashlib
 import heapq
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional
 
@@ -53,6 +55,14 @@ class Policy:
 
     def choose_batch(self, ready: list[int], now_us: float) -> list[int]:
         return [self.choose(ready, now_us)]
+
+    def ranked(self, ready: list[int], now_us: float) -> list[int]:
+        """The ready tasks in the order ``choose`` would pick them one after another."""
+        left, out = list(ready), []
+        while left:
+            out.append(self.choose(left, now_us))
+            left.remove(out[-1])
+        return out
 
     def batch_duration_us(self, batch: list[int], durations_us: list[float]) -> float:
         return float(sum(durations_us))
@@ -92,7 +102,12 @@ class Schedule:
 
 
 class _Compiled:
-    """The graph as plain Python lists, which the inner loops index fastest."""
+    """The graph as plain Python lists, which the inner loops index fastest.
+
+    The per-resource orders and the predecessor lists are the costly part to build, and a grid
+    of cluster configurations simulates graphs whose tasks and edges are the same from point
+    to point (only durations differ): they are kept for the last few graphs, found by a digest
+    of the arrays they are built from."""
 
     def __init__(self, graph: TaskGraph):
         tasks = graph.tasks
@@ -100,19 +115,81 @@ class _Compiled:
         self.duration = tasks["duration_us"].to_numpy(dtype=np.float64).tolist()
         self.release = tasks["release_us"].to_numpy(dtype=np.float64).tolist()
         self.labels = tasks["resource"].cat.categories
-        self.sequences = graph.resource_order()
-        self.resource_of_sequence = [str(tasks["resource"].iat[int(seq[0])]) for seq in self.sequences]
+        codes = tasks["resource"].cat.codes.to_numpy()
+        key = _digest(codes, tasks["order_key"].to_numpy(), "\0".join(map(str, self.labels)))
+        self.sequences, self.resource_of_sequence = _cached(key, lambda: _sequences(graph))
         edges = graph.edges
-        self.preds: list = [()] * self.n
-        if len(edges):
-            dst = edges["dst"].to_numpy()
-            order = np.argsort(dst, kind="stable")
-            dst = dst[order]
-            pairs = list(zip(edges["src"].to_numpy()[order].tolist(), edges["lag_us"].to_numpy()[order].tolist()))
-            firsts = np.flatnonzero(np.r_[True, dst[1:] != dst[:-1]])
-            lasts = np.r_[firsts[1:], len(dst)]
-            for t, a, b in zip(dst[firsts].tolist(), firsts.tolist(), lasts.tolist()):
-                self.preds[t] = pairs[a:b]
+        src, dst, lag = (edges[c].to_numpy() for c in ("src", "dst", "lag_us"))
+        self.preds = _cached(_digest(self.n, src, dst, lag), lambda: _predecessors(self.n, src, dst, lag))
+
+
+def _sequences(graph: TaskGraph) -> tuple[list, list]:
+    """Each resource's task ids in its order, and the resource's name."""
+    sequences = graph.resource_order()
+    resource = graph.tasks["resource"]
+    return sequences, [str(resource.iat[int(seq[0])]) for seq in sequences]
+
+
+def _predecessors(n: int, src: np.ndarray, dst: np.ndarray, lag: np.ndarray) -> list:
+    """For every task, its ``(predecessor, lag)`` pairs."""
+    preds: list = [()] * n
+    if len(dst):
+        order = np.argsort(dst, kind="stable")
+        dst = dst[order]
+        pairs = list(zip(src[order].tolist(), lag[order].tolist()))
+        firsts = np.flatnonzero(np.r_[True, dst[1:] != dst[:-1]])
+        lasts = np.r_[firsts[1:], len(dst)]
+        for t, a, b in zip(dst[firsts].tolist(), firsts.tolist(), lasts.tolist()):
+            preds[t] = pairs[a:b]
+    return preds
+
+
+_COMPILED: "OrderedDict[bytes, object]" = OrderedDict()
+_COMPILED_KEPT = 4
+
+
+def _digest(*parts) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    for part in parts:
+        if isinstance(part, np.ndarray):
+            part = np.ascontiguousarray(part)
+            h.update(f"{part.dtype}{part.shape}".encode())
+            h.update(part.data)
+        else:
+            h.update(repr(part).encode())
+        h.update(b"|")
+    return h.digest()
+
+
+def _cached(key: bytes, build):
+    """What ``build()`` returns, kept under ``key`` among the last few; never modified by the
+    engine, so runs share it."""
+    if key in _COMPILED:
+        _COMPILED.move_to_end(key)
+        return _COMPILED[key]
+    value = _COMPILED[key] = build()
+    while len(_COMPILED) > _COMPILED_KEPT:
+        _COMPILED.popitem(last=False)
+    return value
+
+
+class _Waiters:
+    """Who waits for a task to be computed: a SimPy event (resources of a fixed order) and the
+    policy resources' tasks that wait on it (``(_Watch, task)``)."""
+
+    __slots__ = ("event", "watches")
+
+    def __init__(self):
+        self.event: Optional[simpy.Event] = None
+        self.watches: list = []
+
+    def wake(self) -> None:
+        if self.event is not None:
+            self.event.succeed()
+        for watch, t in self.watches:
+            watch.dirty.append(t)
+            if watch.poke is not None and not watch.poke.triggered:
+                watch.poke.succeed()
 
 
 class _Watch:
@@ -133,8 +210,7 @@ class _Run:
         self.env = simpy.Environment()
         self.start: list = [None] * self.c.n
         self.end: list = [None] * self.c.n
-        self.waiting: dict = {}
-        self.watchers: dict = {}  # task -> [(_Watch, task)]: policy resources' tasks waiting on it
+        self.waiting: dict = {}  # task -> its _Waiters, until it is computed
         self.events = 0
         self.event_per_task = event_per_task
         policies = policies or {}
@@ -151,27 +227,28 @@ class _Run:
                 self.env.process(self._run_in_order(ids))
 
     def _done_event(self, task: int) -> simpy.Event:
-        ev = self.waiting.get(task)
-        if ev is None:
-            ev = self.waiting[task] = self.env.event()
+        w = self._waiters(task)
+        if w.event is None:
+            w.event = self.env.event()
             self.events += 1
-        return ev
+        return w.event
+
+    def _waiters(self, task: int) -> "_Waiters":
+        w = self.waiting.get(task)
+        if w is None:
+            w = self.waiting[task] = _Waiters()
+        return w
 
     def _finish(self, task: int, start: float, end: float) -> None:
         self.start[task] = start
         self.end[task] = end
-        ev = self.waiting.pop(task, None)
-        if ev is not None:
-            ev.succeed()
-        watching = self.watchers.pop(task, None)
-        if watching is not None:
-            for watch, t in watching:
-                watch.dirty.append(t)
-                if watch.poke is not None and not watch.poke.triggered:
-                    watch.poke.succeed()
+        w = self.waiting.pop(task, None)
+        if w is not None:
+            w.wake()
 
     def _run_in_order(self, ids: list):
-        end, release, duration, preds = self.end, self.c.release, self.c.duration, self.c.preds
+        start, end, release, duration, preds = self.start, self.end, self.c.release, self.c.duration, self.c.preds
+        waiting = self.waiting
         free = 0.0  # simulated time starts at the trace's first event
         for t in ids:
             ready = release[t]
@@ -185,7 +262,11 @@ class _Run:
                     ready = e
             s = free if free > ready else ready
             free = s + duration[t]
-            self._finish(t, s, free)
+            start[t] = s  # _finish, inlined: the innermost loop of the engine
+            end[t] = free
+            w = waiting.pop(t, None)
+            if w is not None:
+                w.wake()
 
     def _run_event_per_task(self, ids: list):
         env, end, release, duration, preds = self.env, self.end, self.c.release, self.c.duration, self.c.preds
@@ -248,7 +329,7 @@ class _Run:
                     k += 1
                 if k < len(own):
                     blocked[t] = k
-                    self.watchers.setdefault(own[k][0], []).append((watch, t))
+                    self._waiters(own[k][0]).watches.append((watch, t))
                 else:
                     heapq.heappush(later, (r if r > last else last, position[t]))
             while later and later[0][0] <= now:
@@ -292,7 +373,7 @@ class _Run:
         t0 = time.perf_counter()
         self.env.run()
         wall = time.perf_counter() - t0
-        stuck = [i for i, e in enumerate(self.end) if e is None]
+        stuck = [i for i, e in enumerate(self.end) if e is None] if None in self.end else []
         if stuck:
             names = self.graph.tasks["name"].iloc[stuck[:3]].astype(str).tolist()
             raise GraphError(
