@@ -272,11 +272,17 @@ class _OnSharedLinks(Policy):
 
 
 class _PlanMaker:
+    """The plan of a collective of ``nbytes``, made once per size: P3's slices and a parameter
+    server's partitions repeat a few sizes, and the network routes a plan's steps once."""
+
     def __init__(self, cluster: Cluster, op: str, algorithm: Optional[str]):
         self.cluster, self.op, self.algorithm = cluster, op, algorithm
+        self.plans: dict = {}
 
     def __call__(self, nbytes: float) -> Plan:
-        return collective_plan(self.cluster, self.op, nbytes, algorithm=self.algorithm)
+        if nbytes not in self.plans:
+            self.plans[nbytes] = collective_plan(self.cluster, self.op, nbytes, algorithm=self.algorithm)
+        return self.plans[nbytes]
 
 
 def _comm_row(m: Message, resource: str, duration_us: float, ready_us: float) -> dict:
