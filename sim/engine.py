@@ -115,11 +115,15 @@ class _Compiled:
         self.duration = tasks["duration_us"].to_numpy(dtype=np.float64).tolist()
         self.release = tasks["release_us"].to_numpy(dtype=np.float64).tolist()
         self.labels = tasks["resource"].cat.categories
+        edges = graph.edges
+        src, dst, lag = (edges[c].to_numpy() for c in ("src", "dst", "lag_us"))
+        if self.n > _COMPILED_MAX_TASKS:  # every worker replicated: not kept, for memory
+            self.sequences, self.resource_of_sequence = _sequences(graph)
+            self.preds = _predecessors(self.n, src, dst, lag)
+            return
         codes = tasks["resource"].cat.codes.to_numpy()
         key = _digest(codes, tasks["order_key"].to_numpy(), "\0".join(map(str, self.labels)))
         self.sequences, self.resource_of_sequence = _cached(key, lambda: _sequences(graph))
-        edges = graph.edges
-        src, dst, lag = (edges[c].to_numpy() for c in ("src", "dst", "lag_us"))
         self.preds = _cached(_digest(self.n, src, dst, lag), lambda: _predecessors(self.n, src, dst, lag))
 
 
@@ -146,6 +150,7 @@ def _predecessors(n: int, src: np.ndarray, dst: np.ndarray, lag: np.ndarray) -> 
 
 _COMPILED: "OrderedDict[bytes, object]" = OrderedDict()
 _COMPILED_KEPT = 4
+_COMPILED_MAX_TASKS = 1_000_000
 
 
 def _digest(*parts) -> bytes:
