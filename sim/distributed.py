@@ -22,7 +22,14 @@ is settled with the CPU contention between communication and compute (``sim/cpu_
 
 Identical workers need not all be simulated: every worker would compute the same schedule, so
 one worker graph plus the network gives the same answer (a test compares it with full
-replication). Workers that differ (a straggler, a slower GPU on one machine) are replicated.
+replication). Workers that differ (a straggler machine, per-GPU slowdowns) are not all simulated
+either: one worker of each kind is, and of those only worker 0 (whose iterations are reported)
+and the kinds no other kind dominates. The worker graph is a max-plus system (every start is the
+largest of the ends it waits for, plus lags, on resources of a fixed order), so a worker whose
+every factor is at least another's ends every task no earlier, given the same communication;
+a message starts once its gradients are ready on the slowest worker, and the dominated workers
+never decide it. Where the CPU's contention with communication re-times the tasks from their
+own overlaps, that order need not hold, and every kind is simulated (``_simulated_workers``).
 """
 
 from __future__ import annotations
@@ -44,7 +51,7 @@ from .frameworks import Framework, FrameworkOptions, Message, framework
 from .frameworks.sync_points import SyncPoints, iteration_thread
 from .gradients import Gradients
 from .parallel import Parallelism
-from .graph import GPU_TASK_KINDS, EdgeKind, GraphError, TaskGraph, TaskKind
+from .graph import GPU_TASK_KINDS, EdgeKind, GraphError, TaskGraph, TaskKind, concat_tasks
 from .passes.shared_memory import slow_beside_peers
 from .policies import Fifo, Priority
 
@@ -69,7 +76,9 @@ class ClusterConfig:
     algorithm: Optional[str] = None  # the all-reduce's; None: the backend's choice (ring on the link models)
     options: FrameworkOptions = field(default_factory=FrameworkOptions)
     stragglers: Sequence[Straggler] = ()
-    replicate: Optional[bool] = None  # None: only when workers differ
+    replicate: Optional[bool] = None  # True: every worker; False: worker 0 only; None: the kinds that decide
+    # each worker's own factor on its GPU tasks (a GPU's speed, drawn per GPU); empty: none
+    gpu_slowdowns: Sequence[float] = ()
     # run each collective's plan on links shared with the collectives in flight beside it, or
     # time it by its closed form; None: shared where the framework's queues overlap (a parameter
     # server's push and pull), closed form for all-reduce, whose one queue runs a collective at a
@@ -126,8 +135,8 @@ def simulate_cluster(worker: TaskGraph, gradients: Gradients, iterations: pd.Dat
     if config.policy not in POLICIES:
         raise GraphError(f"unknown policy {config.policy!r}; choose from {', '.join(POLICIES)}")
     fw = framework(config.framework)
-    replicate = config.replicate if config.replicate is not None else bool(config.stragglers)
-    copies = config.workers if replicate else 1
+    simulated = _simulated_workers(config)
+    copies = len(simulated)
     thread = iteration_thread(worker, iterations)
     sync = SyncPoints(worker, iterations, thread)
     prices = _prices(config, fw)
@@ -140,12 +149,13 @@ def simulate_cluster(worker: TaskGraph, gradients: Gradients, iterations: pd.Dat
         worker = slow_beside_peers(worker, config.cluster)
     worker = fw.add_cpu_costs(worker, config.cluster, config.options)
     n = len(worker.tasks)
-    graph = _replicate(worker, copies, config)
+    graph = _replicate(worker, simulated, config)
     rows, edges = [], []
     nbytes, priority, order = [], [], []
-    per_iteration = {}
+    per_iteration, layers = {}, {}
     for it in range(len(iterations)):
-        per_iteration[it] = fw.messages(gradients.of_iteration(it), config.options, sliced)
+        of_iteration = gradients.of_iteration(it)
+        per_iteration[it], layers[it] = fw.messages(of_iteration, config.options, sliced), len(of_iteration)
     barrier = sync.barrier(graph) if any(per_iteration.values()) else None
     base = len(graph.tasks)
     measured_end = worker.tasks["measured_end_us"].to_numpy()
@@ -165,7 +175,7 @@ def simulate_cluster(worker: TaskGraph, gradients: Gradients, iterations: pd.Dat
                 edges.append((first_id + m.follows, tid, 0.0))
             if m.phase == "push":
                 continue
-            waiter = waiters.get(it, fw.waiter(sync, it, m, layerwise, len(gradients.of_iteration(it))))
+            waiter = waiters[it] if it in waiters else fw.waiter(sync, it, m, layerwise, layers[it])
             targets = [waiter + k * n for k in range(copies)] if waiter is not None else []
             if waiter is None or it == last_iteration:
                 # the step's end waits for its communication: with a GPU-side wait (DDP) nothing
@@ -262,11 +272,17 @@ class _OnSharedLinks(Policy):
 
 
 class _PlanMaker:
+    """The plan of a collective of ``nbytes``, made once per size: P3's slices and a parameter
+    server's partitions repeat a few sizes, and the network routes a plan's steps once."""
+
     def __init__(self, cluster: Cluster, op: str, algorithm: Optional[str]):
         self.cluster, self.op, self.algorithm = cluster, op, algorithm
+        self.plans: dict = {}
 
     def __call__(self, nbytes: float) -> Plan:
-        return collective_plan(self.cluster, self.op, nbytes, algorithm=self.algorithm)
+        if nbytes not in self.plans:
+            self.plans[nbytes] = collective_plan(self.cluster, self.op, nbytes, algorithm=self.algorithm)
+        return self.plans[nbytes]
 
 
 def _comm_row(m: Message, resource: str, duration_us: float, ready_us: float) -> dict:
@@ -289,42 +305,66 @@ def _comm_row(m: Message, resource: str, duration_us: float, ready_us: float) ->
 def _add_comm_tasks(graph: TaskGraph, rows: list, edges: list) -> None:
     if not rows:
         return
-    extra = pd.DataFrame(rows)
-    tasks = graph.tasks
-    categorical = [c for c in tasks.columns if isinstance(tasks[c].dtype, pd.CategoricalDtype)]
-    combined = pd.concat([tasks.astype({c: object for c in categorical}), extra], ignore_index=True)
-    graph.tasks = combined.astype({c: "category" for c in categorical})
+    graph.tasks = concat_tasks([graph.tasks, pd.DataFrame(rows)])
     graph.add_edges([(s, d, lag, int(EdgeKind.USER)) for s, d, lag in edges])
 
 
-def _replicate(worker: TaskGraph, copies: int, config: ClusterConfig) -> TaskGraph:
-    """``copies`` workers; worker 0 keeps its resource names, the others are prefixed."""
+def _factors(config: ClusterConfig, k: int) -> tuple[float, float, float]:
+    """Worker ``k``'s factors on its tasks: its machine's straggler ``slowdown`` (all but waits)
+    and ``gpu_slowdown`` (GPU tasks), and its own GPU's (``gpu_slowdowns``)."""
+    machine = k // config.cluster.gpus_per_machine
+    slow = next((s for s in config.stragglers if s.machine == machine), None)
+    own = float(config.gpu_slowdowns[k]) if len(config.gpu_slowdowns) else 1.0
+    return (slow.slowdown, slow.gpu_slowdown, own) if slow else (1.0, 1.0, own)
+
+
+def _simulated_workers(config: ClusterConfig) -> list[int]:
+    """The workers to simulate, worker 0 first: every one (``replicate``), worker 0 alone
+    (``replicate=False``, or identical workers), else worker 0 and one worker of each kind that
+    no other kind dominates (every factor at least as large; see the module's docstring), or of
+    every kind where CPU contention re-times tasks from their overlaps."""
+    if config.replicate:
+        return list(range(config.workers))
+    if config.replicate is False or (not config.stragglers and not len(config.gpu_slowdowns)):
+        return [0]
+    first: dict = {}  # kind -> its first worker
+    for k in range(config.workers):
+        first.setdefault(_factors(config, k), k)
+    if driving_link(config.cluster).has_cpu_contention:
+        deciding = list(first)
+    else:
+        deciding = [a for a in first if not any(b != a and all(x >= y for x, y in zip(b, a)) for b in first)]
+    return [0] + sorted(first[kind] for kind in deciding if first[kind] != 0)
+
+
+def _replicate(worker: TaskGraph, simulated: list[int], config: ClusterConfig) -> TaskGraph:
+    """The ``simulated`` workers, one after another; worker 0 keeps its resource names, worker
+    ``k`` has them prefixed ``worker k: ``."""
     graph = worker.copy()
-    if copies == 1:
+    if config.replicate is False or (simulated == [0] and _factors(config, 0) == (1.0, 1.0, 1.0)):
         return graph
     n = len(worker.tasks)
     frames, edge_frames = [], []
     kinds = worker.tasks["kind"].to_numpy()
     gpu = np.isin(kinds, [int(k) for k in GPU_TASK_KINDS])
     unscaled = np.isin(kinds, [int(TaskKind.WAIT)])
-    slow = {s.machine: s for s in config.stragglers}
-    for k in range(copies):
+    for i, k in enumerate(simulated):
         t = worker.tasks.copy()
         if k:
             t["resource"] = t["resource"].cat.rename_categories(lambda r, k=k: f"worker {k}: {r}")
-        machine = k // config.cluster.gpus_per_machine
-        if machine in slow:
+        slowdown, gpu_slowdown, own = _factors(config, k)
+        if (slowdown, gpu_slowdown, own) != (1.0, 1.0, 1.0):
             duration = t["duration_us"].to_numpy().copy()
-            duration[~unscaled] *= slow[machine].slowdown
-            duration[gpu] *= slow[machine].gpu_slowdown
+            duration[~unscaled] *= slowdown
+            duration[gpu] *= gpu_slowdown
+            if own != 1.0:
+                duration[gpu] *= own
             t["duration_us"] = duration
         frames.append(t)
         e = worker.edges.copy()
-        e["src"] += k * n
-        e["dst"] += k * n
+        e["src"] += i * n
+        e["dst"] += i * n
         edge_frames.append(e)
-    categorical = [c for c in worker.tasks.columns if isinstance(worker.tasks[c].dtype, pd.CategoricalDtype)]
-    tasks = pd.concat([f.astype({c: object for c in categorical}) for f in frames], ignore_index=True)
-    graph.tasks = tasks.astype({c: "category" for c in categorical})
+    graph.tasks = concat_tasks(frames)
     graph.edges = pd.concat(edge_frames, ignore_index=True)
     return graph

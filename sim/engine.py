@@ -24,7 +24,11 @@ lag cannot pull it before them).
 
 from __future__ import annotations
 
+import bisect
+import hashlib
+import heapq
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional
 
@@ -51,6 +55,14 @@ class Policy:
 
     def choose_batch(self, ready: list[int], now_us: float) -> list[int]:
         return [self.choose(ready, now_us)]
+
+    def ranked(self, ready: list[int], now_us: float) -> list[int]:
+        """The ready tasks in the order ``choose`` would pick them one after another."""
+        left, out = list(ready), []
+        while left:
+            out.append(self.choose(left, now_us))
+            left.remove(out[-1])
+        return out
 
     def batch_duration_us(self, batch: list[int], durations_us: list[float]) -> float:
         return float(sum(durations_us))
@@ -90,7 +102,12 @@ class Schedule:
 
 
 class _Compiled:
-    """The graph as plain Python lists, which the inner loops index fastest."""
+    """The graph as plain Python lists, which the inner loops index fastest.
+
+    The per-resource orders and the predecessor lists are the costly part to build, and a grid
+    of cluster configurations simulates graphs whose tasks and edges are the same from point
+    to point (only durations differ): they are kept for the last few graphs, found by a digest
+    of the arrays they are built from."""
 
     def __init__(self, graph: TaskGraph):
         tasks = graph.tasks
@@ -98,19 +115,95 @@ class _Compiled:
         self.duration = tasks["duration_us"].to_numpy(dtype=np.float64).tolist()
         self.release = tasks["release_us"].to_numpy(dtype=np.float64).tolist()
         self.labels = tasks["resource"].cat.categories
-        self.sequences = graph.resource_order()
-        self.resource_of_sequence = [str(tasks["resource"].iat[int(seq[0])]) for seq in self.sequences]
         edges = graph.edges
-        self.preds: list = [()] * self.n
-        if len(edges):
-            dst = edges["dst"].to_numpy()
-            order = np.argsort(dst, kind="stable")
-            dst = dst[order]
-            pairs = list(zip(edges["src"].to_numpy()[order].tolist(), edges["lag_us"].to_numpy()[order].tolist()))
-            firsts = np.flatnonzero(np.r_[True, dst[1:] != dst[:-1]])
-            lasts = np.r_[firsts[1:], len(dst)]
-            for t, a, b in zip(dst[firsts].tolist(), firsts.tolist(), lasts.tolist()):
-                self.preds[t] = pairs[a:b]
+        src, dst, lag = (edges[c].to_numpy() for c in ("src", "dst", "lag_us"))
+        if self.n > _COMPILED_MAX_TASKS:  # every worker replicated: not kept, for memory
+            self.sequences, self.resource_of_sequence = _sequences(graph)
+            self.preds = _predecessors(self.n, src, dst, lag)
+            return
+        codes = tasks["resource"].cat.codes.to_numpy()
+        key = _digest(codes, tasks["order_key"].to_numpy(), "\0".join(map(str, self.labels)))
+        self.sequences, self.resource_of_sequence = _cached(key, lambda: _sequences(graph))
+        self.preds = _cached(_digest(self.n, src, dst, lag), lambda: _predecessors(self.n, src, dst, lag))
+
+
+def _sequences(graph: TaskGraph) -> tuple[list, list]:
+    """Each resource's task ids in its order, and the resource's name."""
+    sequences = graph.resource_order()
+    resource = graph.tasks["resource"]
+    return sequences, [str(resource.iat[int(seq[0])]) for seq in sequences]
+
+
+def _predecessors(n: int, src: np.ndarray, dst: np.ndarray, lag: np.ndarray) -> list:
+    """For every task, its ``(predecessor, lag)`` pairs."""
+    preds: list = [()] * n
+    if len(dst):
+        order = np.argsort(dst, kind="stable")
+        dst = dst[order]
+        pairs = list(zip(src[order].tolist(), lag[order].tolist()))
+        firsts = np.flatnonzero(np.r_[True, dst[1:] != dst[:-1]])
+        lasts = np.r_[firsts[1:], len(dst)]
+        for t, a, b in zip(dst[firsts].tolist(), firsts.tolist(), lasts.tolist()):
+            preds[t] = pairs[a:b]
+    return preds
+
+
+_COMPILED: "OrderedDict[bytes, object]" = OrderedDict()
+_COMPILED_KEPT = 4
+_COMPILED_MAX_TASKS = 1_000_000
+
+
+def _digest(*parts) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    for part in parts:
+        if isinstance(part, np.ndarray):
+            part = np.ascontiguousarray(part)
+            h.update(f"{part.dtype}{part.shape}".encode())
+            h.update(part.data)
+        else:
+            h.update(repr(part).encode())
+        h.update(b"|")
+    return h.digest()
+
+
+def _cached(key: bytes, build):
+    """What ``build()`` returns, kept under ``key`` among the last few; never modified by the
+    engine, so runs share it."""
+    if key in _COMPILED:
+        _COMPILED.move_to_end(key)
+        return _COMPILED[key]
+    value = _COMPILED[key] = build()
+    while len(_COMPILED) > _COMPILED_KEPT:
+        _COMPILED.popitem(last=False)
+    return value
+
+
+class _Waiters:
+    """Who waits for a task to be computed: a SimPy event (resources of a fixed order) and the
+    policy resources' tasks that wait on it (``(_Watch, task)``)."""
+
+    __slots__ = ("event", "watches")
+
+    def __init__(self):
+        self.event: Optional[simpy.Event] = None
+        self.watches: list = []
+
+    def wake(self) -> None:
+        if self.event is not None:
+            self.event.succeed()
+        for watch, t in self.watches:
+            watch.dirty.append(t)
+            if watch.poke is not None and not watch.poke.triggered:
+                watch.poke.succeed()
+
+
+class _Watch:
+    """A policy resource's tasks whose predecessors were computed since it last looked
+    (``dirty``), and the event that wakes it while it sleeps (``poke``)."""
+
+    def __init__(self, dirty: list):
+        self.dirty = dirty
+        self.poke: Optional[simpy.Event] = None
 
 
 class _Run:
@@ -122,7 +215,7 @@ class _Run:
         self.env = simpy.Environment()
         self.start: list = [None] * self.c.n
         self.end: list = [None] * self.c.n
-        self.waiting: dict = {}
+        self.waiting: dict = {}  # task -> its _Waiters, until it is computed
         self.events = 0
         self.event_per_task = event_per_task
         policies = policies or {}
@@ -139,21 +232,28 @@ class _Run:
                 self.env.process(self._run_in_order(ids))
 
     def _done_event(self, task: int) -> simpy.Event:
-        ev = self.waiting.get(task)
-        if ev is None:
-            ev = self.waiting[task] = self.env.event()
+        w = self._waiters(task)
+        if w.event is None:
+            w.event = self.env.event()
             self.events += 1
-        return ev
+        return w.event
+
+    def _waiters(self, task: int) -> "_Waiters":
+        w = self.waiting.get(task)
+        if w is None:
+            w = self.waiting[task] = _Waiters()
+        return w
 
     def _finish(self, task: int, start: float, end: float) -> None:
         self.start[task] = start
         self.end[task] = end
-        ev = self.waiting.pop(task, None)
-        if ev is not None:
-            ev.succeed()
+        w = self.waiting.pop(task, None)
+        if w is not None:
+            w.wake()
 
     def _run_in_order(self, ids: list):
-        end, release, duration, preds = self.end, self.c.release, self.c.duration, self.c.preds
+        start, end, release, duration, preds = self.start, self.end, self.c.release, self.c.duration, self.c.preds
+        waiting = self.waiting
         free = 0.0  # simulated time starts at the trace's first event
         for t in ids:
             ready = release[t]
@@ -167,7 +267,11 @@ class _Run:
                     ready = e
             s = free if free > ready else ready
             free = s + duration[t]
-            self._finish(t, s, free)
+            start[t] = s  # _finish, inlined: the innermost loop of the engine
+            end[t] = free
+            w = waiting.pop(t, None)
+            if w is not None:
+                w.wake()
 
     def _run_event_per_task(self, ids: list):
         env, end, release, duration, preds = self.env, self.end, self.c.release, self.c.duration, self.c.preds
@@ -191,52 +295,69 @@ class _Run:
             self._finish(t, s, free)
 
     def _run_with_policy(self, ids: list, policy: Policy):
+        """A resource whose policy picks among its ready tasks at each decision. A task is ready
+        once every predecessor has ended by now on the SimPy clock (the fast engine may know a
+        later end already; using it would let negative lags act early), that is from
+        ``max(release, end(pred) + lag, end(pred))`` on, fixed once its predecessors are known.
+        Each task is resolved once: while a predecessor is unknown it waits on that predecessor
+        (``_finish`` hands it back), then on a heap of ready times; the decisions look at the
+        ready tasks alone, not at every pending one."""
         env, end, release, duration, preds = self.env, self.end, self.c.release, self.c.duration, self.c.preds
-        pending = list(ids)
+        position = {t: i for i, t in enumerate(ids)}
+        watch = _Watch(list(ids))
+        blocked: dict = {}  # task -> index of its first predecessor not computed yet
+        later: list = []  # heap of (ready time, position) of the resolved tasks not ready yet
+        ready: list = []  # positions of the ready tasks, in the resource's order
+        left = len(ids)
         free = 0.0  # simulated time starts at the trace's first event
-        while pending:
+        while left:
             now = max(free, env.now)
             if now > env.now:
                 self.events += 1
                 yield env.timeout(now - env.now)
             self.events += 1
             yield env.timeout(0)  # let every task that ends at this instant be computed first
-            # a task is ready once every predecessor has ended by now on the SimPy clock (the fast
-            # engine may know a later end already; using it would let negative lags act early)
-            ready, next_ready, unknown = [], np.inf, []
-            for t in pending:
-                r = release[t]
-                for d, lag in preds[t]:
+            dirty, watch.dirty = watch.dirty, []
+            for t in dirty:
+                k = blocked.pop(t, 0)
+                own = preds[t]
+                r, last = release[t], -np.inf
+                while k < len(own):
+                    d, lag = own[k]
                     e = end[d]
                     if e is None:
-                        unknown.append(d)
-                        r = None
                         break
-                    if e > now:
-                        next_ready = min(next_ready, e)
-                        r = None
-                        break
-                    r = max(r, e + lag)
-                if r is None:
-                    continue
-                if r <= now:
-                    ready.append(t)
-                elif r < next_ready:
-                    next_ready = r
+                    if e > last:
+                        last = e
+                    if e + lag > r:
+                        r = e + lag
+                    k += 1
+                if k < len(own):
+                    blocked[t] = k
+                    self._waiters(own[k][0]).watches.append((watch, t))
+                else:
+                    heapq.heappush(later, (r if r > last else last, position[t]))
+            while later and later[0][0] <= now:
+                bisect.insort(ready, heapq.heappop(later)[1])
             if not ready:
-                wake = [self._done_event(d) for d in dict.fromkeys(unknown)]
-                if next_ready < np.inf:
+                wake = []
+                if blocked:
+                    watch.poke = env.event()
+                    wake.append(watch.poke)
+                if later:
                     self.events += 1
-                    wake.append(env.timeout(next_ready - env.now))
+                    wake.append(env.timeout(later[0][0] - env.now))
                 if not wake:
                     return  # blocked for good: reported as unscheduled tasks
+                self.events += 1
                 yield env.any_of(wake)
+                watch.poke = None
                 continue
             start_at = policy.start_at(now)
             if start_at > now:
                 free = start_at  # wait for the policy's next opportunity, then look again
                 continue
-            batch = policy.choose_batch(ready, now)
+            batch = policy.choose_batch([ids[p] for p in ready], now)
             running = policy.execute(env, batch, now)
             if running is not None:
                 self.events += 1
@@ -249,14 +370,15 @@ class _Run:
                 self.events += 1
                 yield env.timeout(free - env.now)
             for t in batch:
-                pending.remove(t)
+                del ready[bisect.bisect_left(ready, position[t])]
+                left -= 1
                 self._finish(t, now, free)
 
     def run(self) -> Schedule:
         t0 = time.perf_counter()
         self.env.run()
         wall = time.perf_counter() - t0
-        stuck = [i for i, e in enumerate(self.end) if e is None]
+        stuck = [i for i, e in enumerate(self.end) if e is None] if None in self.end else []
         if stuck:
             names = self.graph.tasks["name"].iloc[stuck[:3]].astype(str).tolist()
             raise GraphError(

@@ -175,7 +175,7 @@ class TaskGraph:
             "layer": t["layer"].iat[after],
             "event": -1,
         }
-        self.tasks = _append_rows(t, pd.DataFrame([row], index=[new_id]))
+        self.tasks = concat_tasks([t, pd.DataFrame([row], index=[new_id])])
         new_edges = [(after, new_id, 0.0, int(EdgeKind.USER))]
         if before is not None:
             new_edges.append((new_id, int(before), 0.0, int(EdgeKind.USER)))
@@ -303,12 +303,31 @@ def cpu_work(tasks: pd.DataFrame) -> np.ndarray:
     return np.flatnonzero(np.isin(tasks["kind"].to_numpy(), CPU_WORK_KINDS) & on_cpu & busy)
 
 
-def _append_rows(tasks: pd.DataFrame, rows: pd.DataFrame) -> pd.DataFrame:
-    combined = pd.concat([tasks.astype({c: object for c in _CATEGORICAL}), rows], ignore_index=True)
-    return combined.astype({c: "category" for c in _CATEGORICAL})
+def concat_tasks(frames: Sequence[pd.DataFrame]) -> pd.DataFrame:
+    """Task tables one after another, re-indexed from 0; the first frame's categorical columns
+    stay categorical, their categories the sorted union of every frame's values (as converting
+    to strings and back would make them), found from the categories and codes alone rather than
+    by re-reading every row's string."""
+    first = frames[0]
+    categorical = [c for c in first.columns if isinstance(first[c].dtype, pd.CategoricalDtype)]
+    combined = pd.concat([f.drop(columns=[c for c in categorical if c in f.columns]) for f in frames],
+                         ignore_index=True)
+    for c in categorical:
+        parts = [_categories_and_codes(f[c]) if c in f.columns else (pd.Index([]), np.full(len(f), -1))
+                 for f in frames]
+        union = pd.Index(np.concatenate([np.asarray(cats, dtype=object) for cats, _ in parts])).unique().sort_values()
+        codes = np.concatenate([np.where(own >= 0, union.get_indexer(cats)[own], -1) if len(cats) else own
+                                for cats, own in parts])
+        combined[c] = pd.Categorical.from_codes(codes, categories=union)
+    columns = list(dict.fromkeys(c for f in frames for c in f.columns))
+    return combined[columns]
 
 
-_CATEGORICAL = ("name", "resource", "context", "operator", "layer")
+def _categories_and_codes(column: pd.Series) -> tuple[pd.Index, np.ndarray]:
+    if isinstance(column.dtype, pd.CategoricalDtype):
+        return column.cat.categories, column.cat.codes.to_numpy().astype(np.int64)
+    codes, uniques = pd.factorize(column, use_na_sentinel=True)
+    return pd.Index(uniques, dtype=object), codes.astype(np.int64)
 
 
 def empty_edges() -> pd.DataFrame:

@@ -22,6 +22,9 @@ class Fifo(Policy):
     def choose(self, ready: list[int], now_us: float) -> int:
         return min(ready, key=lambda t: self.ready_order[t])
 
+    def ranked(self, ready: list[int], now_us: float) -> list[int]:
+        return sorted(ready, key=lambda t: self.ready_order[t])  # stable: ties as min picks them
+
 
 class Priority(Policy):
     """P3 (Jayarajan et al., MLSys 2019): the ready slice whose layer the next forward pass needs
@@ -34,3 +37,6 @@ class Priority(Policy):
 
     def choose(self, ready: list[int], now_us: float) -> int:
         return min(ready, key=lambda t: (self.priority[t], self.ready_order[t]))
+
+    def ranked(self, ready: list[int], now_us: float) -> list[int]:
+        return sorted(ready, key=lambda t: (self.priority[t], self.ready_order[t]))

@@ -119,6 +119,16 @@ def test_a_cluster_named_by_its_machine_keeps_the_machines_gpus_and_nccl(tmp_pat
     assert scenario.collective is None, "NCCL chooses"
 
 
+def test_gpu_variation_draws_each_gpus_own_slowdown_the_same_way_every_time(tmp_path):
+    text = f"trace: {BUNDLED_TRACE}\ncluster: {{machines: [2, 4], gpus_per_machine: 2, intra_node: nvlink2, inter_node: 10gbe}}\ngpu_variation: {{sigma: 0.1, seed: 3}}\n"
+    configs = Scenario.from_file(write_scenario(tmp_path, text)).request().clusters
+    again = Scenario.from_file(write_scenario(tmp_path, text)).request().clusters
+    assert [len(c.gpu_slowdowns) for c in configs] == [4, 8]
+    assert configs[1].gpu_slowdowns == again[1].gpu_slowdowns
+    assert configs[1].gpu_slowdowns[:4] == configs[0].gpu_slowdowns, "drawn in GPU order from the seed"
+    assert len(set(configs[1].gpu_slowdowns)) == 8 and all(0.5 < f < 2 for f in configs[1].gpu_slowdowns)
+
+
 def test_a_relative_trace_path_is_relative_to_the_scenario_file(tmp_path, monkeypatch):
     (tmp_path / "traces").mkdir()
     (tmp_path / "scenarios").mkdir()
@@ -223,6 +233,7 @@ BAD_SCENARIOS = {
     "unknown framework": (GOOD_TRACE + CLUSTER + "framework: mpi\n", "framework", "mpi"),
     "a straggler without a machine": (GOOD_TRACE + CLUSTER + "stragglers: [{slowdown: 2}]\n", "stragglers[0].machine", "missing"),
     "no cluster": (GOOD_TRACE, "cluster", "missing"),
+    "a negative gpu variation": (GOOD_TRACE + CLUSTER + "gpu_variation: {sigma: -0.1}\n", "gpu_variation.sigma", "-0.1"),
     "a size without a known unit": (GOOD_TRACE + CLUSTER + "gradients: {total: 50 MBs}\n", "gradients.total", "MBs"),
     "a list where one value goes": (GOOD_TRACE + CLUSTER + "collective: [hierarchical]\n", "collective", "not a grid axis"),
     "a typo in a framework option": (GOOD_TRACE + CLUSTER + "framework_options: {fusion: 32MB}\n",

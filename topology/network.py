@@ -45,6 +45,7 @@ with the number of transfers in flight (thousands are fine).
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import numpy as np
 import simpy
@@ -56,13 +57,14 @@ from .units import TopologyError
 _DONE_WITHIN_US = 1e-4  # a transfer this close to its end counts as done (float rounding)
 
 
-def fair_rates(capacity: np.ndarray, out_link: np.ndarray, in_link: np.ndarray) -> np.ndarray:
+def fair_rates(capacity: np.ndarray, out_link: np.ndarray, in_link: np.ndarray,
+               transfers: Optional[np.ndarray] = None) -> np.ndarray:
     """Max-min fair rates of transfers that each cross two links, by progressive filling.
 
     ``capacity[l]`` is link ``l``'s bandwidth; transfer ``i`` crosses ``out_link[i]`` and
-    ``in_link[i]``. Each round raises every unfrozen rate by the smallest fair share left on
-    any link, then freezes the transfers of the links that are now full. Rounds: one per
-    distinct bottleneck level.
+    ``in_link[i]`` (``transfers[i]`` transfers alike where given: the rate is each one's). Each
+    round raises every unfrozen rate by the smallest fair share left on any link, then freezes
+    the transfers of the links that are now full. Rounds: one per distinct bottleneck level.
     """
     n_links = len(capacity)
     rate = np.zeros(len(out_link))
@@ -70,7 +72,11 @@ def fair_rates(capacity: np.ndarray, out_link: np.ndarray, in_link: np.ndarray) 
     active = np.arange(len(out_link))
     while len(active):
         a_out, a_in = out_link[active], in_link[active]
-        count = np.bincount(a_out, minlength=n_links) + np.bincount(a_in, minlength=n_links)
+        if transfers is None:
+            count = np.bincount(a_out, minlength=n_links) + np.bincount(a_in, minlength=n_links)
+        else:
+            w = transfers[active]
+            count = np.bincount(a_out, w, minlength=n_links) + np.bincount(a_in, w, minlength=n_links)
         used = count > 0
         share = np.full(n_links, np.inf)
         share[used] = left[used] / count[used]
@@ -114,6 +120,9 @@ class Network:
         self._update_pending = False
         self._timer = 0
         self.rate_updates = 0
+        self._routes: dict = {}  # id(step) -> (step, its route): plans repeat their steps
+        self._pair_rates: dict = {}  # the links of the transfers in flight -> their rates
+        self.rate_misses = 0
 
     # -- public ----------------------------------------------------------------------------------
 
@@ -148,15 +157,14 @@ class Network:
 
     def _run_steps(self, steps):
         start = self.env.now
-        routes: dict = {}  # plans repeat the same Step object; route it once
         for step in steps:
             if not len(step):
                 continue
-            route = routes.get(id(step))
-            if route is None:
+            known = self._routes.get(id(step))
+            if known is None or known[0] is not step:
                 self._check(step.src, step.dst, step.nbytes)
-                route = routes[id(step)] = self._route(step.src, step.dst)
-            yield self._start(route, step.nbytes)
+                known = self._routes[id(step)] = (step, self._route(step.src, step.dst))
+            yield self._start(known[1], step.nbytes)
         return self.env.now - start
 
     def _route(self, src: np.ndarray, dst: np.ndarray) -> tuple:
@@ -254,9 +262,21 @@ class Network:
         if not len(self._remaining):
             return
         self.rate_updates += 1
-        self._rate = fair_rates(self.capacity_bytes_per_us, self._out, self._in)
+        self._rate = self._fair_rates()
         next_end = float(np.min(self._remaining / self._rate))
         self.env.timeout(next_end).callbacks.append(functools.partial(self._on_timer, self._timer))
+
+    def _fair_rates(self) -> np.ndarray:
+        """``fair_rates`` of the transfers in flight, kept by their links: a parameter server's
+        pushes and pulls put the same transfers in flight again and again."""
+        key = self._out.tobytes() + self._in.tobytes()
+        rates = self._pair_rates.get(key)
+        if rates is None:
+            if len(self._pair_rates) >= 4096:
+                self._pair_rates.clear()
+            rates = self._pair_rates[key] = fair_rates(self.capacity_bytes_per_us, self._out, self._in)
+            self.rate_misses += 1
+        return rates
 
     def _retire(self, finished: np.ndarray, now: float) -> None:
         ids = self._batch[finished]

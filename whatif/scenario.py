@@ -17,6 +17,7 @@ A scenario file looks like::
     optimizations: [amp]                              # any of whatif simulate's
     gradients: {total: 100MB}                         # or {sizes: [..]}; default: from the trace
     stragglers: [{machine: 1, slowdown: 1.5}]         # or gpu_slowdown
+    gpu_variation: {sigma: 0.05, seed: 0}             # each GPU's GPU tasks x exp(N(0, sigma)), drawn per GPU
     network: auto                                     # closed_form | shared_links (see sim.distributed)
     profiler_overhead: remove                         # keep: predict from the profiled times as they are
     batch_size: {from: 32, to: 64}                    # or just 64 (traced at the bundle's batch size)
@@ -67,6 +68,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
 
+import numpy as np
+
 
 from whatif.collectors.bundle import is_bundle
 from whatif.sim.distributed import POLICIES, ClusterConfig, Straggler
@@ -83,7 +86,7 @@ from .pipeline import Request, WhatIf
 
 _TOP_KEYS = (
     "trace", "iteration", "cluster", "framework", "policy", "collective", "optimizations",
-    "gradients", "stragglers", "framework_options", "replicate", "network", "profiler_overhead", "batch_size",
+    "gradients", "stragglers", "gpu_variation", "framework_options", "replicate", "network", "profiler_overhead", "batch_size",
     "perfmodel", "name", "description", "parallelism",
 )
 #: What a scenario's cluster block leaves out: one machine of one GPU.
@@ -126,6 +129,7 @@ class Scenario:
     gradient_sizes: Optional[list] = None
     gradient_total: Optional[float] = None
     stragglers: list = field(default_factory=list)
+    gpu_variation: Optional[tuple] = None  # (sigma, seed): each GPU's slowdown exp(N(0, sigma))
     options: FrameworkOptions = field(default_factory=FrameworkOptions)
     replicate: Optional[bool] = None
     shared_links: Optional[bool] = None
@@ -160,6 +164,7 @@ class Scenario:
                 algorithm=self.collective,
                 options=self.options,
                 stragglers=[s for s in self.stragglers if s.machine < point.cluster.machines],
+                gpu_slowdowns=gpu_slowdowns(self.gpu_variation, point.cluster.n_gpus),
                 replicate=self.replicate,
                 shared_links=self.shared_links,
                 parallelism=point.parallelism,
@@ -289,6 +294,7 @@ def _parse(doc: Any, base_dir: Path, name: str) -> Scenario:
     _gradients(name, doc.get("gradients"), scenario)
     machines = max(point.cluster.machines for point in points)
     scenario.stragglers = [_straggler(name, i, s, machines) for i, s in enumerate(_as_list(doc.get("stragglers") or []))]
+    scenario.gpu_variation = _gpu_variation(name, doc.get("gpu_variation"))
     scenario.options = _options(name, doc.get("framework_options") or {})
     replicate = doc.get("replicate", "auto")
     if replicate not in ("auto", True, False):
@@ -448,6 +454,30 @@ def _straggler(name: str, index: int, spec, machines: int) -> Straggler:
             raise ScenarioError(name, f"{key}.{factor}", f"must be a positive finite number, got {value!r}")
         factors[factor] = float(value)
     return Straggler(machine, **factors)
+
+
+def gpu_slowdowns(variation: Optional[tuple], gpus: int) -> tuple:
+    """Each GPU's factor on its GPU tasks, ``exp(N(0, sigma))`` drawn in GPU order from
+    ``numpy.random.default_rng(seed)``: the same cluster draws the same factors; none without
+    ``gpu_variation``."""
+    if variation is None:
+        return ()
+    sigma, seed = variation
+    return tuple(np.exp(np.random.default_rng(seed).normal(0.0, sigma, gpus)).tolist())
+
+
+def _gpu_variation(name: str, spec) -> Optional[tuple]:
+    if spec is None:
+        return None
+    if not isinstance(spec, dict):
+        raise ScenarioError(name, "gpu_variation", f"expected a mapping {{sigma, seed}}, got {type(spec).__name__}")
+    _check_keys(name, spec, ("sigma", "seed"), "gpu_variation")
+    sigma, seed = spec.get("sigma"), spec.get("seed", 0)
+    if isinstance(sigma, bool) or not isinstance(sigma, (int, float)) or not (0 <= sigma < 1):
+        raise ScenarioError(name, "gpu_variation.sigma", f"must be a number in [0, 1), got {sigma!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ScenarioError(name, "gpu_variation.seed", f"must be an integer >= 0, got {seed!r}")
+    return float(sigma), seed
 
 
 def _options(name: str, spec) -> FrameworkOptions:

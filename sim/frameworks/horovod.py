@@ -111,14 +111,12 @@ class HorovodCycle(Policy):
         return math.ceil(now_us / self.cycle_us - 1e-9) * self.cycle_us
 
     def choose_batch(self, ready: list[int], now_us: float) -> list[int]:
-        batch, size, left = [], 0.0, list(ready)
-        while left:
-            t = self.inner.choose(left, now_us)
+        batch, size = [], 0.0
+        for t in self.inner.ranked(ready, now_us):
             if batch and size + self.nbytes[t] > self.fusion_bytes:
                 break
             batch.append(t)
             size += self.nbytes[t]
-            left.remove(t)
         return batch
 
     def batch_duration_us(self, batch: list[int], durations_us: list[float]) -> float:
