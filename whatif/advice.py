@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Optional, Union
+from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 
@@ -64,6 +64,13 @@ TARGETS: dict[str, tuple[str, Union[str, tuple]]] = {
     "gradient-compression": (_COMM, (_COMM,)),
     "blueconnect": (_COMM, (_COMM,)),
 }
+#: the tasks a recipe adds, by name, and what they are: their share of the option's own
+#: critical path says what a recipe that adds work costs
+ADDED = {
+    "gist": (r"^gist ", "its encode and decode kernels"),
+    "vdnn": (r"^vdnn ", "its copies over PCIe"),
+    "gradient-compression": (r"^gradient compression ", "its encode and decode kernels"),
+}
 
 
 @dataclass
@@ -97,9 +104,9 @@ class Advice:
 
 
 def advise(trace: Union[str, Path], scenario: Optional[Scenario] = None, iteration: Optional[str] = None,
-           progress: Callable[[str], None] = lambda text: None) -> Advice:
+           progress: Callable[[str], None] = lambda text: None, recipes: Sequence[str] = RECIPES) -> Advice:
     """Every option for the job of ``trace`` (on ``scenario``'s first configuration, where one is
-    given), predicted and ranked."""
+    given), predicted and ranked: the ``recipes``, and the scenario's alternatives."""
     if scenario is not None and iteration is None:
         iteration = scenario.iteration
     study = TraceStudy.from_trace(trace, iteration)
@@ -110,7 +117,7 @@ def advise(trace: Union[str, Path], scenario: Optional[Scenario] = None, iterati
     baseline = _baseline_option(base)
     paths, schedule_graph, idle = _critical_paths(base)
     options = []
-    for spec in RECIPES:
+    for spec in recipes:
         progress(f"predicting {spec}")
         what_if = WhatIf(optimizations=list(request.what_if.optimizations) + [spec])
         try:
@@ -120,7 +127,7 @@ def advise(trace: Union[str, Path], scenario: Optional[Scenario] = None, iterati
             continue
         option = _measured(spec, "recipe", changed, baseline)
         option.memory_saved_mb = _memory_saved_mb(changed.worker, len(study.iterations))
-        option.reason = _reason(spec, option, paths, schedule_graph, idle, base)
+        option.reason = _reason(spec, option, paths, schedule_graph, idle, base) + _added_cost(spec, changed)
         options.append(option)
     if clusters:
         for config in _alternatives(clusters):
@@ -231,6 +238,21 @@ def _share(paths: list[CriticalPath], graph: TaskGraph, target: Union[str, tuple
         steps = p.steps[p.steps["task"] >= 0]
         spent += float(steps["duration_us"].to_numpy()[mask[steps["task"].to_numpy()]].sum())
     return spent / total
+
+
+def _added_cost(spec: str, changed: Prediction) -> str:
+    """For a recipe that adds tasks, their share of the changed job's own critical path."""
+    recipe = spec.partition("=")[0]
+    if recipe not in ADDED:
+        return ""
+    pattern, what = ADDED[recipe]
+    paths, graph, _ = _critical_paths(changed)
+    names = graph.tasks["name"].astype(str).str.contains(pattern, regex=True).to_numpy()
+    total = sum(p.end_us - p.start_us for p in paths)
+    spent = sum(float(p.steps["duration_us"].to_numpy()[(p.steps["task"].to_numpy() >= 0)
+                                                       & names[np.maximum(p.steps["task"].to_numpy(), 0)]].sum())
+                for p in paths)
+    return f" ({what} are {100 * spent / total:.0f} % of its critical path)" if total > 0 else ""
 
 
 def _reason(name: str, option: Option, paths: list, graph: TaskGraph, idle: float, base: Prediction) -> str:

@@ -407,7 +407,7 @@ def gradient_compression(graph: TaskGraph, ratio: float = DEFAULT_COMPRESSION) -
     if not step_tasks.any():
         raise GraphError("gradient-compression: the trace has no optimizer step (no 'Optimizer.step' annotation), "
                          "whose passes over the gradients price the encoding and decoding")
-    steps = _optimizer_steps(graph, in_step)
+    steps = _optimizer_steps(graph)
     codec_us = float(graph.tasks["duration_us"].to_numpy()[step_tasks].sum()) * 4 / 6 / max(steps, 1)
     graph = graph.copy()
     comm = np.flatnonzero(kinds == int(TaskKind.COMM))
@@ -440,11 +440,15 @@ def gradient_compression(graph: TaskGraph, ratio: float = DEFAULT_COMPRESSION) -
     return graph
 
 
-def _optimizer_steps(graph: TaskGraph, in_step: np.ndarray) -> int:
-    """How many optimizer steps the trace has: its ``Optimizer.step`` operators, else 1."""
+def _optimizer_steps(graph: TaskGraph) -> int:
+    """How many optimizer steps the trace has: its ``Optimizer.step`` operators, else its
+    ``## optimizer ##`` annotations (a trace may have both, around the same steps), else 1."""
     names = graph.ops["name"].astype(str)
-    count = int(names.str.contains(r"^Optimizer\.step|^## optimizer ##", regex=True).sum())
-    return count if count else 1
+    for pattern in (r"^Optimizer\.step", r"^## optimizer ##"):
+        count = int(names.str.contains(pattern, regex=True).sum())
+        if count:
+            return count
+    return 1
 
 
 # -- BlueConnect -------------------------------------------------------------------------------------------
