@@ -8,8 +8,9 @@ lab runs (``--frameworks``, default Horovod and DDP) on ``--config`` at ``--band
 ``whatif advise`` (``whatif/advice.py``, its alternatives only) to rank them. Then run every
 one of them for real on the emulated cluster, ``--repeats`` times in turn (``lab.validate.measure``), and
 check that the configuration advise ranked first is the one whose median run is the fastest.
-Of what advise compares, only what the lab can run is held against it: the grid's frameworks
-with FIFO (advise also proposes a parameter server and P3, which the lab does not run).
+Of what advise compares, only what the lab can run is asked of it and held against it: the
+grid's frameworks with FIFO (``whatif advise`` also proposes a parameter server and P3, which the
+lab does not run).
 
 Target (issue 29): the first-ranked is the fastest for real on at least three models. Writes
 ``results.json`` and ``table.md`` under ``--out`` (default ``bench/out/advise_lab``), prints a
@@ -71,7 +72,7 @@ def check_model(model: str, args, work: Path) -> dict:
     trace = capture(model, work, allocator=STEADY_ALLOCATOR)
     links_file = links(args.bandwidth, work)
     scenario = scenario_for(trace.resolve(), links_file.resolve(), machines, gpus, args.bandwidth, args.frameworks)
-    advice = advise(trace, scenario, recipes=())
+    advice = advise(trace, scenario, recipes=(), every_framework=False)  # what the lab cannot run, left out
     ranked = ranked_runnable(advice, args.frameworks)
     for row in ranked:
         row["runs_ms"] = []

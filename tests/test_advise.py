@@ -189,3 +189,22 @@ def test_advise_command_prints_json_with_every_recipe(shared_traces):
     names = [o["name"] for o in doc["ranked"]] + [o["name"] for o in doc["not_applicable"]]
     assert sorted(names) == sorted(RECIPES)
     assert [o["rank"] for o in doc["ranked"]] == list(range(1, len(doc["ranked"]) + 1))
+
+
+def test_the_lab_bench_holds_only_what_the_lab_runs_against_the_ranking():
+    """bench/advise_lab.py compares advise's first among the grid's frameworks with FIFO (the
+    baseline included), never a parameter server or P3, which the lab does not run."""
+    import importlib.util
+
+    from whatif.advice import Advice, Option
+
+    spec = importlib.util.spec_from_file_location("advise_lab", REPO / "bench" / "advise_lab.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    config = lambda f, p: {"framework": f, "policy": p}  # noqa: E731
+    advice = Advice("t", "s", Option("2x1 horovod", "baseline", True, "", 700.0, 0.0, configuration=config("horovod", "fifo")),
+                    [Option("ps", "alternative", True, "", 600.0, 16.7, configuration=config("ps", "fifo")),
+                     Option("ddp p3", "alternative", True, "", 650.0, 7.7, configuration=config("ddp", "p3")),
+                     Option("amp", "recipe", True, "", 690.0, 1.4),
+                     Option("ddp", "alternative", True, "", 720.0, -2.8, configuration=config("ddp", "fifo"))])
+    assert [r["framework"] for r in bench.ranked_runnable(advice, ["horovod", "ddp"])] == ["horovod", "ddp"]

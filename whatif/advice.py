@@ -104,9 +104,11 @@ class Advice:
 
 
 def advise(trace: Union[str, Path], scenario: Optional[Scenario] = None, iteration: Optional[str] = None,
-           progress: Callable[[str], None] = lambda text: None, recipes: Sequence[str] = RECIPES) -> Advice:
+           progress: Callable[[str], None] = lambda text: None, recipes: Sequence[str] = RECIPES,
+           every_framework: bool = True) -> Advice:
     """Every option for the job of ``trace`` (on ``scenario``'s first configuration, where one is
-    given), predicted and ranked: the ``recipes``, and the scenario's alternatives."""
+    given), predicted and ranked: the ``recipes``, and the scenario's alternatives (its grid, and
+    with ``every_framework`` every framework and policy on its first cluster)."""
     if scenario is not None and iteration is None:
         iteration = scenario.iteration
     study = TraceStudy.from_trace(trace, iteration)
@@ -130,7 +132,7 @@ def advise(trace: Union[str, Path], scenario: Optional[Scenario] = None, iterati
         option.reason = _reason(spec, option, paths, schedule_graph, idle, base) + _added_cost(spec, changed)
         options.append(option)
     if clusters:
-        for config in _alternatives(clusters):
+        for config in _alternatives(clusters, every_framework):
             name = _config_name(config)
             progress(f"predicting {name}")
             try:
@@ -171,13 +173,13 @@ def _plain(row: dict) -> dict:
     return {k: (v.item() if hasattr(v, "item") else v) for k, v in row.items() if k in keep}
 
 
-def _alternatives(clusters: list[ClusterConfig]) -> list[ClusterConfig]:
-    """The grid's other configurations, then every framework and policy on the first one's
-    cluster that the grid does not have already."""
+def _alternatives(clusters: list[ClusterConfig], every_framework: bool = True) -> list[ClusterConfig]:
+    """The grid's other configurations, then (``every_framework``) every framework and policy on
+    the first one's cluster that the grid does not have already."""
     first = clusters[0]
     seen = {_config_name(first)}
     found = []
-    extra = [replace(first, framework=f, policy=p) for f in FRAMEWORKS for p in POLICIES]
+    extra = [replace(first, framework=f, policy=p) for f in FRAMEWORKS for p in POLICIES] if every_framework else []
     for config in clusters[1:] + (extra if first.workers > 1 and first.parallelism is None else []):
         name = _config_name(config)
         if name not in seen:
