@@ -17,6 +17,12 @@ CHANGES = {
     "faster-gpu": "faster-gpu speeds GPU kernels only",
     "fused-optimizer": "fused-optimizer removes only the optimizer step's launches and CPU work",
     "no-dataloader": "no-dataloader removes only data loading",
+    "restructure-bn": "restructure-bn changes only batch normalization and ReLU kernels",
+    "metaflow-fusion": "metaflow-fusion removes only element-wise kernels after convolutions and GEMMs",
+    "gist": "gist adds encode and decode kernels only",
+    "vdnn": "vdnn adds copies over PCIe only",
+    "gradient-compression": "gradient-compression changes only communication",
+    "blueconnect": "blueconnect changes only the all-reduce's algorithm",
 }
 #: the critical path's kinds (``sim.critical_path.PATH_KINDS``) gathered into what bounds a step
 BOUNDS = {

@@ -89,6 +89,10 @@ class ClusterConfig:
     pass_bytes_per_us: Optional[float] = None
     # a parallel job's parallelism (sim/parallel/); None: plain data parallelism, as before
     parallelism: Optional[Parallelism] = None
+    # gradient compression (``sim/passes/recipes.py``): each message sends ``bytes_factor`` of its
+    # gradients' bytes and takes ``codec_us_per_byte`` per gradient byte more to encode and decode
+    bytes_factor: float = 1.0
+    codec_us_per_byte: float = 0.0
 
     @property
     def on_shared_links(self) -> bool:
@@ -121,7 +125,8 @@ def _prices(config: ClusterConfig, fw: Framework) -> dict:
 
         @lru_cache(maxsize=None)
         def price(nbytes: float, op=op, algorithm=algorithm) -> float:
-            return collective_cost(config.cluster, op, nbytes, algorithm=algorithm).time_us
+            sent = collective_cost(config.cluster, op, nbytes * config.bytes_factor, algorithm=algorithm).time_us
+            return sent + nbytes * config.codec_us_per_byte
 
         prices[phase] = price
     return prices
@@ -199,7 +204,8 @@ def simulate_cluster(worker: TaskGraph, gradients: Gradients, iterations: pd.Dat
             inner = fw.queue_policy(inner, size, priced, config.options, prices[phase], rate, sliced)
             if config.on_shared_links:
                 op, algorithm = fw.collective(phase, config.algorithm)
-                inner = _OnSharedLinks(inner, priced, _PlanMaker(config.cluster, op, algorithm), networks)
+                inner = _OnSharedLinks(inner, priced, _PlanMaker(config.cluster, op, algorithm, config.bytes_factor),
+                                       networks)
             policies[resource] = inner
         return policies
 
@@ -218,7 +224,7 @@ def simulate_cluster(worker: TaskGraph, gradients: Gradients, iterations: pd.Dat
         comm,
         worker0,
         len(rows) / iterations_with,
-        sum(nbytes) / iterations_with / len(fw.phases),
+        sum(nbytes) * config.bytes_factor / iterations_with / len(fw.phases),
         _collectives(config, fw, schedule, comm, nbytes),
     )
 
@@ -233,7 +239,7 @@ def _collectives(config: ClusterConfig, fw: Framework, schedule: Schedule, comm:
     named = {}
     for key in dict.fromkeys(zip(queue.tolist(), total.tolist())):
         op, algorithm = fw.collective(phase_of_queue[key[0]], config.algorithm)
-        named[key] = collective_cost(config.cluster, op, key[1], algorithm=algorithm)
+        named[key] = collective_cost(config.cluster, op, key[1] * config.bytes_factor, algorithm=algorithm)
     rows = [(int(t), q, own, named[q, b]) for t, q, own, b in zip(comm.tolist(), queue.tolist(), nbytes, total.tolist())]
     return _collectives_frame(rows)
 
@@ -272,16 +278,18 @@ class _OnSharedLinks(Policy):
 
 
 class _PlanMaker:
-    """The plan of a collective of ``nbytes``, made once per size: P3's slices and a parameter
-    server's partitions repeat a few sizes, and the network routes a plan's steps once."""
+    """The plan of a collective of ``nbytes`` of gradients, which sends ``bytes_factor`` of them
+    (a plan has no room for a codec's time: on shared links compression's bytes count, its
+    encoding and decoding do not), made once per size: P3's slices and a parameter server's
+    partitions repeat a few sizes, and the network routes a plan's steps once."""
 
-    def __init__(self, cluster: Cluster, op: str, algorithm: Optional[str]):
-        self.cluster, self.op, self.algorithm = cluster, op, algorithm
+    def __init__(self, cluster: Cluster, op: str, algorithm: Optional[str], bytes_factor: float = 1.0):
+        self.cluster, self.op, self.algorithm, self.bytes_factor = cluster, op, algorithm, bytes_factor
         self.plans: dict = {}
 
     def __call__(self, nbytes: float) -> Plan:
         if nbytes not in self.plans:
-            self.plans[nbytes] = collective_plan(self.cluster, self.op, nbytes, algorithm=self.algorithm)
+            self.plans[nbytes] = collective_plan(self.cluster, self.op, nbytes * self.bytes_factor, algorithm=self.algorithm)
         return self.plans[nbytes]
 
 

@@ -16,14 +16,14 @@ from typing import Optional, Sequence
 
 from whatif.collectors.diagnostics import Diagnostics, StrictError, collecting
 from whatif.collectors.kineto import TraceError
-from whatif.commands import UsageError, capture, collective, explain, perfmodel, predict, simulate
+from whatif.commands import UsageError, advise, capture, collective, explain, perfmodel, predict, simulate
 from whatif.lab import cli as lab_cli
 from whatif.sim.graph import GraphError
 from whatif.sim.perfmodels.models import PerfModelError
 from whatif.topology import TopologyError
 
 #: The command modules, in the order ``whatif --help`` lists their commands.
-COMMAND_MODULES = (simulate, perfmodel, explain, predict, collective, capture, lab_cli)
+COMMAND_MODULES = (simulate, perfmodel, explain, predict, advise, collective, capture, lab_cli)
 #: What any command may raise for a mistake in its input; a module adds its own as ``ERRORS``.
 ERRORS = (TraceError, GraphError, UsageError, TopologyError, PerfModelError, StrictError)
 _STRICT_HELP = "make every warning (input the tool could not use) an error, exit status 2"

@@ -62,7 +62,8 @@ from whatif.sim.parallel.job import parallelize
 from whatif.sim.parallel.memory import gpu_memory_bytes, memory_per_gpu
 from whatif.sim.parallel.units import Units, UnitsError, find_units, no_units
 from whatif.sim.passes.batch_size import BatchSizeChange, change_batch_size
-from whatif.sim.passes.optimizations import apply_optimization
+from whatif.sim.passes.registry import apply_optimization
+from whatif.sim.passes.recipes import CommunicationChange
 from whatif.sim.passes.profiler_overhead import ProfilerOverhead, remove_profiler_overhead
 from whatif.sim.passes.shared_memory import add_memory_bytes
 from whatif.sim.perfmodels.cache import default_models
@@ -75,7 +76,7 @@ from .study import TraceStudy
 class WhatIf:
     """A set of changes to apply to the graph, in this order: optimizations, scalings, removals.
 
-    ``optimizations`` are names of ``sim/passes/optimizations.py``'s registry (``faster-gpu=2``
+    ``optimizations`` are names of ``sim/passes/registry.py``'s registry (``faster-gpu=2``
     for one with a value); ``scale`` pairs a regular expression with a duration factor;
     ``remove`` lists regular expressions. Patterns match a task's name and the operators and
     annotations around it.
@@ -203,9 +204,50 @@ def predict(request: Request) -> Prediction:
             + "; nothing is left to predict"
         )
     prediction = Prediction(request, study, unchanged, graph, schedule, report)
+    _check_communication_changes(graph, request.clusters)
     if request.clusters:
         _simulate_clusters(prediction)
     return prediction
+
+
+def _check_communication_changes(worker: TaskGraph, clusters: Sequence[ClusterConfig]) -> None:
+    """Refuse a recipe that changes the gradient communication (``sim/passes/recipes.py``) where
+    the job has none for it to change: no traced communication kernel and no cluster of several
+    workers; for a decomposed all-reduce, no cluster of several machines of several GPUs on the
+    link models."""
+    for change in (note for note in worker.notes if isinstance(note, CommunicationChange)):
+        if change.algorithm is not None:
+            if not any(_hierarchical(config) for config in clusters):
+                raise GraphError(f"{change.recipe}: decomposes the all-reduce across a hierarchy of machines and their "
+                                 "GPUs; give a scenario whose cluster has several machines of several GPUs each "
+                                 "(on the link models: NCCL's fabric chooses its own algorithm)")
+        elif change.traced_messages == 0 and not any(config.workers > 1 for config in clusters):
+            raise GraphError(f"{change.recipe}: the job communicates nothing (no communication kernel in the trace, "
+                             "no cluster of several workers): give a scenario")
+
+
+def _hierarchical(config: ClusterConfig) -> bool:
+    cluster = config.cluster
+    return cluster.machines > 1 and cluster.gpus_per_machine > 1 and cluster.backend != "nccl"
+
+
+def _communication_changed(config: ClusterConfig, worker: TaskGraph, gradients: Gradients) -> ClusterConfig:
+    """``config`` with the recipes' changes to the gradient communication (a worker's notes):
+    gradient compression's bytes and codec time, BlueConnect's all-reduce where the cluster
+    has the hierarchy for it (a warning where it has not)."""
+    for change in (note for note in worker.notes if isinstance(note, CommunicationChange)):
+        if change.algorithm is not None:
+            if _hierarchical(config):
+                config = replace(config, algorithm=change.algorithm)
+            else:
+                warn(f"{change.recipe} on {config.cluster.machines}x{config.cluster.gpus_per_machine}", 1,
+                     "has no hierarchy of machines and GPUs to decompose the all-reduce across, so it changes nothing")
+            continue
+        per_iteration = gradients.bytes_per_iteration()
+        codec = change.codec_us_per_iteration / per_iteration if per_iteration > 0 else 0.0
+        config = replace(config, bytes_factor=config.bytes_factor * change.bytes_factor,
+                         codec_us_per_byte=config.codec_us_per_byte + codec)
+    return config
 
 
 def _study(request: Request) -> TraceStudy:
@@ -236,6 +278,8 @@ def _simulate_clusters(prediction: Prediction) -> None:
     for config in request.clusters:
         if config.pass_bytes_per_us is None:
             config = replace(config, pass_bytes_per_us=pass_rate)
+        if config.workers > 1:
+            config = _communication_changed(config, worker, gradients)
         par = config.parallelism
         if par is not None and par.families():
             job = parallelize(without_comm, _units(units, without_comm, par, True), par, config.cluster,

@@ -78,7 +78,7 @@ from whatif.sim.graph import GraphError
 from whatif.sim.parallel import Parallelism
 from whatif.sim.parallel.job import check_modelled
 from whatif.sim.parallel.memory import OPTIMIZER_STATE_BYTES
-from whatif.sim.passes.optimizations import OPTIMIZATIONS, optimization_name, parse_optimization
+from whatif.sim.passes.registry import OPTIMIZATIONS, optimization_name, parse_optimization
 from whatif.topology import Cluster, TopologyError, as_gbps, collective_cost, parse_size, with_fabric_links
 from whatif.topology.yamlfile import read_yaml
 

@@ -2,14 +2,13 @@
 
 They follow the estimates of the Daydream paper (Zhu et al., ATC'20, section 5): what an
 optimization does to the tasks it touches, not a re-measurement. Each takes a graph and returns
-the transformed copy. :data:`OPTIMIZATIONS` names them for ``--optimization NAME`` and a
-scenario's ``optimizations:``.
+the transformed copy. Daydream's other recipes are in ``recipes.py``; ``registry.py`` names them
+all for ``--optimization NAME`` and a scenario's ``optimizations:``.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Callable, Optional
 
 import numpy as np
 import pandas as pd
@@ -107,45 +106,10 @@ def faster_gpu(graph: TaskGraph, speedup: float = 2.0) -> TaskGraph:
 def no_data_loading(graph: TaskGraph) -> TaskGraph:
     """Input data that is always ready (Daydream's remove primitive): data loading and everything
     it launched go, their predecessors joined to their successors."""
+    loading = graph.select(pattern=DATA_LOADING)
+    if not len(loading):
+        raise GraphError("no-dataloader: the trace has no data loading (no DataLoader, wait_for_batch or "
+                         "copy_batch_to_gpu annotation) to remove")
     graph = graph.copy()
-    graph.remove(graph.select(pattern=DATA_LOADING))
+    graph.remove(loading)
     return graph
-
-
-OPTIMIZATIONS: dict[str, Callable] = {
-    "amp": automatic_mixed_precision,
-    "fused-optimizer": fused_optimizer,
-    "faster-gpu": faster_gpu,
-    "no-dataloader": no_data_loading,
-}
-
-
-def optimization_name(spec: str) -> str:
-    """The registry's spelling of the name in ``NAME`` or ``NAME=VALUE`` (``Fused_Optimizer``:
-    ``fused-optimizer``), whether or not it names an optimization."""
-    return str(spec).partition("=")[0].strip().lower().replace("_", "-")
-
-
-def parse_optimization(spec: str) -> tuple[str, Optional[float]]:
-    """``NAME`` or ``NAME=VALUE`` (e.g. ``faster-gpu=2``) as a name of :data:`OPTIMIZATIONS`
-    and its value (None: none given); a :class:`GraphError` where it is not one."""
-    name, value = optimization_name(spec), str(spec).partition("=")[2]
-    if name not in OPTIMIZATIONS:
-        raise GraphError(f"unknown optimization {spec!r}; choose from {', '.join(OPTIMIZATIONS)}")
-    if not value:
-        return name, None
-    try:
-        argument = float(value)
-    except ValueError:
-        raise GraphError(f"optimization {name}: {value!r} is not a number") from None
-    if name != "faster-gpu":
-        raise GraphError(f"optimization {name} takes no value")
-    if not (np.isfinite(argument) and argument > 0):
-        raise GraphError(f"optimization {spec!r}: the speed-up must be a positive finite number")
-    return name, argument
-
-
-def apply_optimization(graph: TaskGraph, spec: str) -> TaskGraph:
-    """``graph`` with ``NAME`` or ``NAME=VALUE`` (e.g. ``faster-gpu=2``) from :data:`OPTIMIZATIONS` applied."""
-    name, argument = parse_optimization(spec)
-    return OPTIMIZATIONS[name](graph) if argument is None else OPTIMIZATIONS[name](graph, argument)

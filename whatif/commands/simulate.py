@@ -33,7 +33,7 @@ from whatif.report.tables import iteration_table, json_records
 from whatif.report.timeline import write_timeline
 from whatif.sim.multirank import build_job
 from whatif.sim.graph import GraphError
-from whatif.sim.passes.optimizations import OPTIMIZATIONS, optimization_name, parse_optimization
+from whatif.sim.passes.registry import OPTIMIZATIONS, optimization_name, parse_optimization
 
 from . import UsageError, add_trace_options
 from .perfmodel import load_for_cli
@@ -49,7 +49,7 @@ def add_parsers(sub) -> None:
         action="append",
         default=[],
         metavar="NAME",
-        help=f"one of {', '.join(OPTIMIZATIONS)} (faster-gpu=K for a K times faster GPU); repeatable",
+        help=f"one of {', '.join(OPTIMIZATIONS)} (faster-gpu=K for a K times faster GPU, gradient-compression=K for K times fewer bytes); repeatable",
     )
     simulate.add_argument("--scale", action="append", default=[], metavar="PATTERN=FACTOR", help="scale matching tasks")
     simulate.add_argument("--remove", action="append", default=[], metavar="PATTERN", help="remove matching tasks")

@@ -1,0 +1,62 @@
+"""``whatif advise TRACE [SCENARIO]``: what the user could do, ranked by predicted gain, each
+with the critical path's reason (``whatif/advice.py``); a table, or ``--json``."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import msgspec
+
+from whatif.advice import Advice, Option, advise
+from whatif.scenario import Scenario, ScenarioError
+
+ERRORS = (ScenarioError,)
+
+
+def add_parsers(sub) -> None:
+    parser = sub.add_parser("advise", help="rank the optimizations and the scenario's alternatives by predicted gain")
+    parser.add_argument("trace", type=Path, help="PyTorch profiler (Kineto) trace (.json or .json.gz), or a bundle folder")
+    parser.add_argument("scenario", type=Path, nargs="?",
+                        help="a scenario (see scenarios/): its first configuration is the job as it runs, the rest of "
+                             "its grid, and every framework and policy on that cluster, are the alternatives "
+                             "(its own trace is replaced by TRACE)")
+    parser.add_argument("--iteration", metavar="NAME", help="annotation that marks an iteration (default: ProfilerStep#N)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+def run(args: argparse.Namespace) -> int:
+    scenario = Scenario.from_file(args.scenario) if args.scenario is not None else None
+    progress = (lambda text: None) if args.json else (lambda text: print(f"whatif: {text}", file=sys.stderr))
+    advice = advise(args.trace, scenario, args.iteration, progress)
+    if args.json:
+        sys.stdout.write(msgspec.json.encode(_as_json(advice)).decode() + "\n")
+        return 0
+    print(advice_table(advice))
+    return 0
+
+
+def advice_table(advice: Advice) -> str:
+    """The ranked options, then those not applicable, as text."""
+    base = advice.baseline
+    lines = [f"{advice.trace}: baseline {base.name}, {base.predicted_ms:.2f} ms per iteration",
+             f"{'rank':>4}  {'option':<34} {'ms':>9} {'gain %':>7}  reason"]
+    for rank, option in enumerate(advice.ranked, 1):
+        saved = f"; frees {option.memory_saved_mb:.0f} MB a step" if math.isfinite(option.memory_saved_mb) else ""
+        lines.append(f"{rank:>4}  {option.name:<34} {option.predicted_ms:>9.2f} {option.gain_pct:>+7.1f}  "
+                     f"{option.reason}{saved}")
+    for option in advice.not_applicable:
+        lines.append(f"{'-':>4}  {option.name:<34} {'':>9} {'':>7}  not applicable: {option.reason}")
+    return "\n".join(lines)
+
+
+def _as_json(advice: Advice) -> dict:
+    def plain(option: Option) -> dict:
+        return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in asdict(option).items()}
+
+    return {"trace": advice.trace, "scenario": advice.scenario, "baseline": plain(advice.baseline),
+            "ranked": [dict(plain(o), rank=i) for i, o in enumerate(advice.ranked, 1)],
+            "not_applicable": [plain(o) for o in advice.not_applicable]}
