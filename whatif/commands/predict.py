@@ -16,7 +16,7 @@ from whatif.pipeline import predict
 from whatif.report.cluster import collective_notes
 from whatif.report.plots import plot_scenario
 from whatif.report.tables import json_records, results_table
-from whatif.report.timeline import write_atomically, write_timeline
+from whatif.report.timeline import TIMELINE_SUFFIX, check_timeline_path, write_atomically, write_timeline
 from whatif.scenario import Scenario, ScenarioError
 
 from . import UsageError, refuse_inputs
@@ -34,7 +34,9 @@ def add_parsers(sub) -> None:
     predict_.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     predict_.add_argument("--plot", type=Path, metavar="OUT.png", help="scaling curve and time breakdown")
     predict_.add_argument("--csv", type=Path, metavar="OUT.csv", help="the results table as CSV")
-    predict_.add_argument("--timeline", type=Path, metavar="OUT.json", help="simulated timeline of each configuration")
+    predict_.add_argument("--timeline", type=Path, metavar="OUT.json.gz",
+                          help="simulated timeline of each configuration (gzip-compressed Chrome trace: Perfetto opens it), "
+                               "OUT.LABEL.json.gz for each of several")
     predict_.add_argument("--yes", action="store_true",
                           help=f"run a grid of more than {MAX_GRID_GPUS} GPUs in all (refused without it)")
 
@@ -55,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"{args.scenario}: the grid simulates {gpus} GPUs over {plural(len(scenario.points), 'configuration')}, "
                          f"more than {MAX_GRID_GPUS} (minutes to hours); pass --yes to run it anyway")
     inputs = (args.scenario, scenario.trace)
+    if args.timeline is not None:  # several configurations: each file is checked once it has a name
+        check_timeline_path(args.timeline, protect=inputs, new=len(scenario.points) == 1)
     prediction = predict(scenario.request())
     results = prediction.results
     if args.csv is not None:
@@ -63,10 +67,14 @@ def run(args: argparse.Namespace) -> int:
     if args.plot is not None:
         refuse_inputs(args.plot, inputs)
         plot_scenario(results, args.plot, *plot_titles(args.scenario, scenario))
+    timelines = {}
     if args.timeline is not None:
+        several = len(prediction.runs) > 1
+        timelines = {label: _suffixed(args.timeline, label) if several else args.timeline for label in prediction.runs}
+        for target in timelines.values():  # every name checked before any file is written
+            check_timeline_path(target, protect=inputs)
         for label, run_ in prediction.runs.items():
-            target = args.timeline if len(prediction.runs) == 1 else _suffixed(args.timeline, label)
-            write_timeline(run_.schedule, target, protect=inputs, notes=collective_notes(run_))
+            write_timeline(run_.schedule, timelines[label], protect=inputs, notes=collective_notes(run_))
     overhead = prediction.profiler_overhead
     if args.json:
         out = {
@@ -77,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
             "profiler_overhead": None if overhead is None else asdict(overhead),
             "results": json_records(results),
         }
+        if timelines:
+            out["timelines"] = [str(path) for path in timelines.values()]
         sys.stdout.write(msgspec.json.encode(out).decode() + "\n")
         return 0
     print(f"{scenario.trace}: 1x1 iteration {prediction.iteration_ms:.2f} ms; gradients: "
@@ -87,9 +97,14 @@ def run(args: argparse.Namespace) -> int:
     for what, path in (("plot", args.plot), ("CSV", args.csv)):
         if path is not None:
             print(f"{what} written to {path}")
+    if len(timelines) == 1:
+        print(f"timeline written to {args.timeline}")
+    elif timelines:
+        print(f"{len(timelines)} timelines written to {_suffixed(args.timeline, '*')}, one per configuration")
     return 0
 
 
 def _suffixed(path: Path, label: str) -> Path:
+    """``out.json.gz`` -> ``out.2x1_10Gbps_horovod_fifo.json.gz``"""
     slug = label.replace(" ", "_").replace("/", "-")
-    return path.with_name(f"{path.stem}.{slug}{path.suffix}")
+    return path.with_name(f"{path.name[:-len(TIMELINE_SUFFIX)]}.{slug}{TIMELINE_SUFFIX}")
