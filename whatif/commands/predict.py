@@ -1,5 +1,6 @@
 """``whatif predict SCENARIO``: a scenario's grid of clusters predicted, as a table, JSON, CSV, a
-plot, and each configuration's timeline."""
+plot, and each configuration's timeline. The configurations run on this machine's cores, or on
+a Dask cluster (``whatif/sweep.py``), with a progress bar on a terminal."""
 
 from __future__ import annotations
 
@@ -18,10 +19,11 @@ from whatif.report.plots import plot_scenario
 from whatif.report.tables import json_records, results_table
 from whatif.report.timeline import TIMELINE_SUFFIX, check_timeline_path, write_atomically, write_timeline
 from whatif.scenario import Scenario, ScenarioError
+from whatif.sweep import EXECUTORS, Sweep, SweepError, available_cores
 
 from . import UsageError, refuse_inputs
 
-ERRORS = (ScenarioError,)
+ERRORS = (ScenarioError, SweepError)
 
 #: Above this many GPUs simulated over a scenario's grid (summed over its configurations),
 #: ``whatif predict`` asks for ``--yes``: a grid of a few thousand takes minutes
@@ -39,6 +41,14 @@ def add_parsers(sub) -> None:
                                "OUT.LABEL.json.gz for each of several")
     predict_.add_argument("--yes", action="store_true",
                           help=f"run a grid of more than {MAX_GRID_GPUS} GPUs in all (refused without it)")
+    predict_.add_argument("--jobs", type=int, metavar="N", default=available_cores(),
+                          help="configurations simulated at once, each in a process of its own "
+                               "(default: this machine's cores, %(default)s; 1: one after the other, in this process)")
+    predict_.add_argument("--executor", choices=EXECUTORS, default="local",
+                          help="where the configurations run: this machine (default), or the workers of a Dask "
+                               "cluster (pip install 'whatif[dask]'; --jobs is then the cluster's)")
+    predict_.add_argument("--address", metavar="tcp://HOST:PORT",
+                          help="the Dask scheduler's address (default: DASK_SCHEDULER_ADDRESS)")
 
 
 def plot_titles(path: Path, scenario: Scenario) -> tuple[str, str]:
@@ -56,10 +66,15 @@ def run(args: argparse.Namespace) -> int:
     if gpus > MAX_GRID_GPUS and not args.yes:
         raise UsageError(f"{args.scenario}: the grid simulates {gpus} GPUs over {plural(len(scenario.points), 'configuration')}, "
                          f"more than {MAX_GRID_GPUS} (minutes to hours); pass --yes to run it anyway")
+    if args.jobs < 1:
+        raise UsageError(f"--jobs {args.jobs}: at least 1")
+    if args.address is not None and args.executor != "dask":
+        raise UsageError("--address is the Dask scheduler's: give it with --executor dask")
     inputs = (args.scenario, scenario.trace)
     if args.timeline is not None:  # several configurations: each file is checked once it has a name
         check_timeline_path(args.timeline, protect=inputs, new=len(scenario.points) == 1)
-    prediction = predict(scenario.request())
+    sweep = Sweep(jobs=args.jobs, executor=args.executor, address=args.address, progress=sys.stderr.isatty())
+    prediction = predict(scenario.request(), sweep)
     results = prediction.results
     if args.csv is not None:
         refuse_inputs(args.csv, inputs)
