@@ -13,7 +13,7 @@ their runs alternate (A B A B ...), so a change of load during the bench falls o
   the decode of that trace.
 * ``daydream_grid``: Daydream's grid (``scenarios/bandwidth_10_20_40.yaml``: 1x1 .. 4x2 at 10,
   20 and 40 Gbps, Horovod, FIFO; Zhu et al., USENIX ATC 2020) on the ResNet-50 V100 trace,
-  ``whatif predict --json`` in one process. Target: <= 2x the decode.
+  ``whatif predict --json`` as a user runs it (``--jobs`` all cores). Target: <= 2x the decode.
 * ``heterogeneous``: 128 machines x 8 GPUs (1024), DDP, ResNet-50, machine 5 1.3x slower and
   every GPU's GPU tasks slowed by its own ``exp(N(0, 0.05))`` (``gpu_variation``): wall time and
   peak memory of ``whatif predict``. Targets: <= 10 s, <= 2 GB. Then the same at 8x8, as
@@ -21,6 +21,13 @@ their runs alternate (A B A B ...), so a change of load during the bench falls o
   difference of their numbers must be 0.
 * ``parameter_server``: 8 x 8 GPUs, parameter server with P3, ResNet-50 at 25 Gbps: the seconds
   of ``simulate_cluster`` in ``predict`` (its graph built and simulated). Target: <= 1 s.
+* ``grid_jobs``: Daydream's grid (``scenarios/bandwidth_10_20_40.yaml``: 1x1 .. 4x2 at 10, 20
+  and 40 Gbps, Horovod, FIFO; Zhu et al., USENIX ATC 2020) on the ResNet-50 V100 trace,
+  ``whatif predict --json`` with ``--jobs 1`` and with ``--jobs`` = this machine's cores; the
+  speed-up is the ratio of the medians, reported without a target.
+* ``timeline_size``: the same grid with ``--timeline``: each configuration's file, compressed
+  (what is written) and decompressed (the Chrome JSON, what was written before). Target: every
+  configuration <= 2 MB.
 
 Prints a table and PASS, or FAIL with the rows that missed (exit 1; 2 when the trace is
 missing). A benchmark to rerun, not a test:
@@ -49,6 +56,7 @@ import yaml
 
 from measured_code import REPO, code_version  # bench/ is the script's folder
 from whatif.collectors.host import cpu_model
+from whatif.sweep import available_cores
 
 SHARED = REPO.parent / "shared" / "traces"
 LARGEST = SHARED / "hta-misc" / "v100_ddp2_compiled_rank1.json.gz"  # 216,092 events
@@ -76,6 +84,7 @@ PARAMETER_SERVER = {
     "policy": "p3",
 }
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
+TIMELINE_TARGET_MB = 2.0  # issue 30: per configuration
 
 
 @dataclass
@@ -236,7 +245,47 @@ def _largest_difference(a: str, b: str) -> float:
     return max((abs(float(p) - float(q)) / max(abs(float(q)), 1e-300) for p, q in zip(x, y) if p != q), default=0.0)
 
 
-MEASUREMENTS: list[Callable[[Bench], list[Row]]] = [replay, daydream_grid, heterogeneous, parameter_server]
+def grid_jobs(bench: Bench) -> list[Row]:
+    grid = bench.daydream_grid()
+    cores = available_cores()
+    command = [WHATIF, "predict", grid, "--json"]
+    one, many = bench.time_commands(command + ["--jobs", "1"], command + ["--jobs", str(cores)])
+    decode = bench.decode_s(RESNET50)
+    serial, parallel = statistics.median(one), statistics.median(many)
+    return [
+        Row(f"Daydream grid ({GRID_POINTS} points), predict --jobs 1", serial, "s", serial / decode),
+        Row(f"Daydream grid, predict --jobs {cores} (this machine's cores)", parallel, "s", parallel / decode),
+        Row(f"speed-up of --jobs {cores} over --jobs 1 (ratio of the medians)", serial / parallel, "x"),
+    ]
+
+
+def timeline_size(bench: Bench) -> list[Row]:
+    grid = bench.daydream_grid()
+    folder = bench.scratch / "timelines"
+    folder.mkdir(exist_ok=True)
+    for old in folder.iterdir():
+        old.unlink()
+    t0 = time.perf_counter()
+    _run([WHATIF, "predict", grid, "--json", "--timeline", folder / "grid.json.gz"])
+    seconds = time.perf_counter() - t0
+    files = sorted(folder.glob("grid.*.json.gz"))
+    if len(files) != GRID_POINTS:
+        raise SystemExit(f"speed: {len(files)} timelines written for {GRID_POINTS} configurations")
+    written = [f.stat().st_size / MB for f in files]
+    plain = [len(gzip.decompress(f.read_bytes())) / MB for f in files]
+    largest = max(written)
+    return [
+        Row("timeline per configuration, before: Chrome JSON (median)", statistics.median(plain), "MB"),
+        Row("timeline per configuration, written: gzip-compressed (median)", statistics.median(written), "MB"),
+        Row(f"timeline per configuration, written: the largest of {len(files)}", largest, "MB", None,
+            f"<= {TIMELINE_TARGET_MB:g} MB", largest <= TIMELINE_TARGET_MB),
+        Row(f"Daydream grid with --timeline (one run, {len(files)} files, {sum(written):.1f} MB)", seconds, "s",
+            seconds / bench.decode_s(RESNET50)),
+    ]
+
+
+MEASUREMENTS: list[Callable[[Bench], list[Row]]] = [
+    replay, daydream_grid, heterogeneous, parameter_server, grid_jobs, timeline_size]
 
 
 def table(rows: list[Row]) -> str:
@@ -262,7 +311,7 @@ def main(argv: Optional[list] = None) -> int:
         return 2
     chosen = [m for m in MEASUREMENTS if args.only is None or re.search(args.only, m.__name__)]
     print(f"code:    {code_version()}")
-    print(f"machine: {len(os.sched_getaffinity(0))} cores ({cpu_model()}), Python {platform.python_version()}, "
+    print(f"machine: {available_cores()} cores ({cpu_model()}), Python {platform.python_version()}, "
           f"{platform.system()} {platform.release()}")
     print(f"load:    {' '.join(f'{x:.2f}' for x in os.getloadavg())} (1, 5, 15 min averages at the start)")
     print(f"runs:    {args.runs} of each command, medians")

@@ -132,14 +132,14 @@ def test_a_timeline_over_the_input_trace_by_another_spelling_is_refused(good_tra
 
 
 def test_a_timeline_into_a_missing_folder_is_one_line(good_trace, tmp_path, capsys):
-    target = tmp_path / "no" / "such" / "folder" / "timeline.json"
+    target = tmp_path / "no" / "such" / "folder" / "timeline.json.gz"
     status, _, err = run_cli(capsys, ["replay", good_trace, "--timeline", target])
     assert_one_line_error(status, err, target.parent)
     assert not target.exists()
 
 
 def test_a_timeline_into_a_missing_folder_names_the_path_given(good_trace, tmp_path, capsys):
-    target = tmp_path / "no" / "such" / "folder" / "timeline.json"
+    target = tmp_path / "no" / "such" / "folder" / "timeline.json.gz"
     status, _, err = run_cli(capsys, ["replay", good_trace, "--timeline", target])
     assert_one_line_error(status, err, target)
 

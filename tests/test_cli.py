@@ -3,6 +3,7 @@ timeline they write."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import subprocess
 import sys
@@ -106,10 +107,10 @@ def test_the_simulate_table_shows_the_speed_up(capsys):
 
 
 def test_the_timeline_is_a_chrome_trace_with_one_event_per_task(capsys, tmp_path, traces):
-    out = tmp_path / "timeline.json"
+    out = tmp_path / "timeline.json.gz"
     printed = run_cli(capsys, "replay", BUNDLED_TRACE, "--timeline", out)
     assert f"timeline written to {out}" in printed
-    doc = json.loads(out.read_text())
+    doc = json.load(gzip.open(out))
     events = doc["traceEvents"]
     graph = traces.study(BUNDLED).graph
     complete = [e for e in events if e["ph"] == "X"]
@@ -119,14 +120,14 @@ def test_the_timeline_is_a_chrome_trace_with_one_event_per_task(capsys, tmp_path
     replay = traces.study(BUNDLED).replay
     assert sorted(e["ts"] for e in complete) == pytest.approx(sorted(replay.start_us.tolist()))
     assert all(e["dur"] >= 0 for e in complete)
-    assert [p.name for p in tmp_path.iterdir()] == ["timeline.json"], "no temporary file left behind"
+    assert [p.name for p in tmp_path.iterdir()] == ["timeline.json.gz"], "no temporary file left behind"
 
 
 def test_the_timeline_of_a_gpu_trace_has_cpu_and_gpu_tracks(capsys, tmp_path, traces):
-    out = tmp_path / "timeline.json"
+    out = tmp_path / "timeline.json.gz"
     run_cli(capsys, "simulate", traces.path(EVENT_SYNC_MULTISTREAM), "--optimization", "faster-gpu=2", "--timeline", out,
             said=[NOTE_ONE_ITERATION, "whatif: note: speed-up 1.00 (under 2 %): the step is CPU-bound"])
-    events = json.loads(out.read_text())["traceEvents"]
+    events = json.load(gzip.open(out))["traceEvents"]
     processes = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
     assert processes == {"CPU threads (simulated)", "GPU streams (simulated)"}
     gpu_tracks = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name" and e["pid"] == 2}

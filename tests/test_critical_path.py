@@ -5,6 +5,7 @@ shortens the iteration, one off it changes nothing), and ``whatif critical-path`
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import numpy as np
@@ -222,10 +223,10 @@ def test_the_command_prints_the_kinds_and_the_top_tasks(capsys):
 
 
 def test_the_timeline_marks_exactly_the_tasks_on_the_paths(capsys, tmp_path, traces):
-    out_json = tmp_path / "critical.json"
+    out_json = tmp_path / "critical.json.gz"
     status, _, err = run_cli(capsys, ["critical-path", traces.path(V100_1GPU), "--timeline", out_json])
     assert status == 0, err
-    events = json.loads(out_json.read_text())["traceEvents"]
+    events = json.load(gzip.open(out_json))["traceEvents"]
     slices = [e for e in events if e["ph"] == "X"]
     study = traces.study(V100_1GPU)
     assert len(slices) == len(study.graph.tasks)

@@ -8,6 +8,7 @@ trace is the point.
 from __future__ import annotations
 
 import csv
+import gzip
 import json
 import os
 import shutil
@@ -23,6 +24,7 @@ RESULT_KEYS = {
     "iteration_ms", "speedup", "scaling_efficiency", "exposed_comm_ms",
 }
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+GZIP_MAGIC = b"\x1f\x8b"
 BUNDLED_ITERATIONS = 5
 
 
@@ -202,24 +204,43 @@ def network_events(timeline: dict) -> list:
 
 
 def test_timeline_of_one_configuration_shows_the_network(capsys, tmp_path, trace):
-    out_json = tmp_path / "timeline.json"
+    out_json = tmp_path / "timeline.json.gz"
     doc = predict_json(capsys, scenario_file(tmp_path, trace, machines=2, gbps="10Gbps"), "--timeline", out_json)
     (row,) = doc["results"]
-    timeline = json.loads(out_json.read_text())
+    assert doc["timelines"] == [str(out_json)]
+    timeline = json.load(gzip.open(out_json))
     on_network = network_events(timeline)
     assert len(on_network) == row["messages_per_iteration"] * BUNDLED_ITERATIONS
     assert all(e["name"].startswith("all-reduce ") and e["dur"] > 0 for e in on_network)
-    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("timeline")] == ["timeline.json"]
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("timeline")] == ["timeline.json.gz"]
 
 
 def test_timelines_of_a_grid_are_one_file_per_configuration(capsys, tmp_path, trace):
-    out_json = tmp_path / "timeline.json"
+    out_json = tmp_path / "timeline.json.gz"
     doc = predict_json(capsys, scenario_file(tmp_path, trace), "--timeline", out_json)
-    written = sorted(tmp_path.glob("timeline.*.json"))
+    written = sorted(tmp_path.glob("timeline.*.json.gz"))
     assert len(written) == len(doc["results"]) == 4
+    assert sorted(doc["timelines"]) == [str(p) for p in written]
     assert not out_json.exists()
     for path in written:
-        assert json.loads(path.read_text())["traceEvents"]
+        assert path.read_bytes()[:2] == GZIP_MAGIC, "Perfetto recognises a gzip file by its first bytes"
+        assert json.load(gzip.open(path))["traceEvents"]
+
+
+def test_a_timeline_never_replaces_a_file_and_writes_none_of_the_grid(capsys, tmp_path, trace):
+    scenario = scenario_file(tmp_path, trace)
+    kept = tmp_path / "timeline.1x1_40Gbps_horovod_fifo.json.gz"
+    kept.write_bytes(b"the user's own file")
+    err = refused(capsys, scenario, "--timeline", tmp_path / "timeline.json.gz")
+    assert str(kept) in err and "already exists" in err
+    assert kept.read_bytes() == b"the user's own file"
+    assert [p.name for p in tmp_path.glob("timeline*")] == [kept.name]
+
+
+def test_a_timeline_not_named_json_gz_is_refused_before_the_prediction(capsys, tmp_path, trace):
+    err = refused(capsys, scenario_file(tmp_path, trace), "--timeline", tmp_path / "timeline.json")
+    assert "timeline.json" in err and ".json.gz" in err
+    assert not list(tmp_path.glob("timeline*"))
 
 
 def test_csv_over_the_scenario_is_refused_and_leaves_it_alone(capsys, tmp_path, trace):
@@ -251,8 +272,8 @@ def test_outputs_get_the_permissions_of_any_new_file(capsys, tmp_path, trace):
     old = os.umask(0o022)
     try:
         predict(capsys, scenario_file(tmp_path, trace, machines=2, gbps="10Gbps"),
-                "--csv", tmp_path / "r.csv", "--plot", tmp_path / "r.png", "--timeline", tmp_path / "r.json")
+                "--csv", tmp_path / "r.csv", "--plot", tmp_path / "r.png", "--timeline", tmp_path / "r.json.gz")
     finally:
         os.umask(old)
-    for name in ("r.csv", "r.png", "r.json"):
+    for name in ("r.csv", "r.png", "r.json.gz"):
         assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o644, name

@@ -25,7 +25,9 @@ Every prediction goes through :func:`predict`: the commands ``replay``, ``simula
    ``parallelism`` that uses more than plain data parallelism is a parallel job instead
    (``sim/parallel/job.py``: the worker graph's units found, the family passes applied to rank
    0's graph, which is simulated); every configuration with a ``parallelism`` reports its
-   memory per GPU and whether it fits (``sim/parallel/memory.py``).
+   memory per GPU and whether it fits (``sim/parallel/memory.py``). The configurations are
+   independent of one another: they run one after the other, or on several processes or a
+   Dask cluster (``whatif/sweep.py``), with the same results in the same order.
 4. **simulation** (``sim/engine.py``) and 5. **report** (``report/``): per iteration of the
    worker, and a row per cluster configuration.
 
@@ -70,6 +72,7 @@ from whatif.sim.perfmodels.cache import default_models
 from whatif.sim.perfmodels.models import PerfModels, load_models
 
 from .study import TraceStudy
+from .sweep import Sweep, run_sweep
 
 
 @dataclass(frozen=True)
@@ -179,8 +182,9 @@ class Prediction:
         return speedup_report(self.report, iteration_report(self.unchanged_schedule, self.study.iterations))
 
 
-def predict(request: Request) -> Prediction:
-    """Run the pipeline for ``request``."""
+def predict(request: Request, sweep: Sweep = Sweep()) -> Prediction:
+    """Run the pipeline for ``request``; its cluster configurations run as ``sweep`` says (by
+    default one after the other, here), with the same results whichever way."""
     study = _study(request)
     iterations = study.iterations
     graph = study.graph
@@ -206,7 +210,7 @@ def predict(request: Request) -> Prediction:
     prediction = Prediction(request, study, unchanged, graph, schedule, report)
     _check_communication_changes(graph, request.clusters)
     if request.clusters:
-        _simulate_clusters(prediction)
+        _simulate_clusters(prediction, sweep)
     return prediction
 
 
@@ -264,46 +268,62 @@ def _models(perfmodel: Union[PerfModels, str, Path, None]) -> PerfModels:
     return load_models(perfmodel) if perfmodel is not None else default_models()
 
 
-def _simulate_clusters(prediction: Prediction) -> None:
-    """Every configuration of the request simulated, its row and run added to ``prediction``.
-    One worker runs the worker graph as it is; several run it without its own communication,
-    which the framework's messages replace."""
+def _simulate_clusters(prediction: Prediction, sweep: Sweep) -> None:
+    """Every configuration of the request simulated (run as ``sweep`` says, ``whatif/sweep.py``),
+    its row and run added to ``prediction``. One worker runs the worker graph as it is; several
+    run it without its own communication, which the framework's messages replace."""
     request, study, worker = prediction.request, prediction.study, prediction.worker
     without_comm = worker.copy()
     without_comm.remove(without_comm.select(kinds=[TaskKind.COMM]))
     gradients = find_gradients(without_comm, study.iterations, request.gradient_sizes, request.gradient_total)
-    pass_rate = pass_rate_bytes_per_us(study.graph)
-    rows, runs = [], []
-    units: dict = {}  # parallelism.units -> the worker's units
-    for config in request.clusters:
-        if config.pass_bytes_per_us is None:
-            config = replace(config, pass_bytes_per_us=pass_rate)
-        if config.workers > 1:
-            config = _communication_changed(config, worker, gradients)
-        par = config.parallelism
-        if par is not None and par.families():
-            job = parallelize(without_comm, _units(units, without_comm, par, True), par, config.cluster,
-                              request.optimizer, request.gpu_memory_bytes)
-            schedule = simulate(job.graph)
-            run = ClusterSchedule(schedule, job.comm_tasks(), job.rank0(), 0.0, 0.0)
-            report = _job_report(schedule, study.iterations, run.worker0)
-            rows.append(parallel_row(config, job, run, report, prediction.iteration_ms))
-            runs.append(run)
-            continue
-        run: ClusterSchedule = simulate_cluster(worker if config.workers == 1 else without_comm, gradients,
-                                                study.iterations, config)
-        report = iteration_report(run.schedule, study.iterations, run.worker0)
-        rows.append(configuration_row(config, run, report, prediction.iteration_ms))
-        if par is not None:  # plain data parallelism: the cluster path, and its memory
-            memory = memory_per_gpu(without_comm, _units(units, without_comm, par, False), par, request.optimizer,
-                                    parameter_bytes=gradients.bytes_per_iteration())
-            gpu_bytes = request.gpu_memory_bytes if request.gpu_memory_bytes is not None else gpu_memory_bytes(config.cluster)
-            rows[-1].update(parallelism=par.describe(), **memory_columns(memory, gpu_bytes))
-        runs.append(run)
-    labels = configuration_labels(rows, request.clusters)
-    prediction.results = pd.DataFrame(rows)
+    grid = _Grid(worker, without_comm, gradients, study.iterations, pass_rate_bytes_per_us(study.graph),
+                 prediction.iteration_ms, request.optimizer, request.gpu_memory_bytes)
+    rows, runs = zip(*run_sweep(_configuration, grid, request.clusters, sweep))
+    labels = configuration_labels(list(rows), request.clusters)
+    prediction.results = pd.DataFrame(list(rows))
     prediction.runs = dict(zip(labels, runs))
     prediction.gradients = gradients
+
+
+@dataclass
+class _Grid:
+    """What every configuration of a grid is simulated from, made once."""
+
+    worker: TaskGraph
+    without_comm: TaskGraph
+    gradients: Gradients
+    iterations: pd.DataFrame
+    pass_rate: float  # the trace's copy rate, for configurations that give none
+    iteration_ms: float  # one worker's, which speed-ups are against
+    optimizer: str
+    gpu_memory_bytes: Optional[float]
+    units: dict = field(default_factory=dict)  # parallelism.units -> the worker's units, found once
+
+
+def _configuration(grid: _Grid, config: ClusterConfig) -> tuple[dict, ClusterSchedule]:
+    """One configuration simulated: its row of the results and its run."""
+    if config.pass_bytes_per_us is None:
+        config = replace(config, pass_bytes_per_us=grid.pass_rate)
+    if config.workers > 1:
+        config = _communication_changed(config, grid.worker, grid.gradients)
+    par = config.parallelism
+    if par is not None and par.families():
+        job = parallelize(grid.without_comm, _units(grid.units, grid.without_comm, par, True), par, config.cluster,
+                          grid.optimizer, grid.gpu_memory_bytes)
+        schedule = simulate(job.graph)
+        run = ClusterSchedule(schedule, job.comm_tasks(), job.rank0(), 0.0, 0.0)
+        report = _job_report(schedule, grid.iterations, run.worker0)
+        return parallel_row(config, job, run, report, grid.iteration_ms), run
+    run = simulate_cluster(grid.worker if config.workers == 1 else grid.without_comm, grid.gradients,
+                           grid.iterations, config)
+    report = iteration_report(run.schedule, grid.iterations, run.worker0)
+    row = configuration_row(config, run, report, grid.iteration_ms)
+    if par is not None:  # plain data parallelism: the cluster path, and its memory
+        memory = memory_per_gpu(grid.without_comm, _units(grid.units, grid.without_comm, par, False), par,
+                                grid.optimizer, parameter_bytes=grid.gradients.bytes_per_iteration())
+        gpu_bytes = grid.gpu_memory_bytes if grid.gpu_memory_bytes is not None else gpu_memory_bytes(config.cluster)
+        row.update(parallelism=par.describe(), **memory_columns(memory, gpu_bytes))
+    return row, run
 
 
 def _units(cache: dict, graph: TaskGraph, par: Parallelism, required: bool) -> Units:

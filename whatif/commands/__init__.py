@@ -33,7 +33,8 @@ def add_trace_options(parser, ranks: bool = False) -> None:
         parser.add_argument("trace", type=Path, help="PyTorch profiler (Kineto) trace (.json or .json.gz), or a bundle folder")
     parser.add_argument("--iteration", metavar="NAME", help="annotation that marks an iteration (default: ProfilerStep#N)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    parser.add_argument("--timeline", type=Path, metavar="OUT.json", help="write the simulated timeline (Chrome trace)")
+    parser.add_argument("--timeline", type=Path, metavar="OUT.json.gz",
+                        help="write the simulated timeline (a gzip-compressed Chrome trace: Perfetto opens it)")
 
 
 def refuse_inputs(path: Path, inputs: tuple) -> None:

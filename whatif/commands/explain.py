@@ -16,7 +16,7 @@ from whatif.pipeline import Request, predict
 from whatif.report.critical_path import path_tasks
 from whatif.report.overheads import LAUNCH_TYPES, OVERHEAD_TYPES, measure_overheads, per_operator_table, summary_table
 from whatif.report.tables import SHOWN_ROWS, json_records, named_table
-from whatif.report.timeline import write_atomically, write_marked_timeline
+from whatif.report.timeline import check_timeline_path, write_atomically, write_marked_timeline
 from whatif.sim.critical_path import PATH_KINDS, iteration_critical_paths
 
 from . import add_trace_options
@@ -72,6 +72,8 @@ def run_overheads(args: argparse.Namespace) -> int:
 
 def run_critical_path(args: argparse.Namespace) -> int:
     """The replay's critical paths: the trace as measured, the profiler's overhead kept."""
+    if args.timeline is not None:
+        check_timeline_path(args.timeline, protect=(args.trace,))
     replay = predict(Request(args.trace, args.iteration, remove_profiler_overhead=False))
     report, schedule = replay.report, replay.schedule
     spans = report.assign(thread=replay.study.iterations["thread"].to_numpy())

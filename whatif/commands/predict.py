@@ -1,5 +1,6 @@
 """``whatif predict SCENARIO``: a scenario's grid of clusters predicted, as a table, JSON, CSV, a
-plot, and each configuration's timeline."""
+plot, and each configuration's timeline. The configurations run on this machine's cores, or on
+a Dask cluster (``whatif/sweep.py``), with a progress bar on a terminal."""
 
 from __future__ import annotations
 
@@ -16,12 +17,13 @@ from whatif.pipeline import predict
 from whatif.report.cluster import collective_notes
 from whatif.report.plots import plot_scenario
 from whatif.report.tables import json_records, results_table
-from whatif.report.timeline import write_atomically, write_timeline
+from whatif.report.timeline import TIMELINE_SUFFIX, check_timeline_path, write_atomically, write_timeline
 from whatif.scenario import Scenario, ScenarioError
+from whatif.sweep import EXECUTORS, Sweep, SweepError, available_cores
 
 from . import UsageError, refuse_inputs
 
-ERRORS = (ScenarioError,)
+ERRORS = (ScenarioError, SweepError)
 
 #: Above this many GPUs simulated over a scenario's grid (summed over its configurations),
 #: ``whatif predict`` asks for ``--yes``: a grid of a few thousand takes minutes
@@ -34,9 +36,19 @@ def add_parsers(sub) -> None:
     predict_.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     predict_.add_argument("--plot", type=Path, metavar="OUT.png", help="scaling curve and time breakdown")
     predict_.add_argument("--csv", type=Path, metavar="OUT.csv", help="the results table as CSV")
-    predict_.add_argument("--timeline", type=Path, metavar="OUT.json", help="simulated timeline of each configuration")
+    predict_.add_argument("--timeline", type=Path, metavar="OUT.json.gz",
+                          help="simulated timeline of each configuration (gzip-compressed Chrome trace: Perfetto opens it), "
+                               "OUT.LABEL.json.gz for each of several")
     predict_.add_argument("--yes", action="store_true",
                           help=f"run a grid of more than {MAX_GRID_GPUS} GPUs in all (refused without it)")
+    predict_.add_argument("--jobs", type=int, metavar="N", default=available_cores(),
+                          help="configurations simulated at once, each in a process of its own "
+                               "(default: this machine's cores, %(default)s; 1: one after the other, in this process)")
+    predict_.add_argument("--executor", choices=EXECUTORS, default="local",
+                          help="where the configurations run: this machine (default), or the workers of a Dask "
+                               "cluster (pip install 'whatif[dask]'; --jobs is then the cluster's)")
+    predict_.add_argument("--address", metavar="tcp://HOST:PORT",
+                          help="the Dask scheduler's address (default: DASK_SCHEDULER_ADDRESS)")
 
 
 def plot_titles(path: Path, scenario: Scenario) -> tuple[str, str]:
@@ -54,8 +66,15 @@ def run(args: argparse.Namespace) -> int:
     if gpus > MAX_GRID_GPUS and not args.yes:
         raise UsageError(f"{args.scenario}: the grid simulates {gpus} GPUs over {plural(len(scenario.points), 'configuration')}, "
                          f"more than {MAX_GRID_GPUS} (minutes to hours); pass --yes to run it anyway")
+    if args.jobs < 1:
+        raise UsageError(f"--jobs {args.jobs}: at least 1")
+    if args.address is not None and args.executor != "dask":
+        raise UsageError("--address is the Dask scheduler's: give it with --executor dask")
     inputs = (args.scenario, scenario.trace)
-    prediction = predict(scenario.request())
+    if args.timeline is not None:  # several configurations: each file is checked once it has a name
+        check_timeline_path(args.timeline, protect=inputs, new=len(scenario.points) == 1)
+    sweep = Sweep(jobs=args.jobs, executor=args.executor, address=args.address, progress=sys.stderr.isatty())
+    prediction = predict(scenario.request(), sweep)
     results = prediction.results
     if args.csv is not None:
         refuse_inputs(args.csv, inputs)
@@ -63,10 +82,14 @@ def run(args: argparse.Namespace) -> int:
     if args.plot is not None:
         refuse_inputs(args.plot, inputs)
         plot_scenario(results, args.plot, *plot_titles(args.scenario, scenario))
+    timelines = {}
     if args.timeline is not None:
+        several = len(prediction.runs) > 1
+        timelines = {label: _suffixed(args.timeline, label) if several else args.timeline for label in prediction.runs}
+        for target in timelines.values():  # every name checked before any file is written
+            check_timeline_path(target, protect=inputs)
         for label, run_ in prediction.runs.items():
-            target = args.timeline if len(prediction.runs) == 1 else _suffixed(args.timeline, label)
-            write_timeline(run_.schedule, target, protect=inputs, notes=collective_notes(run_))
+            write_timeline(run_.schedule, timelines[label], protect=inputs, notes=collective_notes(run_))
     overhead = prediction.profiler_overhead
     if args.json:
         out = {
@@ -77,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
             "profiler_overhead": None if overhead is None else asdict(overhead),
             "results": json_records(results),
         }
+        if timelines:
+            out["timelines"] = [str(path) for path in timelines.values()]
         sys.stdout.write(msgspec.json.encode(out).decode() + "\n")
         return 0
     print(f"{scenario.trace}: 1x1 iteration {prediction.iteration_ms:.2f} ms; gradients: "
@@ -87,9 +112,14 @@ def run(args: argparse.Namespace) -> int:
     for what, path in (("plot", args.plot), ("CSV", args.csv)):
         if path is not None:
             print(f"{what} written to {path}")
+    if len(timelines) == 1:
+        print(f"timeline written to {args.timeline}")
+    elif timelines:
+        print(f"{len(timelines)} timelines written to {_suffixed(args.timeline, '*')}, one per configuration")
     return 0
 
 
 def _suffixed(path: Path, label: str) -> Path:
+    """``out.json.gz`` -> ``out.2x1_10Gbps_horovod_fifo.json.gz``"""
     slug = label.replace(" ", "_").replace("/", "-")
-    return path.with_name(f"{path.stem}.{slug}{path.suffix}")
+    return path.with_name(f"{path.name[:-len(TIMELINE_SUFFIX)]}.{slug}{TIMELINE_SUFFIX}")

@@ -30,7 +30,7 @@ from whatif.report.critical_path import bound_verdict
 from whatif.report.iterations import iteration_report, steady_median
 from whatif.report.ranks import job_json, rank_reports
 from whatif.report.tables import iteration_table, json_records
-from whatif.report.timeline import write_timeline
+from whatif.report.timeline import check_timeline_path, write_timeline
 from whatif.sim.multirank import build_job
 from whatif.sim.graph import GraphError
 from whatif.sim.passes.registry import OPTIMIZATIONS, optimization_name, parse_optimization
@@ -65,6 +65,8 @@ def add_parsers(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.command == "simulate":
         _check_arguments(args)
+    if args.timeline is not None:
+        check_timeline_path(args.timeline, protect=tuple(args.trace))
     if is_job(args.trace):
         return run_job(args)
     args.trace = args.trace[0]

@@ -1,0 +1,205 @@
+"""A grid's configurations run one after the other, on this machine's cores, or on a Dask cluster.
+
+``whatif predict`` simulates each configuration of a scenario's grid from the same inputs (the
+worker graph, its gradients and iterations, made once before), and no configuration depends on
+another, so they can run anywhere and in any order. :func:`run_sweep` maps a function over them
+and returns the results in the grid's order whichever way they ran: a prediction is the same
+wherever it was made (``tests/test_sweep.py`` holds each way equal to the serial one).
+
+* ``Sweep()`` (``jobs=1``): in this process, one after the other, as the library always did.
+* ``Sweep(jobs=N)``: N processes of this machine (at most one per configuration). They are
+  forked where the platform can, so the shared inputs are inherited instead of copied; a
+  result (a row and its cluster's schedule, about 10 MB for the ResNet-50 trace) is pickled back.
+* ``Sweep(executor="dask", address=...)``: the workers of an existing Dask cluster
+  (``distributed``, the ``whatif[dask]`` extra), which must have the same ``whatif``
+  installed. The shared inputs are sent to each worker once (``Client.scatter``).
+
+Run elsewhere than in this process, a configuration's warnings (``collectors/diagnostics.py``)
+are collected where it ran and recorded here once all have run, in the grid's order
+(``--strict`` then fails after the sweep rather than at the first warning, with the same
+message). A progress bar (tqdm) counts the configurations on stderr when ``progress`` is set
+(the command sets it when stderr is a terminal); it appears only once the sweep has run about
+two seconds, and is cleared at the end.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import sys
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+from whatif.collectors.diagnostics import Diagnostics, collecting, report
+
+EXECUTORS = ("local", "dask")
+#: A sweep shorter than this shows no progress bar (tqdm's ``delay``)
+PROGRESS_DELAY_S = 2.0
+
+
+class SweepError(Exception):
+    """A sweep that cannot run as asked (no Dask installed, no cluster to reach)."""
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """How to run a grid: ``jobs`` processes of this machine (``executor="local"``), or the
+    workers of the Dask cluster at ``address`` (``executor="dask"``); ``progress``: a bar on
+    stderr."""
+
+    jobs: int = 1
+    executor: str = "local"
+    address: Optional[str] = None
+    progress: bool = False
+
+    def __post_init__(self):
+        if self.executor not in EXECUTORS:
+            raise ValueError(f"executor {self.executor!r}: not one of {', '.join(EXECUTORS)}")
+        if self.jobs < 1:
+            raise ValueError(f"jobs {self.jobs}: at least 1")
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its affinity, where the platform tells it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
+def run_sweep(function: Callable[[Any, Any], Any], shared: Any, items: Sequence, sweep: Sweep = Sweep(),
+              what: str = "configuration") -> list:
+    """``[function(shared, item) for item in items]``, run as ``sweep`` says. ``function`` is a
+    module-level function (the processes find it by name); ``shared`` goes to each process or
+    worker once. ``what`` names an item on the progress bar."""
+    items = list(items)
+
+    def progress_bar():  # made once the processes are started: none is forked with tqdm's thread
+        return _progress_bar(len(items), what, sweep.progress)
+
+    if sweep.executor == "dask":
+        outcomes = _on_dask(function, shared, items, sweep.address, progress_bar)
+    elif min(sweep.jobs, len(items)) > 1:
+        outcomes = _on_processes(function, shared, items, min(sweep.jobs, len(items)), progress_bar)
+    else:
+        outcomes = []
+        with progress_bar() as bar:
+            for item in items:  # warnings recorded as they come, strict ones raised at once
+                outcomes.append((function(shared, item), []))
+                bar.update()
+    results = []
+    for result, warnings in outcomes:
+        for text in warnings:
+            report(text)
+        results.append(result)
+    return results
+
+
+def _collected(function, shared, item) -> tuple[Any, list]:
+    """``function(shared, item)`` and the warnings it recorded."""
+    diagnostics = Diagnostics()
+    with collecting(diagnostics):
+        return function(shared, item), diagnostics.messages
+
+
+# -- this machine's processes ------------------------------------------------------------------
+
+_SHARED: dict = {}  # in a worker process: the function and its shared inputs
+
+
+def _install(function, shared) -> None:
+    _SHARED.update(function=function, shared=shared)
+
+
+def _in_worker(item) -> tuple[Any, list]:
+    try:
+        return _collected(_SHARED["function"], _SHARED["shared"], item)
+    except Exception as err:
+        raise _picklable(err) from None
+
+
+def _on_processes(function, shared, items: list, jobs: int, progress_bar) -> list:
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context(method),
+                             initializer=_install, initargs=(function, shared)) as pool:
+        futures = [pool.submit(_in_worker, item) for item in items]
+        try:
+            with progress_bar() as bar:
+                for future in as_completed(futures):
+                    future.result()  # the first failure is raised at once
+                    bar.update()
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+        return [future.result() for future in futures]
+
+
+def _picklable(err: Exception) -> Exception:
+    """``err`` where it survives being sent back to the caller, else a ``SweepError`` with its
+    text (an exception whose constructor takes other arguments than its message cannot)."""
+    try:
+        pickle.loads(pickle.dumps(err))
+        return err
+    except Exception:
+        return SweepError(f"{type(err).__name__}: {err}")
+
+
+# -- a Dask cluster ----------------------------------------------------------------------------
+
+def _dask_task(function, shared, item) -> tuple[Any, list]:
+    try:
+        return _collected(function, shared, item)
+    except Exception as err:
+        raise _picklable(err) from None
+
+
+def _on_dask(function, shared, items: list, address: Optional[str], progress_bar) -> list:
+    try:
+        from distributed import Client
+        from distributed import as_completed as dask_completed
+    except ImportError:
+        raise SweepError("--executor dask needs Dask's distributed scheduler: pip install 'whatif[dask]'") from None
+    address = address or os.environ.get("DASK_SCHEDULER_ADDRESS")
+    if not address:
+        raise SweepError("--executor dask needs the scheduler's address: --address tcp://HOST:8786 "
+                         "or DASK_SCHEDULER_ADDRESS")
+    try:
+        client = Client(address, timeout="10s", set_as_default=False)
+    except OSError as err:
+        raise SweepError(f"Dask scheduler {address}: cannot connect ({err})") from None
+    with client:
+        on_workers = client.scatter(shared, broadcast=True, hash=False)
+        futures = [client.submit(_dask_task, function, on_workers, item, pure=False) for item in items]
+        try:
+            with progress_bar() as bar:
+                for future in dask_completed(futures, loop=client.loop):
+                    future.result()
+                    bar.update()
+        except BaseException:
+            client.cancel(futures)
+            raise
+        return client.gather(futures)
+
+
+# -- progress ----------------------------------------------------------------------------------
+
+class _NoBar:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+def _progress_bar(total: int, what: str, shown: bool):
+    if not shown:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit=f" {what}", desc="predicting", file=sys.stderr, delay=PROGRESS_DELAY_S,
+                leave=False, dynamic_ncols=True)
