@@ -189,3 +189,12 @@ def test_when_every_capture_is_unsteady_the_one_of_median_speed_is_kept(captures
     bundle = capture("vgg", tmp_path)
     assert read_bundle(bundle).unprofiled_step_ms == wilder
     assert plain_step_spread(read_bundle(bundle).unprofiled_step_ms) > 0.05 and not captures_timing
+
+
+def test_a_validation_point_is_predicted_by_the_pipeline_on_calibrated_links():
+    from whatif.lab.validate import predict
+
+    repo = Path(__file__).resolve().parents[1]
+    predicted_ms, _ = predict(repo / "data" / "convnet_cpu.bundle",
+                                     repo / "docs" / "validation" / "fresh" / "links_400mbps.yaml", 2, 1, 400.0, "horovod")
+    assert predicted_ms > 0
