@@ -80,6 +80,9 @@ class ClusterConfig:
     pass_bytes_per_us: Optional[float] = None
     # a parallel job's parallelism (sim/parallel/); None: plain data parallelism, as before
     parallelism: Optional[Parallelism] = None
+    # the same cluster as each run of its links' calibration measured them (whatif lab calibrate's
+    # runs): predicted too, their spread widens the prediction's interval (report/intervals.py)
+    calibrations: Sequence[Cluster] = ()
 
     @property
     def on_shared_links(self) -> bool:

@@ -51,7 +51,8 @@ import pandas as pd
 
 from whatif.collectors.diagnostics import warn
 from whatif.report.cluster import configuration_labels, configuration_row, memory_columns, parallel_row
-from whatif.report.iterations import iteration_report, speedup_report, steady_median
+from whatif.report.intervals import prediction_interval, relative_interval, widened
+from whatif.report.iterations import iteration_report, speedup_report, steady_median, steady_values
 from whatif.sim.distributed import ClusterConfig, ClusterSchedule, simulate_cluster
 from whatif.sim.engine import Schedule, simulate
 from whatif.sim.frameworks.copies import pass_rate_bytes_per_us
@@ -151,6 +152,12 @@ class Prediction:
         return steady_median(self.report["predicted_ms"])
 
     @property
+    def iteration_interval(self) -> tuple[float, float]:
+        """The worker's prediction interval around :attr:`iteration_ms` (``report/intervals.py``:
+        from the spread of its steady iterations; ``nan`` where it has one)."""
+        return prediction_interval(steady_values(self.report["predicted_ms"]), self.iteration_ms)
+
+    @property
     def profiler_overhead(self) -> Optional[ProfilerOverhead]:
         """What was taken out of the trace as the profiler's overhead (None: nothing)."""
         return self.worker.last_note(ProfilerOverhead)
@@ -236,30 +243,42 @@ def _simulate_clusters(prediction: Prediction) -> None:
     for config in request.clusters:
         if config.pass_bytes_per_us is None:
             config = replace(config, pass_bytes_per_us=pass_rate)
-        par = config.parallelism
-        if par is not None and par.families():
-            job = parallelize(without_comm, _units(units, without_comm, par, True), par, config.cluster,
-                              request.optimizer, request.gpu_memory_bytes)
-            schedule = simulate(job.graph)
-            run = ClusterSchedule(schedule, job.comm_tasks(), job.rank0(), 0.0, 0.0)
-            report = _job_report(schedule, study.iterations, run.worker0)
-            rows.append(parallel_row(config, job, run, report, prediction.iteration_ms))
-            runs.append(run)
-            continue
-        run: ClusterSchedule = simulate_cluster(worker if config.workers == 1 else without_comm, gradients,
-                                                study.iterations, config)
-        report = iteration_report(run.schedule, study.iterations, run.worker0)
-        rows.append(configuration_row(config, run, report, prediction.iteration_ms))
-        if par is not None:  # plain data parallelism: the cluster path, and its memory
-            memory = memory_per_gpu(without_comm, _units(units, without_comm, par, False), par, request.optimizer,
-                                    parameter_bytes=gradients.bytes_per_iteration())
-            gpu_bytes = request.gpu_memory_bytes if request.gpu_memory_bytes is not None else gpu_memory_bytes(config.cluster)
-            rows[-1].update(parallelism=par.describe(), **memory_columns(memory, gpu_bytes))
+        row, run = _simulate_configuration(prediction, config, worker, without_comm, gradients, units)
+        calibrated = [_simulate_configuration(prediction, replace(config, cluster=cluster, calibrations=()), worker,
+                                              without_comm, gradients, units)[0] for cluster in config.calibrations]
+        rows.append(widened(row, calibrated))
         runs.append(run)
     labels = configuration_labels(rows, request.clusters)
     prediction.results = pd.DataFrame(rows)
     prediction.runs = dict(zip(labels, runs))
     prediction.gradients = gradients
+
+
+def _simulate_configuration(prediction: Prediction, config: ClusterConfig, worker: TaskGraph, without_comm: TaskGraph,
+                            gradients: Gradients, units: dict) -> tuple[dict, ClusterSchedule]:
+    """One configuration simulated: its row of the results and its run."""
+    request, study = prediction.request, prediction.study
+    par = config.parallelism
+    if par is not None and par.families():
+        job = parallelize(without_comm, _units(units, without_comm, par, True), par, config.cluster,
+                          request.optimizer, request.gpu_memory_bytes)
+        schedule = simulate(job.graph)
+        run = ClusterSchedule(schedule, job.comm_tasks(), job.rank0(), 0.0, 0.0)
+        report = _job_report(schedule, study.iterations, run.worker0)
+        row = parallel_row(config, job, run, report, prediction.iteration_ms)
+        if report["measured_ms"].isna().all():  # a step built anew (a pipeline's): no traced iterations of its own
+            low, high = relative_interval(row["iteration_ms"], prediction.iteration_ms, prediction.iteration_interval)
+            row.update(iteration_ms_low=low, iteration_ms_high=high)
+        return row, run
+    run = simulate_cluster(worker if config.workers == 1 else without_comm, gradients, study.iterations, config)
+    report = iteration_report(run.schedule, study.iterations, run.worker0)
+    row = configuration_row(config, run, report, prediction.iteration_ms)
+    if par is not None:  # plain data parallelism: the cluster path, and its memory
+        memory = memory_per_gpu(without_comm, _units(units, without_comm, par, False), par, request.optimizer,
+                                parameter_bytes=gradients.bytes_per_iteration())
+        gpu_bytes = request.gpu_memory_bytes if request.gpu_memory_bytes is not None else gpu_memory_bytes(config.cluster)
+        row.update(parallelism=par.describe(), **memory_columns(memory, gpu_bytes))
+    return row, run
 
 
 def _units(cache: dict, graph: TaskGraph, par: Parallelism, required: bool) -> Units:
