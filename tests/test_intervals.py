@@ -214,3 +214,30 @@ def test_a_pipelines_rebuilt_step_takes_the_traced_iterations_relative_interval(
     low, high = prediction.iteration_interval
     assert row["iteration_ms_low"] / row["iteration_ms"] == pytest.approx(low / prediction.iteration_ms)
     assert row["iteration_ms_high"] / row["iteration_ms"] == pytest.approx(high / prediction.iteration_ms)
+
+
+# -- bench/interval_coverage.py ---------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def coverage_bench(bench_script):
+    return bench_script("interval_coverage")
+
+
+def test_the_bench_reads_a_validation_grid_and_reports_points_it_cannot_predict_again(coverage_bench, tmp_path):
+    grid = REPO / "docs" / "validation" / "fresh" / "validation.csv"
+    (tmp_path / "grid").mkdir()
+    (tmp_path / "grid" / "validation.csv").write_text(grid.read_text())
+    points = coverage_bench.campaign_points(tmp_path / "grid")
+    assert len(points) == 27 and points[0]["label"] == "vgg 1x1 (one machine) single"
+    assert points[0]["runs_ms"] == [142.08, 144.96, 145.91]
+    rows = coverage_bench.check_campaigns([tmp_path / "grid"], tmp_path / "out")
+    assert len(rows) == 27 and rows["status"].str.startswith("not predicted: FileNotFoundError").all()
+
+
+def test_the_width_one_interval_for_all_needs_covers_that_share_of_points(coverage_bench):
+    central = np.full(20, 100.0)
+    measured = 100.0 * np.exp(np.linspace(-0.1, 0.1, 20))
+    width = coverage_bench.needed_width_pct(central, measured, 0.85)
+    h = math.asinh(width / 200.0)  # width = 100 (e^h - e^-h) = 200 sinh(h)
+    inside = np.abs(np.log(measured / central)) <= h + 1e-12
+    assert inside.mean() >= 0.85 and (np.abs(np.log(measured / central)) < h - 1e-3).mean() < 0.85

@@ -3,7 +3,6 @@
 The real runs need root and minutes of quiet machine, so the grid itself is a script
 (``bench/validation_grid.py``); these tests hold its tables and refusals to their word."""
 
-import importlib.util
 import os
 from pathlib import Path
 
@@ -12,21 +11,11 @@ import pytest
 from whatif.lab.cluster import LabError
 from whatif.lab.validate import validate
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
 @pytest.fixture(scope="module")
-def grid_script():
-    import sys
-
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location("validation_grid", BENCH / "validation_grid.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.path.remove(str(BENCH))
+def grid_script(bench_script):
+    return bench_script("validation_grid")
 
 
 def measured_row(runs_ms, predicted_ms=100.0):
