@@ -12,6 +12,7 @@ setting's ``parallelism:`` block, and returns the predicted steady iteration in 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 from whatif.lab.parallel import LOOPBACK_MBPS, ParallelSetting
 from whatif.lab.validate import links
@@ -20,13 +21,19 @@ from whatif.scenario import Scenario
 
 
 def predict(setting: ParallelSetting, captures: dict, work: Path) -> float:
+    prediction = run_pipeline(scenario(setting, captures, work).request())
+    return float(prediction.results["iteration_ms"].iloc[0])
+
+
+def scenario(setting: ParallelSetting, captures: dict, work: Path, links_file: Optional[Path] = None) -> Scenario:
+    """The scenario a user would write for ``setting``, on ``links_file`` (default: the lab's
+    calibration at its bandwidth, kept in ``work``)."""
     bandwidth = LOOPBACK_MBPS if setting.bandwidth_mbps is None else setting.bandwidth_mbps
     doc = {
         "trace": str(captures["step"]),
         "cluster": {"machines": setting.machines, "gpus_per_machine": setting.gpus_per_machine,
-                    "links": str(links(bandwidth, work))},
+                    "links": str(links_file or links(bandwidth, work))},
         "framework": "ddp",
         "parallelism": setting.parallelism(),
     }
-    prediction = run_pipeline(Scenario.from_dict(doc, base_dir=work).request())
-    return float(prediction.results["iteration_ms"].iloc[0])
+    return Scenario.from_dict(doc, base_dir=work)

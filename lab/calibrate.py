@@ -21,7 +21,9 @@ alone, then on all of them at once (``lab/probes/memory.py``), which gives the t
 ``shared_memory`` (``topology.SharedMemory``, among the whole cluster).
 
 Every probe job runs ``runs`` times (default ``RUNS``) and each of its figures is the median of
-the runs: on the virtual machine this was built on, four calibrations at 400 Mbps taken one
+the runs; the links each run alone gives are kept too, under ``runs`` (``calibrations_of_runs``),
+and ``whatif predict`` predicts with each of them to widen its interval by the calibration's
+spread: on the virtual machine this was built on, four calibrations at 400 Mbps taken one
 after another fitted the loopback's bandwidth at 1.1 to 2.0 GB/s, its ``comm`` contention at 1.08
 to 2.31 and the total memory bandwidth at 52 to 82 GB/s, and the 1x2 predictions made from them
 moved by up to 35 points (the wide MLP with Horovod, from -21 % to +14 %). Two calibrations of
@@ -167,13 +169,27 @@ def calibrate(bandwidth_mbit: float, out_yaml: Path, work_dir: Path = None, horo
         check_can_run(spec)
     work_dir = Path(work_dir or tempfile.mkdtemp(prefix="whatif-calibrate-"))
     measured = {where: measure(spec, work_dir / where.split("_")[0], runs=runs) for where, spec in specs.items()}
-    contention = {where: fit_contention(probe) for where, probe in measured.items()}
     if importlib.util.find_spec("horovod") is not None:
         for where, spec in specs.items():
-            loop = measure_horovod_loop(spec, work_dir / f"horovod_loop_{where}", horovod_cycle_ms, runs)
-            contention[where]["horovod_loop"] = f"{max(loop['cpu_us_per_cycle']):.1f}us"
-            measured[where]["horovod_loop"] = loop
+            measured[where]["horovod_loop"] = measure_horovod_loop(spec, work_dir / f"horovod_loop_{where}",
+                                                                   horovod_cycle_ms, runs)
     shared = measure_shared_memory(specs["inside_a_machine"], work_dir / "shared_memory", runs)
+    doc = fit_links(bandwidth_mbit, measured, shared)
+    doc["runs"] = [{k: v for k, v in run.items() if k != "measured"}
+                   for run in calibrations_of_runs(work_dir, bandwidth_mbit)]
+    out_yaml.write_text(yaml.safe_dump(doc, sort_keys=False))
+    progress(f"calibration at {bandwidth_mbit:g} Mbps done: {out_yaml}")
+    return doc
+
+
+def fit_links(bandwidth_mbit: float, measured: dict, shared: dict) -> dict:
+    """The topology YAML's document from the probes' figures: ``measured`` by where
+    (``across_machines``, ``inside_a_machine``: the all-reduce probe's record, with its Horovod
+    loop's under ``horovod_loop`` where it was measured) and the shared-memory probe's."""
+    contention = {where: fit_contention(probe) for where, probe in measured.items()}
+    for where, probe in measured.items():
+        if "horovod_loop" in probe:
+            contention[where]["horovod_loop"] = f"{max(probe['horovod_loop']['cpu_us_per_cycle']):.1f}us"
     across, inside = measured["across_machines"], measured["inside_a_machine"]
     nic = fit_ring(across["sizes_bytes"], across["seconds"], 2, bandwidth_mbit * 1e6 / 8)
     # inside a machine the "link" is loopback, unshaped: fit its bandwidth with efficiency 1
@@ -196,6 +212,29 @@ def calibrate(bandwidth_mbit: float, out_yaml: Path, work_dir: Path = None, horo
         "shared_memory": fit_shared_memory(shared),
         "measured": {**measured, "shared_memory": shared},
     }
-    out_yaml.write_text(yaml.safe_dump(doc, sort_keys=False))
-    progress(f"calibration at {bandwidth_mbit:g} Mbps done: {out_yaml}")
     return doc
+
+
+def calibrations_of_runs(work_dir: Path, bandwidth_mbit: float) -> list[dict]:
+    """One topology document per run of the probes kept in ``work_dir`` (``calibrate``'s
+    folder: ``across``, ``inside``, ``horovod_loop_WHERE`` and ``shared_memory``, each with its
+    ``runN`` folders): the calibration each run alone gives, whose spread is the calibration's
+    (``whatif predict`` widens its interval by it, ``report/intervals.py``). Empty where the
+    folder does not hold every probe's runs."""
+    work_dir = Path(work_dir)
+    probes = {"across_machines": ("across", "allreduce.json"), "inside_a_machine": ("inside", "allreduce.json")}
+    runs = sorted(p.name for p in (work_dir / "across").glob("run*") if (p / "allreduce.json").exists())
+    docs = []
+    for run in runs:
+        try:
+            measured = {where: json.loads((work_dir / folder / run / name).read_text())
+                        for where, (folder, name) in probes.items()}
+            for where in probes:
+                loop = work_dir / f"horovod_loop_{where}" / run / "horovod_loop.json"
+                if loop.exists():
+                    measured[where]["horovod_loop"] = json.loads(loop.read_text())
+            shared = json.loads((work_dir / "shared_memory" / run / "shared_memory.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            return []
+        docs.append(fit_links(bandwidth_mbit, measured, shared))
+    return docs

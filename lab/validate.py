@@ -35,7 +35,7 @@ from typing import Optional, Sequence
 
 from whatif.collectors.bundle import is_bundle, read_bundle
 from whatif.collectors.capture import STEADY_ALLOCATOR, CaptureError, collect
-from whatif.pipeline import predict
+from whatif.pipeline import predict as run_pipeline
 from whatif.scenario import Scenario
 
 from .calibrate import calibrate
@@ -176,6 +176,17 @@ def predict(trace: Path, links_file: Path, machines: int, gpus: int, bandwidth_m
             batch_sizes: Optional[tuple[int, int]] = None, profiler_overhead: str = "remove"):
     """The predicted iteration (ms) and what the prediction removed as profiler overhead
     (``profiler_overhead="keep"``: predicted from the profiled times as they are)."""
+    scenario = validation_scenario(trace, links_file, machines, gpus, bandwidth_mbps, framework, batch_sizes,
+                                   profiler_overhead)
+    prediction = run_pipeline(scenario.request())
+    return float(prediction.results["iteration_ms"].iloc[0]), prediction.profiler_overhead
+
+
+def validation_scenario(trace: Path, links_file: Path, machines: int, gpus: int, bandwidth_mbps: float,
+                        framework: str, batch_sizes: Optional[tuple[int, int]] = None,
+                        profiler_overhead: str = "remove") -> Scenario:
+    """The scenario a validation point is predicted with: the capture on the calibrated links,
+    with the framework settings the real run uses."""
     doc = {
         "trace": str(trace),
         "cluster": {
@@ -191,9 +202,7 @@ def predict(trace: Path, links_file: Path, machines: int, gpus: int, bandwidth_m
     }
     if batch_sizes is not None:
         doc["batch_size"] = {"from": batch_sizes[0], "to": batch_sizes[1]}
-    scenario = Scenario.from_dict(doc, name=f"the validation of {trace} at {machines}x{gpus}")
-    prediction = predict(scenario.request())
-    return float(prediction.results["iteration_ms"].iloc[0]), prediction.profiler_overhead
+    return Scenario.from_dict(doc, name=f"the validation of {trace} at {machines}x{gpus}")
 
 
 def measure(model: str, spec: LabSpec, framework: str, out: Path, steps: int = 20, warmup: int = 5,

@@ -16,7 +16,8 @@ from whatif.sim.parallel.job import ParallelJob, comm_bytes, comm_dimension
 from whatif.sim.parallel.memory import MemoryBreakdown, fits
 from whatif.topology import Cluster, as_gbps
 
-from .iterations import steady_median, union_within
+from .intervals import prediction_interval
+from .iterations import steady_median, steady_values, union_within
 
 
 def cluster_breakdown(run: ClusterSchedule, report: pd.DataFrame) -> pd.DataFrame:
@@ -59,10 +60,13 @@ def cluster_breakdown(run: ClusterSchedule, report: pd.DataFrame) -> pd.DataFram
 
 def configuration_row(config: ClusterConfig, run: ClusterSchedule, report: pd.DataFrame, baseline_ms: float) -> dict:
     """One configuration's row of the results: its cluster, framework and policy, the steady
-    median of worker 0's iterations (``report``) and of their breakdown, and its speed-up over
-    one worker's ``baseline_ms`` (throughput: ``workers x baseline / iteration``)."""
+    median of worker 0's iterations (``report``) with its prediction interval
+    (``iteration_ms_low`` to ``iteration_ms_high``, ``report/intervals.py``) and the medians of
+    their breakdown, and its speed-up over one worker's ``baseline_ms`` (throughput: ``workers x
+    baseline / iteration``)."""
     breakdown = cluster_breakdown(run, report)
     iteration_ms = steady_median(report["predicted_ms"])
+    low_ms, high_ms = prediction_interval(steady_values(report["predicted_ms"]), iteration_ms)
     cluster = config.cluster
     return {
         "machines": cluster.machines,
@@ -72,6 +76,8 @@ def configuration_row(config: ClusterConfig, run: ClusterSchedule, report: pd.Da
         "framework": config.framework,
         "policy": config.policy,
         "iteration_ms": iteration_ms,
+        "iteration_ms_low": low_ms,
+        "iteration_ms_high": high_ms,
         "speedup": config.workers * baseline_ms / iteration_ms,
         "scaling_efficiency": baseline_ms / iteration_ms,
         "exposed_comm_ms": steady_median(breakdown["exposed_comm_ms"]),
@@ -158,7 +164,8 @@ def configuration_labels(rows: list[dict], configs: Sequence[ClusterConfig]) -> 
 def _described(config: ClusterConfig) -> dict[str, str]:
     """Every field of the configuration's cluster, then its own, as text."""
     values = {f.name: getattr(config.cluster, f.name) for f in fields(Cluster)}
-    values.update((f.name, getattr(config, f.name)) for f in fields(ClusterConfig) if f.name != "cluster")
+    values.update((f.name, getattr(config, f.name)) for f in fields(ClusterConfig)
+                  if f.name not in ("cluster", "calibrations"))
     return {name: _shown(value) for name, value in values.items()}
 
 

@@ -113,6 +113,11 @@ def steady_median(values: pd.Series) -> float:
     more: the first starts with an idle network and the last pays for draining it (with
     layer-by-layer synchronisation its own communication and the previous one's); neither is
     the steady state a training run lives in."""
+    return float(pd.Series(steady_values(values)).median())
+
+
+def steady_values(values: pd.Series) -> np.ndarray:
+    """The iterations :func:`steady_median` takes the median of: all but the first and the last
+    where there are three or more."""
     values = values.to_numpy()
-    steady = values[1:-1] if len(values) >= 3 else values
-    return float(pd.Series(steady).median())
+    return values[1:-1] if len(values) >= 3 else values

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from .intervals import LEVEL
 from .timeline import write_atomically
 
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
@@ -67,6 +68,14 @@ def _exposed_by_dimension(frame: pd.DataFrame) -> tuple[dict, dict]:
     return colours, names
 
 
+def _error_bars(central: pd.Series, low: pd.Series, high: pd.Series) -> np.ndarray:
+    """Matplotlib's ``yerr`` for an interval: the distances below and above the central value
+    (none, 0, where a configuration has no interval)."""
+    below = (central - low).to_numpy(dtype=float)
+    above = (high - central).to_numpy(dtype=float)
+    return np.nan_to_num(np.vstack([below, above]), nan=0.0)
+
+
 def same_as(frame: pd.DataFrame, series: list[str]) -> dict:
     """For each series whose speed-ups equal an earlier series' (within :data:`SAME`), that
     earlier series."""
@@ -85,7 +94,7 @@ def plot_scenario(results: pd.DataFrame, path: Path, title: str = "", subtitle: 
     """Two panels: throughput speed-up against configuration (1x1, 1x2, 2x1 ... by machines),
     one line per series and GPUs-per-machine count, with ideal scaling in thin black; and
     stacked bars of compute, exposed communication and idle time per configuration, one bar per
-    series. ``title`` (bold) and ``subtitle`` (wrapped) head the figure."""
+    series. Both show each configuration's prediction interval as error bars. ``title`` (bold) and ``subtitle`` (wrapped) head the figure."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -115,6 +124,11 @@ def plot_scenario(results: pd.DataFrame, path: Path, title: str = "", subtitle: 
             line = group[group["gpus_per_machine"].astype(int) == g].sort_values("machines")
             curve.plot(line["x"] + offset, line["speedup"], color=colour, marker=marker, linestyle=style[g],
                        markersize=6, linewidth=1.5, markerfacecolor="white" if k in (1, 3, 5) else colour)
+            if "iteration_ms_low" in line:  # the interval's iterations as speed-ups: a slower one, a lower one
+                low = line["speedup"] * line["iteration_ms"] / line["iteration_ms_high"]
+                high = line["speedup"] * line["iteration_ms"] / line["iteration_ms_low"]
+                curve.errorbar(line["x"] + offset, line["speedup"], yerr=_error_bars(line["speedup"], low, high),
+                               fmt="none", ecolor=colour, elinewidth=1, capsize=3, alpha=0.7)
         shown = label + (f" (same as {duplicates[label]})" if label in duplicates else "")
         handles.append(Line2D([], [], color=colour, marker=marker, linestyle="-", label=shown,
                               markerfacecolor="white" if k in (1, 3, 5) else colour))
@@ -145,6 +159,10 @@ def plot_scenario(results: pd.DataFrame, path: Path, title: str = "", subtitle: 
             bars.bar(x, group[column], width, bottom=bottom, color=colour, edgecolor="white", linewidth=0.5,
                      label=names[column] if k == 0 else None)
             bottom = bottom + group[column].to_numpy()
+        if "iteration_ms_low" in group:
+            bars.errorbar(x, group["iteration_ms"], fmt="none", ecolor="black", elinewidth=1, capsize=3,
+                          yerr=_error_bars(group["iteration_ms"], group["iteration_ms_low"], group["iteration_ms_high"]),
+                          label=f"{100 * LEVEL:g} % interval" if k == 0 else None)
     bars.set_xticks(range(len(order)), order)
     bars.set_xlabel("machines x GPUs per machine")
     bars.set_ylabel("iteration time, ms")

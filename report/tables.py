@@ -10,6 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from .intervals import LEVEL
+
 #: How many operator types and path tasks the tables show (JSON and CSV have them all).
 SHOWN_ROWS = 15
 #: Kernel names run to hundreds of characters of template arguments; tables cut them here.
@@ -53,10 +55,12 @@ _HELD_OUT_COLUMNS = {
 
 def json_records(frame: pd.DataFrame) -> list[dict]:
     """The rows as dicts, a missing or infinite number as None (JSON has neither)."""
-    return [
-        {k: (None if isinstance(v, float) and not np.isfinite(v) else v) for k, v in row.items()}
-        for row in frame.to_dict(orient="records")
-    ]
+    return [{k: json_number(v) for k, v in row.items()} for row in frame.to_dict(orient="records")]
+
+
+def json_number(value):
+    """``value``, or None where it is a missing or infinite number."""
+    return None if isinstance(value, float) and not np.isfinite(value) else value
 
 
 def iteration_table(report: pd.DataFrame) -> str:
@@ -66,8 +70,16 @@ def iteration_table(report: pd.DataFrame) -> str:
 
 
 def results_table(results: pd.DataFrame) -> str:
-    """A cluster prediction's results, one row per configuration, as ``whatif predict`` shows them."""
+    """A cluster prediction's results, one row per configuration, as ``whatif predict`` shows them:
+    the iteration's prediction interval (``iteration_ms_low`` to ``iteration_ms_high``) as one
+    column ``90 % interval`` beside it, ``-`` where there is none."""
     names = dict(_RESULT_COLUMNS)
+    if "iteration_ms_low" in results.columns:
+        results = results.copy()
+        results["interval"] = [f"{low:.2f}-{high:.2f}" if np.isfinite(low) and np.isfinite(high) else "-"
+                               for low, high in zip(results["iteration_ms_low"], results["iteration_ms_high"])]
+        at = list(names).index("iteration_ms") + 1
+        names = dict([*list(names.items())[:at], ("interval", f"{100 * LEVEL:g} % interval"), *list(names.items())[at:]])
     for column in results.columns:  # a parallel job's exposed communication by dimension
         if column.startswith("exposed_") and column.endswith("_ms") and column not in names:
             names[column] = column.replace("_", " ")

@@ -93,6 +93,9 @@ class ClusterConfig:
     # gradients' bytes and takes ``codec_us_per_byte`` per gradient byte more to encode and decode
     bytes_factor: float = 1.0
     codec_us_per_byte: float = 0.0
+    # the same cluster as each run of its links' calibration measured them (whatif lab calibrate's
+    # runs): predicted too, their spread widens the prediction's interval (report/intervals.py)
+    calibrations: Sequence[Cluster] = ()
 
     @property
     def on_shared_links(self) -> bool:

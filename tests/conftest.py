@@ -8,6 +8,8 @@ trace.
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -70,3 +72,20 @@ def wide_mlp():
     worker = study.graph.copy()
     worker.remove(worker.select(kinds=[TaskKind.COMM]))
     return study, worker, find_gradients(worker, study.iterations)
+
+
+@pytest.fixture(scope="module")
+def bench_script():
+    """A loader of ``bench/NAME.py`` as a module, with ``bench/`` on the path (for the script's own
+    imports) until the test module ends."""
+    bench = REPO / "bench"
+    sys.path.insert(0, str(bench))
+
+    def load(name: str):
+        spec = importlib.util.spec_from_file_location(name, bench / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    yield load
+    sys.path.remove(str(bench))

@@ -99,7 +99,8 @@ def test_the_table_has_a_header_and_one_row_per_iteration(capsys):
 
 def test_the_simulate_table_shows_the_speed_up(capsys):
     lines = run_cli(capsys, "simulate", BUNDLED_TRACE, "--remove", "Optimizer", said=[LITTLE_GAIN]).splitlines()
-    header, rows = lines[1], lines[2:]
+    header, rows, steady = lines[1], lines[2:-1], lines[-1]
+    assert steady.startswith("steady iteration: ") and "% interval" in steady
     assert "replay ms" in header and "speed-up" in header and "error %" not in header
     assert len(rows) == 5
     speedups = [float(row.split()[-1]) for row in rows]

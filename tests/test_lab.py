@@ -245,6 +245,8 @@ def test_calibrate_writes_links_a_scenario_can_use(tmp_path):
         assert all(0 < p.cluster.inter_node.framework_loop_us("horovod") < 5000 for p in points), "a part of every 5 ms cycle"
     assert all(p.cluster.workers_sharing_memory == 2 for p in points), "the lab's machines share one box's memory"
     assert all(p.cluster.shared_memory.memory_slowdown(2) >= 1 for p in points)
+    assert len(doc["runs"]) == 3, "each run's own links are kept, for the prediction interval"
+    assert all(len(p.calibrations) == 3 for p in points)
 
 
 @can_run

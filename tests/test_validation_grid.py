@@ -3,7 +3,6 @@
 The real runs need root and minutes of quiet machine, so the grid itself is a script
 (``bench/validation_grid.py``); these tests hold its tables and refusals to their word."""
 
-import importlib.util
 import os
 from pathlib import Path
 
@@ -12,21 +11,11 @@ import pytest
 from whatif.lab.cluster import LabError
 from whatif.lab.validate import validate
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
 @pytest.fixture(scope="module")
-def grid_script():
-    import sys
-
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location("validation_grid", BENCH / "validation_grid.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.path.remove(str(BENCH))
+def grid_script(bench_script):
+    return bench_script("validation_grid")
 
 
 def measured_row(runs_ms, predicted_ms=100.0):
@@ -189,3 +178,12 @@ def test_when_every_capture_is_unsteady_the_one_of_median_speed_is_kept(captures
     bundle = capture("vgg", tmp_path)
     assert read_bundle(bundle).unprofiled_step_ms == wilder
     assert plain_step_spread(read_bundle(bundle).unprofiled_step_ms) > 0.05 and not captures_timing
+
+
+def test_a_validation_point_is_predicted_by_the_pipeline_on_calibrated_links():
+    from whatif.lab.validate import predict
+
+    repo = Path(__file__).resolve().parents[1]
+    predicted_ms, _ = predict(repo / "data" / "convnet_cpu.bundle",
+                                     repo / "docs" / "validation" / "fresh" / "links_400mbps.yaml", 2, 1, 400.0, "horovod")
+    assert predicted_ms > 0

@@ -53,7 +53,8 @@ import pandas as pd
 
 from whatif.collectors.diagnostics import warn
 from whatif.report.cluster import configuration_labels, configuration_row, memory_columns, parallel_row
-from whatif.report.iterations import iteration_report, speedup_report, steady_median
+from whatif.report.intervals import prediction_interval, relative_interval, widened
+from whatif.report.iterations import iteration_report, speedup_report, steady_median, steady_values
 from whatif.sim.distributed import ClusterConfig, ClusterSchedule, simulate_cluster
 from whatif.sim.engine import Schedule, simulate
 from whatif.sim.frameworks.copies import pass_rate_bytes_per_us
@@ -153,6 +154,12 @@ class Prediction:
         """The worker's steady-state median iteration: one worker's, which the clusters'
         speed-ups are against."""
         return steady_median(self.report["predicted_ms"])
+
+    @property
+    def iteration_interval(self) -> tuple[float, float]:
+        """The worker's prediction interval around :attr:`iteration_ms` (``report/intervals.py``:
+        from the spread of its steady iterations; ``nan`` where it has one)."""
+        return prediction_interval(steady_values(self.report["predicted_ms"]), self.iteration_ms)
 
     @property
     def profiler_overhead(self) -> Optional[ProfilerOverhead]:
@@ -277,7 +284,7 @@ def _simulate_clusters(prediction: Prediction, sweep: Sweep) -> None:
     without_comm.remove(without_comm.select(kinds=[TaskKind.COMM]))
     gradients = find_gradients(without_comm, study.iterations, request.gradient_sizes, request.gradient_total)
     grid = _Grid(worker, without_comm, gradients, study.iterations, pass_rate_bytes_per_us(study.graph),
-                 prediction.iteration_ms, request.optimizer, request.gpu_memory_bytes)
+                 prediction.iteration_ms, prediction.iteration_interval, request.optimizer, request.gpu_memory_bytes)
     rows, runs = zip(*run_sweep(_configuration, grid, request.clusters, sweep))
     labels = configuration_labels(list(rows), request.clusters)
     prediction.results = pd.DataFrame(list(rows))
@@ -295,17 +302,25 @@ class _Grid:
     iterations: pd.DataFrame
     pass_rate: float  # the trace's copy rate, for configurations that give none
     iteration_ms: float  # one worker's, which speed-ups are against
+    iteration_interval: tuple  # and its interval, which a pipeline's step borrows
     optimizer: str
     gpu_memory_bytes: Optional[float]
     units: dict = field(default_factory=dict)  # parallelism.units -> the worker's units, found once
 
 
 def _configuration(grid: _Grid, config: ClusterConfig) -> tuple[dict, ClusterSchedule]:
-    """One configuration simulated: its row of the results and its run."""
+    """One configuration simulated: its row of the results and its run; where its links keep
+    their calibration's runs, simulated on each of them too, which widens the row's interval."""
     if config.pass_bytes_per_us is None:
         config = replace(config, pass_bytes_per_us=grid.pass_rate)
     if config.workers > 1:
         config = _communication_changed(config, grid.worker, grid.gradients)
+    row, run = _simulated(grid, config)
+    calibrated = [_simulated(grid, replace(config, cluster=cluster, calibrations=()))[0] for cluster in config.calibrations]
+    return widened(row, calibrated), run
+
+
+def _simulated(grid: _Grid, config: ClusterConfig) -> tuple[dict, ClusterSchedule]:
     par = config.parallelism
     if par is not None and par.families():
         job = parallelize(grid.without_comm, _units(grid.units, grid.without_comm, par, True), par, config.cluster,
@@ -313,7 +328,11 @@ def _configuration(grid: _Grid, config: ClusterConfig) -> tuple[dict, ClusterSch
         schedule = simulate(job.graph)
         run = ClusterSchedule(schedule, job.comm_tasks(), job.rank0(), 0.0, 0.0)
         report = _job_report(schedule, grid.iterations, run.worker0)
-        return parallel_row(config, job, run, report, grid.iteration_ms), run
+        row = parallel_row(config, job, run, report, grid.iteration_ms)
+        if report["measured_ms"].isna().all():  # a step built anew (a pipeline's): no traced iterations of its own
+            low, high = relative_interval(row["iteration_ms"], grid.iteration_ms, grid.iteration_interval)
+            row.update(iteration_ms_low=low, iteration_ms_high=high)
+        return row, run
     run = simulate_cluster(grid.worker if config.workers == 1 else grid.without_comm, grid.gradients,
                            grid.iterations, config)
     report = iteration_report(run.schedule, grid.iterations, run.worker0)

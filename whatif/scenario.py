@@ -116,6 +116,7 @@ class ScenarioPoint:
     policy: str
     inter_node_gbps: float
     parallelism: Optional[Parallelism] = None
+    calibrations: list = field(default_factory=list)  # the cluster as each calibration run measured its links
 
 
 @dataclass
@@ -168,6 +169,7 @@ class Scenario:
                 replicate=self.replicate,
                 shared_links=self.shared_links,
                 parallelism=point.parallelism,
+                calibrations=point.calibrations,
             )
             for point in self.points
         ]
@@ -193,6 +195,8 @@ MAX_GPUS_PER_MACHINE = 72
 #: The most clusters a grid may have, and GPUs a cluster (the CLI asks for --yes well before)
 MAX_GRID_CLUSTERS = 10_000
 MAX_CLUSTER_GPUS = 1_000_000
+#: The most calibration runs a links file may keep (each is predicted too: its spread widens the interval)
+MAX_CALIBRATION_RUNS = 5
 
 
 def _load_yaml(path: Path, name, key: str) -> Any:
@@ -264,6 +268,9 @@ def _parse(doc: Any, base_dir: Path, name: str) -> Scenario:
         raise ScenarioError(name, "trace", f"no such file: {trace}")
 
     clusters = _clusters(name, base_dir, doc["cluster"])
+    # the same grid on each calibration run's links (a links file from whatif lab calibrate keeps them)
+    calibration_runs = range(len(_calibration_runs(name, base_dir, doc["cluster"])))
+    runs = [_clusters(name, base_dir, doc["cluster"], run) for run in calibration_runs]
     parallel = _parallelism(name, doc.get("parallelism"))
     default_framework = "horovod" if doc.get("parallelism") is None else "ddp"
     frameworks = [_choice(name, "framework", f, FRAMEWORKS) for f in _as_list(doc.get("framework", default_framework))]
@@ -272,8 +279,9 @@ def _parse(doc: Any, base_dir: Path, name: str) -> Scenario:
         if not values:
             raise ScenarioError(name, key, "an empty list leaves nothing to predict")
     points = [
-        ScenarioPoint(cluster, framework, policy, as_gbps(cluster.inter_node.bandwidth_bytes_per_us), par)
-        for cluster in clusters
+        ScenarioPoint(cluster, framework, policy, as_gbps(cluster.inter_node.bandwidth_bytes_per_us), par,
+                      [run[i] for run in runs])
+        for i, cluster in enumerate(clusters)
         for framework, policy in itertools.product(frameworks, policies)
         for par in _parallelisms(name, parallel, cluster)
     ]
@@ -316,12 +324,14 @@ def _parse(doc: Any, base_dir: Path, name: str) -> Scenario:
 # -- the cluster block and its grid ---------------------------------------------------------------
 
 
-def _clusters(name: str, base_dir: Path, block: Any) -> list[Cluster]:
-    """Every cluster of the block's grid, validated by ``Cluster.from_config``."""
+def _clusters(name: str, base_dir: Path, block: Any, calibration_run: Optional[int] = None) -> list[Cluster]:
+    """Every cluster of the block's grid, validated by ``Cluster.from_config``; with
+    ``calibration_run``, on that run's links instead of the calibration's (``_calibration_runs``)."""
     if not isinstance(block, dict):
         raise ScenarioError(name, "cluster", f"expected a mapping, got {type(block).__name__}")
     try:  # a machine: preset's GPUs and links, before the defaults fill the rest and the grid varies them
-        config = {**_CLUSTER_DEFAULTS, **with_fabric_links(_with_links_file(name, base_dir, block), "cluster")}
+        linked = _with_links_file(name, base_dir, block, calibration_run)
+        config = {**_CLUSTER_DEFAULTS, **with_fabric_links(linked, "cluster")}
     except TopologyError as err:
         raise ScenarioError(name, err.key, err.message) from None
     axes = _axes(config)
@@ -366,16 +376,19 @@ def _replaced(mapping: dict, where: tuple, value: Any) -> dict:
     return {**mapping, head: _replaced(mapping[head], tuple(rest), value) if rest else value}
 
 
-def _with_links_file(name: str, base_dir: Path, cluster: dict) -> dict:
+def _with_links_file(name: str, base_dir: Path, cluster: dict, calibration_run: Optional[int] = None) -> dict:
     """``links: FILE`` (e.g. written by ``whatif lab calibrate``) supplies intra_node,
     inter_node and shared_memory where it has one; keys the scenario gives itself win, so a bandwidth list can vary a calibrated
-    link's rate while keeping its latency and efficiency."""
+    link's rate while keeping its latency and efficiency. ``calibration_run``: the links of
+    that run of the calibration (its ``runs``) instead."""
     if "links" not in cluster:
         return cluster
     links_path = _path(base_dir, cluster["links"])
     links = _load_yaml(links_path, name, "cluster.links")
     if not isinstance(links, dict) or not {"intra_node", "inter_node"} <= set(links):
         raise ScenarioError(name, "cluster.links", f"{links_path} has no intra_node and inter_node links")
+    if calibration_run is not None:
+        links = _calibration_runs(name, base_dir, cluster)[calibration_run]
     merged = {k: v for k, v in cluster.items() if k != "links"}
     if "shared_memory" in links and "shared_memory" not in merged:
         merged["shared_memory"] = links["shared_memory"]
@@ -386,6 +399,24 @@ def _with_links_file(name: str, base_dir: Path, cluster: dict) -> dict:
         elif isinstance(mine, dict) and isinstance(links[key], dict):
             merged[key] = {**links[key], **mine}
     return merged
+
+
+def _calibration_runs(name: str, base_dir: Path, cluster: dict) -> list[dict]:
+    """The links each run of the named links file's calibration measured (``runs``, which ``whatif
+    lab calibrate`` writes; none in a links file without it): each a mapping of intra_node,
+    inter_node and shared_memory. At most ``MAX_CALIBRATION_RUNS``: each costs a simulation of
+    every configuration."""
+    if not isinstance(cluster, dict) or "links" not in cluster:
+        return []
+    links_path = _path(base_dir, cluster["links"])
+    runs = (_load_yaml(links_path, name, "cluster.links") or {}).get("runs") or []
+    if not isinstance(runs, list) or not all(isinstance(r, dict) and {"intra_node", "inter_node"} <= set(r) for r in runs):
+        raise ScenarioError(name, "cluster.links", f"{links_path}: runs: expected a list of links, each with intra_node "
+                                                   "and inter_node (as whatif lab calibrate writes them)")
+    if len(runs) > MAX_CALIBRATION_RUNS:
+        raise ScenarioError(name, "cluster.links", f"{links_path}: runs: {len(runs)} calibration runs, more than "
+                                                   f"{MAX_CALIBRATION_RUNS}; keep the ones to predict with")
+    return runs
 
 
 # -- the other keys -------------------------------------------------------------------------------

@@ -15,8 +15,9 @@ import yaml
 from whatif.collectors.diagnostics import plural
 from whatif.pipeline import predict
 from whatif.report.cluster import collective_notes
+from whatif.report.intervals import LEVEL, describe
 from whatif.report.plots import plot_scenario
-from whatif.report.tables import json_records, results_table
+from whatif.report.tables import json_number, json_records, results_table
 from whatif.report.timeline import TIMELINE_SUFFIX, check_timeline_path, write_atomically, write_timeline
 from whatif.scenario import Scenario, ScenarioError
 from whatif.sweep import EXECUTORS, Sweep, SweepError, available_cores
@@ -91,12 +92,16 @@ def run(args: argparse.Namespace) -> int:
         for label, run_ in prediction.runs.items():
             write_timeline(run_.schedule, timelines[label], protect=inputs, notes=collective_notes(run_))
     overhead = prediction.profiler_overhead
+    low_ms, high_ms = prediction.iteration_interval
     if args.json:
         out = {
             "scenario": str(args.scenario),
             "trace": str(scenario.trace),
             "gradients": {"source": prediction.gradient_source, "mb_per_iteration": prediction.bytes_per_iteration / 1e6},
             "baseline_1x1_ms": prediction.iteration_ms,
+            "baseline_1x1_ms_low": json_number(low_ms),
+            "baseline_1x1_ms_high": json_number(high_ms),
+            "interval_level": LEVEL,
             "profiler_overhead": None if overhead is None else asdict(overhead),
             "results": json_records(results),
         }
@@ -104,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
             out["timelines"] = [str(path) for path in timelines.values()]
         sys.stdout.write(msgspec.json.encode(out).decode() + "\n")
         return 0
-    print(f"{scenario.trace}: 1x1 iteration {prediction.iteration_ms:.2f} ms; gradients: "
+    print(f"{scenario.trace}: 1x1 iteration {describe(prediction.iteration_ms, low_ms, high_ms)}; gradients: "
           f"{prediction.bytes_per_iteration / 1e6:.1f} MB per iteration ({prediction.gradient_source})")
     if overhead is not None:
         print(overhead.describe())

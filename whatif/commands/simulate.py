@@ -27,9 +27,10 @@ from whatif.collectors.diagnostics import plural, warn
 from whatif.collectors.ranks import is_job, load_traces
 from whatif.pipeline import Prediction, Request, WhatIf, predict
 from whatif.report.critical_path import bound_verdict
+from whatif.report.intervals import LEVEL, describe
 from whatif.report.iterations import iteration_report, steady_median
 from whatif.report.ranks import job_json, rank_reports
-from whatif.report.tables import iteration_table, json_records
+from whatif.report.tables import iteration_table, json_number, json_records
 from whatif.report.timeline import check_timeline_path, write_timeline
 from whatif.sim.multirank import build_job
 from whatif.sim.graph import GraphError
@@ -89,6 +90,10 @@ def run(args: argparse.Namespace) -> int:
         "tasks": len(schedule.graph.tasks),
         "edges": len(schedule.graph.edges),
     }
+    if args.command == "simulate":  # a prediction: its interval (replay holds the trace's own times)
+        low_ms, high_ms = prediction.iteration_interval
+        summary.update(steady_predicted_ms_low=json_number(low_ms), steady_predicted_ms_high=json_number(high_ms),
+                       interval_level=LEVEL)
     if args.json:
         out = {"trace": str(args.trace), "iterations": json_records(report), "summary": summary, **what}
         sys.stdout.write(msgspec.json.encode(out).decode() + "\n")
@@ -98,9 +103,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"{args.trace}: {summary['tasks']} tasks on {plural(resources, 'thread or stream', 'threads and streams')}, "
               f"{summary['edges']} dependencies across them")
         print(iteration_table(report))
+        if args.command == "simulate":
+            print(f"steady iteration: {describe(prediction.iteration_ms, low_ms, high_ms)}")
         if args.timeline is not None:
             print(f"timeline written to {args.timeline}")
     return 0
+
 
 
 def run_job(args: argparse.Namespace) -> int:
