@@ -58,7 +58,7 @@ from whatif.sim.frameworks.copies import pass_rate_bytes_per_us
 from whatif.sim.gradients import Gradients, find_gradients
 from whatif.sim.graph import GraphError, TaskGraph, TaskKind
 from whatif.sim.parallel import Parallelism
-from whatif.sim.parallel.job import parallelize
+from whatif.sim.parallel.job import parallelize, simulate_job
 from whatif.sim.parallel.memory import gpu_memory_bytes, memory_per_gpu
 from whatif.sim.parallel.units import Units, UnitsError, find_units, no_units
 from whatif.sim.passes.batch_size import BatchSizeChange, change_batch_size
@@ -240,7 +240,7 @@ def _simulate_clusters(prediction: Prediction) -> None:
         if par is not None and par.families():
             job = parallelize(without_comm, _units(units, without_comm, par, True), par, config.cluster,
                               request.optimizer, request.gpu_memory_bytes)
-            schedule = simulate(job.graph)
+            schedule = simulate_job(job, config.cluster)
             run = ClusterSchedule(schedule, job.comm_tasks(), job.rank0(), 0.0, 0.0)
             report = _job_report(schedule, study.iterations, run.worker0)
             rows.append(parallel_row(config, job, run, report, prediction.iteration_ms))
