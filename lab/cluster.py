@@ -218,11 +218,14 @@ def carry_priority(pid: Optional[int] = None) -> None:
     box shared with other sessions a worker of ``nice -n -15`` got about a fifth of a core (a
     one-worker step of the example transformer took 857 ms where it took 168 ms on a quiet
     box). Writing the nice into ``/proc/PID/autogroup`` gives the group that priority (a
-    negative one needs root, which the lab has). Nothing happens where the kernel has no
-    autogroups."""
-    path = Path(f"/proc/{pid if pid is not None else 'self'}/autogroup")
+    negative one needs root, which the lab has). Only a raised priority is carried: a lab run
+    under ``nice -n 19`` (the test suite's) keeps its workers' groups at the default, as before,
+    rather than starving them. Nothing happens where the kernel has no autogroups."""
+    nice = os.getpriority(os.PRIO_PROCESS, 0)
+    if nice >= 0:
+        return
     try:
-        path.write_text(str(os.getpriority(os.PRIO_PROCESS, 0)))
+        Path(f"/proc/{pid if pid is not None else 'self'}/autogroup").write_text(str(nice))
     except OSError:
         pass
 
