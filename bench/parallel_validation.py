@@ -57,6 +57,21 @@ def repredict(out: Path, predictor) -> list:
     return points
 
 
+def family_table(points: list) -> list[str]:
+    """Per family (``setting.family``: tp with and without sequence parallelism, pp under both
+    schedules) and per NIC rate (loopback for one machine): the number of predicted points, the
+    mean and the worst absolute error, as ``docs/validation/parallel.md`` tabulates them."""
+    groups: dict = {}
+    for p in points:
+        if p.status == "ok" and p.error_pct is not None:
+            where = "loopback" if p.setting.bandwidth_mbps is None else f"{p.setting.bandwidth_mbps:g} Mbps"
+            groups.setdefault((p.setting.family, where), []).append(abs(p.error_pct))
+    lines = [f"{'family':8} {'network':10} {'points':>6} {'mean |error| %':>15} {'worst |error| %':>16}"]
+    for (family, where), errors in sorted(groups.items()):
+        lines.append(f"{family:8} {where:10} {len(errors):6d} {sum(errors) / len(errors):15.1f} {max(errors):16.1f}")
+    return lines
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variants", default=",".join(VARIANTS))
@@ -94,6 +109,7 @@ def main(argv=None) -> int:
     if predicted:
         mae = sum(abs(p.error_pct) for p in predicted) / len(predicted)
         print(f"{len(predicted)} predicted: mean absolute error {mae:.1f} %")
+        print("\n".join(family_table(predicted)))
     print(f"written to {args.out / 'parallel_validation.csv'}")
     return 0 if len(measured) == len(points) else 1
 

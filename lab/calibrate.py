@@ -20,6 +20,14 @@ workers also share its memory: a last job streams memory and multiplies matrices
 alone, then on all of them at once (``lab/probes/memory.py``), which gives the topology's
 ``shared_memory`` (``topology.SharedMemory``, among the whole cluster).
 
+The parallel families call other collectives than the all-reduce, and Gloo runs each its own
+way (``topology/collectives.py``): a last pair of jobs times ``all_gather_into_tensor``,
+``reduce_scatter_tensor``, ``all_to_all_single`` and paired sends and receives at several sizes,
+across machines and inside one (``lab/probes/collectives.py``), and fits each op's latency and
+efficiency (on loopback its bandwidth) through the op's own closed form (:func:`fit_collectives`):
+the links' ``collectives`` entries (``topology.Link``), which price those ops and leave the
+all-reduce, and every prediction made from it, as they were.
+
 Every probe job runs ``runs`` times (default ``RUNS``) and each of its figures is the median of
 the runs; the links each run alone gives are kept too, under ``runs`` (``calibrations_of_runs``),
 and ``whatif predict`` predicts with each of them to widen its interval by the calibration's
@@ -38,13 +46,18 @@ import json
 import sys
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import yaml
 
+from whatif.topology import Cluster, Link, collective_cost
+from whatif.topology.cluster import CALIBRATED_OPS
+
 from .cluster import LabError, LabSpec, check_can_run, progress, run_job
 
 SIZES_BYTES = (64e3, 256e3, 1e6, 4e6, 16e6, 32e6, 64e6)  # up to Horovod's fusion buffer
+COLLECTIVE_SIZES_BYTES = (64e3, 256e3, 1e6, 4e6, 16e6)  # an FSDP unit's parameters, a pipeline's activations
 RUNS = 3
 
 
@@ -115,6 +128,40 @@ def measure(spec: LabSpec, out_dir: Path, sizes=SIZES_BYTES, runs: int = RUNS) -
     return run_probe(spec, "ddp", argv, out_dir, "allreduce.json", runs, "calibration workers", 600)
 
 
+def measure_collectives(spec: LabSpec, out_dir: Path, sizes=COLLECTIVE_SIZES_BYTES, runs: int = RUNS) -> dict:
+    argv = [sys.executable, "-m", "whatif.lab.probes.collectives", *[str(int(s)) for s in sizes]]
+    return run_probe(spec, "ddp", argv, out_dir, "collectives.json", runs, "the collectives probe", 600)
+
+
+def op_shape(op: str, machines: int, gpus: int) -> tuple[float, float]:
+    """``(steps, per_byte)`` of ``op``'s closed form on ``machines x gpus`` workers over one kind
+    of link (``topology.collectives``): its time is ``steps L + per_byte S / (e B)``."""
+    unit = Link(bandwidth_bytes_per_us=1.0, latency_us=1.0)
+    cluster = Cluster(machines, gpus, unit, unit)
+    steps = collective_cost(cluster, op, 0.0).time_us
+    return steps, (collective_cost(cluster, op, 1e6).time_us - steps) / 1e6
+
+
+def fit_collectives(measured: dict, machines: int, gpus: int, bandwidth_bytes_per_s: Optional[float]) -> dict:
+    """Each op's ``{latency, efficiency}`` (across machines, ``bandwidth_bytes_per_s`` the NIC's
+    rate) or ``{bandwidth, latency}`` (inside one, on loopback: ``None``) from the probe's times,
+    fitted like the all-reduce's (:func:`fit_ring`): a line of time against size, read through
+    the op's own closed form (:func:`op_shape`), so that the topology's formula for the op gives
+    back the times measured."""
+    sizes = np.asarray(measured["sizes_bytes"], float)
+    out = {}
+    for op in CALIBRATED_OPS:
+        slope, intercept = np.polyfit(sizes, np.asarray(measured[op], float), 1)
+        steps, per_byte = op_shape(op, machines, gpus)
+        latency = f"{max(intercept, 0.0) / steps * 1e6:.1f}us"
+        rate = per_byte / slope  # bytes per second the op achieves (per_byte: us per byte at 1 byte/us)
+        if bandwidth_bytes_per_s is None:
+            out[op] = {"bandwidth": f"{rate / 1e6:.1f}MB/s", "latency": latency, "efficiency": 1.0}
+        else:
+            out[op] = {"latency": latency, "efficiency": round(float(min(rate / bandwidth_bytes_per_s, 1.0)), 4)}
+    return out
+
+
 def measure_horovod_loop(spec: LabSpec, out_dir: Path, cycle_ms: float, runs: int = RUNS) -> dict:
     argv = [sys.executable, "-m", "whatif.lab.probes.horovod_loop"]
     return run_probe(spec, "horovod", argv, out_dir, "horovod_loop.json", runs, "the Horovod loop probe", 300,
@@ -174,18 +221,20 @@ def calibrate(bandwidth_mbit: float, out_yaml: Path, work_dir: Path = None, horo
             measured[where]["horovod_loop"] = measure_horovod_loop(spec, work_dir / f"horovod_loop_{where}",
                                                                    horovod_cycle_ms, runs)
     shared = measure_shared_memory(specs["inside_a_machine"], work_dir / "shared_memory", runs)
-    doc = fit_links(bandwidth_mbit, measured, shared)
+    ops = {where: measure_collectives(spec, work_dir / f"collectives_{where}", runs=runs) for where, spec in specs.items()}
+    doc = fit_links(bandwidth_mbit, measured, shared, ops)
     doc["runs"] = [{k: v for k, v in run.items() if k != "measured"}
-                   for run in calibrations_of_runs(work_dir, bandwidth_mbit)]
+                   for run in calibrations_of_runs(work_dir, bandwidth_mbit, ops)]
     out_yaml.write_text(yaml.safe_dump(doc, sort_keys=False))
     progress(f"calibration at {bandwidth_mbit:g} Mbps done: {out_yaml}")
     return doc
 
 
-def fit_links(bandwidth_mbit: float, measured: dict, shared: dict) -> dict:
+def fit_links(bandwidth_mbit: float, measured: dict, shared: dict, ops: Optional[dict] = None) -> dict:
     """The topology YAML's document from the probes' figures: ``measured`` by where
     (``across_machines``, ``inside_a_machine``: the all-reduce probe's record, with its Horovod
-    loop's under ``horovod_loop`` where it was measured) and the shared-memory probe's."""
+    loop's under ``horovod_loop`` where it was measured), the shared-memory probe's, and where
+    given the collectives probe's by where (``ops``: each link's ``collectives``)."""
     contention = {where: fit_contention(probe) for where, probe in measured.items()}
     for where, probe in measured.items():
         if "horovod_loop" in probe:
@@ -202,25 +251,28 @@ def fit_links(bandwidth_mbit: float, measured: dict, shared: dict) -> dict:
             "latency": f"{max(intercept, 0) / 2 * 1e6:.1f}us",
             "efficiency": 1.0,
             "cpu_contention": contention["inside_a_machine"],
+            **({"collectives": fit_collectives(ops["inside_a_machine"], 1, 2, None)} if ops else {}),
         },
         "inter_node": {
             "bandwidth": f"{bandwidth_mbit:g}Mbps",
             "latency": f"{nic['latency_us']:.1f}us",
             "efficiency": round(nic["efficiency"], 4),
             "cpu_contention": contention["across_machines"],
+            **({"collectives": fit_collectives(ops["across_machines"], 2, 1, bandwidth_mbit * 1e6 / 8)} if ops else {}),
         },
         "shared_memory": fit_shared_memory(shared),
-        "measured": {**measured, "shared_memory": shared},
+        "measured": {**measured, "shared_memory": shared, **({"collectives": ops} if ops else {})},
     }
     return doc
 
 
-def calibrations_of_runs(work_dir: Path, bandwidth_mbit: float) -> list[dict]:
+def calibrations_of_runs(work_dir: Path, bandwidth_mbit: float, ops: Optional[dict] = None) -> list[dict]:
     """One topology document per run of the probes kept in ``work_dir`` (``calibrate``'s
     folder: ``across``, ``inside``, ``horovod_loop_WHERE`` and ``shared_memory``, each with its
     ``runN`` folders): the calibration each run alone gives, whose spread is the calibration's
     (``whatif predict`` widens its interval by it, ``report/intervals.py``). Empty where the
-    folder does not hold every probe's runs."""
+    folder does not hold every probe's runs. The collectives probe's figures (``ops``, their
+    medians over the runs) are the same in every run's document."""
     work_dir = Path(work_dir)
     probes = {"across_machines": ("across", "allreduce.json"), "inside_a_machine": ("inside", "allreduce.json")}
     runs = sorted(p.name for p in (work_dir / "across").glob("run*") if (p / "allreduce.json").exists())
@@ -236,5 +288,5 @@ def calibrations_of_runs(work_dir: Path, bandwidth_mbit: float) -> list[dict]:
             shared = json.loads((work_dir / "shared_memory" / run / "shared_memory.json").read_text())
         except (OSError, json.JSONDecodeError):
             return []
-        docs.append(fit_links(bandwidth_mbit, measured, shared))
+        docs.append(fit_links(bandwidth_mbit, measured, shared, ops))
     return docs

@@ -39,7 +39,7 @@ from whatif.pipeline import predict as run_pipeline
 from whatif.scenario import Scenario
 
 from .calibrate import calibrate
-from .cluster import LabError, LabSpec, check_can_run, progress, run_job
+from .cluster import LabError, LabSpec, carry_priority, check_can_run, progress, run_job
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
@@ -120,6 +120,7 @@ def capture(model: str, work: Path, steps: int = CAPTURE_STEPS, warmup: int = CA
     if is_bundle(bundle):
         return bundle
     bundle.parent.mkdir(parents=True, exist_ok=True)
+    carry_priority()  # the capture runs in this process's session
     command = ["taskset", "-c", "0", sys.executable, str(_examples() / f"{model}.py")]
     env = {"OMP_NUM_THREADS": "1", BATCH_SIZE_ENV: "" if batch_size is None else str(batch_size), **(allocator or {})}
     plain_steps: dict[Path, list] = {}  # each process's bundle and its plain steps

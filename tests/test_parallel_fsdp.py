@@ -102,11 +102,12 @@ def test_without_resharding_after_forward_each_unit_is_gathered_once(study, unit
     assert len(gathers) == BLOCKS * len(study.iterations)
 
 
-def test_the_collectives_are_comm_tasks_on_their_own_queues(study, units):
+def test_on_a_cpu_trace_fsdp2s_collectives_are_comm_tasks_on_the_thread_that_waits_for_them(study, units):
     out, note = sharded(study, units, 3)
     tasks = out.tasks.iloc[note.collectives["task"].to_numpy()]
     assert (tasks["kind"] == int(TaskKind.COMM)).all()
-    assert set(tasks["resource"].astype(str)) == {"network data: all_gather", "network data: reduce_scatter"}
+    threads = set(study.graph.tasks["resource"].astype(str))
+    assert set(tasks["resource"].astype(str)) <= threads  # on the trace's own threads, no queue
     assert tasks["name"].astype(str).str.contains("all_gather data|reduce_scatter data").all()
 
 
@@ -147,20 +148,14 @@ def test_on_a_slow_link_the_step_grows_and_each_unit_waits_for_its_gather(study,
         assert schedule.start_us[inside].min() >= schedule.end_us[row.task] - 1e-6
 
 
-def test_forward_gathers_prefetch_one_unit_ahead(study, units):
-    """Unit k+1's all-gather starts once unit k's compute could start, not before."""
+def test_on_a_cpu_trace_nothing_overlaps_fsdp2s_synchronous_collectives(study, units):
+    """On CPU FSDP2 waits for every collective it issues: the step is the step on infinitely
+    fast links plus the time of each of its collectives."""
+    fast = predicted_ms(study, sharded(study, units, 3)[0])
     out, note = sharded(study, units, 3, SLOW)
-    schedule = simulate(out)
-    c = note.collectives
-    start = study.graph.tasks["measured_start_us"].to_numpy()
-    forward = c[(c["op"] == "all_gather") & (c["phase"] == "forward")].set_index(["iteration", "unit"])["task"]
-    it = 1
-    span = (start >= study.iterations.iloc[it].start_us) & (start < study.iterations.iloc[it].end_us)
-    for unit in range(1, BLOCKS):
-        previous = np.flatnonzero(span & (units.task_unit == unit - 1) & (units.task_phase == PHASE_FORWARD))
-        gather = forward[(it, unit)]
-        assert schedule.start_us[gather] >= schedule.end_us[forward[(it, unit - 1)]] - 1e-6
-        assert schedule.start_us[gather] <= schedule.start_us[previous].min() + 1e-6
+    per_iteration_ms = note.collectives.groupby("iteration")["time_us"].sum().to_numpy() / 1e3
+    steady = slice(1, -1)  # the first and last profiled steps are cut by the profiler's window
+    np.testing.assert_allclose(predicted_ms(study, out)[steady], (fast + per_iteration_ms)[steady], rtol=2e-3)
 
 
 def test_zero_2_reduce_scatters_then_gathers_the_updated_parameters_once(study, units):

@@ -36,7 +36,7 @@ import dataclasses
 import difflib
 import functools
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any, Mapping, Optional, Union
@@ -60,7 +60,9 @@ from .units import (
 LINK_KINDS = ("inter_node", "intra_node")
 _LOOP = "_loop"
 _FRAMEWORK_LOOP = re.compile(r"[a-z][a-z0-9]*_loop")  # a framework's background loop: horovod_loop
-_LINK_KEYS = ("preset", "bandwidth", "latency", "efficiency", "cpu_contention", "note")
+_LINK_KEYS = ("preset", "bandwidth", "latency", "efficiency", "cpu_contention", "collectives", "note")
+#: The Gloo ops a link may carry calibrated figures of its own for (``Link.collectives``).
+CALIBRATED_OPS = ("all_gather", "reduce_scatter", "all_to_all", "send_recv")
 CLUSTER_KEYS = ("machines", "gpus_per_machine", "intra_node", "inter_node", "server_machines", "shared_memory", "name", "note")
 CLUSTER_KEYS += ("backend",) + FABRIC_KEYS
 BACKENDS = ("nccl", "gloo")
@@ -112,6 +114,13 @@ class Link:
     ``whatif lab calibrate`` writes it). It is a measurement of the worker's CPU and this link,
     taken beside the link's other contention factors (it differs across machines and inside
     one); what it does to the worker is the framework's model (``sim/frameworks/horovod.py``).
+
+    ``collectives`` holds, by op (:data:`CALIBRATED_OPS`), the bandwidth, latency and efficiency
+    that op achieves on this link where they differ from the link's own (YAML: ``collectives:
+    {all_gather: {latency: 80us, efficiency: 0.9}}``, each entry overriding the keys it names;
+    ``whatif lab calibrate`` times each op Gloo runs, ``lab/probes/collectives.py``). The link's
+    own figures (the all-reduce's, as calibrated) price every op without an entry:
+    :meth:`for_op`.
     """
 
     bandwidth_bytes_per_us: float
@@ -121,6 +130,7 @@ class Link:
     comm_slowdown: Union[float, tuple] = 1.0  # a factor, or ((size_bytes, factor), ...) by size
     compute_slowdown: float = 1.0
     framework_loops_us: tuple = ()  # ((framework name, us per cycle), ...)
+    collectives: tuple = ()  # ((op, bandwidth_bytes_per_us, latency_us, efficiency), ...)
 
     def __post_init__(self):
         if not (np.isfinite(self.bandwidth_bytes_per_us) and self.bandwidth_bytes_per_us > 0):
@@ -139,6 +149,18 @@ class Link:
         for framework, loop_us in self.framework_loops_us:
             if not (np.isfinite(loop_us) and loop_us >= 0):
                 raise TopologyError(f"cpu_contention.{framework}{_LOOP}", f"must not be negative, got {loop_us}")
+        for op, *figures in self.collectives:
+            if op not in CALIBRATED_OPS:
+                raise TopologyError(f"collectives.{op}", f"unknown op; known: {', '.join(CALIBRATED_OPS)}")
+            Link(*figures)  # checked as a link of its own
+
+    def for_op(self, op: str) -> "Link":
+        """The link as ``op`` sees it: its calibrated figures for that op, if any, else itself."""
+        for name, bandwidth, latency, efficiency in self.collectives:
+            if name == op:
+                return replace(self, bandwidth_bytes_per_us=bandwidth, latency_us=latency, efficiency=efficiency,
+                               collectives=())
+        return self
 
     @property
     def _comm_factors(self) -> tuple[np.ndarray, np.ndarray]:
@@ -196,7 +218,7 @@ class Link:
                         f"missing; write e.g. {required}: {example}, or use a preset ({', '.join(preset_names(kind))})",
                     )
         overridden = any(k in value for k in ("bandwidth", "latency", "efficiency"))
-        return cls(
+        link = cls(
             bandwidth_bytes_per_us=(
                 parse_bandwidth(value["bandwidth"], _join(key, "bandwidth"))
                 if "bandwidth" in value
@@ -211,6 +233,28 @@ class Link:
             name=(f"{base.name}*" if overridden else base.name) if base is not None else "",
             **_cpu_contention(value.get("cpu_contention"), _join(key, "cpu_contention")),
         )
+        return replace(link, collectives=_collectives(link, value.get("collectives"), _join(key, "collectives")))
+
+
+def _collectives(link: Link, value: Any, key: str) -> tuple:
+    """``{OP: {bandwidth, latency, efficiency}, ...}`` as ``Link.collectives``: each op's figures,
+    the link's own where the entry leaves one out (absent: none)."""
+    if value is None:
+        return ()
+    if not isinstance(value, Mapping):
+        raise TopologyError(key, f"expected {{OP: {{latency: ..., efficiency: ...}}}}, got {value!r}")
+    _check_keys(value, CALIBRATED_OPS, key)
+    out = []
+    for op, entry in value.items():
+        where = _join(key, op)
+        if not isinstance(entry, Mapping):
+            raise TopologyError(where, f"expected {{bandwidth, latency, efficiency}}, got {entry!r}")
+        _check_keys(entry, ("bandwidth", "latency", "efficiency"), where)
+        out.append((op,
+                    parse_bandwidth(entry["bandwidth"], _join(where, "bandwidth")) if "bandwidth" in entry else link.bandwidth_bytes_per_us,
+                    parse_latency(entry["latency"], _join(where, "latency")) if "latency" in entry else link.latency_us,
+                    parse_fraction(entry["efficiency"], _join(where, "efficiency")) if "efficiency" in entry else link.efficiency))
+    return tuple(out)
 
 
 def _cpu_contention(value: Any, key: str) -> dict:

@@ -58,9 +58,14 @@ another (each waits for the last transfer of the previous one).
 The other collectives, as Gloo runs them over these links (``gloo_time_us`` and ``plan_gloo``;
 ``S`` is nccl-tests' "size" for the operation, see ``cost.py``):
 
-* all-gather and reduce-scatter: Gloo's ring, ``n-1`` steps in which every GPU sends ``S/n``
-  to its neighbour, like one half of the ring all-reduce: ``T = (n-1) max over links used
-  (L + S / (n B))``;
+* all-gather: Gloo's ring (``gloo::allgather``, which ``ProcessGroupGloo`` runs for
+  ``all_gather_into_tensor`` into a flat buffer it then copies out), ``n-1`` steps in which every
+  GPU sends ``S/n`` to its neighbour, like one half of the ring all-reduce: ``T = (n-1) max over
+  links used (L + S / (n B))``;
+* reduce-scatter: ``ProcessGroupGloo`` has no reduce-scatter of its own: its
+  ``reduce_scatter_tensor`` (``reduce_scatter_tensor_coalesced``, torch 2.x) clones the input,
+  all-reduces the whole of it and copies out the rank's chunk, so it costs the all-reduce of
+  ``S``, ``T = 2(n-1) max over links used (L + S / (n B))``, twice a ring reduce-scatter;
 * broadcast and reduce: the root (GPU 0) sends ``S`` to every other GPU at once (receives
   from every one, for reduce), Gloo's one-to-all: its intra-node port carries ``g-1`` of them,
   its NIC ``n-g``: ``T = max(L_i + (g-1) S / B_i, L_n + (n-g) S / B_n)``, each term where it
@@ -70,6 +75,10 @@ The other collectives, as Gloo runs them over these links (``gloo_time_us`` and 
   ``T = max(L_i + (g-1) S / (n B_i), L_n + g (n-g) S / (n B_n))``;
 * send/recv: every GPU sends ``S`` to its neighbour in the ring order, one step:
   ``T = max over links used (L + S / B)``.
+
+Each of these ops is priced on its links as that op sees them (``Link.for_op``): where the
+cluster's links carry figures calibrated for the op (``whatif lab calibrate`` times each one,
+``lab/probes/collectives.py``), those; else the links' own.
 """
 
 from __future__ import annotations
@@ -214,7 +223,7 @@ def parameter_server_time_us(
 
 # -- the other collectives, as Gloo runs them ----------------------------------------------------
 
-GLOO_OPS = {"all_gather": "ring", "reduce_scatter": "ring", "broadcast": "direct", "reduce": "direct",
+GLOO_OPS = {"all_gather": "ring", "reduce_scatter": "ring_allreduce", "broadcast": "direct", "reduce": "direct",
             "all_to_all": "direct", "send_recv": "p2p"}  # each op's one schedule
 
 
@@ -226,7 +235,9 @@ def plan_gloo(cluster: Cluster, op: str, size_bytes: float) -> Plan:
     if n == 1:
         return Plan(name, size, ())
     gpus = np.arange(n)
-    if op in ("all_gather", "reduce_scatter"):
+    if op == "reduce_scatter":
+        steps = plan_ring_allreduce(cluster, size).steps
+    elif op == "all_gather":
         steps = (_ring_step(gpus.reshape(1, n), size / n),) * (n - 1)
     elif op == "send_recv":
         steps = (_ring_step(gpus.reshape(1, n), size),)
@@ -245,14 +256,16 @@ def gloo_time_us(cluster: Cluster, op: str, size_bytes: float) -> float:
     n, g = cluster.n_gpus, cluster.gpus_per_machine
     if n == 1:
         return 0.0
+    links = [link.for_op(op) for link in _links_used(cluster)]
     if op in ("all_gather", "reduce_scatter"):
-        return (n - 1) * max(_step_time_us(link, size / n) for link in _links_used(cluster))
+        steps = 2 * (n - 1) if op == "reduce_scatter" else n - 1  # reduce-scatter: Gloo's all-reduce
+        return steps * max(_step_time_us(link, size / n) for link in links)
     if op == "send_recv":
-        return max(_step_time_us(link, size) for link in _links_used(cluster))
+        return max(_step_time_us(link, size) for link in links)
     chunk = size / n if op == "all_to_all" else size
     intra_count, nic_count = (g - 1, g * (n - g)) if op == "all_to_all" else (g - 1, n - g)
-    terms = [_step_time_us(cluster.intra_node, intra_count * chunk)] if intra_count else []
-    terms += [_step_time_us(cluster.inter_node, nic_count * chunk)] if nic_count else []
+    terms = [_step_time_us(cluster.intra_node.for_op(op), intra_count * chunk)] if intra_count else []
+    terms += [_step_time_us(cluster.inter_node.for_op(op), nic_count * chunk)] if nic_count else []
     return max(terms)
 
 

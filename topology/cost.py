@@ -25,8 +25,9 @@ links alone):
 * ``gloo`` (CPU workers over TCP, and every GPU cluster written before the fabric keys): the
   closed forms and plans of ``collectives.py`` on the two links, today's numbers bit for bit.
   All-reduce by ``ring`` (the default) or ``hierarchical``; the other ops by Gloo's schedules
-  (``ring`` all-gather and reduce-scatter, ``direct`` broadcast, reduce and all-to-all, ``p2p``
-  send/recv). One protocol, ``tcp``, and one channel.
+  (``ring`` all-gather, ``ring_allreduce`` reduce-scatter, as ``ProcessGroupGloo`` runs it,
+  ``direct`` broadcast, reduce and all-to-all, ``p2p`` send/recv), each on the links' figures
+  for that op where they were calibrated (``Link.for_op``). One protocol, ``tcp``, and one channel.
 * a parameter server's ``push`` (every GPU sends its shard to each server) and ``pull`` (each
   server sends the updated shard back), on either backend: each is one of the two steps of
   ``collectives.plan_parameter_server`` and half its closed form (the two steps, one each way,

@@ -61,7 +61,7 @@ from whatif.sim.frameworks.copies import pass_rate_bytes_per_us
 from whatif.sim.gradients import Gradients, find_gradients
 from whatif.sim.graph import GraphError, TaskGraph, TaskKind
 from whatif.sim.parallel import Parallelism
-from whatif.sim.parallel.job import parallelize
+from whatif.sim.parallel.job import parallelize, simulate_job
 from whatif.sim.parallel.memory import gpu_memory_bytes, memory_per_gpu
 from whatif.sim.parallel.units import Units, UnitsError, find_units, no_units
 from whatif.sim.passes.batch_size import BatchSizeChange, change_batch_size
@@ -325,7 +325,7 @@ def _simulated(grid: _Grid, config: ClusterConfig) -> tuple[dict, ClusterSchedul
     if par is not None and par.families():
         job = parallelize(grid.without_comm, _units(grid.units, grid.without_comm, par, True), par, config.cluster,
                           grid.optimizer, grid.gpu_memory_bytes)
-        schedule = simulate(job.graph)
+        schedule = simulate_job(job, config.cluster)
         run = ClusterSchedule(schedule, job.comm_tasks(), job.rank0(), 0.0, 0.0)
         report = _job_report(schedule, grid.iterations, run.worker0)
         row = parallel_row(config, job, run, report, grid.iteration_ms)

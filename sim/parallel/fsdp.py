@@ -34,6 +34,15 @@ The rules, for ``zero = 3``:
   optimizer do not (each rank still steps a shard of every parameter), so on a CPU-bound
   optimizer this is a lower bound.
 
+**On CPU workers** (a trace whose compute is CPU threads) FSDP2 runs none of this beside the
+compute: the streams it issues its collectives on are no-ops on CPU and it asks for synchronous
+collectives (``async_op=False``, ``torch.distributed.fsdp._fully_shard._fsdp_collectives``), so
+the thread that issues one waits for it, as Gloo runs it. Each collective is then a COMM task on
+that thread, where it is issued: a unit's forward all-gather before the unit's forward (no
+prefetch), a unit's backward all-gather in the pre-backward hook of the unit before it in
+backward order (the implicit prefetch, still blocking), each reduce-scatter right after its
+unit's backward; a step is its compute plus every collective, end to end.
+
 For ``zero = 1`` and ``2`` (DeepSpeed's stages, gradients bucketed as the units): each unit's
 gradients are all-reduced (1: each rank then keeps its shard) or reduce-scattered (2) after its
 backward, the root's after the iteration's backward, on ``network data: all_reduce`` or
@@ -221,6 +230,8 @@ class _Plan:
         gpu = np.isin(kind, _GPU_COMPUTE) & (phase > 0)
         cpu = np.isin(kind, _CPU_COMPUTE) & (phase > 0) & np.char.startswith(resource, "cpu ")
         self.compute = gpu if gpu.any() else cpu
+        self.on_cpu = not gpu.any()
+        self.blocking = False  # FSDP2 on CPU workers: the thread waits for each collective (fully_sharded)
         self.cpu = cpu
         self.unit_of, self.phase, self.resource = unit_of, phase, resource
         self.start = tasks["measured_start_us"].to_numpy(dtype=float)
@@ -280,12 +291,13 @@ class _Plan:
     # -- the rules ---------------------------------------------------------------------------------
 
     def fully_sharded(self, nbytes: dict, reshard_after_forward: bool) -> None:
+        self.blocking = self.on_cpu
         for it in range(self.iterations):
             forward = [ROOT] + self.units
             previous_start = None
             for k, unit in enumerate(forward):
                 start, waiters = self.span(it, FORWARD, unit)
-                issue = start if k == 0 else previous_start
+                issue = start if k == 0 or self.blocking else previous_start
                 self._add("all_gather", nbytes.get(unit, 0.0), unit, FORWARD, it, self.issued_at(issue), waiters)
                 previous_start = start if start is not None else previous_start
             backward = [ROOT] + self.units[::-1]
@@ -364,6 +376,8 @@ class _Plan:
         COMM task on its queue in the order planned, and the zero-length tasks that wait for
         them where the step itself does (``returns_after``). Returns the collectives' table and
         the zero-length tasks, each with the task it follows."""
+        if self.blocking:
+            return self._insert_on_thread(graph, price)
         returns = {}
         for c in self.collectives:
             if c.returns_after is not None and c.returns_after not in returns:
@@ -389,11 +403,48 @@ class _Plan:
             table.append((tid, c.iteration, c.unit, _PHASES[c.phase], c.op, c.nbytes, GROUP, cost.time_us,
                           cost.algorithm, cost.protocol))
         if rows:
-            categorical = [c for c in tasks.columns if isinstance(tasks[c].dtype, pd.CategoricalDtype)]
-            combined = pd.concat([tasks.astype({c: object for c in categorical}), pd.DataFrame(rows)], ignore_index=True)
-            graph.tasks = combined.astype({c: "category" for c in categorical})
+            _append(graph, rows)
             graph.add_edges(edges)
         return pd.DataFrame(table, columns=COLLECTIVE_COLUMNS), {int(w): int(a) for a, w in returns.items()}
+
+
+    def _insert_on_thread(self, graph: TaskGraph, price) -> tuple[pd.DataFrame, dict]:
+        """The collectives of a CPU trace, each a COMM task on the thread that issues it, right
+        after the task it is issued after (several issued there in the order planned). On CPU
+        the streams FSDP2 puts its collectives on are no-ops and it asks Gloo for synchronous
+        collectives (``async_op=False``), so the thread waits for each one where it issues it:
+        a unit's all-gather in its pre-forward hook, the next unit's (FSDP2's backward prefetch)
+        in the pre-backward hook of the one before it, a unit's reduce-scatter in its
+        post-backward hook; nothing overlaps the compute. A collective issued before the
+        thread's first task stays on its queue."""
+        base = len(graph.tasks)
+        tail: dict = {}
+        table = []
+        for c in self.collectives:
+            cost = price(c.op, c.nbytes)
+            unit = "root" if c.unit == ROOT else f"unit {c.unit}"
+            name = f"{c.op} {GROUP} {c.nbytes / 1e6:.3f} MB {unit} {_PHASES[c.phase]}"
+            anchor = c.after[0] if c.after else None
+            if anchor is None:
+                tid = len(graph.tasks)
+                on_queue = graph.tasks["order_key"][graph.tasks["resource"].astype(str) == c.queue]
+                _append(graph, [_row(c, cost.time_us, float(on_queue.max()) + 1.0 if len(on_queue) else 0.0, graph.tasks)])
+            else:
+                tid = graph.insert(tail.get(anchor, anchor), None, name, cost.time_us, kind=TaskKind.COMM)
+                tail[anchor] = tid
+            graph.add_edges([(tid, int(w), 0.0, int(EdgeKind.USER)) for w in c.waiters])
+            table.append((tid, c.iteration, c.unit, _PHASES[c.phase], c.op, c.nbytes, GROUP, cost.time_us,
+                          cost.algorithm, cost.protocol))
+        assert base + len(table) == len(graph.tasks)
+        return pd.DataFrame(table, columns=COLLECTIVE_COLUMNS), {}
+
+
+def _append(graph: TaskGraph, rows: list) -> None:
+    """``rows`` added to ``graph``'s tasks, its categorical columns kept so."""
+    tasks = graph.tasks
+    categorical = [c for c in tasks.columns if isinstance(tasks[c].dtype, pd.CategoricalDtype)]
+    combined = pd.concat([tasks.astype({c: object for c in categorical}), pd.DataFrame(rows)], ignore_index=True)
+    graph.tasks = combined.astype({c: "category" for c in categorical})
 
 
 _PHASES = {FORWARD: "forward", BACKWARD: "backward", OPTIMIZER: "optimizer"}

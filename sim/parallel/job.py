@@ -31,6 +31,8 @@ from typing import Optional
 
 import numpy as np
 
+from whatif.sim.cpu_contention import driving_link, with_cpu_contention
+from whatif.sim.engine import Schedule, simulate
 from whatif.sim.graph import TaskGraph, TaskKind
 
 from . import PASS_ORDER, PASSES, Parallelism, ParallelismError
@@ -100,6 +102,22 @@ def comm_dimension(name: str) -> str:
     if not match:
         return "other"
     return {"sequence": "tensor", "zero": "fsdp"}.get(match.group(1), match.group(1))
+
+
+def simulate_job(job: ParallelJob, cluster) -> Schedule:
+    """Rank 0's graph simulated; on CPU workers whose cores drive the link (the cluster's driving
+    link has ``cpu_contention``) re-simulated with communication and compute slowing each other
+    where they overlap, as the data-parallel path does (``sim/cpu_contention.py``): DDP's
+    all-reduces beside expert or tensor parallelism run on Gloo's threads during backward. A
+    collective the thread waits for (FSDP2's on CPU) overlaps nothing of its own thread."""
+    schedule = simulate(job.graph)
+    link = driving_link(cluster)
+    comm = job.comm_tasks()
+    if link.has_cpu_contention and len(comm):
+        names = job.graph.tasks["name"].astype(str).to_numpy()[comm]
+        size = {int(t): comm_bytes(name) for t, name in zip(comm.tolist(), names)}
+        schedule = with_cpu_contention(job.graph, schedule, comm, size, link, lambda priced: None, len(job.graph.tasks))
+    return schedule
 
 
 def check_modelled(par: Parallelism) -> None:

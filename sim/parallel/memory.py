@@ -275,7 +275,8 @@ def _saved_inputs(graph: TaskGraph, ids: np.ndarray) -> float:
         if sum("::" in frame for frame in str(context[i]).split(" > ")) != 1:
             continue  # an operator inside another: its input is the outer one's
         dims = decode_inputs(ops.at[row, "input_dims"])
-        if dims and isinstance(dims[0], list) and tuple(dims[0]) in parameter_shapes:
+        flat = dims and isinstance(dims[0], list) and all(isinstance(d, int) for d in dims[0])  # a list of tensors is no shape
+        if flat and tuple(dims[0]) in parameter_shapes:
             continue
         total += first_input_bytes(ops, row) or 0.0
     return total / max(1, _iterations(graph, ids))

@@ -1,0 +1,113 @@
+"""Gloo's collectives as the lab calibrates them (``topology/collectives.py``, ``lab/calibrate.py``).
+
+A reduce-scatter on Gloo is an all-reduce of the whole tensor (``ProcessGroupGloo`` clones the
+input, all-reduces it and copies its chunk out), so it costs what the all-reduce costs. Each op
+may carry figures of its own on a link (``collectives:`` in the links YAML), which price that op
+and nothing else; a links YAML without them means what it meant. The calibration's fit reads
+probe times through each op's own closed form, so the topology gives back the times measured.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from whatif.lab.calibrate import fit_collectives, median_of_runs, op_shape
+from whatif.topology import Cluster, Link, TopologyError, collective_cost, collective_plan
+from whatif.topology.cluster import CALIBRATED_OPS
+from whatif.topology.collectives import allreduce_time_us
+
+NIC = {"bandwidth": "200Mbps", "latency": "70us", "efficiency": 0.94}
+LOOPBACK = {"bandwidth": "1300MB/s", "latency": "2000us", "efficiency": 1.0}
+
+
+def lab(machines: int, gpus: int, nic: dict = NIC, loopback: dict = LOOPBACK) -> Cluster:
+    return Cluster(machines, gpus, Link.from_config(loopback, "intra_node"), Link.from_config(nic, "inter_node"))
+
+
+@pytest.mark.parametrize("machines, gpus", [(2, 1), (1, 2), (2, 2), (4, 1)])
+def test_a_gloo_reduce_scatter_costs_the_all_reduce_of_the_whole_tensor(machines, gpus):
+    cluster = lab(machines, gpus)
+    for size in (0.0, 1e6, 16e6):
+        cost = collective_cost(cluster, "reduce_scatter", size)
+        assert cost.algorithm == "ring_allreduce"
+        assert cost.time_us == pytest.approx(allreduce_time_us(cluster, size))
+        scatter, reduce = collective_plan(cluster, "reduce_scatter", size), collective_plan(cluster, "all_reduce", size)
+        assert len(scatter.steps) == len(reduce.steps)
+        for a, b in zip(scatter.steps, reduce.steps):
+            for field in ("src", "dst", "nbytes"):
+                np.testing.assert_array_equal(getattr(a, field), getattr(b, field))
+
+
+def test_the_all_gather_is_half_the_ring_all_reduce():
+    # two machines: one step of S/2 over the NIC, L + S / (2 e B)
+    s = 8e6
+    expected = 70.0 + s / 2 / (200e6 / 8 / 1e6 * 0.94)
+    assert collective_cost(lab(2, 1), "all_gather", s).time_us == pytest.approx(expected)
+
+
+def test_an_ops_own_figures_price_that_op_alone():
+    nic = dict(NIC, collectives={"all_gather": {"latency": "500us", "efficiency": 0.5},
+                                 "send_recv": {"bandwidth": "100Mbps"}})
+    plain, calibrated = lab(2, 1), lab(2, 1, nic)
+    s = 4e6
+    assert collective_cost(calibrated, "all_gather", s).time_us == pytest.approx(500.0 + s / 2 / (25.0 * 0.5))
+    # send/recv keeps the link's latency and efficiency, with its own bandwidth
+    assert collective_cost(calibrated, "send_recv", s).time_us == pytest.approx(70.0 + s / (12.5 * 0.94))
+    for op in ("all_reduce", "reduce_scatter", "all_to_all"):
+        assert collective_cost(calibrated, op, s).time_us == collective_cost(plain, op, s).time_us
+
+
+def test_a_links_yaml_without_op_figures_means_what_it_meant():
+    link = Link.from_config(NIC, "inter_node")
+    assert link.collectives == ()
+    for op in CALIBRATED_OPS:
+        assert link.for_op(op) is link
+
+
+@pytest.mark.parametrize("entry, field", [
+    ({"allgather": {"latency": "1us"}}, "collectives.allgather"),
+    ({"all_gather": {"latency": "1us", "speed": 2}}, "collectives.all_gather.speed"),
+    ({"all_gather": {"efficiency": 1.5}}, "collectives.all_gather.efficiency"),
+    ({"all_gather": 3}, "collectives.all_gather"),
+])
+def test_a_bad_op_entry_is_refused_naming_its_field(entry, field):
+    with pytest.raises(TopologyError) as err:
+        Link.from_config(dict(NIC, collectives=entry), "inter_node")
+    assert field in str(err.value) and "\n" not in str(err.value)
+
+
+def test_op_shape_reads_the_closed_forms():
+    assert op_shape("all_gather", 2, 1) == pytest.approx((1.0, 0.5))
+    assert op_shape("reduce_scatter", 2, 1) == pytest.approx((2.0, 1.0))  # Gloo's all-reduce
+    assert op_shape("all_to_all", 1, 2) == pytest.approx((1.0, 0.5))
+    assert op_shape("send_recv", 2, 1) == pytest.approx((1.0, 1.0))
+
+
+@pytest.mark.parametrize("machines, gpus, nominal", [(2, 1, 200e6 / 8), (1, 2, None)])
+def test_the_fit_gives_back_the_times_it_was_fitted_to(machines, gpus, nominal):
+    """Times made by each op's closed form at a known latency and rate (different per op, as a
+    real probe finds them) are fitted, written as the links YAML's entries, and priced again."""
+    sizes = [64e3, 256e3, 1e6, 4e6, 16e6]
+    rates = {"all_gather": 20e6, "reduce_scatter": 22e6, "all_to_all": 18e6, "send_recv": 23e6}  # bytes/s
+    latency_s = {"all_gather": 3e-4, "reduce_scatter": 2e-4, "all_to_all": 5e-4, "send_recv": 1e-4}
+    measured = {"sizes_bytes": sizes}
+    for op in CALIBRATED_OPS:
+        steps, per_byte = op_shape(op, machines, gpus)
+        measured[op] = [steps * latency_s[op] + per_byte * s / rates[op] for s in sizes]
+    fitted = fit_collectives(measured, machines, gpus, nominal)
+    base = NIC if nominal else LOOPBACK
+    link = dict(base, collectives=fitted)
+    cluster = lab(machines, gpus, nic=link) if nominal else lab(machines, gpus, loopback=link)
+    for op in CALIBRATED_OPS:
+        for size, seconds in zip(sizes, measured[op]):
+            assert collective_cost(cluster, op, size).time_us == pytest.approx(seconds * 1e6, rel=2e-3)
+
+
+def test_probe_runs_combine_by_the_median_of_each_size():
+    runs = [{"sizes_bytes": [1, 2], "world_size": 2, "all_gather": [1.0, 5.0]},
+            {"sizes_bytes": [1, 2], "world_size": 2, "all_gather": [3.0, 4.0]},
+            {"sizes_bytes": [1, 2], "world_size": 2, "all_gather": [2.0, 9.0]}]
+    combined = median_of_runs(runs)
+    assert combined["all_gather"] == [2.0, 5.0] and combined["sizes_bytes"] == [1, 2]
+    assert np.isfinite(combined["all_gather"]).all()
