@@ -19,8 +19,9 @@ spread from (with three steady iterations, ``t`` is 2.92 at 90 %, against 1.64 w
 is centred on the central value, which stays what it was.
 
 No extra simulation is run: the interval costs a few arithmetic operations per configuration.
-A trace of one steady iteration (a hand-cut capture, or a trace without ``ProfilerStep``
-markers) gives no interval: ``nan``, as nothing tells its spread. What the interval does not
+A trace of fewer than three steady iterations gives no interval (``nan``): with one nothing
+tells the spread, and with two ``t`` is 6.3 and the interval mostly says how little two samples
+tell (a capture whose two steady steps differ 2x got 0.07x to 15x its central value). What the interval does not
 hold is the model's own error, nor the difference between the process that was traced and the
 one that runs later (whole processes run at different speeds on a shared machine);
 ``bench/interval_coverage.py`` measures how often it covers real runs.
@@ -36,6 +37,8 @@ import numpy as np
 
 #: The interval's level: the share of iterations it should hold
 LEVEL = 0.90
+#: The fewest steady iterations an interval is drawn from
+MIN_ITERATIONS = 3
 
 
 @lru_cache(maxsize=None)
@@ -74,11 +77,11 @@ def _within(t: float, dof: int) -> float:
 
 def prediction_interval(steady_ms: Sequence[float], central_ms: float, level: float = LEVEL) -> tuple[float, float]:
     """``(low, high)`` around ``central_ms`` for one more iteration, from the steady iterations'
-    predicted times ``steady_ms`` (see the module's docstring); ``(nan, nan)`` with fewer than two
-    finite ones, or a central value that is not a positive number."""
+    predicted times ``steady_ms`` (see the module's docstring); ``(nan, nan)`` with fewer than
+    ``MIN_ITERATIONS`` finite ones, or a central value that is not a positive number."""
     times = np.asarray(steady_ms, dtype=float)
     times = times[np.isfinite(times) & (times > 0)]
-    if len(times) < 2 or not (np.isfinite(central_ms) and central_ms > 0):
+    if len(times) < MIN_ITERATIONS or not (np.isfinite(central_ms) and central_ms > 0):
         return math.nan, math.nan
     n = len(times)
     spread = float(np.std(np.log(times), ddof=1))
@@ -100,7 +103,7 @@ def relative_interval(central_ms: float, reference_ms: float, reference: tuple[f
 def describe(central_ms: float, low_ms: float, high_ms: float, level: float = LEVEL) -> str:
     """``193.2 ms (90 % interval 181.0-207.5)``, or the central value alone without an interval."""
     if not (np.isfinite(low_ms) and np.isfinite(high_ms)):
-        return f"{central_ms:.1f} ms (no interval: one steady iteration)"
+        return f"{central_ms:.1f} ms (no interval: fewer than {MIN_ITERATIONS} steady iterations)"
     return f"{central_ms:.1f} ms ({100 * level:g} % interval {low_ms:.1f}-{high_ms:.1f})"
 
 

@@ -51,8 +51,14 @@ def test_the_interval_is_centred_on_the_central_value_in_logarithm():
     assert math.log(100.0 / low) == pytest.approx(math.log(high / 100.0))
 
 
+def test_two_steady_iterations_give_no_interval():
+    """With two, t is 6.3 at 90 %: the interval would say little but how few they are."""
+    assert all(math.isnan(x) for x in prediction_interval([96.0, 104.0], 100.0))
+    assert all(math.isfinite(x) for x in prediction_interval([96.0, 104.0, 100.0], 100.0))
+
+
 def test_few_iterations_of_the_same_spread_give_a_wider_interval():
-    times = [96.0, 104.0]
+    times = [96.0, 104.0, 100.0]
     few = prediction_interval(times, 100.0)
     many = prediction_interval(times * 10, 100.0)
     assert few[1] - few[0] > 2 * (many[1] - many[0])
@@ -61,7 +67,7 @@ def test_few_iterations_of_the_same_spread_give_a_wider_interval():
 def test_one_iteration_gives_no_interval_and_says_so():
     low, high = prediction_interval([100.0], 100.0)
     assert math.isnan(low) and math.isnan(high)
-    assert describe(100.0, low, high) == "100.0 ms (no interval: one steady iteration)"
+    assert describe(100.0, low, high) == "100.0 ms (no interval: fewer than 3 steady iterations)"
     assert describe(193.24, 181.01, 207.5) == "193.2 ms (90 % interval 181.0-207.5)"
 
 
@@ -212,8 +218,16 @@ def test_a_pipelines_rebuilt_step_takes_the_traced_iterations_relative_interval(
     prediction = predict(Scenario.from_dict(doc, name="pipeline").request())
     row = prediction.results.iloc[0]
     low, high = prediction.iteration_interval
-    assert row["iteration_ms_low"] / row["iteration_ms"] == pytest.approx(low / prediction.iteration_ms)
-    assert row["iteration_ms_high"] / row["iteration_ms"] == pytest.approx(high / prediction.iteration_ms)
+    # the bundle has two steady steps: no interval for the traced worker, and none borrowed
+    assert math.isnan(low) and math.isnan(high)
+    assert math.isnan(row["iteration_ms_low"]) and math.isnan(row["iteration_ms_high"])
+
+
+def test_a_rebuilt_step_borrows_the_reference_interval_relative_to_its_central_value():
+    from whatif.report.intervals import relative_interval
+
+    assert relative_interval(300.0, 100.0, (90.0, 120.0)) == pytest.approx((270.0, 360.0))
+    assert all(math.isnan(x) for x in relative_interval(300.0, 100.0, (math.nan, math.nan)))
 
 
 # -- bench/interval_coverage.py ---------------------------------------------------------------------
