@@ -303,13 +303,14 @@ def cpu_work(tasks: pd.DataFrame) -> np.ndarray:
     return np.flatnonzero(np.isin(tasks["kind"].to_numpy(), CPU_WORK_KINDS) & on_cpu & busy)
 
 
-def concat_tasks(frames: Sequence[pd.DataFrame]) -> pd.DataFrame:
-    """Task tables one after another, re-indexed from 0; the first frame's categorical columns
-    stay categorical, their categories the sorted union of every frame's values (as converting
-    to strings and back would make them), found from the categories and codes alone rather than
-    by re-reading every row's string."""
-    first = frames[0]
-    categorical = [c for c in first.columns if isinstance(first[c].dtype, pd.CategoricalDtype)]
+def concat_tasks(frames: Sequence[pd.DataFrame], categorical: Optional[Sequence[str]] = None) -> pd.DataFrame:
+    """Task tables one after another, re-indexed from 0; the ``categorical`` columns (default:
+    the first frame's categorical ones) are categorical, their categories the sorted union of
+    every frame's values (as converting to strings and back would make them), found from the
+    categories and codes alone rather than by re-reading every row's string."""
+    if categorical is None:
+        first = frames[0]
+        categorical = [c for c in first.columns if isinstance(first[c].dtype, pd.CategoricalDtype)]
     combined = pd.concat([f.drop(columns=[c for c in categorical if c in f.columns]) for f in frames],
                          ignore_index=True)
     for c in categorical:

@@ -50,7 +50,7 @@ from whatif.topology import Cluster, collective_cost
 
 from .build import build_graph
 from .engine import Schedule, simulate
-from .graph import EdgeKind, GraphError, TaskGraph, TaskKind
+from .graph import EdgeKind, GraphError, TaskGraph, TaskKind, concat_tasks
 from .matching import match_collectives
 from .passes.stream_waits import infer_stream_waits
 from .workload import Workload
@@ -319,7 +319,7 @@ def _join(job: JobTraces, graphs: dict, members: pd.DataFrame, shift: dict, offs
         placed.append(RankInJob(r.rank, r.path, prefix, shift[r.rank], iterations[r.rank]))
         base += len(tasks)
         event_base += len(r.trace.events)
-    tasks = _concat_tasks(task_frames)
+    tasks = concat_tasks(task_frames)
     measured_end = tasks["measured_end_us"].to_numpy()
     rows, edges, collectives, member_rows = [], [], [], []
     for key, group in members.groupby("collective", sort=True):
@@ -343,7 +343,7 @@ def _join(job: JobTraces, graphs: dict, members: pd.DataFrame, shift: dict, offs
             "name": first["name"], "rendezvous": rendezvous,
             "transfer_us": float(max(measured_end[completion[(key, last_rank)]] - last, 0.0)), "last_rank": last_rank,
         })
-    tasks = _concat_tasks([tasks, pd.DataFrame(rows)])
+    tasks = concat_tasks([tasks, pd.DataFrame(rows)])
     joined_edges = pd.concat(
         edge_frames + [pd.DataFrame([(s, d, 0.0, int(EdgeKind.USER)) for s, d in edges], columns=["src", "dst", "lag_us", "kind"])],
         ignore_index=True,
@@ -385,7 +385,7 @@ def _split_collectives(graph: TaskGraph, kernels: np.ndarray) -> tuple[TaskGraph
     new.index = completions
     arrivals = tasks.iloc[kernels]
     names = arrivals["name"].astype(str) + ARRIVAL_SUFFIX
-    tasks = _concat_tasks([tasks, new])
+    tasks = concat_tasks([tasks, new])
     name_codes = tasks["name"].astype(str).to_numpy().astype(object)
     name_codes[kernels] = names.to_numpy()
     tasks["name"] = pd.Categorical(name_codes)
@@ -419,10 +419,3 @@ def _rendezvous_row(first: pd.Series, last_arrival_us: float, context: str) -> d
         "event": -1,
     }
 
-
-def _concat_tasks(frames: list) -> pd.DataFrame:
-    categorical = [c for c in frames[0].columns if isinstance(frames[0][c].dtype, pd.CategoricalDtype)]
-    combined = pd.concat(
-        [f.astype({c: object for c in categorical if c in f.columns}) for f in frames], ignore_index=True
-    )
-    return combined.astype({c: "category" for c in categorical})

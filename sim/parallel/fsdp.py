@@ -90,7 +90,7 @@ import pandas as pd
 
 from whatif.topology import collective_cost
 
-from ..graph import EdgeKind, GraphError, TaskGraph, TaskKind
+from ..graph import EdgeKind, GraphError, TaskGraph, TaskKind, concat_tasks
 from . import PASSES, Parallelism
 from .units import PHASE_BACKWARD as BACKWARD
 from .units import PHASE_FORWARD as FORWARD
@@ -441,10 +441,7 @@ class _Plan:
 
 def _append(graph: TaskGraph, rows: list) -> None:
     """``rows`` added to ``graph``'s tasks, its categorical columns kept so."""
-    tasks = graph.tasks
-    categorical = [c for c in tasks.columns if isinstance(tasks[c].dtype, pd.CategoricalDtype)]
-    combined = pd.concat([tasks.astype({c: object for c in categorical}), pd.DataFrame(rows)], ignore_index=True)
-    graph.tasks = combined.astype({c: "category" for c in categorical})
+    graph.tasks = concat_tasks([graph.tasks, pd.DataFrame(rows)])
 
 
 _PHASES = {FORWARD: "forward", BACKWARD: "backward", OPTIMIZER: "optimizer"}

@@ -65,7 +65,7 @@ import pandas as pd
 from whatif.topology import CollectiveCost, collective_cost
 
 from ..engine import Schedule
-from ..graph import GPU_TASK_KINDS, EdgeKind, GraphError, TaskGraph, TaskKind
+from ..graph import GPU_TASK_KINDS, EdgeKind, GraphError, TaskGraph, TaskKind, concat_tasks
 from ..passes.batch_size import change_batch_size, infer_batch_size, parameter_shapes
 from . import PASSES
 from .units import Units
@@ -559,7 +559,6 @@ class _Builder:
 
     def graph(self) -> TaskGraph:
         categorical = [c for c in self.source.tasks.columns if isinstance(self.source.tasks[c].dtype, pd.CategoricalDtype)]
-        tasks = pd.concat([f.astype({c: object for c in categorical}) for f in self.frames], ignore_index=True)
-        tasks = tasks.astype({c: "category" for c in categorical}).astype({"kind": self.source.tasks["kind"].dtype})
+        tasks = concat_tasks(self.frames, categorical).astype({"kind": self.source.tasks["kind"].dtype})
         edges = pd.concat(self.edges, ignore_index=True).astype(self.source.edges.dtypes.to_dict())
         return TaskGraph(tasks, edges, self.source.ops, self.source.workload, list(self.source.notes))

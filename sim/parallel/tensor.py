@@ -67,7 +67,7 @@ import pandas as pd
 from whatif.collectors.kineto import element_bytes
 from whatif.topology import collective_cost
 
-from ..graph import GPU_TASK_KINDS, EdgeKind, GraphError, TaskGraph, TaskKind
+from ..graph import GPU_TASK_KINDS, EdgeKind, GraphError, TaskGraph, TaskKind, concat_tasks
 from ..passes.batch_size import parameter_shapes
 from ..perfmodels.families import FAMILY_OF, VIEW_OPS
 from ..perfmodels.models import PerfModels
@@ -309,11 +309,7 @@ class Collectives:
         """Add the tasks and edges to the graph; their records, one row each."""
         if self.rows:
             tasks = self.graph.tasks
-            categorical = [c for c in tasks.columns if isinstance(tasks[c].dtype, pd.CategoricalDtype)]
-            extra = pd.DataFrame(self.rows)
-            extra = extra.reindex(columns=tasks.columns)
-            combined = pd.concat([tasks.astype({c: object for c in categorical}), extra], ignore_index=True)
-            self.graph.tasks = combined.astype({c: "category" for c in categorical})
+            self.graph.tasks = concat_tasks([tasks, pd.DataFrame(self.rows).reindex(columns=tasks.columns)])
             self.graph.add_edges(self.edges)
         return pd.DataFrame(self.records, columns=COLLECTIVE_COLUMNS)
 

@@ -26,7 +26,7 @@ from typing import Optional
 import numpy as np
 import pandas as pd
 
-from ..graph import EdgeKind, GraphError, TaskGraph, TaskKind
+from ..graph import EdgeKind, GraphError, TaskGraph, TaskKind, concat_tasks
 from ..workload import first_input_bytes
 from .optimizations import OPTIMIZER_STEP
 
@@ -163,12 +163,8 @@ def _add_tasks(graph: TaskGraph, rows: list[dict], edges: list[tuple]) -> np.nda
     """Append tasks (each a row of the task table) and their edges at once; their new ids."""
     if not rows:
         return np.zeros(0, dtype=np.int64)
-    tasks = graph.tasks
-    first = len(tasks)
-    categorical = [c for c in tasks.columns if isinstance(tasks[c].dtype, pd.CategoricalDtype)]
-    extra = pd.DataFrame(rows, columns=tasks.columns)
-    combined = pd.concat([tasks.astype({c: object for c in categorical}), extra], ignore_index=True)
-    graph.tasks = combined.astype({c: "category" for c in categorical})
+    first = len(graph.tasks)
+    graph.tasks = concat_tasks([graph.tasks, pd.DataFrame(rows, columns=graph.tasks.columns)])
     graph.add_edges(edges)
     return np.arange(first, first + len(rows))
 
