@@ -104,6 +104,15 @@ def _collected(function, shared, item) -> tuple[Any, list]:
         return function(shared, item), diagnostics.messages
 
 
+def _sent_back(function, shared, item) -> tuple[Any, list]:
+    """:func:`_collected` where it runs in another process or on a Dask worker: an error it
+    raises is one that survives the trip back."""
+    try:
+        return _collected(function, shared, item)
+    except Exception as err:
+        raise _picklable(err) from None
+
+
 # -- this machine's processes ------------------------------------------------------------------
 
 _SHARED: dict = {}  # in a worker process: the function and its shared inputs
@@ -114,10 +123,7 @@ def _install(function, shared) -> None:
 
 
 def _in_worker(item) -> tuple[Any, list]:
-    try:
-        return _collected(_SHARED["function"], _SHARED["shared"], item)
-    except Exception as err:
-        raise _picklable(err) from None
+    return _sent_back(_SHARED["function"], _SHARED["shared"], item)
 
 
 def _on_processes(function, shared, items: list, jobs: int, progress_bar) -> list:
@@ -148,13 +154,6 @@ def _picklable(err: Exception) -> Exception:
 
 # -- a Dask cluster ----------------------------------------------------------------------------
 
-def _dask_task(function, shared, item) -> tuple[Any, list]:
-    try:
-        return _collected(function, shared, item)
-    except Exception as err:
-        raise _picklable(err) from None
-
-
 def _on_dask(function, shared, items: list, address: Optional[str], progress_bar) -> list:
     try:
         from distributed import Client
@@ -171,7 +170,7 @@ def _on_dask(function, shared, items: list, address: Optional[str], progress_bar
         raise SweepError(f"Dask scheduler {address}: cannot connect ({err})") from None
     with client:
         on_workers = client.scatter(shared, broadcast=True, hash=False)
-        futures = [client.submit(_dask_task, function, on_workers, item, pure=False) for item in items]
+        futures = [client.submit(_sent_back, function, on_workers, item, pure=False) for item in items]
         try:
             with progress_bar() as bar:
                 for future in dask_completed(futures, loop=client.loop):
