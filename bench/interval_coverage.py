@@ -59,8 +59,8 @@ from whatif.collectors.diagnostics import warn
 from whatif.collectors.iterations import find_iterations
 from whatif.collectors.load import load_trace
 from whatif.collectors.kineto import TraceError
-from whatif.report.intervals import LEVEL, prediction_interval
-from whatif.report.iterations import steady_median, steady_values
+from whatif.report.intervals import LEVEL, steady_interval
+from whatif.report.iterations import steady_median
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared" / "traces"
@@ -219,7 +219,7 @@ def held_out(trace: Path) -> list[dict]:
     for k in range(1, len(times) - 1):
         rest = times.drop(index=times.index[k])
         central = steady_median(rest)
-        low, high = prediction_interval(steady_values(rest), central)
+        low, high = steady_interval(rest)
         measured = float(report["measured_ms"].iloc[k])
         rows.append({"trace": str(trace), "iteration": report["name"].iloc[k], "measured_ms": measured,
                      "central_ms": central, "low_ms": low, "high_ms": high, "width_pct": 100.0 * (high - low) / central,

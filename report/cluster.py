@@ -16,8 +16,8 @@ from whatif.sim.parallel.job import ParallelJob, comm_bytes, comm_dimension
 from whatif.sim.parallel.memory import MemoryBreakdown, fits
 from whatif.topology import Cluster, as_gbps
 
-from .intervals import prediction_interval
-from .iterations import steady_median, steady_values, union_within
+from .intervals import steady_interval
+from .iterations import steady_median, union_within
 
 
 def cluster_breakdown(run: ClusterSchedule, report: pd.DataFrame) -> pd.DataFrame:
@@ -66,7 +66,7 @@ def configuration_row(config: ClusterConfig, run: ClusterSchedule, report: pd.Da
     baseline / iteration``)."""
     breakdown = cluster_breakdown(run, report)
     iteration_ms = steady_median(report["predicted_ms"])
-    low_ms, high_ms = prediction_interval(steady_values(report["predicted_ms"]), iteration_ms)
+    low_ms, high_ms = steady_interval(report["predicted_ms"])
     cluster = config.cluster
     return {
         "machines": cluster.machines,

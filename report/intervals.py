@@ -34,6 +34,9 @@ from functools import lru_cache
 from typing import Sequence
 
 import numpy as np
+import pandas as pd
+
+from .iterations import steady_median, steady_values
 
 #: The interval's level: the share of iterations it should hold
 LEVEL = 0.90
@@ -87,6 +90,12 @@ def prediction_interval(steady_ms: Sequence[float], central_ms: float, level: fl
     spread = float(np.std(np.log(times), ddof=1))
     half = student_t_two_sided(level, n - 1) * spread * math.sqrt(1.0 + 1.0 / n)
     return central_ms * math.exp(-half), central_ms * math.exp(half)
+
+
+def steady_interval(predicted_ms: pd.Series, level: float = LEVEL) -> tuple[float, float]:
+    """The interval around the steady median of iterations predicted ``predicted_ms``
+    (``report.iterations.steady_median``), from the same steady iterations."""
+    return prediction_interval(steady_values(predicted_ms), steady_median(predicted_ms), level)
 
 
 def relative_interval(central_ms: float, reference_ms: float, reference: tuple[float, float]) -> tuple[float, float]:

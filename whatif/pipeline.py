@@ -53,8 +53,8 @@ import pandas as pd
 
 from whatif.collectors.diagnostics import warn
 from whatif.report.cluster import configuration_labels, configuration_row, memory_columns, parallel_row
-from whatif.report.intervals import prediction_interval, relative_interval, widened
-from whatif.report.iterations import iteration_report, speedup_report, steady_median, steady_values
+from whatif.report.intervals import relative_interval, steady_interval, widened
+from whatif.report.iterations import iteration_report, speedup_report, steady_median
 from whatif.sim.distributed import ClusterConfig, ClusterSchedule, simulate_cluster
 from whatif.sim.engine import Schedule, simulate
 from whatif.sim.frameworks.copies import pass_rate_bytes_per_us
@@ -158,8 +158,8 @@ class Prediction:
     @property
     def iteration_interval(self) -> tuple[float, float]:
         """The worker's prediction interval around :attr:`iteration_ms` (``report/intervals.py``:
-        from the spread of its steady iterations; ``nan`` where it has one)."""
-        return prediction_interval(steady_values(self.report["predicted_ms"]), self.iteration_ms)
+        from the spread of its steady iterations; ``nan`` where it has fewer than three)."""
+        return steady_interval(self.report["predicted_ms"])
 
     @property
     def profiler_overhead(self) -> Optional[ProfilerOverhead]:
