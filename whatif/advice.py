@@ -249,12 +249,9 @@ def _added_cost(spec: str, changed: Prediction) -> str:
         return ""
     pattern, what = ADDED[recipe]
     paths, graph, _ = _critical_paths(changed)
-    names = graph.tasks["name"].astype(str).str.contains(pattern, regex=True).to_numpy()
-    total = sum(p.end_us - p.start_us for p in paths)
-    spent = sum(float(p.steps["duration_us"].to_numpy()[(p.steps["task"].to_numpy() >= 0)
-                                                       & names[np.maximum(p.steps["task"].to_numpy(), 0)]].sum())
-                for p in paths)
-    return f" ({what} are {100 * spent / total:.0f} % of its critical path)" if total > 0 else ""
+    if not sum(p.end_us - p.start_us for p in paths) > 0:
+        return ""
+    return f" ({what} are {100 * _share(paths, graph, pattern):.0f} % of its critical path)"
 
 
 def _reason(name: str, option: Option, paths: list, graph: TaskGraph, idle: float, base: Prediction) -> str:
