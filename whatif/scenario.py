@@ -388,7 +388,7 @@ def _with_links_file(name: str, base_dir: Path, cluster: dict, calibration_run: 
     if not isinstance(links, dict) or not {"intra_node", "inter_node"} <= set(links):
         raise ScenarioError(name, "cluster.links", f"{links_path} has no intra_node and inter_node links")
     if calibration_run is not None:
-        links = _calibration_runs(name, base_dir, cluster)[calibration_run]
+        links = _runs_of(name, links_path, links)[calibration_run]
     merged = {k: v for k, v in cluster.items() if k != "links"}
     if "shared_memory" in links and "shared_memory" not in merged:
         merged["shared_memory"] = links["shared_memory"]
@@ -409,7 +409,12 @@ def _calibration_runs(name: str, base_dir: Path, cluster: dict) -> list[dict]:
     if not isinstance(cluster, dict) or "links" not in cluster:
         return []
     links_path = _path(base_dir, cluster["links"])
-    runs = (_load_yaml(links_path, name, "cluster.links") or {}).get("runs") or []
+    return _runs_of(name, links_path, _load_yaml(links_path, name, "cluster.links") or {})
+
+
+def _runs_of(name: str, links_path: Path, links: Any) -> list[dict]:
+    """The ``runs`` of the links file ``links_path``, read as ``links`` (see :func:`_calibration_runs`)."""
+    runs = (links.get("runs") if isinstance(links, dict) else None) or []
     if not isinstance(runs, list) or not all(isinstance(r, dict) and {"intra_node", "inter_node"} <= set(r) for r in runs):
         raise ScenarioError(name, "cluster.links", f"{links_path}: runs: expected a list of links, each with intra_node "
                                                    "and inter_node (as whatif lab calibrate writes them)")
