@@ -72,11 +72,8 @@ def fair_rates(capacity: np.ndarray, out_link: np.ndarray, in_link: np.ndarray,
     active = np.arange(len(out_link))
     while len(active):
         a_out, a_in = out_link[active], in_link[active]
-        if transfers is None:
-            count = np.bincount(a_out, minlength=n_links) + np.bincount(a_in, minlength=n_links)
-        else:
-            w = transfers[active]
-            count = np.bincount(a_out, w, minlength=n_links) + np.bincount(a_in, w, minlength=n_links)
+        w = None if transfers is None else transfers[active]  # None: one transfer each
+        count = np.bincount(a_out, w, minlength=n_links) + np.bincount(a_in, w, minlength=n_links)
         used = count > 0
         share = np.full(n_links, np.inf)
         share[used] = left[used] / count[used]
