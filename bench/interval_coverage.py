@@ -25,9 +25,10 @@ scenario). Two checks of that interval:
    have covered 85 % of the points had every interval been ``central * exp(+-h)`` with one
    ``h`` for all (what "not wider than it needs to be" is held against).
 2. **Held-out iterations** (``--traces DIR``, default ``../shared/traces``, and every capture
-   of the campaigns): in every trace of at least five ``ProfilerStep`` iterations, each steady
-   iteration (not the first, not the last) in turn is left out, the interval is made from the
-   trace without it, exactly as a prediction makes it (the steady iterations of what is left,
+   of the campaigns): in every trace of at least six ``ProfilerStep`` iterations (one held out,
+   the rest keeps the three steady ones ``report/intervals.py`` needs for an interval), each
+   steady iteration (not the first, not the last) in turn is left out, the interval is made from
+   the trace without it, exactly as a prediction makes it (the steady iterations of what is left,
    replayed), and held against the left-out iteration's measured time. This needs no lab: the
    real GPU traces check that the interval holds what the next iteration does.
 
@@ -59,13 +60,15 @@ from whatif.collectors.diagnostics import warn
 from whatif.collectors.iterations import find_iterations
 from whatif.collectors.load import load_trace
 from whatif.collectors.kineto import TraceError
-from whatif.report.intervals import LEVEL, steady_interval
+from whatif.report.intervals import LEVEL, MIN_ITERATIONS as INTERVAL_MIN_STEADY, steady_interval
 from whatif.report.iterations import steady_median
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared" / "traces"
 COVERAGE_TARGET = 0.85
-MIN_ITERATIONS = 5  # a trace of five iterations leaves two steady ones when one is held out
+# a trace must keep an interval with one iteration held out: the rest's steady iterations (all but
+# its first and last) must number at least the interval's minimum
+MIN_ITERATIONS = INTERVAL_MIN_STEADY + 3
 
 
 def campaign_points(folder: Path) -> list[dict]:
@@ -298,7 +301,7 @@ def main(argv=None) -> int:
         summary["held_out"] = summarise("held-out iterations", left_out["covered"], left_out["width_pct"],
                                         left_out["central_ms"], left_out["measured_ms"])
     else:
-        print("held-out iterations: no trace of at least five iterations")
+        print(f"held-out iterations: no trace of at least {MIN_ITERATIONS} iterations")
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     failed = any(part.get("verdict") == "FAIL" for part in summary.values() if isinstance(part, dict))
     return 1 if failed else 0
