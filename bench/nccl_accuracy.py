@@ -19,8 +19,12 @@ date: ``IMPLIED``), in two columns:
   of every *other* source: a source's tables never inform the constants that predict them.
 
 Per table: the median and largest |error| of the out-of-place time over its rows and over its
-rows of 64 MiB and more, and what NCCL picks. Unhealthy tables (the source reports a fault) and
-undiagnosed ones are listed apart: there the error is the diagnosis. The cross-scale check
+rows of 64 MiB and more, and what NCCL picks. Unhealthy tables (the source reports a fault),
+disturbed ones (``calibrate.disturbed``: a size markedly slower than twice that size in both
+its runs, which no collective's own cost does; judged from the table alone, no model) and
+undiagnosed ones are listed apart: there the error is the diagnosis. Rows whose out-of-place
+and in-place runs differ by more than 1.5x (``calibrate.spikes``) are one run's noise: they
+are printed but left out of every figure and fit. The cross-scale check
 calibrates (``whatif calibrate nccl-tests``) on one scale of a series, on top of its source's
 held-out constants, and predicts the series' other scales.
 """
@@ -41,7 +45,8 @@ sys.path.insert(0, str(REPO))
 
 from whatif.topology import Cluster, TopologyError, collective_cost  # noqa: E402
 from whatif.topology.nccl.tuning import parse_choices  # noqa: E402
-from whatif.topology.calibrate import decompose, diagnose, fit_tables, table_comm, table_time_us  # noqa: E402
+from whatif.topology.calibrate import (decompose, diagnose, disturbed, fit_tables, spikes, table_comm,  # noqa: E402
+                                       table_time_us)
 from whatif.topology.nccl.measured import SPEC, fit  # noqa: E402
 from whatif.topology.nccl_tests import read_table  # noqa: E402
 
@@ -230,25 +235,28 @@ def evaluate(entry: dict, table, cluster: Cluster) -> dict:
     algorithm, protocol = forced(entry)
     comm = table_comm(cluster.fabric, table)[1]
     measured = cluster.fabric.calibration.constants
-    rows, chosen = [], []
+    rows, chosen, noise = [], [], spikes(table)
     for row in table.rows:
         cost = collective_cost(cluster, table.op, row.size_bytes, algorithm=algorithm, protocol=protocol)
         predicted = table_time_us(table, comm, cost, measured)
         error = (predicted - row.time_us) / row.time_us * 100
         rows.append({"bytes": row.size_bytes, "measured_us": row.time_us, "predicted_us": predicted,
-                     "error_pct": error, "algorithm": cost.algorithm, "protocol": cost.protocol})
+                     "error_pct": error, "algorithm": cost.algorithm, "protocol": cost.protocol,
+                     "spike": row in noise})
         label = f"{cost.algorithm}/{cost.protocol}"
         if label not in chosen:
             chosen.append(label)
-    errors = [abs(r["error_pct"]) for r in rows]
-    large = [abs(r["error_pct"]) for r in rows if r["bytes"] >= LARGE_BYTES]
+    scored = [r for r in rows if not r["spike"]]
+    errors = [abs(r["error_pct"]) for r in scored]
+    large = [abs(r["error_pct"]) for r in scored if r["bytes"] >= LARGE_BYTES]
     note = diagnose(table, comm, parse_choices(algorithm, protocol))
     version, how = nccl_version(entry)
     return {"file": entry["file"], "op": table.op, "ranks": cluster.n_gpus, "nodes": cluster.machines,
             "nccl": (version or "newest") + ("" if how == "printed" else "*"), "source": entry.get("source_id"),
-            "healthy": entry.get("healthy"), "rows": rows, "median_pct": statistics.median(errors),
+            "healthy": healthy(entry), "spikes": len(noise), "rows": rows, "median_pct": statistics.median(errors),
             "max_pct": max(errors), "large_median_pct": statistics.median(large) if large else None,
-            "chosen": chosen, "diagnosis": note.split(": ", 1)[1] if note else ""}
+            "chosen": chosen, "diagnosis": note.split(": ", 1)[1] if note else "",
+            "disturbed": entry.get("disturbed", "")}
 
 
 def load(folder: Path) -> list:
@@ -263,6 +271,8 @@ def load(folder: Path) -> list:
         if not path.exists():
             continue
         table = read_table(path, entry.get("op"))
+        note = disturbed(table)
+        entry["disturbed"] = note.split(": ", 1)[1] if note else ""
         cluster = Cluster.from_config(cluster_config(entry), "tables.yaml")
         out.append((entry, table, with_measured(cluster, SPEC)))
     return out
@@ -273,8 +283,16 @@ def decomposed(loaded: list) -> dict:
     out = {}
     for entry, table, cluster in loaded:
         comm = table_comm(cluster.fabric, table)[1]
-        out[entry["file"]] = decompose(table, comm, parse_choices(*forced(entry)))
+        noise = spikes(table)
+        found = decompose(table, comm, parse_choices(*forced(entry)))
+        out[entry["file"]] = [r for row, r in zip(table.rows, found) if row not in noise]
     return out
+
+
+def healthy(entry: dict) -> bool:
+    """Whether a table tests the model: its source reports no fault (``healthy`` in tables.yaml)
+    and the table itself shows no disturbed run (``calibrate.disturbed``, model-free)."""
+    return bool(entry.get("healthy")) and not entry.get("disturbed")
 
 
 def spans_nvlink_domains(cluster: Cluster) -> bool:
@@ -288,7 +306,7 @@ def spans_nvlink_domains(cluster: Cluster) -> bool:
 def training_rows(loaded: list, rows: dict, leave_out: str = "") -> list:
     """The rows the measured constants are estimated from: every healthy table's but those of the
     source ``leave_out`` and those that cross NVLink domains (``spans_nvlink_domains``)."""
-    return [r for entry, _, cluster in loaded if entry.get("healthy") and entry.get("source_id") != leave_out
+    return [r for entry, _, cluster in loaded if healthy(entry) and entry.get("source_id") != leave_out
             and not spans_nvlink_domains(cluster) for r in rows[entry["file"]]]
 
 
@@ -303,7 +321,7 @@ def series_of(loaded: list) -> dict:
     ``series``."""
     groups: dict = {}
     for entry, table, cluster in loaded:
-        if entry.get("series") and entry.get("healthy"):
+        if entry.get("series") and healthy(entry):
             groups.setdefault(entry["series"], []).append((entry, table, cluster))
     return groups
 
@@ -375,9 +393,10 @@ def main(argv=None) -> int:
                     print(title, result["file"], result.get("calibrated_on", ""))
                     for r in result["rows"]:
                         print(f"{r['bytes']:>14.0f} {r['measured_us']:>11.2f} {r['predicted_us']:>11.2f} "
-                              f"{r['error_pct']:>+8.1f} %  {r['algorithm']}/{r['protocol']}")
+                              f"{r['error_pct']:>+8.1f} %  {r['algorithm']}/{r['protocol']}"
+                              f"{'  (spike, not scored)' if r['spike'] else ''}")
         return 0
-    for title, wanted in (("healthy", (True,)), ("unhealthy or undiagnosed", (False, None))):
+    for title, wanted in (("healthy", (True,)), ("unhealthy, disturbed or undiagnosed", (False,))):
         pairs = [(s, h) for s, h in zip(spec, held) if s["healthy"] in wanted]
         print(f"\n{title} tables: {len(pairs)}   (spec-only: NCCL's constants and vendor specs; held-out: "
               f"measured constants estimated from the other sources' tables)")
@@ -396,6 +415,10 @@ def main(argv=None) -> int:
             for s, _ in pairs:
                 if s["diagnosis"]:
                     print(f"  diagnosis, {s['file']}: {s['diagnosis']}")
+                if s["disturbed"]:
+                    print(f"  disturbed, {s['file']}: {s['disturbed']}")
+            print(f"  spike rows (out-of-place and in-place runs differ by more than 1.5x), left out of the figures: "
+                  f"{sum(s['spikes'] for s, _ in pairs)}")
     print("\nmeasured constants, held out per source (estimated from every other source's healthy tables):")
     for source, m in constants.items():
         hops = ", ".join(f"{k} {v:.1f}" for k, v in m.hop_us)

@@ -195,3 +195,25 @@ def test_bad_arguments_are_one_line_errors():
         with pytest.raises(TopologyError) as err:
             call()
         assert err.value.key == key and "\n" not in str(err.value)
+
+
+def test_a_rings_network_steps_follow_each_release_and_our_critical_path_prices_two_per_node():
+    from whatif.topology.nccl.model import pricing_tuner, ring_network_steps
+    from whatif.topology.nccl.versions import tuner
+
+    # NCCL's own counts (tuning.cc nInterSteps): 2(n-1) to 2.11 and from 2.23, 2n in 2.12-2.22
+    assert [ring_network_steps(tuner(v), "all_reduce", 4, 8) for v in ((2, 11, 4), (2, 20, 3), (2, 26, 2))] == [6, 8, 6]
+    # ours: 2n once a node holds two ranks, 2(n-1) when every ring link is a network link
+    assert ring_network_steps(pricing_tuner(), "all_reduce", 4, 8) == 8
+    assert ring_network_steps(pricing_tuner(), "all_reduce", 4, 1) == 6
+    assert ring_network_steps(pricing_tuner(), "all_gather", 4, 8) == 3
+    assert ring_network_steps(pricing_tuner(), "all_reduce", 1, 8) == 0
+    # an 8-byte LL ring over two DGX H100s: 30 steps, 4 through the network, 26 over NVLink at
+    # no less than the CPU's network post overhead (getNetOverhead), plus the base latency
+    c = cluster("dgx_h100", machines=2)
+    n, net_steps = 16, 4
+    intra = max(tuning.HOP_LATENCY_US["nvlink"]["ring"][0], tuning.NET_OVERHEAD_US[c.fabric.cpu])
+    expected = (tuning.BASE_LATENCY_US["ring"][0] + (2 * (n - 1) - net_steps) * intra
+                + net_steps * tuning.HOP_LATENCY_US["net"]["ring"][0])
+    # (8 bytes move in well under a nanosecond: the time is the latency)
+    assert time_us(c, "all_reduce", 8, algorithm="ring", protocol="ll") == pytest.approx(expected, rel=1e-4)

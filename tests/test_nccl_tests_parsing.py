@@ -6,6 +6,7 @@ import pytest
 import yaml
 
 from whatif.topology import TopologyError
+from whatif.topology.calibrate import disturbed, spikes
 from whatif.topology.nccl_tests import bus_factor, parse_text, read_table
 
 REPO = Path(__file__).resolve().parent.parent
@@ -58,6 +59,7 @@ def test_a_current_table_gives_its_op_ranks_hosts_gpu_and_out_of_place_times():
     table = parse_text(CURRENT, "h100.txt")
     assert (table.op, table.n_ranks, table.hosts, table.gpu) == ("all_reduce", 4, 2, "NVIDIA H100 80GB HBM3")
     assert [r.time_us for r in table.rows] == [29.92, 87.08, 34448.0]
+    assert [r.in_place_us for r in table.rows] == [29.42, 77.82, 34440.0]
     assert table.rows[-1].size_bytes == 8589934592 and table.rows[-1].line == 16
 
 
@@ -144,3 +146,33 @@ def test_the_header_says_how_many_gpus_one_thread_drives():
     assert parse_text("# nThread 1 nGpus 8 minBytes 8 maxBytes 8\n" + _rows(8), "t_allreduce.txt").gpus_per_thread == 8
     assert parse_text("nThread 1 nGpus 1 minBytes 8 maxBytes 8\n" + _rows(8), "t_allreduce.txt").gpus_per_thread == 1
     assert parse_text(_rows(8), "t_allreduce.txt").gpus_per_thread == 1
+
+
+def _table(rows: list) -> str:
+    """An all-reduce table of (size, out-of-place us, in-place us or None) rows."""
+    lines = ["# Collective test starting: all_reduce_perf"]
+    for size, out, inplace in rows:
+        tail = f"{inplace}    1.00    1.00      0" if inplace else "N/A     N/A     N/A    N/A"
+        lines.append(f"{size} {size // 4} float sum -1 {out} 1.00 1.00 0 {tail}")
+    return "\n".join(lines) + "\n"
+
+
+def test_a_row_its_twin_run_contradicts_is_a_spike_and_a_steady_table_has_none():
+    steady = parse_text(_table([(8, 30.0, 29.0), (1024, 31.0, 33.0), (1048576, 80.0, 79.0)]), "steady.txt")
+    assert spikes(steady) == () and disturbed(steady) == ""
+    spiky = parse_text(_table([(8, 83.4, 34.7), (1024, 36.0, 35.0), (1048576, 80.0, None)]), "spiky.txt")
+    assert [r.size_bytes for r in spikes(spiky)] == [8]  # 83.4 against 34.7 in place: one run's noise
+    assert disturbed(spiky) == ""                         # ... and no reason to doubt the table
+    assert spiky.rows[-1].in_place_us is None             # N/A in place: nothing to compare
+
+
+def test_a_size_slower_than_twice_that_size_in_both_runs_marks_the_run_disturbed():
+    # the shape of the GKE A4 all-gather: 2 MiB 1754 / 1558 us, 4 MiB 934 / 959 us
+    table = parse_text(_table([(1048576, 998.2, 972.4), (2097152, 1753.7, 1557.5), (4194304, 933.6, 958.6)]),
+                       "a4.txt")
+    note = disturbed(table)
+    assert note.startswith("a4.txt: this run looks disturbed: 2 MiB took 1.9x and 1.6x")
+    assert "as long as 4 MiB" in note
+    # slower than the next size only (2x more bytes, 1.4x the time) or within 1.5x: not disturbed
+    mild = parse_text(_table([(1048576, 140.0, 139.0), (2097152, 100.0, 101.0)]), "mild.txt")
+    assert disturbed(mild) == ""

@@ -60,6 +60,7 @@ EFFICIENCY_RANGE = (0.05, 2.0)
 LATENCY_RANGE = (0.2, 20.0)
 UNDERPERFORMING = 0.6  # a table below this fraction of the specs' bus bandwidth is diagnosed
 DIAGNOSED_BYTES = 16 * 2**20  # ... at its largest row, if that is at least this big
+TWIN_RATIO = 1.5  # a row whose out-of-place and in-place runs differ by more: one run was disturbed
 
 
 @dataclass(frozen=True)
@@ -223,6 +224,49 @@ def fit_tables(tables: Sequence[Table], cluster: Cluster, choices: Optional[Sequ
         if note:
             diagnoses.append(note)
     return Fit(calibrated, tuple(rows), tuple(fitted), tuple(diagnoses))
+
+
+def spikes(table: Table) -> tuple:
+    """The rows of ``table`` that one of its two runs contradicts: nccl-tests times the same
+    collective out of place and in place, one after the other, and where the two differ by more
+    than TWIN_RATIO one of them met something else (another job, a retransmission, a page
+    fault), not the collective's own cost. Model-free: no prediction is involved."""
+    return tuple(row for row in table.rows if row.in_place_us
+                 and max(row.time_us, row.in_place_us) > TWIN_RATIO * min(row.time_us, row.in_place_us))
+
+
+def disturbed(table: Table) -> str:
+    """A plain sentence when ``table``'s run as a whole was disturbed ('' if not), from the table
+    alone: a collective moves every byte of a smaller one and more, so NCCL never takes
+    markedly longer for a size than for twice or more that size; where a row does by more than
+    TWIN_RATIO in both its runs (out of place and, where printed, in place: not a spike of one
+    run), something outside the collective set the times. Rows one run contradicts (``spikes``)
+    do not count, they are noise of one run."""
+    steady = sorted((r for r in table.rows if r not in spikes(table)), key=lambda r: r.size_bytes)
+    worst = None
+    for i, row in enumerate(steady):
+        for later in steady[i + 1:]:
+            if later.size_bytes < 2 * row.size_bytes:
+                continue
+            ratios = [row.time_us / later.time_us]
+            if row.in_place_us and later.in_place_us:
+                ratios.append(row.in_place_us / later.in_place_us)
+            if min(ratios) > TWIN_RATIO and (worst is None or min(ratios) > min(worst[0])):
+                worst = (ratios, row, later)
+    if worst is None:
+        return ""
+    ratios, row, later = worst
+    runs = " and ".join(f"{r:.1f}x" for r in ratios) + (" (out of place and in place)" if len(ratios) > 1 else "")
+    return (f"{table.path}: this run looks disturbed: {_size(row.size_bytes)} took {runs} as long as "
+            f"{_size(later.size_bytes)}, which a collective's own cost never does; rerun it with the nodes and "
+            f"the network otherwise idle")
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:g} {unit}"
+    return f"{nbytes:g} B"
 
 
 def diagnose(table: Table, comm: Comm, choice: tuple = (None, None)) -> str:

@@ -4,7 +4,8 @@ A table row is ``size count type [redop [root]] time algbw busbw #wrong`` for th
 run, usually followed by the same four for in-place (``src/util.cu``, ``writeBenchmarkLine*``;
 nccl-tests before 2.11 printed no root, before 2.0 no redop, and ``error`` instead of
 ``#wrong``). Sizes are bytes, times microseconds, bandwidths GB/s (1e9 bytes/s). We keep the
-out-of-place time: it is what ``whatif collective`` predicts.
+out-of-place time: it is what ``whatif collective`` predicts; the in-place time, where printed,
+is kept beside it as the twin run that says whether a row was disturbed (``calibrate.disturbed``).
 
 Everything else in a file is context or noise: ``#`` lines (the header with ``# Collective test
 starting: all_reduce_perf``, ``#  Rank  3 Group 0 Pid ... on HOST device 3 [...] NVIDIA H100``
@@ -59,6 +60,7 @@ class Row:
     algbw_gbps: float
     busbw_gbps: float
     line: int
+    in_place_us: Optional[float] = None  # the in-place run's time where printed (not N/A)
 
 
 @dataclass(frozen=True)
@@ -110,8 +112,11 @@ def _row(tokens: list, where: str, number: int) -> Row:
     time_us = _number(rest[0], where, "time")
     if time_us <= 0:
         raise TopologyError(where, f"time {rest[0]!r} must be positive")
+    in_place = None
+    if len(rest) == 8 and rest[4].upper() != "N/A":
+        in_place = _number(rest[4], where, "in-place time") or None
     return Row(size, int(_number(tokens[1], where, "count")), tokens[2], time_us,
-               _number(rest[1], where, "algbw"), _number(rest[2], where, "busbw"), number)
+               _number(rest[1], where, "algbw"), _number(rest[2], where, "busbw"), number, in_place)
 
 
 def _ranks_from_bandwidth(op: str, rows: list, listed: int = 0) -> Optional[int]:

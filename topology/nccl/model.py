@@ -37,6 +37,9 @@ NCCL's, made on NCCL's estimate, as NCCL itself makes it):
   constants were its tuner's guesses for choosing; the newest are NCCL's best account of what
   the same algorithm does on the same hardware (LL moves half the bus bandwidth whatever 2.7
   assumed).
+* *a ring's network steps* (:func:`ring_network_steps`): a small message's slowest rank waits
+  for ``2n`` network steps of an all-reduce ring over ``n`` nodes of several GPUs (NCCL
+  2.12-2.22's count), not the ``2(n-1)`` of NCCL's current estimate.
 * *channels in use.* For small messages NCCL launches fewer channels (``topoGetAlgoInfo``: while
   ``bytes < channels x threads x threshold`` one fewer; CollNet direct by ``ncSwitch`` steps
   with a threshold per head 8 to 64 times a ring's, so it runs on fewer channels up to tens
@@ -61,6 +64,7 @@ all-to-all) is not in NCCL's tuner; see ``p2p.py``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -199,10 +203,8 @@ def _latency(comm: Comm, op: str, algorithm: str, protocol: str, graph: Graph) -
         intra_lat = max(intra_lat, overhead)
         if n_nodes == 1:
             inter_steps = 0
-        elif op == "all_reduce":
-            inter_steps = 2 * n_nodes if t.inter_steps == "2n" else 2 * (n_nodes - 1)
         else:
-            inter_steps = n_nodes - 1
+            inter_steps = ring_network_steps(t, op, n_nodes, ppn)
         return base + (steps - inter_steps) * intra_lat + inter_steps * inter_lat
     if algorithm == "tree":
         return base + 2 * ((ppn - 1) * intra_lat + _log2i(n_nodes) * inter_lat) if op == "all_reduce" else base
@@ -315,14 +317,44 @@ def _option(comm: Comm, op: str, algorithm: str, protocol: str) -> Optional[Opti
     return Option(op, algorithm, protocol, _latency(comm, op, algorithm, protocol, graph), bandwidth, channels, link)
 
 
+def ring_network_steps(t, op: str, n_nodes: int, ppn: int) -> int:
+    """The network steps in a ring's latency under tuner ``t``'s count (``inter_steps``): for an
+    all-reduce ``2(n-1)`` (NCCL up to 2.11 and from 2.23), ``2n`` (2.12 to 2.22), or, for our
+    prediction (``"path"``), ``2n`` where nodes hold several ranks and ``2(n-1)`` where each
+    holds one; ``n-1`` for all-gather and reduce-scatter (every release, and ours). Why
+    ``path``: a small message's slowest rank waits for a chain of ``2(ranks-1)`` consecutive
+    ring links (the whole ring twice but two links), which crosses each of the ``n`` network
+    links twice, less at most one, once a node holds two ranks, and exactly ``2(n-1)`` times
+    where every link is a network link. Of NCCL's own counts we take 2.12-2.22's ``2n`` (one
+    above the chain's ``2n-1``; the current ``2(n-1)`` is one below): the only multi-node ring
+    latency series we have (V100 p3dn over EFA at 2, 4 and 8 nodes: 163, 319, 631 us at 8 B)
+    grows as ``2n`` does (1 : 2 : 4; ``2n-1``: 1 : 2.3 : 5; ``2(n-1)``: 1 : 3 : 7), so that
+    choice between NCCL's counts was made by those tables. The gathers' chain would cross ``n``
+    network links, not ``n-1``; on the public tables counting ``n`` moved figures both ways
+    (spec-only 28.2 to 28.0 %, cross-scale 13.7 to 14.3 %), so we keep NCCL's."""
+    if n_nodes <= 1:
+        return 0
+    if op != "all_reduce":
+        return n_nodes - 1
+    if t.inter_steps == "2n" or (t.inter_steps == "path" and ppn >= 2):
+        return 2 * n_nodes
+    return 2 * (n_nodes - 1)
+
+
+@functools.lru_cache(maxsize=None)
+def pricing_tuner():
+    """The tables every release's choice is timed with (:func:`priced`): the newest release's,
+    with the ring's network steps counted along its critical path (``ring_network_steps``)."""
+    return dataclasses.replace(tuner(LATEST), inter_steps="path")
+
+
 def priced(comm: Comm, option: Option) -> tuple:
     """``(comm, option)`` to time ``option`` with: the newest release's tables (its per-algorithm
     bandwidths and latencies are NCCL's best account of what the hardware does; an older
-    release's tables decide only what that release picks), or the release's own where the
-    newest has no such option."""
-    newest = comm.with_tuner(tuner(LATEST))
-    if newest is comm:
-        return comm, option
+    release's tables decide only what that release picks) with the ring's network steps on
+    its critical path (``pricing_tuner``), or the release's own where the newest has no such
+    option."""
+    newest = comm.with_tuner(pricing_tuner())
     again = _option(newest, option.op, option.algorithm, option.protocol)
     return (newest, again) if again is not None else (comm, option)
 
@@ -543,7 +575,7 @@ def net_hops(comm: Comm, option: Option) -> float:
     if algorithm == "ring":
         if op in ("broadcast", "reduce"):
             return 1.0
-        return 2.0 * (n_nodes - 1) if op == "all_reduce" else float(n_nodes - 1)
+        return float(ring_network_steps(comm.tuner, op, n_nodes, comm.ppn))
     if algorithm in ("tree", "nvls_tree"):
         return 2.0 * _log2i(n_nodes)
     if algorithm == "pat":

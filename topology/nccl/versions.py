@@ -107,7 +107,7 @@ class Tuner:
     ll_intra_multinode: float = 1.0       # until 2.17 LL's intra-node steps cost 1.8x across nodes
     net_overhead: bool = True             # 2.18+: rings pay the network post overhead per step
     ppn1_tree_net_latency: bool = True    # 2.23+: with one GPU a node, rings use the tree's net latency
-    inter_steps: str = "2(n-1)"           # 2.12-2.22 counted 2n network steps for an all-reduce ring
+    inter_steps: str = "2(n-1)"           # 2.12-2.22: "2n" for an all-reduce ring (model.ring_network_steps)
     collnet_chain_net_latency: bool = True
     nvls: str = "efficiency"
     nvls_ag_rs: bool = True               # NVLS for all-gather / reduce-scatter on one node
