@@ -98,6 +98,9 @@ def test_memory_options():
      "parallelism.pipeline.microbatch_trace: expected the path of a trace or bundle, got 3"),
     ({"pipeline": {"stages": 1, "microbatch_trace": str(TRANSFORMER)}}, 4,
      "parallelism.pipeline.microbatch_trace: no point of the scenario has pipeline stages to use it"),
+    ({"pipeline": {"stages": 2, "microbatches": [2, 4], "microbatch_trace": str(TRANSFORMER)}}, 4,
+     "parallelism.pipeline.microbatch_trace: a trace of one microbatch fits one microbatch count; the grid has "
+     "microbatches 2, 4"),
 ])
 def test_mistakes_are_one_line_naming_the_key(block, gpus, message):
     with pytest.raises(ScenarioError) as err:

@@ -623,8 +623,13 @@ def _microbatch_trace(name: str, base_dir: Path, block: Any, points: list) -> Op
     path = _path(base_dir, value)
     if not (path.is_file() or is_bundle(path)):
         raise ScenarioError(name, key, f"no such trace or bundle: {path}")
-    if not any(point.parallelism is not None and point.parallelism.pipeline > 1 for point in points):
+    staged = [point.parallelism for point in points if point.parallelism is not None and point.parallelism.pipeline > 1]
+    if not staged:
         raise ScenarioError(name, key, "no point of the scenario has pipeline stages to use it")
+    sizes = sorted({par.microbatches for par in staged})
+    if len(sizes) > 1:
+        raise ScenarioError(name, key, f"a trace of one microbatch fits one microbatch count; the grid has "
+                                       f"microbatches {', '.join(map(str, sizes))}")
     return path
 
 
