@@ -3,7 +3,11 @@
 ``predict(setting, captures, work)`` builds the scenario a user would write for the setting: its
 one-rank capture (the rank's batch), the lab's machines and workers on the links calibrated at
 its bandwidth (``lab/validate.py``'s ``links``, kept in ``work``), DDP as the framework and the
-setting's ``parallelism:`` block, and returns the predicted steady iteration in milliseconds.
+setting's ``parallelism:`` block, with a pipeline's microbatch capture as its
+``microbatch_trace`` (a user profiles one microbatch too), and returns the predicted steady
+iteration in milliseconds. Where the lab runs a machine's workers on fewer cores than workers
+(``lab/cluster.py``'s ``pin``: 2 machines x 2 workers on a 2-core box), the cluster says so
+(``cores_per_machine``).
 
     sudo .venv/bin/python bench/parallel_validation.py --variants fsdp --bandwidths 200 --no-loopback \\
         --predictor parallel_predictor:predict
@@ -14,6 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+from whatif.lab.cluster import box_cores, pin
 from whatif.lab.parallel import LOOPBACK_MBPS, ParallelSetting
 from whatif.lab.validate import links
 from whatif.pipeline import predict as run_pipeline
@@ -29,11 +34,18 @@ def scenario(setting: ParallelSetting, captures: dict, work: Path, links_file: O
     """The scenario a user would write for ``setting``, on ``links_file`` (default: the lab's
     calibration at its bandwidth, kept in ``work``)."""
     bandwidth = LOOPBACK_MBPS if setting.bandwidth_mbps is None else setting.bandwidth_mbps
+    parallelism = setting.parallelism()
+    if "microbatch" in captures and isinstance(parallelism.get("pipeline"), dict):
+        parallelism["pipeline"] = {**parallelism["pipeline"], "microbatch_trace": str(captures["microbatch"])}
+    cluster = {"machines": setting.machines, "gpus_per_machine": setting.gpus_per_machine,
+               "links": str(links_file or links(bandwidth, work))}
+    cores = len({core for rank in range(setting.gpus_per_machine) for core in pin(setting.spec(), rank, box_cores())})
+    if cores < setting.gpus_per_machine:
+        cluster["cores_per_machine"] = cores
     doc = {
         "trace": str(captures["step"]),
-        "cluster": {"machines": setting.machines, "gpus_per_machine": setting.gpus_per_machine,
-                    "links": str(links_file or links(bandwidth, work))},
+        "cluster": cluster,
         "framework": "ddp",
-        "parallelism": setting.parallelism(),
+        "parallelism": parallelism,
     }
     return Scenario.from_dict(doc, base_dir=work)

@@ -318,3 +318,27 @@ def test_on_a_gpu_trace_the_gpu_streams_wait_for_the_gathers_not_the_cpu(gpu_stu
         assert out.tasks["kind"].iloc[waiters].isin(gpu_kinds).all()
     steady = slice(1, None)  # the first profiled step is short: the profiler starts mid-step
     assert (predicted_ms(gpu_study, out)[steady] > base[steady] * 1.2).all()
+
+
+def test_data_groups_crossing_one_nic_at_once_each_get_their_share_of_it(study, units):
+    """On 2 machines x 2 GPUs with tensor 2 (the lab's FSDP+TP), rank 0's data group (0, 2) and
+    the other one (1, 3) cross each machine's NIC at the same time: every collective takes what
+    it takes on half the NIC (twice as long, with no latency); with data 4, one group fills the
+    machines and has the NIC to itself."""
+    from whatif.sim.parallel.placement import nic_sharing, with_nic_shared
+    from whatif.topology import collective_cost
+
+    nic = Cluster(machines=2, gpus_per_machine=2, intra_node=Link(1e12, 0.0), inter_node=Link(125.0, 0.0))
+    assert nic_sharing(nic, (0, 2)) == 2 and nic_sharing(nic, RANKS) == 1 and nic_sharing(nic, (0, 1)) == 1
+    par = Parallelism(data=2, tensor=2, zero=3)
+    out = apply_fsdp(study.graph, units, par, nic, {"data": (0, 2)})
+    c = out.last_note(ShardedDataParallel).collectives
+    durations = out.tasks["duration_us"].to_numpy()[c["task"].to_numpy()]
+    alone = np.array([collective_cost(nic, op, n, ranks=(0, 2)).time_us for op, n in zip(c["op"], c["nbytes"])])
+    shared = np.array([collective_cost(with_nic_shared(nic, 2), op, n, ranks=(0, 2)).time_us
+                       for op, n in zip(c["op"], c["nbytes"])])
+    assert len(c) and np.allclose(durations, shared) and np.allclose(durations, 2 * alone)
+    whole = apply_fsdp(study.graph, units, Parallelism(data=4, zero=3), nic, {"data": RANKS})
+    c4 = whole.last_note(ShardedDataParallel).collectives
+    assert np.allclose(whole.tasks["duration_us"].to_numpy()[c4["task"].to_numpy()],
+                       [collective_cost(nic, op, n, ranks=RANKS).time_us for op, n in zip(c4["op"], c4["nbytes"])])

@@ -91,9 +91,22 @@ def test_memory_options():
     ({"recompute": []}, 4, "parallelism.recompute: an empty list"),
     ({"zero": 5}, 4, "parallelism.zero: expected 0, 1, 2 or 3"),
     ({"optimizer": "lamb"}, 4, "parallelism.optimizer: unknown value 'lamb'"),
+    ({}, 4, "cluster.cores_per_machine: must be positive, got 0", ),
+    ({"pipeline": {"stages": 2, "microbatches": 2, "microbatch_trace": "nowhere.bundle"}}, 4,
+     "parallelism.pipeline.microbatch_trace: no such trace or bundle: nowhere.bundle"),
+    ({"pipeline": {"stages": 2, "microbatches": 2, "microbatch_trace": 3}}, 4,
+     "parallelism.pipeline.microbatch_trace: expected the path of a trace or bundle, got 3"),
+    ({"pipeline": {"stages": 1, "microbatch_trace": str(TRANSFORMER)}}, 4,
+     "parallelism.pipeline.microbatch_trace: no point of the scenario has pipeline stages to use it"),
+    ({"pipeline": {"stages": 2, "microbatches": [2, 4], "microbatch_trace": str(TRANSFORMER)}}, 4,
+     "parallelism.pipeline.microbatch_trace: a trace of one microbatch fits one microbatch count; the grid has "
+     "microbatches 2, 4"),
 ])
 def test_mistakes_are_one_line_naming_the_key(block, gpus, message):
     with pytest.raises(ScenarioError) as err:
+        if message.startswith("cluster."):
+            Scenario.from_dict({"trace": str(TRANSFORMER), "cluster": {"machines": 1, "gpus_per_machine": gpus,
+                                                                      "cores_per_machine": 0, **LINKS}}, name="s.yaml")
         _scenario(block, gpus)
     assert str(err.value).startswith("s.yaml: " + message) and "\n" not in str(err.value)
 
@@ -169,3 +182,48 @@ def test_the_plot_splits_exposed_communication_by_dimension(tmp_path):
     assert frame.loc[0, "plot_exposed_other"] == 20.0  # plain data parallelism: the cluster's own
     plot_scenario(results, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").stat().st_size > 0
+
+
+def test_a_microbatch_trace_prices_the_pipeline_microbatches():
+    """``parallelism.pipeline.microbatch_trace`` reaches the pipeline pass: with the batch's own
+    trace as the microbatch's, a microbatch costs what the batch did, so the step is longer than
+    with the linear rule's quarter, and the pass says which rule it used."""
+    from whatif.sim.parallel.pipeline import PipelineSchedule
+
+    block = {"pipeline": {"stages": 2, "microbatches": 4, "schedule": "gpipe"}}
+    linear = _scenario(block, gpus=2)
+    measured = _scenario({"pipeline": {**block["pipeline"], "microbatch_trace": str(TRANSFORMER)}}, gpus=2)
+    assert linear.microbatch_trace is None and measured.microbatch_trace == TRANSFORMER
+    assert measured.request().microbatch_trace == TRANSFORMER
+    steps = {}
+    for name, scenario in (("linear", linear), ("measured", measured)):
+        prediction = predict(scenario.request())
+        steps[name] = float(prediction.results["iteration_ms"].iloc[0])
+        note = next(iter(prediction.runs.values())).schedule.graph.last_note(PipelineSchedule)
+        assert note.scaling.startswith("from the microbatch trace" if name == "measured" else "linear in the batch")
+    assert steps["measured"] > 1.5 * steps["linear"]
+
+
+def test_workers_sharing_a_core_share_its_time():
+    """A machine of two CPU workers on one core (``cores_per_machine: 1``, the lab's 2 x 2): every
+    CPU task of the rank takes twice as long, its communication as long as on a core each."""
+    from whatif.sim.graph import cpu_work
+    from whatif.sim.parallel.job import cores_shared, simulate_job
+
+    study = TraceStudy.from_trace(TRANSFORMER)
+    graph = study.graph.copy()
+    graph.remove(graph.select(kinds=[TaskKind.COMM]))
+    units = find_units(graph)
+    runs = {}
+    for cores in (None, 1):
+        cluster = Cluster.from_config({"machines": 2, "gpus_per_machine": 2, "cores_per_machine": cores, **LINKS})
+        assert cores_shared(cluster) == (2.0 if cores else 1.0)
+        job = parallelize(graph, units, Parallelism(data=2, tensor=2, zero=3), cluster)
+        runs[cores] = (job, simulate_job(job, cluster))
+    (job, alone), (_, shared) = runs[None], runs[1]
+    work, comm = cpu_work(job.graph.tasks), job.comm_tasks()
+    assert len(work) and len(comm)
+    took = lambda s, ids: (s.end_us[ids] - s.start_us[ids]).sum()  # noqa: E731
+    assert took(shared, work) == pytest.approx(2 * took(alone, work), rel=1e-6)
+    assert took(shared, comm) == pytest.approx(took(alone, comm), rel=1e-6)
+    assert shared.makespan_us > alone.makespan_us

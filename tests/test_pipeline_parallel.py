@@ -48,7 +48,8 @@ def synthetic(n_units: int, forward_us: float, backward_us: float, activation_by
 
 
 def par(p, m, schedule="1f1b", v=1, partition="balanced"):
-    return SimpleNamespace(pipeline=p, microbatches=m, schedule=schedule, virtual_stages=v, partition=partition)
+    return SimpleNamespace(pipeline=p, microbatches=m, schedule=schedule, virtual_stages=v, partition=partition,
+                           units=None)
 
 
 def run(graph, units, parallelism, cluster=None):
@@ -287,3 +288,56 @@ def test_interleaved_stages_alternate_devices(real):
     assert note.stages["device"].tolist() == [0, 1, 0, 1]
     assert len(note.transfers) == 2 * (p * v - 1) * m
     assert bubbles(simulate(built))["fill_drain"].iat[0] > 0
+
+
+# -- a microbatch trace ----------------------------------------------------------------------------
+
+
+def _rescaled(graph, factor: float):
+    """``graph`` with every task ``factor`` times as long: a stand-in for the same model traced at
+    a microbatch (the same units, tasks and order)."""
+    out = graph.copy()
+    out.tasks["duration_us"] = out.tasks["duration_us"] * factor
+    return out
+
+
+def test_a_microbatch_trace_gives_each_unit_phase_its_measured_time(real):
+    """With the trace itself as the microbatch trace every unit keeps its traced forward and
+    backward time (m=1's stages) whatever m; with a trace twice as fast it takes half of it, and
+    the rule says how many unit phases it measured."""
+    graph, units, _ = real
+    if graph.workload.has_gpu:
+        pytest.skip("its units are found by a pattern; the CPU bundles' by their layers")
+    p = min(len(units.table), 2)
+    whole = apply_pipeline(graph, units, par(p, 1), None, {}).last_note(PipelineSchedule)
+    same = apply_pipeline(graph, units, par(p, 4), None, {}, microbatch=graph).last_note(PipelineSchedule)
+    half = apply_pipeline(graph, units, par(p, 4), None, {}, microbatch=_rescaled(graph, 0.5)).last_note(PipelineSchedule)
+    assert same.scaling.startswith("from the microbatch trace (")
+    measured, groups = (int(n) for n in same.scaling.split("(")[1].split(" unit phases")[0].split(" of "))
+    assert 0 < measured == groups
+    for column in ("forward_us", "backward_us"):
+        assert np.allclose(same.stages[column], whole.stages[column], rtol=1e-9)
+        assert np.allclose(half.stages[column], 0.5 * whole.stages[column], rtol=1e-9)
+
+
+def test_a_microbatch_trace_of_another_model_is_refused(real):
+    """The convnet's bundle is no microbatch of the transformer (nor the other way round)."""
+    from trace_corpus import REPO
+    from whatif import TraceStudy
+    from whatif.sim.graph import GraphError
+
+    graph, units, _ = real
+    if graph.workload.has_gpu:
+        pytest.skip("the CPU bundles are each other's other model")
+    other = "convnet" if len(units.table) != len(_bundle_units("convnet")) else "transformer"
+    microbatch = TraceStudy.from_trace(REPO / f"data/{other}_cpu.bundle").graph
+    with pytest.raises(GraphError, match=r"^the microbatch trace has \d+ units where the trace has \d+: it must be"):
+        apply_pipeline(graph, units, par(2, 4), None, {}, microbatch=microbatch)
+
+
+def _bundle_units(model: str):
+    from trace_corpus import REPO
+    from whatif import TraceStudy
+    from whatif.sim.parallel.units import find_units
+
+    return find_units(TraceStudy.from_trace(REPO / f"data/{model}_cpu.bundle").graph).table

@@ -63,7 +63,8 @@ _FRAMEWORK_LOOP = re.compile(r"[a-z][a-z0-9]*_loop")  # a framework's background
 _LINK_KEYS = ("preset", "bandwidth", "latency", "efficiency", "cpu_contention", "collectives", "note")
 #: The Gloo ops a link may carry calibrated figures of its own for (``Link.collectives``).
 CALIBRATED_OPS = ("all_gather", "reduce_scatter", "all_to_all", "send_recv")
-CLUSTER_KEYS = ("machines", "gpus_per_machine", "intra_node", "inter_node", "server_machines", "shared_memory", "name", "note")
+CLUSTER_KEYS = ("machines", "gpus_per_machine", "intra_node", "inter_node", "server_machines", "shared_memory", "name", "note",
+                "cores_per_machine")
 CLUSTER_KEYS += ("backend",) + FABRIC_KEYS
 BACKENDS = ("nccl", "gloo")
 _SHARED_MEMORY_KEYS = ("among", "core_bandwidth", "total_bandwidth", "compute", "note")
@@ -414,6 +415,9 @@ class Cluster:
     machines talk through their NICs, ``inter_node``, over a non-blocking switch, so the only
     shared capacity between machines is each NIC's egress and ingress. ``server_machines`` are
     extra GPU-less machines with the same NIC, for dedicated parameter servers.
+    ``cores_per_machine``: the CPU cores a machine's CPU workers run on, where they are fewer than
+    its workers (None: a core for each; the lab's 2 machines x 2 workers on a 2-core box have 1):
+    ``sim/parallel/job.py`` shares them out.
     """
 
     machines: int
@@ -425,6 +429,7 @@ class Cluster:
     shared_memory: Optional[SharedMemory] = None
     backend: str = "gloo"
     fabric: Optional[Fabric] = None
+    cores_per_machine: Optional[int] = None
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -438,6 +443,8 @@ class Cluster:
         _count(self.machines, "machines", 1)
         _count(self.gpus_per_machine, "gpus_per_machine", 1)
         _count(self.server_machines, "server_machines", 0)
+        if self.cores_per_machine is not None:
+            _count(self.cores_per_machine, "cores_per_machine", 1)
         for kind in LINK_KINDS:
             if not isinstance(getattr(self, kind), Link):
                 raise TopologyError(kind, f"expected a Link, got {getattr(self, kind)!r}")
@@ -534,6 +541,8 @@ class Cluster:
             ),
             backend=backend,
             fabric=fabric,
+            cores_per_machine=(None if config.get("cores_per_machine") is None
+                               else _count(config["cores_per_machine"], _join(key, "cores_per_machine"), 1)),
         )
         if cluster.fabric is not None and config.get("nccl") and fabric is None:
             calibration = Calibration.from_config(config["nccl"], _join(key, "nccl"))

@@ -131,6 +131,7 @@ class Request:
     gradient_total: Optional[float] = None
     optimizer: str = "adam"  # a parallel configuration's memory count (sim/parallel/memory.py)
     gpu_memory_bytes: Optional[float] = None  # what it must fit in; None: the cluster's GPUs', if known
+    microbatch_trace: Union[str, Path, None] = None  # the model traced at a pipeline's microbatch
 
 
 @dataclass
@@ -269,6 +270,21 @@ def _study(request: Request) -> TraceStudy:
     return TraceStudy.from_trace(request.trace, request.iteration)
 
 
+def _microbatch_graph(request: Request) -> Optional[TaskGraph]:
+    """The microbatch trace's graph, read as the trace is (its profiler overhead removed where its
+    bundle timed plain steps), without its own communication; None without one."""
+    if request.microbatch_trace is None:
+        return None
+    study = TraceStudy.from_trace(request.microbatch_trace, request.iteration)
+    graph = study.graph
+    unprofiled_ms = graph.workload.unprofiled_step_ms
+    if request.remove_profiler_overhead and unprofiled_ms is not None and len(unprofiled_ms):
+        graph = remove_profiler_overhead(graph, study.iterations, unprofiled_ms)
+    graph = graph.copy()
+    graph.remove(graph.select(kinds=[TaskKind.COMM]))
+    return graph
+
+
 def _models(perfmodel: Union[PerfModels, str, Path, None]) -> PerfModels:
     if isinstance(perfmodel, PerfModels):
         return perfmodel
@@ -284,7 +300,8 @@ def _simulate_clusters(prediction: Prediction, sweep: Sweep) -> None:
     without_comm.remove(without_comm.select(kinds=[TaskKind.COMM]))
     gradients = find_gradients(without_comm, study.iterations, request.gradient_sizes, request.gradient_total)
     grid = _Grid(worker, without_comm, gradients, study.iterations, pass_rate_bytes_per_us(study.graph),
-                 prediction.iteration_ms, prediction.iteration_interval, request.optimizer, request.gpu_memory_bytes)
+                 prediction.iteration_ms, prediction.iteration_interval, request.optimizer, request.gpu_memory_bytes,
+                 _microbatch_graph(request))
     rows, runs = zip(*run_sweep(_configuration, grid, request.clusters, sweep))
     labels = configuration_labels(list(rows), request.clusters)
     prediction.results = pd.DataFrame(list(rows))
@@ -305,6 +322,7 @@ class _Grid:
     iteration_interval: tuple  # and its interval, which a pipeline's step borrows
     optimizer: str
     gpu_memory_bytes: Optional[float]
+    microbatch: Optional[TaskGraph] = None  # the microbatch trace's graph, without its communication
     units: dict = field(default_factory=dict)  # parallelism.units -> the worker's units, found once
 
 
@@ -324,7 +342,7 @@ def _simulated(grid: _Grid, config: ClusterConfig) -> tuple[dict, ClusterSchedul
     par = config.parallelism
     if par is not None and par.families():
         job = parallelize(grid.without_comm, _units(grid.units, grid.without_comm, par, True), par, config.cluster,
-                          grid.optimizer, grid.gpu_memory_bytes)
+                          grid.optimizer, grid.gpu_memory_bytes, grid.microbatch)
         schedule = simulate_job(job, config.cluster)
         run = ClusterSchedule(schedule, job.comm_tasks(), job.rank0(), 0.0, 0.0)
         report = _job_report(schedule, grid.iterations, run.worker0)

@@ -29,7 +29,8 @@ A scenario file looks like::
       zero: 3                                         # 0 (DDP) | 1 | 2 | 3, or fsdp: true (= zero 3)
       tensor: 2
       sequence_parallel: true
-      pipeline: {stages: 2, microbatches: 8, schedule: 1f1b, virtual_stages: 1, partition: balanced}
+      pipeline: {stages: 2, microbatches: 8, schedule: 1f1b, virtual_stages: 1, partition: balanced,
+                 microbatch_trace: mb.bundle}       # optional: the model traced at one microbatch
       expert: 2                                       # carved out of the data ranks
       recompute: selective                            # none | selective | full
       placement: [tensor, data, pipeline]             # fastest-varying first
@@ -94,7 +95,7 @@ _CLUSTER_DEFAULTS = {"machines": 1, "gpus_per_machine": 1}
 _GRID_KEYS = ("cluster", "framework", "policy", "parallelism")
 _PARALLELISM_KEYS = ("data", "fsdp", "zero", "reshard_after_forward", "tensor", "sequence_parallel", "pipeline",
                      "expert", "recompute", "placement", "units", "optimizer", "gpu_memory")
-_PIPELINE_KEYS = ("stages", "microbatches", "schedule", "virtual_stages", "partition")
+_PIPELINE_KEYS = ("stages", "microbatches", "schedule", "virtual_stages", "partition", "microbatch_trace")
 #: parallelism keys that take a list as one value: a grid over them is a list of lists
 _LIST_VALUED = ("placement", "pipeline.partition")
 
@@ -140,6 +141,7 @@ class Scenario:
     perfmodel: Optional[Path] = None
     optimizer: str = "adam"  # the memory count's (parallelism.optimizer)
     gpu_memory: Optional[float] = None  # bytes (parallelism.gpu_memory); None: the fabric GPU's
+    microbatch_trace: Optional[Path] = None  # parallelism.pipeline.microbatch_trace
 
     @classmethod
     def from_file(cls, path) -> "Scenario":
@@ -186,6 +188,7 @@ class Scenario:
             gradient_total=self.gradient_total,
             optimizer=self.optimizer,
             gpu_memory_bytes=self.gpu_memory,
+            microbatch_trace=self.microbatch_trace,
         )
 
 
@@ -314,6 +317,7 @@ def _parse(doc: Any, base_dir: Path, name: str) -> Scenario:
     scenario.remove_profiler_overhead = overhead == "remove"
     _batch_size(name, doc.get("batch_size"), scenario)
     _memory_options(name, doc.get("parallelism"), scenario)
+    scenario.microbatch_trace = _microbatch_trace(name, base_dir, doc.get("parallelism"), points)
     if doc.get("perfmodel") is not None:
         scenario.perfmodel = _path(base_dir, doc["perfmodel"])
         if not scenario.perfmodel.is_file():
@@ -540,7 +544,7 @@ def _parallelism(name: str, block: Any) -> list[dict]:
             continue
         if key == "pipeline" and isinstance(value, dict):
             _check_keys(name, value, _PIPELINE_KEYS, "parallelism.pipeline")
-            flat.update((f"pipeline.{k}", v) for k, v in value.items())
+            flat.update((f"pipeline.{k}", v) for k, v in value.items() if k != "microbatch_trace")
         else:
             flat["pipeline.stages" if key == "pipeline" else key] = value
     axes = []
@@ -604,6 +608,29 @@ def _parallelisms(name: str, grid: list[dict], cluster: Cluster) -> list[Optiona
             raise ScenarioError(name, "parallelism", str(err)) from None
         found.append(par)
     return found
+
+
+def _microbatch_trace(name: str, base_dir: Path, block: Any, points: list) -> Optional[Path]:
+    """``parallelism.pipeline.microbatch_trace``: a trace or bundle of the model at one microbatch
+    (one path, not a grid axis), for a job with pipeline stages."""
+    pipeline = block.get("pipeline") if isinstance(block, dict) else None
+    if not isinstance(pipeline, dict) or pipeline.get("microbatch_trace") is None:
+        return None
+    key = "parallelism.pipeline.microbatch_trace"
+    value = pipeline["microbatch_trace"]
+    if not isinstance(value, str):
+        raise ScenarioError(name, key, f"expected the path of a trace or bundle, got {value!r}")
+    path = _path(base_dir, value)
+    if not (path.is_file() or is_bundle(path)):
+        raise ScenarioError(name, key, f"no such trace or bundle: {path}")
+    staged = [point.parallelism for point in points if point.parallelism is not None and point.parallelism.pipeline > 1]
+    if not staged:
+        raise ScenarioError(name, key, "no point of the scenario has pipeline stages to use it")
+    sizes = sorted({par.microbatches for par in staged})
+    if len(sizes) > 1:
+        raise ScenarioError(name, key, f"a trace of one microbatch fits one microbatch count; the grid has "
+                                       f"microbatches {', '.join(map(str, sizes))}")
+    return path
 
 
 def _memory_options(name: str, block: Any, scenario: Scenario) -> None:

@@ -58,7 +58,9 @@ parallelism alone without sharding is DDP's path
 (``sim/frameworks/ddp.py``), and so is a group of one rank.
 
 Every collective is priced by ``topology.collective_cost(cluster, op, nbytes, ranks=the data
-group)``, ``nbytes`` in nccl-tests' convention (``docs/communication.md``: d times a rank's
+group)``, on the NIC's share that the group gets beside the other data groups crossing it at
+the same time (``placement.nic_sharing``: half of it for each of the lab's 2 x 2 FSDP+TP data
+groups), ``nbytes`` in nccl-tests' convention (``docs/communication.md``: d times a rank's
 shard for all-gather and reduce-scatter, which is the unit's parameter bytes; the whole buffer
 for all-reduce). Each inserted task is a COMM task whose name says its op, bytes, group and
 unit; the pass's note (:class:`ShardedDataParallel`) lists them with the algorithm and protocol
@@ -73,7 +75,8 @@ replicated, as ``examples/parallel.py`` runs them); the units' table is the whol
 
 Not modelled: FSDP2's copy-in and copy-out kernels around each collective, the padding of
 shards to a multiple of d, a mixed-precision reduce dtype, the all-gather and reduce-scatter
-queues sharing links (each collective is priced on an otherwise idle cluster), and FSDP2's
+queues sharing links with other dimensions' collectives (a data group's share of the NIC is
+its own, as if the other dimensions were idle), and FSDP2's
 memory rate limit beyond the one-unit prefetch; and, on CPU workers whose cores drive the link
 (Gloo), the CPU time the collectives take from compute (``sim/cpu_contention.py`` models it for
 the data-parallel frameworks, not here).
@@ -95,6 +98,7 @@ from . import PASSES, Parallelism
 from .units import PHASE_BACKWARD as BACKWARD
 from .units import PHASE_FORWARD as FORWARD
 from .units import PHASE_OPTIMIZER as OPTIMIZER
+from .placement import nic_sharing, with_nic_shared
 from .units import Units
 
 ROOT = -1
@@ -177,9 +181,11 @@ def apply_fsdp(graph: TaskGraph, units: Units, par: Parallelism, cluster, ranks_
     else:
         plan.sharded_optimizer(nbytes, "all_reduce" if zero == 1 else "reduce_scatter")
 
+    priced_on = with_nic_shared(cluster, nic_sharing(cluster, ranks)) if cluster is not None else None
+
     @lru_cache(maxsize=None)
     def price(op: str, size: float):
-        return collective_cost(cluster, op, size, ranks=ranks)
+        return collective_cost(priced_on, op, size, ranks=ranks)
 
     out = graph.copy()
     optimizer = np.flatnonzero((phase == OPTIMIZER) & (graph.tasks["kind"].to_numpy() != int(TaskKind.WAIT)))

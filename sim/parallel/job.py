@@ -33,7 +33,7 @@ import numpy as np
 
 from whatif.sim.cpu_contention import driving_link, with_cpu_contention
 from whatif.sim.engine import Schedule, simulate
-from whatif.sim.graph import TaskGraph, TaskKind
+from whatif.sim.graph import TaskGraph, TaskKind, cpu_work
 
 from . import PASS_ORDER, PASSES, Parallelism, ParallelismError
 from . import expert, fsdp, pipeline, tensor  # noqa: F401  (each registers its pass in PASSES)
@@ -109,15 +109,32 @@ def simulate_job(job: ParallelJob, cluster) -> Schedule:
     link has ``cpu_contention``) re-simulated with communication and compute slowing each other
     where they overlap, as the data-parallel path does (``sim/cpu_contention.py``): DDP's
     all-reduces beside expert or tensor parallelism run on Gloo's threads during backward. A
-    collective the thread waits for (FSDP2's on CPU) overlaps nothing of its own thread."""
-    schedule = simulate(job.graph)
+    collective the thread waits for (FSDP2's on CPU) overlaps nothing of its own thread.
+
+    Workers sharing cores: where a machine of CPU workers has fewer cores than workers
+    (``cluster.cores_per_machine``), its workers, running one program in lockstep, compute at
+    the same time and share the cores evenly (processor sharing): on a CPU-only trace every CPU
+    task of the rank takes ``gpus_per_machine / cores_per_machine`` times as long (a collective
+    it waits for takes no core, and keeps its time)."""
+    graph = job.graph
+    share = cores_shared(cluster)
+    if share > 1 and not graph.workload.has_gpu:
+        graph = graph.copy()
+        graph.scale(cpu_work(graph.tasks), share)
+    schedule = simulate(graph)
     link = driving_link(cluster)
     comm = job.comm_tasks()
     if link.has_cpu_contention and len(comm):
         names = job.graph.tasks["name"].astype(str).to_numpy()[comm]
         size = {int(t): comm_bytes(name) for t, name in zip(comm.tolist(), names)}
-        schedule = with_cpu_contention(job.graph, schedule, comm, size, link, lambda priced: None, len(job.graph.tasks))
+        schedule = with_cpu_contention(graph, schedule, comm, size, link, lambda priced: None, len(graph.tasks))
     return schedule
+
+
+def cores_shared(cluster) -> float:
+    """How many of a machine's workers share each of its cores (1: a core each)."""
+    cores = getattr(cluster, "cores_per_machine", None)
+    return max(1.0, cluster.gpus_per_machine / cores) if cores else 1.0
 
 
 def check_modelled(par: Parallelism) -> None:
@@ -129,10 +146,11 @@ def check_modelled(par: Parallelism) -> None:
 
 
 def parallelize(graph: TaskGraph, units: Units, par: Parallelism, cluster,
-                optimizer: str = "adam", gpu_memory: Optional[float] = None) -> ParallelJob:
+                optimizer: str = "adam", gpu_memory: Optional[float] = None,
+                microbatch: Optional[TaskGraph] = None) -> ParallelJob:
     """Rank 0's graph of ``par`` on ``cluster``: the registered passes applied in
     :data:`PASS_ORDER`, and the memory per GPU (``gpu_memory``: bytes, None: the cluster's GPUs',
-    if known)."""
+    if known). ``microbatch``: the model traced at one microbatch, for the pipeline pass."""
     check_modelled(par)
     all_groups = groups(par, cluster)
     mine = ranks_of(all_groups, 0)
@@ -141,7 +159,8 @@ def parallelize(graph: TaskGraph, units: Units, par: Parallelism, cluster,
     for family in PASS_ORDER:
         if family not in par.families():
             continue
-        result = PASSES[family](graph, units, par, cluster, mine)
+        extra = {"microbatch": microbatch} if family == "pipeline" and microbatch is not None else {}
+        result = PASSES[family](graph, units, par, cluster, mine, **extra)
         graph, units = result if isinstance(result, tuple) else (result, find_units(result, par.units))
         applied.append(family)
     return ParallelJob(par, graph, units, all_groups, mine, applied, memory,

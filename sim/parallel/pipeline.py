@@ -10,11 +10,22 @@ holding every device, whose resources are named ``stage D: <the traced resource>
   iteration ends with the last backward or optimizer task on a CPU thread before the next
   forward). Each device gets, for every microbatch and chunk, a copy of that iteration's forward
   and backward tasks of the chunk's units, with the edges between them. Their durations are those
-  of the traced batch scaled to a microbatch (``batch / m``): through the operator performance
-  models when ``models`` are given and the trace is CPU-only (``passes/batch_size.py``, the
-  same rule as ``--batch-size``), else linearly: GPU tasks take ``1/m`` of their time, CPU
-  operators too on a CPU-only trace; runtime calls, the gaps between operators and every CPU task
-  of a GPU trace keep their traced time (a launch costs what it costs whatever the batch).
+  of the traced batch at a microbatch (``batch / m``), by the first rule that applies:
+
+  1. **a microbatch trace** (``microbatch``: the graph of a run at the microbatch, the
+     scenario's ``parallelism.pipeline.microbatch_trace``): each unit's forward and its backward
+     take what they took there. In its iteration of median length, the time of the unit's tasks
+     in that phase (CPU-side and GPU-side apart; the forward and backward tasks outside every
+     unit as one more group per phase) over the same in the traced iteration is the factor of
+     every task of the group: a measured microbatch, fixed per-operator costs included (a CPU
+     operator's time is not linear in its batch: the example transformer's whole step takes 67
+     ms at a microbatch of 2 where a quarter of its batch-8 step is 45 ms). A group the
+     microbatch trace lacks, or whose traced time is zero, falls to the next rule;
+  2. the operator performance models, when ``models`` are given and the trace is CPU-only
+     (``passes/batch_size.py``, the same rule as ``--batch-size``);
+  3. linearly: GPU tasks take ``1/m`` of their time, CPU operators too on a CPU-only trace;
+     runtime calls, the gaps between operators and every CPU task of a GPU trace keep their
+     traced time (a launch costs what it costs whatever the batch).
 * **Which units make a stage**: contiguous spans, balanced (the largest span's forward and
   backward time as small as it goes, the non-unit work at the ends counted) or as many units per
   virtual stage as ``partition`` lists.
@@ -68,7 +79,7 @@ from ..engine import Schedule
 from ..graph import GPU_TASK_KINDS, EdgeKind, GraphError, TaskGraph, TaskKind, concat_tasks
 from ..passes.batch_size import change_batch_size, infer_batch_size, parameter_shapes
 from . import PASSES
-from .units import Units
+from .units import Units, find_units
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 FORWARD, BACKWARD = 1, 2  # the phases of Units.task_phase
@@ -186,14 +197,16 @@ class PipelineSchedule:
         )
 
 
-def apply_pipeline(graph: TaskGraph, units, par, cluster, ranks_of: dict, *, models=None) -> TaskGraph:
+def apply_pipeline(graph: TaskGraph, units, par, cluster, ranks_of: dict, *, models=None,
+                   microbatch: Optional[TaskGraph] = None) -> TaskGraph:
     """The traced iteration as a pipeline of ``par.pipeline`` stages (see the module doc).
 
     ``units``: :class:`~.units.Units` of ``graph``; ``par``: the :class:`~.Parallelism` (its
     ``pipeline``, ``microbatches``, ``schedule``, ``virtual_stages``, ``partition``);
     ``ranks_of["pipeline"]``: the GPU of each stage (default ``0 .. p-1``), for pricing the
     transfers on ``cluster`` (None: transfers take no time); ``models``: operator performance models to scale a CPU-only trace
-    to a microbatch. Returns one graph with every device (``stage D: ...`` resources); its last
+    to a microbatch; ``microbatch``: the graph of the same model traced at the microbatch (its
+    units found with ``par.units``), whose measured unit times a microbatch takes. Returns one graph with every device (``stage D: ...`` resources); its last
     note is a :class:`PipelineSchedule`.
     """
     p, m, v = int(par.pipeline), int(par.microbatches), int(par.virtual_stages)
@@ -206,6 +219,8 @@ def apply_pipeline(graph: TaskGraph, units, par, cluster, ranks_of: dict, *, mod
     phase = np.asarray(units.task_phase)
     in_iteration, window = _one_iteration(graph, units)
     duration, scaling = _microbatch_durations(graph, units, m, models)
+    if microbatch is not None and m > 1:
+        duration, scaling = _measured_microbatch(graph, units, in_iteration, microbatch, par.units, duration, scaling)
     # a unit's cost: its microbatch's forward and backward with what goes with it (the
     # embedding with the first unit, the head and loss with the last); GPU time on a GPU trace
     n = len(table)
@@ -273,9 +288,9 @@ def apply_pipeline(graph: TaskGraph, units, par, cluster, ranks_of: dict, *, mod
     return out
 
 
-def _pipeline_pass(graph: TaskGraph, units, par, cluster, ranks_of: dict) -> tuple:
+def _pipeline_pass(graph: TaskGraph, units, par, cluster, ranks_of: dict, microbatch: Optional[TaskGraph] = None) -> tuple:
     """:func:`apply_pipeline` as ``parallelize`` calls a pass: the graph with its units."""
-    built = apply_pipeline(graph, units, par, cluster, ranks_of)
+    built = apply_pipeline(graph, units, par, cluster, ranks_of, microbatch=microbatch)
     return built, built.last_note(PipelineSchedule).units
 
 
@@ -398,6 +413,39 @@ def _microbatch_durations(graph: TaskGraph, units, m: int, models) -> tuple[np.n
     linear = gpu | ((kind == int(TaskKind.CPU)) & (not graph.workload.has_gpu))
     rule = "GPU tasks" if graph.workload.has_gpu else "CPU operators"
     return np.where(in_pass & linear, traced / m, traced), f"linear in the batch: {rule} at 1/{m}, the rest as traced"
+
+
+def _measured_microbatch(graph: TaskGraph, units, in_iteration: np.ndarray, microbatch: TaskGraph, pattern,
+                         fallback: np.ndarray, fallback_rule: str) -> tuple[np.ndarray, str]:
+    """Every forward and backward task's duration at a microbatch, from a trace of the microbatch
+    (rule 1 of the module doc); the groups it does not measure keep ``fallback``."""
+    micro_units = find_units(microbatch, pattern)
+    if len(micro_units.table) != len(units.table):
+        raise GraphError(f"the microbatch trace has {len(micro_units.table)} units where the trace has "
+                         f"{len(units.table)}: it must be the same model")
+    micro_iteration, _ = _one_iteration(microbatch, micro_units)
+    step_key, step_time = _phase_groups(graph, units, in_iteration)
+    _, micro_time = _phase_groups(microbatch, micro_units, micro_iteration)
+    factor = {key: micro_time[key] / time for key, time in step_time.items() if time > 0 and key in micro_time}
+    per_task = np.array([factor.get(key, np.nan) for key in step_key.tolist()]) if len(step_key) else np.zeros(0)
+    measured = np.isfinite(per_task)
+    traced = graph.tasks["duration_us"].to_numpy(dtype=float)
+    rule = f"from the microbatch trace ({len(factor)} of {len(step_time)} unit phases measured"
+    rule += ")" if len(factor) == len(step_time) else f"; the rest {fallback_rule})"
+    return np.where(measured, traced * np.nan_to_num(per_task), fallback), rule
+
+
+def _phase_groups(graph: TaskGraph, units, among: np.ndarray) -> tuple[np.ndarray, dict]:
+    """Each task's group (unit, phase and side: -1 for a task not in a forward or backward of
+    ``among``), and each group's task time in ``among``."""
+    phase = np.asarray(units.task_phase)
+    unit = np.asarray(units.task_unit)
+    in_pass = among & np.isin(phase, [FORWARD, BACKWARD])
+    key = np.where(in_pass, (unit + 1) * 8 + phase * 2 + (~_cpu_side(graph)).astype(np.int64), -1)
+    duration = graph.tasks["duration_us"].to_numpy(dtype=float)
+    totals = np.bincount(key[in_pass], weights=duration[in_pass]) if in_pass.any() else np.zeros(0)
+    present = np.unique(key[in_pass])
+    return key, {int(k): float(totals[k]) for k in present}
 
 
 def _stage_of_tasks(graph: TaskGraph, units, stage_of_unit: np.ndarray, in_iteration: np.ndarray, stages: int) -> np.ndarray:
