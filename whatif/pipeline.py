@@ -38,8 +38,8 @@ profiler's overhead is removed (``remove_profiler_overhead=True``) wherever the 
 timed: by a capture bundle's unprofiled warm-up steps, or as ``unprofiled_ms``. That holds for
 ``simulate`` and ``predict`` alike, and for the benches and the lab that hold predictions
 against real runs. A replay keeps it: ``replay`` and ``critical-path`` check and explain the
-trace as it was measured, so ``critical-path`` asks for ``remove_profiler_overhead=False``. A plain trace file
-has no unprofiled steps, and nothing is removed from it either way. The traced batch size is
+trace as it was measured, so ``critical-path`` asks for ``remove_profiler_overhead=False``. A
+plain trace file has no unprofiled steps, and nothing is removed from it either way. The traced batch size is
 the one given, else the bundle's, else inferred from the first layer's input.
 """
 
