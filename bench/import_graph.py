@@ -4,9 +4,12 @@ The modules are the ``.py`` files of the packages ``pyproject.toml`` installs, n
 ``package-dir`` maps the folders (``sim/engine.py`` is ``whatif.sim.engine``). Every ``import``
 and ``from ... import`` in a module, at any depth (a function-level import may not hide a cycle
 either), is an edge to the ``whatif`` module it names: ``from P import name`` to ``P.name`` where
-that is a module, else to ``P``. The import of a package's ``__init__`` that Python makes before
-any of its submodules is not an edge: ``whatif/__init__.py`` gathers the facade, and every
-module of the package would otherwise reach it.
+that is a module, else to ``P``. A module that imports by name (``importlib.import_module``:
+``whatif.cli`` imports only the command's module, the facade a name's module on first use) has an
+edge to every ``whatif`` module whose dotted name it spells as a string. The import of a
+package's ``__init__`` that Python makes before any of its submodules is not an edge:
+``whatif/__init__.py`` gathers the facade, and every module of the package would otherwise
+reach it.
 
 The rules:
 
@@ -48,9 +51,14 @@ def modules(repo: Path = REPO) -> dict[str, Path]:
 def imports(module: str, path: Path, known: set) -> set[str]:
     """The modules of ``known`` that ``module`` (the file ``path``) imports, relative ones resolved."""
     package = module if path.stem == "__init__" else module.rpartition(".")[0]
-    names = set()
+    names, spelt = set(), set()
+    by_name = False
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            spelt.add(node.value)
+        elif isinstance(node, ast.Attribute) and node.attr == "import_module":
+            by_name = True
+        elif isinstance(node, ast.Import):
             names |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
             parts = package.split(".")
@@ -58,6 +66,8 @@ def imports(module: str, path: Path, known: set) -> set[str]:
             source = ".".join(p for p in (base, node.module) if p)
             for alias in node.names:
                 names.add(f"{source}.{alias.name}" if f"{source}.{alias.name}" in known else source)
+    if by_name:
+        names |= spelt
     return {name for name in names if name in known and name != module}
 
 

@@ -35,7 +35,7 @@ import pandas as pd
 
 from whatif.collectors.bundle import BundledTrace
 from whatif.collectors.diagnostics import plural, warn
-from whatif.collectors.kineto import CPU_KINDS, EventKind, KinetoTrace, element_bytes
+from whatif.collectors.kineto import CPU_KINDS, EventKind, KinetoTrace, categorical_of, element_bytes
 
 from .graph import EdgeKind, GraphError, TaskGraph, TaskKind
 from .workload import (
@@ -212,7 +212,9 @@ class _Builder:
         self.kinds = ev["kind"].to_numpy()
         self.ts = ev["ts_us"].to_numpy()
         self.end = self.ts + ev["dur_us"].to_numpy()
-        self.names = ev["name"].cat.categories.to_numpy(dtype=object)[ev["name"].cat.codes.to_numpy()].tolist()
+        self.name_labels = ev["name"].cat.categories.to_numpy(dtype=object)
+        self.name_codes = ev["name"].cat.codes.to_numpy().astype(np.int64)
+        self.names = self.name_labels[self.name_codes].tolist()
         self.thread_codes = ev["thread"].cat.codes.to_numpy()
         self.thread_labels = list(ev["thread"].cat.categories)
         self.correlation = ev["correlation"].to_numpy()
@@ -277,9 +279,8 @@ class _Builder:
             [int(TaskKind.MEMCPY), int(TaskKind.MEMSET)],
             int(TaskKind.KERNEL),
         )
-        self.gpu_names = [self.names[r] for r in rows.tolist()]
-        is_comm = np.array([any(m in nm.lower() for m in _COMM_MARKERS) for nm in self.gpu_names], dtype=bool)
-        kind[is_comm] = int(TaskKind.COMM)
+        comm_name = np.array([any(m in nm.lower() for m in _COMM_MARKERS) for nm in self.name_labels.tolist()], dtype=bool)
+        kind[comm_name[self.name_codes[rows]]] = int(TaskKind.COMM)
         self.gpu_kind = kind
         self.gpu_threads = codes[rows]
         self.same_stream = np.flatnonzero(self.gpu_threads[1:] == self.gpu_threads[:-1])
@@ -474,26 +475,26 @@ class _Builder:
         ctx_text = np.asarray(ctx_text + [""], dtype=object)
         operator = np.asarray(ctx_operator + [""], dtype=object)
         layer = np.asarray(ctx_layer + [""], dtype=object)
-        cpu_names = [
-            "cpu gap" if gap else self.names[o] for o, gap in zip(self.owner.tolist(), self.unnamed.tolist())
-        ]
+        gap = len(self.name_labels)  # the code of the name "cpu gap", after the events' names
+        cpu_name = np.where(self.unnamed, gap, self.name_codes[np.maximum(self.owner, 0)])
+        name = np.concatenate([cpu_name, self.name_codes[self.gpu_rows]])
         resource_label = np.asarray(
             [("cpu " + label) if c in self.cpu_threads else label for c, label in enumerate(self.thread_labels)],
             dtype=object,
         )
         tasks = pd.DataFrame(
             {
-                "name": pd.Categorical(cpu_names + self.gpu_names),
+                "name": categorical_of(np.append(self.name_labels, "cpu gap"), name),
                 "kind": task_kind,
-                "resource": pd.Categorical(resource_label[self.resource_code]),
+                "resource": categorical_of(resource_label, self.resource_code),
                 "duration_us": duration,
                 "release_us": np.full(len(start), -np.inf),
                 "order_key": start.copy(),
                 "measured_start_us": start,
                 "measured_end_us": finish,
-                "context": pd.Categorical(ctx_text[ctx]),
-                "operator": pd.Categorical(operator[ctx]),
-                "layer": pd.Categorical(layer[ctx]),
+                "context": categorical_of(ctx_text, ctx),
+                "operator": categorical_of(operator, ctx),
+                "layer": categorical_of(layer, ctx),
                 "event": np.concatenate([self.owner, self.gpu_rows]),
             }
         )

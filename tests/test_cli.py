@@ -145,6 +145,31 @@ def test_the_installed_command_runs_a_replay(tmp_path):
     assert [it["name"] for it in json.loads(result.stdout)["iterations"]] == BUNDLED_STEPS
 
 
+def test_a_replay_imports_neither_the_pipeline_nor_the_other_commands():
+    """``whatif replay`` of one trace loads only what it runs: not the cluster simulation, the
+    topology or the other commands' modules, which cost it a second of its start-up."""
+    code = ("import sys; from whatif.cli import main; status = main(['replay', sys.argv[1], '--json']); "
+            "print(sorted(m for m in sys.modules if m.startswith('whatif.')), file=sys.stderr); sys.exit(status)")
+    result = subprocess.run([sys.executable, "-c", code, str(BUNDLED_TRACE)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    loaded = set(eval(result.stderr.strip().splitlines()[-1]))
+    assert "whatif.commands.simulate" in loaded
+    assert not loaded & {"whatif.pipeline", "whatif.sim.distributed", "whatif.topology", "whatif.commands.predict",
+                         "whatif.commands.advise", "whatif.lab.cli", "whatif.sim.multirank"}
+
+
+def test_the_command_table_names_every_command_of_each_module():
+    """``whatif.cli.COMMAND_MODULES`` picks the one module to import by the command's name: its
+    names must be the commands each module adds."""
+    from whatif import cli
+
+    _, owner = cli._parser([])
+    added: dict = {}
+    for command, module in owner.items():
+        added.setdefault(module.__name__, set()).add(command)
+    assert added == {module: set(commands) for module, commands in cli.COMMAND_MODULES.items()}
+
+
 def test_a_what_if_that_gains_nothing_says_what_bounds_the_step(capsys, traces):
     """amp on ResNet-50 (V100): the step's critical path is the CPU launching kernels, so faster
     kernels gain nothing; the line says so instead of a bare "speed-up 1.00"."""

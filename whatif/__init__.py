@@ -28,39 +28,48 @@ an :class:`InputWarning` through Python's ``warnings``, or, inside ``with collec
 the :class:`Diagnostics` ``d`` (``Diagnostics(strict=True)`` raises :class:`StrictError`).
 """
 
-from whatif.collectors.diagnostics import Diagnostics, InputWarning, StrictError, collecting
-from whatif.collectors.kineto import TraceError
-from whatif.collectors.load import load_trace
-from whatif.pipeline import Prediction, Request, WhatIf, predict
-from whatif.scenario import Scenario, ScenarioError
-from whatif.sim.build import build_graph
-from whatif.sim.distributed import ClusterConfig
-from whatif.sim.engine import Policy, simulate
-from whatif.sim.graph import GraphError, TaskGraph, TaskKind
-from whatif.study import TraceStudy
-from whatif.topology import Cluster, load_cluster
+import importlib
 
-__all__ = [
-    "Cluster",
-    "ClusterConfig",
-    "Diagnostics",
-    "GraphError",
-    "InputWarning",
-    "Policy",
-    "Prediction",
-    "Request",
-    "Scenario",
-    "ScenarioError",
-    "StrictError",
-    "TaskGraph",
-    "TaskKind",
-    "TraceError",
-    "TraceStudy",
-    "WhatIf",
-    "build_graph",
-    "collecting",
-    "load_cluster",
-    "load_trace",
-    "predict",
-    "simulate",
-]
+#: Where each name of the facade lives. A name is imported the first time it is used (PEP 562),
+#: so that ``import whatif.collectors.kineto`` (``whatif replay``) does not import the pipeline,
+#: the cluster simulation and pandas with it.
+_HOME = {
+    "Diagnostics": "whatif.collectors.diagnostics",
+    "InputWarning": "whatif.collectors.diagnostics",
+    "StrictError": "whatif.collectors.diagnostics",
+    "collecting": "whatif.collectors.diagnostics",
+    "TraceError": "whatif.collectors.kineto",
+    "load_trace": "whatif.collectors.load",
+    "Prediction": "whatif.pipeline",
+    "Request": "whatif.pipeline",
+    "WhatIf": "whatif.pipeline",
+    "predict": "whatif.pipeline",
+    "Scenario": "whatif.scenario",
+    "ScenarioError": "whatif.scenario",
+    "build_graph": "whatif.sim.build",
+    "ClusterConfig": "whatif.sim.distributed",
+    "Policy": "whatif.sim.engine",
+    "simulate": "whatif.sim.engine",
+    "GraphError": "whatif.sim.graph",
+    "TaskGraph": "whatif.sim.graph",
+    "TaskKind": "whatif.sim.graph",
+    "TraceStudy": "whatif.study",
+    "Cluster": "whatif.topology",
+    "load_cluster": "whatif.topology",
+}
+
+
+def __getattr__(name: str):
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module 'whatif' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list:
+    return sorted([*globals(), *_HOME])
+
+
+__all__ = sorted(_HOME)

@@ -2,35 +2,50 @@
 
 The commands live in ``whatif/commands/`` (and the lab's in ``lab/cli.py``), a module per group,
 each with ``add_parsers(subparsers)`` and ``run(args)``. A new group is one line in
-:data:`COMMAND_MODULES`. Every error a user can cause is one line on stderr and exit status 2.
-Input the tool could leave out and still answer (``collectors/diagnostics.py``) is one warning
-line per class on stderr, with its count; ``--strict``, before or after the command, makes the
-first of them an error.
+:data:`COMMAND_MODULES`, which names its commands so that only their module is imported. Every
+error a user can cause is one line on stderr and exit status 2. Input the tool could leave out
+and still answer (``collectors/diagnostics.py``) is one warning line per class on stderr, with
+its count; ``--strict``, before or after the command, makes the first of them an error.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from typing import Optional, Sequence
 
-from whatif.collectors.diagnostics import Diagnostics, StrictError, collecting
-from whatif.collectors.kineto import TraceError
-from whatif.commands import UsageError, advise, capture, collective, explain, perfmodel, predict, simulate
-from whatif.lab import cli as lab_cli
-from whatif.sim.graph import GraphError
-from whatif.sim.perfmodels.models import PerfModelError
-from whatif.topology import TopologyError
+from whatif.collectors.diagnostics import Diagnostics, collecting
 
-#: The command modules, in the order ``whatif --help`` lists their commands.
-COMMAND_MODULES = (simulate, perfmodel, explain, predict, advise, collective, capture, lab_cli)
-#: What any command may raise for a mistake in its input; a module adds its own as ``ERRORS``.
-ERRORS = (TraceError, GraphError, UsageError, TopologyError, PerfModelError, StrictError)
+#: The command modules, in the order ``whatif --help`` lists their commands, with the commands
+#: each adds. Only the module of the command given is imported (``whatif replay`` does not import
+#: the cluster simulation); ``whatif --help`` and a mistyped command import them all.
+COMMAND_MODULES = {
+    "whatif.commands.simulate": ("replay", "simulate"),
+    "whatif.commands.perfmodel": ("perfmodel",),
+    "whatif.commands.explain": ("critical-path", "overheads"),
+    "whatif.commands.predict": ("predict",),
+    "whatif.commands.advise": ("advise",),
+    "whatif.commands.collective": ("collective", "calibrate"),
+    "whatif.commands.capture": ("collect", "profile"),
+    "whatif.lab.cli": ("lab", "validate"),
+}
+#: What any command may raise for a mistake in its input, by module; a command module adds its
+#: own as ``ERRORS``. A module the command did not import cannot have raised its error.
+ERRORS = {
+    "whatif.collectors.kineto": "TraceError",
+    "whatif.sim.graph": "GraphError",
+    "whatif.commands": "UsageError",
+    "whatif.topology": "TopologyError",
+    "whatif.sim.perfmodels.models": "PerfModelError",
+    "whatif.collectors.diagnostics": "StrictError",
+}
 _STRICT_HELP = "make every warning (input the tool could not use) an error, exit status 2"
 
 
-def _parser() -> tuple[argparse.ArgumentParser, dict]:
-    """The parser, and the module that runs each command."""
+def _parser(argv: Sequence[str] = ()) -> tuple[argparse.ArgumentParser, dict]:
+    """The parser, and the module that runs each command: the parser of the command ``argv``
+    names, or, where it names none of them, of every command."""
     parser = argparse.ArgumentParser(
         prog="whatif",
         description="Predict DNN training iteration time from a PyTorch profiler trace, and what "
@@ -39,13 +54,22 @@ def _parser() -> tuple[argparse.ArgumentParser, dict]:
     parser.add_argument("--strict", action="store_true", help=_STRICT_HELP)
     sub = parser.add_subparsers(dest="command", required=True)
     owner = {}
-    for module in COMMAND_MODULES:
+    command = next((a for a in argv if a in ("-h", "--help") or not a.startswith("-")), None)
+    named = [m for m, commands in COMMAND_MODULES.items() if command in commands]
+    for name in named or COMMAND_MODULES:
+        module = importlib.import_module(name)
         before = set(sub.choices)
         module.add_parsers(sub)
         owner.update((command, module) for command in set(sub.choices) - before)
     for command in _leaf_parsers(sub):  # also after the command: whatif replay T --strict
         command.add_argument("--strict", action="store_true", default=argparse.SUPPRESS, help=_STRICT_HELP)
     return parser, owner
+
+
+def _input_errors(module) -> tuple:
+    """The errors a user's mistake raises: those of the modules imported so far, and ``module``'s."""
+    loaded = tuple(getattr(sys.modules[m], name) for m, name in ERRORS.items() if m in sys.modules)
+    return loaded + tuple(getattr(module, "ERRORS", ()))
 
 
 def _leaf_parsers(sub) -> list:
@@ -58,14 +82,15 @@ def _leaf_parsers(sub) -> list:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser, owner = _parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser, owner = _parser(argv)
     args = parser.parse_args(argv)
-    errors = ERRORS + tuple(error for module in COMMAND_MODULES for error in getattr(module, "ERRORS", ()))
+    module = owner[args.command]
     diagnostics = Diagnostics(strict=args.strict, sink=lambda text: print(f"whatif: warning: {text}", file=sys.stderr))
     try:
         with collecting(diagnostics):
-            return owner[args.command].run(args)
-    except errors as err:
+            return module.run(args)
+    except _input_errors(module) as err:
         print(f"whatif: error: {err}", file=sys.stderr)
     except BrokenPipeError:
         return 0  # the reader of our output went away (| head): nothing left to say

@@ -1,8 +1,10 @@
 """One prediction pipeline: trace -> graph -> passes -> cluster -> simulation -> report.
 
-Every prediction goes through :func:`predict`: the commands ``replay``, ``simulate``,
-``critical-path`` and ``predict``, the benches, the lab's validation runs and the notebook. A
-:class:`Request` says what each step does:
+Every prediction goes through :func:`predict`: the commands ``simulate``, ``critical-path``
+and ``predict``, the benches, the lab's validation runs and the notebook (``replay`` of one
+trace asks for no change, so it simulates the study's own graph, :attr:`TraceStudy.replay`,
+without importing this module and the cluster simulation). A :class:`Request` says what each
+step does:
 
 1. **trace -> graph** (``whatif/study.py``): the trace or bundle read, its dependency graph
    built, its iterations found (``trace``, ``iteration``), or a :class:`TraceStudy` given.
@@ -36,8 +38,8 @@ profiler's overhead is removed (``remove_profiler_overhead=True``) wherever the 
 timed: by a capture bundle's unprofiled warm-up steps, or as ``unprofiled_ms``. That holds for
 ``simulate`` and ``predict`` alike, and for the benches and the lab that hold predictions
 against real runs. A replay keeps it: ``replay`` and ``critical-path`` check and explain the
-trace as it was measured, so they ask for ``remove_profiler_overhead=False``. A plain trace file
-has no unprofiled steps, and nothing is removed from it either way. The traced batch size is
+trace as it was measured, so ``critical-path`` asks for ``remove_profiler_overhead=False``. A
+plain trace file has no unprofiled steps, and nothing is removed from it either way. The traced batch size is
 the one given, else the bundle's, else inferred from the first layer's input.
 """
 

@@ -19,25 +19,29 @@ import re
 import sys
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
 
 from whatif.collectors.diagnostics import plural, warn
 from whatif.collectors.ranks import is_job, load_traces
-from whatif.pipeline import Prediction, Request, WhatIf, predict
-from whatif.report.critical_path import bound_verdict
 from whatif.report.intervals import LEVEL, describe
 from whatif.report.iterations import iteration_report, steady_median
-from whatif.report.ranks import job_json, rank_reports
 from whatif.report.tables import iteration_table, json_number, json_records
 from whatif.report.timeline import check_timeline_path, write_timeline
-from whatif.sim.multirank import build_job
 from whatif.sim.graph import GraphError
 from whatif.sim.passes.registry import OPTIMIZATIONS, optimization_name, parse_optimization
+from whatif.study import TraceStudy
 
 from . import UsageError, add_trace_options
-from .perfmodel import load_for_cli
+
+if TYPE_CHECKING:
+    from whatif.pipeline import Prediction, Request
+
+# The pipeline (and with it the cluster simulation), the operator models and the multi-rank job
+# are imported by the functions that use them, so that ``whatif replay`` of one trace imports
+# none of them.
 
 
 def add_parsers(sub) -> None:
@@ -71,14 +75,15 @@ def run(args: argparse.Namespace) -> int:
     if is_job(args.trace):
         return run_job(args)
     args.trace = args.trace[0]
-    if args.command == "replay":
-        prediction = predict(Request(args.trace, args.iteration, remove_profiler_overhead=False))
-        report, what = prediction.report, {}
+    if args.command == "replay":  # the trace's own graph simulated: what predict does with no change asked
+        study = TraceStudy.from_trace(args.trace, args.iteration)
+        schedule, report, what = study.replay, study.replay_report(), {}
     else:
+        from whatif.pipeline import predict
+
         prediction = predict(_simulate_request(args))
-        report, what = prediction.speedup_report(), _what_was_asked(args, prediction)
+        schedule, report, what = prediction.schedule, prediction.speedup_report(), _what_was_asked(args, prediction)
         _say_why_it_gains_little(args, prediction, report)
-    schedule = prediction.schedule
     if args.timeline is not None:
         write_timeline(schedule, args.timeline, protect=(args.trace,))
     summary = {
@@ -113,6 +118,10 @@ def run(args: argparse.Namespace) -> int:
 
 def run_job(args: argparse.Namespace) -> int:
     """``replay`` / ``simulate`` of a multi-rank job: every rank's iterations."""
+    from whatif.pipeline import WhatIf
+    from whatif.report.ranks import job_json, rank_reports
+    from whatif.sim.multirank import build_job
+
     if args.command == "simulate" and args.batch_size is not None:
         raise UsageError("--batch-size: a multi-rank job cannot be rebatched yet; give one rank's trace")
     job = build_job(load_traces(args.trace), args.iteration)
@@ -163,6 +172,10 @@ def _check_arguments(args: argparse.Namespace) -> None:
 
 
 def _simulate_request(args: argparse.Namespace) -> Request:
+    from whatif.pipeline import Request, WhatIf
+
+    from .perfmodel import load_for_cli
+
     what_if = WhatIf(optimizations=args.optimization, scale=[_parse_scale(s) for s in args.scale], remove=args.remove)
     models = load_for_cli(args.perfmodel) if args.batch_size is not None else None
     return Request(
@@ -203,6 +216,8 @@ def _say_why_it_gains_little(args: argparse.Namespace, prediction: Prediction, r
     stderr, as the profiler's overhead is said) what bounds
     the step, from the unchanged job's critical paths (``report.critical_path.bound_verdict``):
     a speed-up of 1.00 alone does not say that the step was CPU-bound all along."""
+    from whatif.report.critical_path import bound_verdict
+
     if args.json or not (args.optimization or args.scale or args.remove):
         return
     speedup = steady_median(report["replay_ms"]) / steady_median(report["predicted_ms"])
