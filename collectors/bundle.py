@@ -19,7 +19,9 @@ writes one folder, a *bundle* (format ``whatif-trace-bundle``, version 1)::
      "steps": ["ProfilerStep#4", ...],           # the profiled steps, named as in the trace
      "warmup_steps": 4,                          # steps run before them
      "step_wall_ms": {"unprofiled": [...],       # wall time of warm-up steps 2 .. warmup-1,
-                      "profiled": [...]},        #   run without profiler or hooks; and of the profiled ones
+                      "profiled": [...],         #   run without profiler or hooks; and of the profiled ones
+                      "processes": [...]},       # optional: the median unprofiled step of each process
+                                                 #   that captured the same job (this one's included)
      "step_page_faults": {...},                  # the process's minor page faults in the same steps
      "clock": {...},                             # how hook times were put on the trace's clock
      "environment": {"device": "cpu", "torch": "2.13.0+cpu", "torch_threads": 1,
@@ -46,6 +48,7 @@ the forward intervals and gradient-ready times; backward intervals are read from
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from dataclasses import dataclass, field, fields
@@ -101,6 +104,15 @@ class Bundle:
         written before they were recorded, or with too few warm-up steps)."""
         times = (self.manifest.get("step_wall_ms") or {}).get("unprofiled") or []
         return [float(t) for t in times if isinstance(t, (int, float)) and t > 0]
+
+    @property
+    def process_unprofiled_ms(self) -> list[float]:
+        """The median plain step of every process that captured the same job, this one's
+        included, where the capture ran several (the lab does, ``lab/validate.py``): whole
+        processes run at different speeds, and a prediction's interval holds them
+        (``whatif/pipeline.py``). Empty where one process captured it."""
+        times = (self.manifest.get("step_wall_ms") or {}).get("processes") or []
+        return [float(t) for t in times if isinstance(t, (int, float)) and math.isfinite(t) and t > 0]
 
     @property
     def unprofiled_page_faults(self) -> list[int]:
@@ -233,6 +245,18 @@ def _table(doc: dict, columns: list[str]) -> pd.DataFrame:
     if list(doc["columns"]) != columns:
         raise ValueError(f"columns {doc['columns']}, expected {columns}")
     return pd.DataFrame(doc["rows"], columns=columns)
+
+
+def record_processes(path: Union[str, Path], process_unprofiled_ms: list[float]) -> None:
+    """Note in the bundle at ``path`` the median plain step of every process that captured the
+    same job (``Bundle.process_unprofiled_ms``), its own included; the manifest is replaced in
+    one rename."""
+    path = Path(path)
+    manifest = _read_json(path, MANIFEST)
+    manifest.setdefault("step_wall_ms", {})["processes"] = [float(t) for t in process_unprofiled_ms]
+    staging = path / f".{MANIFEST}.tmp-{os.getpid()}"
+    _write_json(staging, manifest)
+    staging.replace(path / MANIFEST)
 
 
 def _write_json(path: Path, doc) -> None:

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-from whatif.collectors.bundle import is_bundle, read_bundle
+from whatif.collectors.bundle import is_bundle, read_bundle, record_processes
 from whatif.collectors.capture import STEADY_ALLOCATOR, CaptureError, collect
 from whatif.pipeline import predict as run_pipeline
 from whatif.scenario import Scenario
@@ -132,7 +132,9 @@ def capture(model: str, work: Path, steps: int = CAPTURE_STEPS, warmup: int = CA
             collect(command, out=candidate, steps=steps, warmup=warmup, env=env)
             plain_steps[candidate] = read_bundle(candidate).unprofiled_step_ms
         median_capture(plain_steps).rename(bundle)
-        captures_record(bundle).write_text(json.dumps([_median_or_nan(steps) for steps in plain_steps.values()]))
+        medians = [_median_or_nan(steps) for steps in plain_steps.values()]
+        captures_record(bundle).write_text(json.dumps(medians))
+        record_processes(bundle, medians)  # the prediction's interval holds every process's speed
     except CaptureError as err:
         raise LabError(f"capturing {model} failed: {err}") from None
     finally:

@@ -572,7 +572,7 @@ def _workload(trace: KinetoTrace) -> Workload:
     )
     layers = bundle.layers if len(bundle.layers.columns) else pd.DataFrame(columns=LAYER_COLUMNS)
     return Workload(trace.path, has_gpu, parameters, gradient_ready, dict(bundle.environment), bundle.unprofiled_step_ms,
-                    layers, layer_intervals)
+                    bundle.process_unprofiled_ms, layers, layer_intervals)
 
 
 def _launch_queue_edges(gpu_id, gpu_corr, launching_seg, finish, seg_start, seg_end) -> tuple[np.ndarray, np.ndarray]:

@@ -48,7 +48,9 @@ class Workload:
     (:data:`GRADIENT_READY_COLUMNS`) has a row each time a parameter's post-accumulate-grad
     hook ran: the profiled step, the parameter's name, the moment on the tasks' clock and the
     CPU resource it ran on. ``environment`` is the bundle's (``batch_size``, ``device``, ...);
-    ``unprofiled_step_ms`` the wall times of steps run without profiler or hooks. ``layers``
+    ``unprofiled_step_ms`` the wall times of steps run without profiler or hooks, and
+    ``process_unprofiled_ms`` the median of each process's, where several captured the job (the
+    bundle's ``Bundle.process_unprofiled_ms``; empty otherwise). ``layers``
     (:data:`LAYER_COLUMNS`) lists the bundle's leaf modules in the order the model registers
     them, ``layer_intervals`` (:data:`LAYER_INTERVAL_COLUMNS`) each call of one in a profiled
     step, ``pass`` ``forward`` or ``backward``, on the tasks' clock and CPU resource; both
@@ -61,6 +63,7 @@ class Workload:
     gradient_ready: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=GRADIENT_READY_COLUMNS))
     environment: dict = field(default_factory=dict)
     unprofiled_step_ms: list = field(default_factory=list)
+    process_unprofiled_ms: list = field(default_factory=list)
     layers: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=LAYER_COLUMNS))
     layer_intervals: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=LAYER_INTERVAL_COLUMNS))
 

@@ -200,6 +200,51 @@ def test_an_interval_on_calibrated_links_holds_every_runs_prediction_and_keeps_i
     assert row["iteration_ms_high"] > without["iteration_ms_high"]  # the run of slower loopback predicts slower
 
 
+def captured_in_processes(tmp_path: Path, factors) -> Path:
+    """The bundled transformer's capture, noted as one of several processes whose plain steps
+    were ``factors`` times its own (as the lab's capture notes its three)."""
+    import shutil
+
+    from whatif.collectors.bundle import read_bundle, record_processes
+
+    bundle = tmp_path / "transformer.bundle"
+    shutil.copytree(REPO / "data" / "transformer_cpu.bundle", bundle)
+    own = float(np.median(read_bundle(bundle).unprofiled_step_ms))
+    record_processes(bundle, [own * f for f in factors])
+    return bundle
+
+
+def test_other_capture_processes_widen_the_interval_to_their_predictions_and_keep_its_centre(tmp_path):
+    alone = predict(Request(REPO / "data" / "transformer_cpu.bundle"))
+    several = predict(Request(captured_in_processes(tmp_path, [0.8, 1.0, 1.25])))
+    assert several.iteration_ms == pytest.approx(alone.iteration_ms, rel=1e-12)
+    assert len(several.processes) == 2  # its own process is not predicted twice
+    slow, fast = sorted(p.iteration_ms for p in several.processes)[::-1]
+    assert slow > 1.15 * alone.iteration_ms and fast < 0.85 * alone.iteration_ms
+    low, high = several.iteration_interval
+    assert low <= fast and high >= slow
+    assert (low, high) != alone.iteration_interval
+
+
+def test_a_cluster_rows_interval_holds_the_other_processes_predictions(tmp_path):
+    from whatif.scenario import Scenario
+
+    def row(trace):
+        doc = {"trace": str(trace), "cluster": {"machines": 2, "gpus_per_machine": 1, "intra_node": "nvlink2", "inter_node": "10gbe"},
+               "framework": "ddp"}
+        return predict(Scenario.from_dict(doc, base_dir=tmp_path).request()).results.iloc[0]
+
+    alone = row(REPO / "data" / "transformer_cpu.bundle")
+    several = row(captured_in_processes(tmp_path, [1.0, 1.3]))
+    assert several["iteration_ms"] == pytest.approx(alone["iteration_ms"], rel=1e-12)
+    # the bundled transformer has two steady steps, so no interval of its own: its central value
+    # counts as one (report/intervals.py, widened), and the slower process's prediction the other
+    own_low = alone["iteration_ms_low"] if math.isfinite(alone["iteration_ms_low"]) else alone["iteration_ms"]
+    own_high = alone["iteration_ms_high"] if math.isfinite(alone["iteration_ms_high"]) else alone["iteration_ms"]
+    assert several["iteration_ms_low"] == pytest.approx(own_low, rel=1e-12)
+    assert several["iteration_ms_high"] > 1.1 * own_high
+
+
 def test_a_links_file_whose_runs_are_not_links_is_refused_with_one_line(tmp_path):
     from whatif.scenario import Scenario, ScenarioError
 

@@ -31,7 +31,9 @@ step does:
    independent of one another: they run one after the other, or on several processes or a
    Dask cluster (``whatif/sweep.py``), with the same results in the same order.
 4. **simulation** (``sim/engine.py``) and 5. **report** (``report/``): per iteration of the
-   worker, and a row per cluster configuration.
+   worker, and a row per cluster configuration, each with an interval (``report/intervals.py``)
+   that holds the same prediction made on each run of the links' calibration and on each
+   other process that captured the job (a bundle's ``processes``).
 
 The defaults, and why. A prediction is of the job as it runs, without the profiler, so the
 profiler's overhead is removed (``remove_profiler_overhead=True``) wherever the plain step was
@@ -45,6 +47,7 @@ the one given, else the bundle's, else inferred from the first layer's input.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
@@ -151,6 +154,7 @@ class Prediction:
     results: Optional[pd.DataFrame] = None
     runs: dict = field(default_factory=dict)  # label -> ClusterSchedule
     gradients: Optional[Gradients] = None  # what the clusters communicated
+    processes: list = field(default_factory=list)  # the same request on each other capture process's plain step
 
     @property
     def iteration_ms(self) -> float:
@@ -161,8 +165,14 @@ class Prediction:
     @property
     def iteration_interval(self) -> tuple[float, float]:
         """The worker's prediction interval around :attr:`iteration_ms` (``report/intervals.py``:
-        from the spread of its steady iterations; ``nan`` where it has fewer than three)."""
-        return steady_interval(self.report["predicted_ms"])
+        from the spread of its steady iterations; ``nan`` where it has fewer than three), widened
+        to hold the other capture processes' predictions (:attr:`processes`)."""
+        row = {"iteration_ms": self.iteration_ms}
+        row["iteration_ms_low"], row["iteration_ms_high"] = steady_interval(self.report["predicted_ms"])
+        others = [{"iteration_ms": p.iteration_ms, **dict(zip(("iteration_ms_low", "iteration_ms_high"),
+                                                              p.iteration_interval))} for p in self.processes]
+        row = widened(row, others)
+        return row["iteration_ms_low"], row["iteration_ms_high"]
 
     @property
     def profiler_overhead(self) -> Optional[ProfilerOverhead]:
@@ -221,7 +231,29 @@ def predict(request: Request, sweep: Sweep = Sweep()) -> Prediction:
     _check_communication_changes(graph, request.clusters)
     if request.clusters:
         _simulate_clusters(prediction, sweep)
+    _hold_other_processes(prediction, sweep)
     return prediction
+
+
+def _hold_other_processes(prediction: Prediction, sweep: Sweep) -> None:
+    """Where several processes captured the job (``Workload.process_unprofiled_ms``: the lab
+    captures three and keeps the one of median speed), the request predicted again on each other
+    process's plain step (the profiler-overhead correction's reference), and every interval
+    widened to hold those predictions (``report/intervals.py`` ``widened``): a whole process runs
+    at one of a few speeds on a shared or virtual machine, and the run a prediction is held to
+    is another process. The central values stay the kept capture's."""
+    request, study = prediction.request, prediction.study
+    kept = study.graph.workload.unprofiled_step_ms
+    if request.unprofiled_ms is not None or not request.remove_profiler_overhead or not len(kept):
+        return
+    own = float(np.median(kept))
+    others = [ms for ms in study.graph.workload.process_unprofiled_ms if not math.isclose(ms, own, rel_tol=1e-9)]
+    prediction.processes = [predict(replace(request, trace=study, iteration=None, unprofiled_ms=[ms]), sweep)
+                            for ms in others]
+    if prediction.results is not None and prediction.processes:
+        rows = prediction.results.to_dict("records")
+        prediction.results = pd.DataFrame([widened(row, [p.results.iloc[i].to_dict() for p in prediction.processes])
+                                           for i, row in enumerate(rows)])
 
 
 def _check_communication_changes(worker: TaskGraph, clusters: Sequence[ClusterConfig]) -> None:
