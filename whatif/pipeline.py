@@ -306,6 +306,7 @@ class _Grid:
     optimizer: str
     gpu_memory_bytes: Optional[float]
     units: dict = field(default_factory=dict)  # parallelism.units -> the worker's units, found once
+    laid: dict = field(default_factory=dict)  # the cluster graphs built, which simulate_cluster keeps
 
 
 def _configuration(grid: _Grid, config: ClusterConfig) -> tuple[dict, ClusterSchedule]:
@@ -334,7 +335,7 @@ def _simulated(grid: _Grid, config: ClusterConfig) -> tuple[dict, ClusterSchedul
             row.update(iteration_ms_low=low, iteration_ms_high=high)
         return row, run
     run = simulate_cluster(grid.worker if config.workers == 1 else grid.without_comm, grid.gradients,
-                           grid.iterations, config)
+                           grid.iterations, config, grid.laid)
     report = iteration_report(run.schedule, grid.iterations, run.worker0)
     row = configuration_row(config, run, report, grid.iteration_ms)
     if par is not None:  # plain data parallelism: the cluster path, and its memory
