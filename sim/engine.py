@@ -109,7 +109,7 @@ class Structure:
     They are the costly part to build, and graphs whose tasks and edges are the same from run to
     run (a grid's cluster configurations, which differ only in durations) can share them: a
     caller that knows it keeps one (:func:`compile_structure`) and passes it to
-    :func:`simulate`; otherwise the last few are kept, found by a digest of the arrays they are
+    :func:`simulate`; the last few built are kept too, found by a digest of the arrays they are
     built from."""
 
     def __init__(self, sequences: list, resource_of_sequence: list, preds: list):
@@ -117,18 +117,13 @@ class Structure:
 
 
 def compile_structure(graph: TaskGraph) -> Structure:
-    """``graph``'s :class:`Structure`, built anew."""
-    src, dst, lag = (graph.edges[c].to_numpy() for c in ("src", "dst", "lag_us"))
-    return Structure(*_sequences(graph), _predecessors(len(graph.tasks), src, dst, lag))
-
-
-def _kept_structure(graph: TaskGraph) -> Structure:
-    """``graph``'s :class:`Structure`, from the last few built where one matches."""
+    """``graph``'s :class:`Structure`: one of the last few built where its arrays match (a
+    digest of them finds it), else built anew."""
     tasks = graph.tasks
     n = len(tasks)
-    if n > _COMPILED_MAX_TASKS:  # every worker replicated: not kept, for memory
-        return compile_structure(graph)
     src, dst, lag = (graph.edges[c].to_numpy() for c in ("src", "dst", "lag_us"))
+    if n > _COMPILED_MAX_TASKS:  # every worker replicated: not kept, for memory
+        return Structure(*_sequences(graph), _predecessors(n, src, dst, lag))
     codes = tasks["resource"].cat.codes.to_numpy()
     labels = "\0".join(map(str, tasks["resource"].cat.categories))
     sequences, resource_of_sequence = _cached(_digest(codes, tasks["order_key"].to_numpy(), labels),
@@ -222,7 +217,7 @@ class _Run:
     def __init__(self, graph: TaskGraph, policies: Optional[dict], event_per_task: bool,
                  structure: Optional[Structure] = None):
         self.graph = graph
-        self.c = structure if structure is not None else _kept_structure(graph)
+        self.c = structure if structure is not None else compile_structure(graph)
         tasks = graph.tasks
         n = len(tasks)
         self.duration = tasks["duration_us"].to_numpy(dtype=np.float64).tolist()
