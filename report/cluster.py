@@ -17,7 +17,7 @@ from whatif.sim.parallel.memory import MemoryBreakdown, fits
 from whatif.topology import Cluster, as_gbps
 
 from .intervals import steady_interval
-from .iterations import steady_median, union_within
+from .iterations import IntervalUnion, steady_median, union_within
 
 
 def cluster_breakdown(run: ClusterSchedule, report: pd.DataFrame) -> pd.DataFrame:
@@ -35,17 +35,19 @@ def cluster_breakdown(run: ClusterSchedule, report: pd.DataFrame) -> pd.DataFram
     compute = gpu if gpu.any() else cpu
     working = gpu | cpu
     start, end = schedule.start_us, schedule.end_us
+    computing = IntervalUnion(start[compute], end[compute])
+    communicating = IntervalUnion(start[on_network], end[on_network])
+    working_only = IntervalUnion(start[working], end[working])
+    working_or_comm = IntervalUnion(np.r_[start[working], start[on_network]], np.r_[end[working], end[on_network]])
     rows = []
     for lo, hi in zip(report["span_start_us"], report["span_end_us"]):
         if not np.isfinite(lo):
             rows.append({"compute_ms": np.nan, "comm_ms": np.nan, "exposed_comm_ms": np.nan, "idle_ms": np.nan})
             continue
-        busy = union_within(start[compute], end[compute], lo, hi)
-        comm = union_within(start[on_network], end[on_network], lo, hi)
-        worked = union_within(start[working], end[working], lo, hi)
-        worked_or_comm = union_within(
-            np.r_[start[working], start[on_network]], np.r_[end[working], end[on_network]], lo, hi
-        )
+        busy = computing.within(lo, hi)
+        comm = communicating.within(lo, hi)
+        worked = working_only.within(lo, hi)
+        worked_or_comm = working_or_comm.within(lo, hi)
         exposed = worked_or_comm - worked
         rows.append(
             {

@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 
 from whatif.sim.engine import Schedule
-from whatif.sim.graph import GPU_TASK_KINDS, EdgeKind
+from whatif.sim.graph import GPU_TASK_KINDS, EdgeKind, TaskGraph
 
 _TOLERANCE_US = 1e-6
 
@@ -21,32 +21,59 @@ def iteration_report(schedule: Schedule, iterations: pd.DataFrame, worker: Optio
     The predicted span is the simulated time between the first and the last task that the
     measured span holds on the iteration's thread, so both cover the same part of the timeline;
     ``span_start_us`` and ``span_end_us`` give it. ``worker`` masks the tasks of the worker to
-    report on when the schedule holds several.
+    report on when the schedule holds several. (:class:`IterationSpans` keeps what this reads
+    of the graph, for schedules of graphs that differ only in durations.)
     """
-    tasks = schedule.graph.tasks
-    m_start = tasks["measured_start_us"].to_numpy()
-    m_end = tasks["measured_end_us"].to_numpy()
-    resource = tasks["resource"].astype(str).to_numpy()
-    mine = np.ones(len(tasks), dtype=bool) if worker is None else worker
-    on_network = np.char.startswith(resource.astype(str), "network")
-    gpu = np.isin(tasks["kind"].to_numpy(), [int(k) for k in GPU_TASK_KINDS]) & mine & ~on_network
-    waits = _sync_waits(schedule)
-    rows = []
-    for it in iterations.itertuples(index=False):
-        inside = (m_start >= it.start_us - _TOLERANCE_US) & (m_end <= it.end_us + _TOLERANCE_US) & mine
-        if it.thread is not None:
-            inside &= resource == f"cpu {it.thread}"
-        ids = np.flatnonzero(inside)
-        measured_us = it.end_us - it.start_us
-        if len(ids) == 0:
-            rows.append(_row(it.name, measured_us, np.nan, np.nan, np.nan, gpu.any(), np.nan, np.nan))
-            continue
-        span_start = float(schedule.start_us[ids].min())
-        span_end = float(schedule.end_us[ids].max())
-        busy = union_within(schedule.start_us[gpu], schedule.end_us[gpu], span_start, span_end)
-        sync = union_within(waits[0], waits[1], span_start, span_end)
-        rows.append(_row(it.name, measured_us, span_end - span_start, busy, sync, gpu.any(), span_start, span_end))
-    return pd.DataFrame(rows)
+    return IterationSpans(schedule.graph, iterations, worker).report(schedule)
+
+
+class IterationSpans:
+    """What :func:`iteration_report` reads of a graph, which no schedule of it changes: the tasks
+    each iteration's measured span holds (on its thread, of the worker), the GPU tasks, and the
+    CPU calls that waited for the GPU with the task before each on its resource. A grid's
+    configurations whose graphs differ only in durations share one."""
+
+    def __init__(self, graph: TaskGraph, iterations: pd.DataFrame, worker: Optional[np.ndarray] = None):
+        tasks = graph.tasks
+        m_start = tasks["measured_start_us"].to_numpy()
+        m_end = tasks["measured_end_us"].to_numpy()
+        resource = tasks["resource"].astype(str).to_numpy()
+        mine = np.ones(len(tasks), dtype=bool) if worker is None else worker
+        on_network = np.char.startswith(resource.astype(str), "network")
+        self.gpu = np.flatnonzero(np.isin(tasks["kind"].to_numpy(), [int(k) for k in GPU_TASK_KINDS]) & mine & ~on_network)
+        self.iterations = []  # (name, measured_us, the ids its span holds)
+        for it in iterations.itertuples(index=False):
+            inside = (m_start >= it.start_us - _TOLERANCE_US) & (m_end <= it.end_us + _TOLERANCE_US) & mine
+            if it.thread is not None:
+                inside &= resource == f"cpu {it.thread}"
+            self.iterations.append((it.name, it.end_us - it.start_us, np.flatnonzero(inside)))
+        edges = graph.edges
+        self.waiting = np.unique(edges.loc[edges["kind"] == int(EdgeKind.SYNC), "dst"].to_numpy())
+        before = np.full(len(tasks), -1, dtype=np.int64)  # the task before each on its resource
+        if len(self.waiting):
+            for seq in graph.resource_order():
+                before[seq[1:]] = seq[:-1]
+        self.before = before[self.waiting]
+
+    def report(self, schedule: Schedule) -> pd.DataFrame:
+        """:func:`iteration_report` of ``schedule``, a schedule of this graph's tasks."""
+        start_us, end_us = schedule.start_us, schedule.end_us
+        has_gpu = len(self.gpu) > 0
+        busy = IntervalUnion(start_us[self.gpu], end_us[self.gpu])
+        free = np.where(self.before >= 0, end_us[np.maximum(self.before, 0)], -np.inf)
+        start = start_us[self.waiting]
+        has_wait = np.isfinite(free) & (start > free)
+        sync = IntervalUnion(free[has_wait], start[has_wait])
+        rows = []
+        for name, measured_us, ids in self.iterations:
+            if len(ids) == 0:
+                rows.append(_row(name, measured_us, np.nan, np.nan, np.nan, has_gpu, np.nan, np.nan))
+                continue
+            span_start = float(start_us[ids].min())
+            span_end = float(end_us[ids].max())
+            rows.append(_row(name, measured_us, span_end - span_start, busy.within(span_start, span_end),
+                             sync.within(span_start, span_end), has_gpu, span_start, span_end))
+        return pd.DataFrame(rows)
 
 
 def speedup_report(report: pd.DataFrame, unchanged: pd.DataFrame) -> pd.DataFrame:
@@ -73,23 +100,6 @@ def _row(name, measured_us, predicted_us, busy_us, sync_us, has_gpu, span_start,
     }
 
 
-def _sync_waits(schedule: Schedule) -> tuple[np.ndarray, np.ndarray]:
-    """The intervals in which CPU calls waited for the GPU: from the moment their thread was free
-    to the moment the call could start."""
-    graph = schedule.graph
-    edges = graph.edges
-    waiting = np.unique(edges.loc[edges["kind"] == int(EdgeKind.SYNC), "dst"].to_numpy())
-    if not len(waiting):
-        return np.zeros(0), np.zeros(0)
-    prev_end = np.full(len(graph.tasks), -np.inf)
-    for seq in graph.resource_order():
-        prev_end[seq[1:]] = schedule.end_us[seq[:-1]]
-    free = prev_end[waiting]
-    start = schedule.start_us[waiting]
-    has_wait = np.isfinite(free) & (start > free)
-    return free[has_wait], start[has_wait]
-
-
 def union_within(starts: np.ndarray, ends: np.ndarray, lo: float, hi: float) -> float:
     """Total length of the union of intervals, clipped to [lo, hi]."""
     s = np.clip(starts, lo, hi)
@@ -106,6 +116,33 @@ def union_within(starts: np.ndarray, ends: np.ndarray, lo: float, hi: float) -> 
     block_start = s[new_block]
     block_end = np.r_[reach[:-1][new_block[1:]], reach[-1]]
     return float(np.sum(block_end - block_start))
+
+
+class IntervalUnion:
+    """The union of intervals, merged once, measured within any window: :func:`union_within`
+    for many windows of the same intervals, to the same bits (the blocks a window's clipped
+    intervals merge into are the merged blocks clipped to it, summed in the same order)."""
+
+    def __init__(self, starts: np.ndarray, ends: np.ndarray):
+        keep = ends > starts
+        s, e = starts[keep], ends[keep]
+        order = np.argsort(s, kind="stable")
+        s, e = s[order], e[order]
+        if not len(s):
+            self.start = self.end = np.zeros(0)
+            return
+        reach = np.maximum.accumulate(e)
+        new_block = np.r_[True, s[1:] > reach[:-1]]
+        self.start = s[new_block]
+        self.end = np.r_[reach[:-1][new_block[1:]], reach[-1]]
+
+    def within(self, lo: float, hi: float) -> float:
+        """Total length of the union, clipped to [lo, hi]."""
+        first = np.searchsorted(self.end, lo, side="right")  # blocks ending at or before lo add nothing
+        last = np.searchsorted(self.start, hi, side="left")  # nor those starting at or after hi
+        length = np.clip(self.end[first:last], lo, hi) - np.clip(self.start[first:last], lo, hi)
+        length = length[length > 0]
+        return float(np.sum(length)) if len(length) else 0.0
 
 
 def steady_median(values: pd.Series) -> float:

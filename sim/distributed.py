@@ -46,7 +46,7 @@ import simpy
 from whatif.topology import Cluster, Network, Plan, collective_cost, collective_plan
 
 from .cpu_contention import driving_link, fused_bytes, with_cpu_contention
-from .engine import Policy, Schedule, simulate
+from .engine import Policy, Schedule, compile_structure, simulate
 from .frameworks import Framework, FrameworkOptions, Message, framework
 from .frameworks.sync_points import SyncPoints, iteration_thread
 from .gradients import Gradients
@@ -135,8 +135,12 @@ def _prices(config: ClusterConfig, fw: Framework) -> dict:
     return prices
 
 
-def simulate_cluster(worker: TaskGraph, gradients: Gradients, iterations: pd.DataFrame, config: ClusterConfig) -> ClusterSchedule:
-    """Simulate ``config.workers`` copies of ``worker`` training together."""
+def simulate_cluster(worker: TaskGraph, gradients: Gradients, iterations: pd.DataFrame, config: ClusterConfig,
+                     laid: Optional[dict] = None) -> ClusterSchedule:
+    """Simulate ``config.workers`` copies of ``worker`` training together. ``laid``, where
+    given, keeps the cluster graphs built for this ``worker``, ``gradients`` and ``iterations``
+    (:class:`_ClusterGraph`, by what decides their tasks and edges): a grid's configurations that
+    differ only in their links and sizes share one, and only its durations are set anew."""
     if config.workers == 1:
         schedule = simulate(worker)
         return ClusterSchedule(schedule, np.zeros(0, np.int64), np.ones(len(worker.tasks), bool), 0.0, 0.0)
@@ -144,66 +148,24 @@ def simulate_cluster(worker: TaskGraph, gradients: Gradients, iterations: pd.Dat
         raise GraphError(f"unknown policy {config.policy!r}; choose from {', '.join(POLICIES)}")
     fw = framework(config.framework)
     simulated = _simulated_workers(config)
-    copies = len(simulated)
-    thread = iteration_thread(worker, iterations)
-    sync = SyncPoints(worker, iterations, thread)
+    key = (fw.name, config.policy, config.options, config.pass_bytes_per_us, tuple(simulated))
+    built = laid.get(key) if laid is not None else None
+    if built is None:
+        built = _ClusterGraph(worker, gradients, iterations, config, fw, simulated)
+        if laid is not None:
+            laid[key] = built
     prices = _prices(config, fw)
-
-    sliced = config.policy == "p3"
-    layerwise = sliced or fw.layerwise
-    rate = config.pass_bytes_per_us
-    worker, gradients, waiters = fw.add_copies(worker, gradients, sync, iterations, rate, layerwise)
-    if config.cluster.workers_sharing_memory > 1:
-        worker = slow_beside_peers(worker, config.cluster)
-    worker = fw.add_cpu_costs(worker, config.cluster, config.options)
-    n = len(worker.tasks)
-    graph = _replicate(worker, simulated, config)
-    rows, edges = [], []
-    nbytes, priority, order = [], [], []
-    per_iteration, layers = {}, {}
-    for it in range(len(iterations)):
-        of_iteration = gradients.of_iteration(it)
-        per_iteration[it], layers[it] = fw.messages(of_iteration, config.options, sliced), len(of_iteration)
-    barrier = sync.barrier(graph) if any(per_iteration.values()) else None
-    base = len(graph.tasks)
-    measured_end = worker.tasks["measured_end_us"].to_numpy()
-    last_iteration = max((it for it, messages in per_iteration.items() if messages), default=-1)
-    for it, messages in per_iteration.items():
-        first_id = base + len(rows)
-        for j, m in enumerate(messages):
-            tid = base + len(rows)
-            ready_us = max((measured_end[t] for t in m.ready_after), default=np.nan)
-            rows.append(_comm_row(m, fw.queue(m.phase), prices[m.phase](m.nbytes), ready_us))
-            nbytes.append(m.nbytes)
-            priority.append(m.priority)
-            order.append((ready_us if ready_us == ready_us else np.inf, it, j))
-            for k in range(copies):
-                edges += [(t + k * n, tid, 0.0) for t in m.ready_after]
-            if m.follows is not None:
-                edges.append((first_id + m.follows, tid, 0.0))
-            if m.phase == "push":
-                continue
-            waiter = waiters[it] if it in waiters else fw.waiter(sync, it, m, layerwise, layers[it])
-            targets = [waiter + k * n for k in range(copies)] if waiter is not None else []
-            if waiter is None or it == last_iteration:
-                # the step's end waits for its communication: with a GPU-side wait (DDP) nothing
-                # on the CPU would, and the last iteration's span would miss it
-                targets.append(barrier)
-            edges += [(tid, c, 0.0) for c in targets]
-    _add_comm_tasks(graph, rows, edges)
-    comm = np.arange(base, base + len(rows))
-    rank = {int(comm[i]): r for r, i in enumerate(sorted(range(len(order)), key=order.__getitem__))}
-    prio = {int(comm[i]): p for i, p in enumerate(priority)}
-    size = {int(comm[i]): b for i, b in enumerate(nbytes)}
-    phase_of_queue = {fw.queue(phase): phase for phase in fw.phases}
+    graph = built.with_durations(built.durations(config, fw, prices))
+    sliced, rate = built.sliced, config.pass_bytes_per_us
+    comm, size = built.comm, built.size
 
     def policies_for(priced: dict) -> dict:
         """The network's policies, each transfer costing as much as ``priced`` bytes."""
         policies = {}
         networks: dict = {}  # one Network per simulation, shared by the push and pull queues
-        for resource in sorted({r["resource"] for r in rows}):
-            phase = phase_of_queue[resource]
-            inner = Priority(prio, rank) if sliced else Fifo(rank)
+        for resource in built.queues:
+            phase = built.phase_of_queue[resource]
+            inner = Priority(built.prio, built.rank) if sliced else Fifo(built.rank)
             inner = fw.queue_policy(inner, size, priced, config.options, prices[phase], rate, sliced)
             if config.on_shared_links:
                 op, algorithm = fw.collective(phase, config.algorithm)
@@ -212,31 +174,139 @@ def simulate_cluster(worker: TaskGraph, gradients: Gradients, iterations: pd.Dat
             policies[resource] = inner
         return policies
 
-    schedule = simulate(graph, policies_for(size))
+    schedule = simulate(graph, policies_for(size), built.structure)
     link = driving_link(config.cluster)
     if link.has_cpu_contention and len(comm):
-        polling = thread if fw.spins_while_waiting else None
-        schedule = with_cpu_contention(graph, schedule, comm, size, link, policies_for, n, polling)
-    worker0 = np.zeros(len(graph.tasks), dtype=bool)
-    worker0[:n] = True
-    if barrier is not None:
-        worker0[barrier] = True  # it closes worker 0's last iteration
-    iterations_with = max(sum(1 for m in per_iteration.values() if m), 1)
+        polling = built.thread if fw.spins_while_waiting else None
+        schedule = with_cpu_contention(graph, schedule, comm, size, link, policies_for, built.n, polling)
     return ClusterSchedule(
         schedule,
         comm,
-        worker0,
-        len(rows) / iterations_with,
-        sum(nbytes) * config.bytes_factor / iterations_with / len(fw.phases),
-        _collectives(config, fw, schedule, comm, nbytes),
+        built.worker0,
+        len(comm) / built.iterations_with,
+        sum(built.nbytes) * config.bytes_factor / built.iterations_with / len(fw.phases),
+        _collectives(config, fw, schedule, comm, built.queue, built.nbytes),
     )
 
 
-def _collectives(config: ClusterConfig, fw: Framework, schedule: Schedule, comm: np.ndarray, nbytes: list) -> pd.DataFrame:
-    """The collective each communication task ran in, as ``topology.collective_cost`` names it:
-    the tasks of one queue that started and ended together ran as one (Horovod's fusion), and
-    their bytes together decide the algorithm and protocol, as they decide NCCL's."""
-    queue = schedule.graph.tasks["resource"].astype(str).to_numpy()[comm]
+class _ClusterGraph:
+    """The graph of a configuration's cluster but for its durations: the simulated workers, one
+    after another (worker ``k`` other than 0 with its resources prefixed ``worker k: ``), the
+    barrier closing the last iteration, and the framework's messages as communication tasks on
+    their queues, with their edges; what the queues' policies rank them by, and the engine's
+    :class:`~whatif.sim.engine.Structure` of it all. Its tasks and edges depend on the framework,
+    the policy, its options, the copies' rate and the workers simulated, not on the cluster's
+    links or size, which only set durations (:meth:`durations`)."""
+
+    def __init__(self, worker: TaskGraph, gradients: Gradients, iterations: pd.DataFrame, config: ClusterConfig,
+                 fw: Framework, simulated: list[int]):
+        self.thread = iteration_thread(worker, iterations)
+        sync = SyncPoints(worker, iterations, self.thread)
+        self.sliced = config.policy == "p3"
+        layerwise = self.sliced or fw.layerwise
+        worker, gradients, waiters = fw.add_copies(worker, gradients, sync, iterations, config.pass_bytes_per_us,
+                                                   layerwise)
+        self.worker, self.simulated, self.n = worker, simulated, len(worker.tasks)
+        copies, n = len(simulated), self.n
+        graph = _replicate(worker, simulated)
+        rows, edges, phases = [], [], []
+        nbytes, priority, order = [], [], []
+        per_iteration, layers = {}, {}
+        for it in range(len(iterations)):
+            of_iteration = gradients.of_iteration(it)
+            per_iteration[it], layers[it] = fw.messages(of_iteration, config.options, self.sliced), len(of_iteration)
+        barrier = sync.barrier(graph) if any(per_iteration.values()) else None
+        base = len(graph.tasks)
+        measured_end = worker.tasks["measured_end_us"].to_numpy()
+        last_iteration = max((it for it, messages in per_iteration.items() if messages), default=-1)
+        for it, messages in per_iteration.items():
+            first_id = base + len(rows)
+            for j, m in enumerate(messages):
+                tid = base + len(rows)
+                ready_us = max((measured_end[t] for t in m.ready_after), default=np.nan)
+                rows.append(_comm_row(m, fw.queue(m.phase), 0.0, ready_us))
+                phases.append(m.phase)
+                nbytes.append(m.nbytes)
+                priority.append(m.priority)
+                order.append((ready_us if ready_us == ready_us else np.inf, it, j))
+                for k in range(copies):
+                    edges += [(t + k * n, tid, 0.0) for t in m.ready_after]
+                if m.follows is not None:
+                    edges.append((first_id + m.follows, tid, 0.0))
+                if m.phase == "push":
+                    continue
+                waiter = waiters[it] if it in waiters else fw.waiter(sync, it, m, layerwise, layers[it])
+                targets = [waiter + k * n for k in range(copies)] if waiter is not None else []
+                if waiter is None or it == last_iteration:
+                    # the step's end waits for its communication: with a GPU-side wait (DDP) nothing
+                    # on the CPU would, and the last iteration's span would miss it
+                    targets.append(barrier)
+                edges += [(tid, c, 0.0) for c in targets]
+        _add_comm_tasks(graph, rows, edges)
+        self.graph, self.base = graph, base
+        self.structure = compile_structure(graph)
+        self.comm = _read_only(np.arange(base, base + len(rows)))
+        comm = self.comm.tolist()
+        self.phases, self.nbytes = phases, nbytes
+        self.queue = np.asarray([r["resource"] for r in rows], dtype=object)
+        self.rank = {comm[i]: r for r, i in enumerate(sorted(range(len(order)), key=order.__getitem__))}
+        self.prio = dict(zip(comm, priority))
+        self.size = dict(zip(comm, nbytes))
+        self.phase_of_queue = {fw.queue(phase): phase for phase in fw.phases}
+        self.queues = sorted({r["resource"] for r in rows})
+        worker0 = np.zeros(len(graph.tasks), dtype=bool)
+        worker0[:n] = True
+        if barrier is not None:
+            worker0[barrier] = True  # it closes worker 0's last iteration
+        self.worker0 = _read_only(worker0)
+        self.iterations_with = max(sum(1 for m in per_iteration.values() if m), 1)
+
+    def durations(self, config: ClusterConfig, fw: Framework, prices: dict) -> np.ndarray:
+        """Every task's duration on ``config``'s cluster: each simulated worker's, slowed beside
+        its peers on a shared memory system, by the framework's CPU costs and by its own
+        factors; the barrier's 0; each message's price (``_prices``)."""
+        worker = self.worker
+        if config.cluster.workers_sharing_memory > 1:
+            worker = slow_beside_peers(worker, config.cluster)
+        worker = fw.add_cpu_costs(worker, config.cluster, config.options)
+        own = worker.tasks["duration_us"].to_numpy(dtype=np.float64)
+        kinds = worker.tasks["kind"].to_numpy()
+        gpu = np.isin(kinds, [int(k) for k in GPU_TASK_KINDS])
+        unscaled = np.isin(kinds, [int(TaskKind.WAIT)])
+        scaled = config.replicate is not False
+        parts = []
+        for k in self.simulated:
+            duration = own.copy()
+            slowdown, gpu_slowdown, factor = _factors(config, k) if scaled else (1.0, 1.0, 1.0)
+            if (slowdown, gpu_slowdown, factor) != (1.0, 1.0, 1.0):
+                duration[~unscaled] *= slowdown
+                duration[gpu] *= gpu_slowdown
+                if factor != 1.0:
+                    duration[gpu] *= factor
+            parts.append(duration)
+        parts.append(np.zeros(self.base - len(self.simulated) * self.n))  # the barrier
+        parts.append(np.array([prices[p](b) for p, b in zip(self.phases, self.nbytes)], dtype=np.float64))
+        return np.concatenate(parts)
+
+    def with_durations(self, duration: np.ndarray) -> TaskGraph:
+        """The cluster graph with these durations: a graph of its own (CPU contention re-times
+        its durations in place), sharing every other column and the edges."""
+        tasks = self.graph.tasks.copy(deep=False)
+        tasks["duration_us"] = duration
+        return TaskGraph(tasks, self.graph.edges, self.graph.ops, self.graph.workload, list(self.graph.notes))
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    array.flags.writeable = False
+    return array
+
+
+def _collectives(config: ClusterConfig, fw: Framework, schedule: Schedule, comm: np.ndarray, queue: np.ndarray,
+                 nbytes: list) -> pd.DataFrame:
+    """The collective each communication task (on its ``queue``) ran in, as
+    ``topology.collective_cost`` names it: the tasks of one queue that started and ended
+    together ran as one (Horovod's fusion), and their bytes together decide the algorithm and
+    protocol, as they decide NCCL's."""
     total = fused_bytes(queue, schedule.start_us[comm], schedule.end_us[comm], np.asarray(nbytes, dtype=float))
     phase_of_queue = {fw.queue(phase): phase for phase in fw.phases}
     named = {}
@@ -348,29 +418,19 @@ def _simulated_workers(config: ClusterConfig) -> list[int]:
     return [0] + sorted(first[kind] for kind in deciding if first[kind] != 0)
 
 
-def _replicate(worker: TaskGraph, simulated: list[int], config: ClusterConfig) -> TaskGraph:
-    """The ``simulated`` workers, one after another; worker 0 keeps its resource names, worker
+def _replicate(worker: TaskGraph, simulated: list[int]) -> TaskGraph:
+    """The ``simulated`` workers, one after another, with worker 0's durations (each worker's
+    own are set by :meth:`_ClusterGraph.durations`); worker 0 keeps its resource names, worker
     ``k`` has them prefixed ``worker k: ``."""
     graph = worker.copy()
-    if config.replicate is False or (simulated == [0] and _factors(config, 0) == (1.0, 1.0, 1.0)):
+    if simulated == [0]:
         return graph
     n = len(worker.tasks)
     frames, edge_frames = [], []
-    kinds = worker.tasks["kind"].to_numpy()
-    gpu = np.isin(kinds, [int(k) for k in GPU_TASK_KINDS])
-    unscaled = np.isin(kinds, [int(TaskKind.WAIT)])
     for i, k in enumerate(simulated):
         t = worker.tasks.copy()
         if k:
             t["resource"] = t["resource"].cat.rename_categories(lambda r, k=k: f"worker {k}: {r}")
-        slowdown, gpu_slowdown, own = _factors(config, k)
-        if (slowdown, gpu_slowdown, own) != (1.0, 1.0, 1.0):
-            duration = t["duration_us"].to_numpy().copy()
-            duration[~unscaled] *= slowdown
-            duration[gpu] *= gpu_slowdown
-            if own != 1.0:
-                duration[gpu] *= own
-            t["duration_us"] = duration
         frames.append(t)
         e = worker.edges.copy()
         e["src"] += i * n

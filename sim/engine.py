@@ -101,30 +101,35 @@ class Schedule:
         return len(self.start_us) / self.wall_s if self.wall_s > 0 else float("inf")
 
 
-class _Compiled:
-    """The graph as plain Python lists, which the inner loops index fastest.
+class Structure:
+    """What a graph's simulation is built from besides its durations and releases: each
+    resource's tasks in order, the resources' names and every task's predecessors, as plain
+    Python lists, which the inner loops index fastest.
 
-    The per-resource orders and the predecessor lists are the costly part to build, and a grid
-    of cluster configurations simulates graphs whose tasks and edges are the same from point
-    to point (only durations differ): they are kept for the last few graphs, found by a digest
-    of the arrays they are built from."""
+    They are the costly part to build, and graphs whose tasks and edges are the same from run to
+    run (a grid's cluster configurations, which differ only in durations) can share them: a
+    caller that knows it keeps one (:func:`compile_structure`) and passes it to
+    :func:`simulate`; the last few built are kept too, found by a digest of the arrays they are
+    built from."""
 
-    def __init__(self, graph: TaskGraph):
-        tasks = graph.tasks
-        self.n = len(tasks)
-        self.duration = tasks["duration_us"].to_numpy(dtype=np.float64).tolist()
-        self.release = tasks["release_us"].to_numpy(dtype=np.float64).tolist()
-        self.labels = tasks["resource"].cat.categories
-        edges = graph.edges
-        src, dst, lag = (edges[c].to_numpy() for c in ("src", "dst", "lag_us"))
-        if self.n > _COMPILED_MAX_TASKS:  # every worker replicated: not kept, for memory
-            self.sequences, self.resource_of_sequence = _sequences(graph)
-            self.preds = _predecessors(self.n, src, dst, lag)
-            return
-        codes = tasks["resource"].cat.codes.to_numpy()
-        key = _digest(codes, tasks["order_key"].to_numpy(), "\0".join(map(str, self.labels)))
-        self.sequences, self.resource_of_sequence = _cached(key, lambda: _sequences(graph))
-        self.preds = _cached(_digest(self.n, src, dst, lag), lambda: _predecessors(self.n, src, dst, lag))
+    def __init__(self, sequences: list, resource_of_sequence: list, preds: list):
+        self.sequences, self.resource_of_sequence, self.preds = sequences, resource_of_sequence, preds
+
+
+def compile_structure(graph: TaskGraph) -> Structure:
+    """``graph``'s :class:`Structure`: one of the last few built where its arrays match (a
+    digest of them finds it), else built anew."""
+    tasks = graph.tasks
+    n = len(tasks)
+    src, dst, lag = (graph.edges[c].to_numpy() for c in ("src", "dst", "lag_us"))
+    if n > _COMPILED_MAX_TASKS:  # every worker replicated: not kept, for memory
+        return Structure(*_sequences(graph), _predecessors(n, src, dst, lag))
+    codes = tasks["resource"].cat.codes.to_numpy()
+    labels = "\0".join(map(str, tasks["resource"].cat.categories))
+    sequences, resource_of_sequence = _cached(_digest(codes, tasks["order_key"].to_numpy(), labels),
+                                              lambda: _sequences(graph))
+    preds = _cached(_digest(n, src, dst, lag), lambda: _predecessors(n, src, dst, lag))
+    return Structure(sequences, resource_of_sequence, preds)
 
 
 def _sequences(graph: TaskGraph) -> tuple[list, list]:
@@ -209,12 +214,17 @@ class _Watch:
 class _Run:
     """One simulation: shared state of the resource processes."""
 
-    def __init__(self, graph: TaskGraph, policies: Optional[dict], event_per_task: bool):
+    def __init__(self, graph: TaskGraph, policies: Optional[dict], event_per_task: bool,
+                 structure: Optional[Structure] = None):
         self.graph = graph
-        self.c = _Compiled(graph)
+        self.c = structure if structure is not None else compile_structure(graph)
+        tasks = graph.tasks
+        n = len(tasks)
+        self.duration = tasks["duration_us"].to_numpy(dtype=np.float64).tolist()
+        self.release = tasks["release_us"].to_numpy(dtype=np.float64).tolist()
         self.env = simpy.Environment()
-        self.start: list = [None] * self.c.n
-        self.end: list = [None] * self.c.n
+        self.start: list = [None] * n
+        self.end: list = [None] * n
         self.waiting: dict = {}  # task -> its _Waiters, until it is computed
         self.events = 0
         self.event_per_task = event_per_task
@@ -252,7 +262,7 @@ class _Run:
             w.wake()
 
     def _run_in_order(self, ids: list):
-        start, end, release, duration, preds = self.start, self.end, self.c.release, self.c.duration, self.c.preds
+        start, end, release, duration, preds = self.start, self.end, self.release, self.duration, self.c.preds
         waiting = self.waiting
         free = 0.0  # simulated time starts at the trace's first event
         for t in ids:
@@ -274,7 +284,7 @@ class _Run:
                 w.wake()
 
     def _run_event_per_task(self, ids: list):
-        env, end, release, duration, preds = self.env, self.end, self.c.release, self.c.duration, self.c.preds
+        env, end, release, duration, preds = self.env, self.end, self.release, self.duration, self.c.preds
         free = 0.0  # simulated time starts at the trace's first event
         for t in ids:
             ready = release[t]
@@ -302,7 +312,7 @@ class _Run:
         Each task is resolved once: while a predecessor is unknown it waits on that predecessor
         (``_finish`` hands it back), then on a heap of ready times; the decisions look at the
         ready tasks alone, not at every pending one."""
-        env, end, release, duration, preds = self.env, self.end, self.c.release, self.c.duration, self.c.preds
+        env, end, release, duration, preds = self.env, self.end, self.release, self.duration, self.c.preds
         position = {t: i for i, t in enumerate(ids)}
         watch = _Watch(list(ids))
         blocked: dict = {}  # task -> index of its first predecessor not computed yet
@@ -394,9 +404,11 @@ class _Run:
         )
 
 
-def simulate(graph: TaskGraph, policies: Optional[dict] = None) -> Schedule:
-    """Schedule ``graph``; ``policies`` maps resource names to :class:`Policy` objects."""
-    return _Run(graph, policies, event_per_task=False).run()
+def simulate(graph: TaskGraph, policies: Optional[dict] = None, structure: Optional[Structure] = None) -> Schedule:
+    """Schedule ``graph``; ``policies`` maps resource names to :class:`Policy` objects;
+    ``structure``, where given, is ``graph``'s (:func:`compile_structure`, of this graph or of
+    one with the same tasks, resources, orders and edges)."""
+    return _Run(graph, policies, event_per_task=False, structure=structure).run()
 
 
 def simulate_event_per_task(graph: TaskGraph, policies: Optional[dict] = None) -> Schedule:

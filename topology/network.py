@@ -107,8 +107,7 @@ class Network:
         self.link_bytes = np.zeros(len(capacity))  # bytes started over each link, for reports
         self._remaining = np.empty(0)
         self._rate = np.empty(0)
-        self._out = np.empty(0, dtype=np.int64)
-        self._in = np.empty(0, dtype=np.int64)
+        self._links = np.empty((0, 2), dtype=np.int64)  # each transfer's out and in link
         self._batch = np.empty(0, dtype=np.int64)
         self._arrivals: list = []
         self._batches: dict = {}
@@ -117,7 +116,7 @@ class Network:
         self._update_pending = False
         self._timer = 0
         self.rate_updates = 0
-        self._routes: dict = {}  # id(step) -> (step, its route): plans repeat their steps
+        self._routes: dict = {}  # id(step) -> (step, its route, its bytes by link): plans repeat their steps
         self._pair_rates: dict = {}  # the links of the transfers in flight -> their rates
         self.rate_misses = 0
 
@@ -139,7 +138,8 @@ class Network:
         if not len(src):
             return self.env.event().succeed(self.env.now)
         self._check(src, dst, nbytes)
-        return self._start(self._route(src, dst), nbytes)
+        route = self._route(src, dst)
+        return self._start(route, nbytes, self._link_bytes(route, nbytes))
 
     def execute(self, plan: Plan) -> simpy.Process:
         """Run ``plan`` step after step; the process's value is its duration in us."""
@@ -160,16 +160,17 @@ class Network:
             known = self._routes.get(id(step))
             if known is None or known[0] is not step:
                 self._check(step.src, step.dst, step.nbytes)
-                known = self._routes[id(step)] = (step, self._route(step.src, step.dst))
-            yield self._start(known[1], step.nbytes)
+                route = self._route(step.src, step.dst)
+                known = self._routes[id(step)] = (step, route, self._link_bytes(route, step.nbytes))
+            yield self._start(known[1], step.nbytes, known[2])
         return self.env.now - start
 
     def _route(self, src: np.ndarray, dst: np.ndarray) -> tuple:
         """The links and latencies of transfers ``src -> dst``, grouped by when they start streaming.
 
         Returns ``(out_link, in_link, groups, itself)``: ``groups`` lists ``(latency_us,
-        selector)`` for the transfers that wait that latency, ``itself`` marks transfers from an
-        endpoint to itself (or is None).
+        selector, links)`` for the transfers that wait that latency (``links``: their out and in
+        links, a row each), ``itself`` marks transfers from an endpoint to itself (or is None).
         """
         m_src, m_dst = self._machine[src], self._machine[dst]
         local = m_src == m_dst
@@ -181,18 +182,29 @@ class Network:
         lat_inter = self.cluster.inter_node.latency_us
         if itself.any():
             local = local & ~itself
-        groups = []
+        selectors = []
         if lat_intra == lat_inter and not itself.any():
-            groups.append((lat_intra, slice(None)))
+            selectors.append((lat_intra, slice(None)))
         else:
             for latency, mask in ((0.0, itself), (lat_intra, local), (lat_inter, ~(local | itself))):
                 if mask.all():
-                    groups.append((latency, slice(None)))
+                    selectors.append((latency, slice(None)))
                 elif mask.any():
-                    groups.append((latency, np.flatnonzero(mask)))
+                    selectors.append((latency, np.flatnonzero(mask)))
+        links = np.stack((out_link, in_link), axis=1)
+        groups = [(latency, sel, links[sel]) for latency, sel in selectors]
         return out_link, in_link, groups, (itself if itself.any() else None)
 
-    def _start(self, route: tuple, nbytes: np.ndarray) -> simpy.Event:
+    def _link_bytes(self, route: tuple, nbytes: np.ndarray) -> tuple:
+        """The bytes transfers of ``nbytes`` on ``route`` add to their out links and to their in
+        links, each a vector over the links."""
+        out_link, in_link, _, itself = route
+        if itself is not None:
+            nbytes = np.where(itself, 0.0, nbytes)
+        n_links = len(self.link_bytes)
+        return np.bincount(out_link, nbytes, minlength=n_links), np.bincount(in_link, nbytes, minlength=n_links)
+
+    def _start(self, route: tuple, nbytes: np.ndarray, link_bytes: tuple) -> simpy.Event:
         out_link, in_link, groups, itself = route
         done = self.env.event()
         batch = self._next_batch
@@ -200,12 +212,11 @@ class Network:
         self._batches[batch] = [len(out_link), done]
         if itself is not None:
             nbytes = np.where(itself, 0.0, nbytes)
-        n_links = len(self.link_bytes)
-        self.link_bytes += np.bincount(out_link, nbytes, minlength=n_links)
-        self.link_bytes += np.bincount(in_link, nbytes, minlength=n_links)
-        for latency, sel in groups:
+        self.link_bytes += link_bytes[0]
+        self.link_bytes += link_bytes[1]
+        for latency, sel, links in groups:
             size = nbytes[sel]
-            arrival = (out_link[sel], in_link[sel], np.array(size, dtype=np.float64), np.full(len(size), batch))
+            arrival = (links, np.array(size, dtype=np.float64), np.full(len(size), batch))
             if latency > 0:
                 self.env.timeout(latency).callbacks.append(functools.partial(self._arrive, arrival))
             else:
@@ -240,13 +251,12 @@ class Network:
         self._update_pending = False
         now = self.env.now
         if now > self._last_us and len(self._remaining):
-            self._remaining = self._remaining - self._rate * (now - self._last_us)
+            self._remaining -= self._rate * (now - self._last_us)  # an array of the network's own
         self._last_us = now
         if self._arrivals:
-            outs, ins, sizes, batches = zip(*self._arrivals)
+            links, sizes, batches = zip(*self._arrivals)
             self._arrivals = []
-            self._out = np.concatenate((self._out, *outs))
-            self._in = np.concatenate((self._in, *ins))
+            self._links = np.concatenate((self._links, *links))
             self._remaining = np.concatenate((self._remaining, *sizes))
             self._batch = np.concatenate((self._batch, *batches))
             self._rate = np.concatenate((self._rate, np.zeros(sum(len(s) for s in sizes))))
@@ -260,18 +270,18 @@ class Network:
             return
         self.rate_updates += 1
         self._rate = self._fair_rates()
-        next_end = float(np.min(self._remaining / self._rate))
+        next_end = float((self._remaining / self._rate).min())
         self.env.timeout(next_end).callbacks.append(functools.partial(self._on_timer, self._timer))
 
     def _fair_rates(self) -> np.ndarray:
         """``fair_rates`` of the transfers in flight, kept by their links: a parameter server's
         pushes and pulls put the same transfers in flight again and again."""
-        key = self._out.tobytes() + self._in.tobytes()
+        key = self._links.tobytes()
         rates = self._pair_rates.get(key)
         if rates is None:
             if len(self._pair_rates) >= 4096:
                 self._pair_rates.clear()
-            rates = self._pair_rates[key] = fair_rates(self.capacity_bytes_per_us, self._out, self._in)
+            rates = self._pair_rates[key] = fair_rates(self.capacity_bytes_per_us, self._links[:, 0], self._links[:, 1])
             self.rate_misses += 1
         return rates
 
@@ -290,8 +300,7 @@ class Network:
         keep = ~finished
         self._remaining = self._remaining[keep]
         self._rate = self._rate[keep]
-        self._out = self._out[keep]
-        self._in = self._in[keep]
+        self._links = self._links[keep]
         self._batch = self._batch[keep]
 
 

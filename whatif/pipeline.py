@@ -59,7 +59,7 @@ import pandas as pd
 from whatif.collectors.diagnostics import warn
 from whatif.report.cluster import configuration_labels, configuration_row, memory_columns, parallel_row
 from whatif.report.intervals import relative_interval, steady_interval, widened
-from whatif.report.iterations import iteration_report, speedup_report, steady_median
+from whatif.report.iterations import IterationSpans, iteration_report, speedup_report, steady_median
 from whatif.sim.distributed import ClusterConfig, ClusterSchedule, simulate_cluster
 from whatif.sim.engine import Schedule, simulate
 from whatif.sim.frameworks.copies import pass_rate_bytes_per_us
@@ -358,6 +358,8 @@ class _Grid:
     gpu_memory_bytes: Optional[float]
     microbatch: Optional[TaskGraph] = None  # the microbatch trace's graph, without its communication
     units: dict = field(default_factory=dict)  # parallelism.units -> the worker's units, found once
+    laid: dict = field(default_factory=dict)  # the cluster graphs built, which simulate_cluster keeps
+    spans: dict = field(default_factory=dict)  # what their reports read of them (_spans)
 
 
 def _configuration(grid: _Grid, config: ClusterConfig) -> tuple[dict, ClusterSchedule]:
@@ -386,8 +388,8 @@ def _simulated(grid: _Grid, config: ClusterConfig) -> tuple[dict, ClusterSchedul
             row.update(iteration_ms_low=low, iteration_ms_high=high)
         return row, run
     run = simulate_cluster(grid.worker if config.workers == 1 else grid.without_comm, grid.gradients,
-                           grid.iterations, config)
-    report = iteration_report(run.schedule, grid.iterations, run.worker0)
+                           grid.iterations, config, grid.laid)
+    report = _spans(grid, run).report(run.schedule) if config.workers > 1 else iteration_report(run.schedule, grid.iterations)
     row = configuration_row(config, run, report, grid.iteration_ms)
     if par is not None:  # plain data parallelism: the cluster path, and its memory
         memory = memory_per_gpu(grid.without_comm, _units(grid.units, grid.without_comm, par, False), par,
@@ -395,6 +397,16 @@ def _simulated(grid: _Grid, config: ClusterConfig) -> tuple[dict, ClusterSchedul
         gpu_bytes = grid.gpu_memory_bytes if grid.gpu_memory_bytes is not None else gpu_memory_bytes(config.cluster)
         row.update(parallelism=par.describe(), **memory_columns(memory, gpu_bytes))
     return row, run
+
+
+def _spans(grid: _Grid, run: ClusterSchedule) -> IterationSpans:
+    """What worker 0's report reads of a cluster's graph, made once per cluster graph: the
+    configurations that share one (``grid.laid``) share its worker mask, which keys them."""
+    known = grid.spans.get(id(run.worker0))
+    if known is None or known[0] is not run.worker0:
+        known = grid.spans[id(run.worker0)] = (run.worker0, IterationSpans(run.schedule.graph, grid.iterations,
+                                                                           run.worker0))
+    return known[1]
 
 
 def _units(cache: dict, graph: TaskGraph, par: Parallelism, required: bool) -> Units:
