@@ -14,9 +14,11 @@ scenario). Two checks of that interval:
    ``validation_scenario``, ``bench/parallel_predictor.py`` ``scenario``), and its interval is
    held against the real run's median (``measured_ms``, the median of the repeated runs: the
    figure the target is about) and against each repeated run's median (``runs_ms``). Each
-   point is predicted twice: on its calibration without runs (the interval of the iterations
-   alone) and with each run of the calibration (``whatif predict`` widens the interval to hold
-   their predictions, ``report/intervals.py``): from the links file's ``runs``, or for a
+   point is predicted twice: on its calibration without runs (the interval of the iterations,
+   widened to hold each other capture process's prediction where the bundle notes them) and
+   with each run of the calibration (``whatif predict`` widens the interval to hold their
+   predictions, ``report/intervals.py``; the target is about this one): from the links file's
+   ``runs``, or for a
    calibration made before they were written, from the per-run probe records its folder kept
    (``work/links/calibration_B``). Where a campaign kept no calibration (one run without a
    predictor), ``--links DIR`` names a folder of them; none is ever measured from here. Target:
@@ -160,7 +162,8 @@ def links_variants(links: Path, out: Path) -> dict:
 
 def check_campaigns(folders: list[Path], out: Path, links_dir: Optional[Path] = None) -> pd.DataFrame:
     """One row per measured point of the campaigns: measured, and the prediction with its
-    interval from the iterations alone and with the calibration's runs; where a campaign kept
+    interval without the calibration's runs (the iterations', and the capture processes' where
+    the bundle notes them) and with them; where a campaign kept
     no calibration for a point, ``links_dir``'s (``links_Bmbps.yaml``), if given."""
     rows = []
     for number, folder in enumerate(folders):
@@ -198,7 +201,7 @@ def check_campaigns(folders: list[Path], out: Path, links_dir: Optional[Path] = 
             rows.append(row)
             print(f"{point['label']}: measured {point['measured_ms']:.1f} ms (runs {base['runs_ms']}), predicted "
                   f"{row['predicted_ms']:.1f} ({row['error_pct']:+.1f} %); {100 * LEVEL:g} % interval "
-                  f"{row['iterations_low_ms']:.1f}-{row['iterations_high_ms']:.1f} from the iterations "
+                  f"{row['iterations_low_ms']:.1f}-{row['iterations_high_ms']:.1f} without the calibration's runs "
                   f"({'covers' if row['iterations_covers'] else 'misses'}), {row['calibrated_low_ms']:.1f}-"
                   f"{row['calibrated_high_ms']:.1f} with {links['calibration_runs']} calibration runs "
                   f"({'covers' if row['calibrated_covers'] else 'misses'})", flush=True)
@@ -272,7 +275,7 @@ def main(argv=None) -> int:
     points = check_campaigns(args.campaign, args.out.resolve(), args.links)
     points.to_csv(args.out / "points.csv", index=False)
     ok = points[points["status"] == "ok"] if len(points) else points
-    for variant, what in (("iterations", "from the iterations"), ("calibrated", "with the calibration's runs")):
+    for variant, what in (("iterations", "without the calibration's runs"), ("calibrated", "with the calibration's runs")):
         if not len(ok):
             break
         name = f"campaign, {what}: the real run's median"
@@ -303,7 +306,10 @@ def main(argv=None) -> int:
     else:
         print(f"held-out iterations: no trace of at least {MIN_ITERATIONS} iterations")
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    failed = any(part.get("verdict") == "FAIL" for part in summary.values() if isinstance(part, dict))
+    # the target is the interval a prediction gives (with the calibration's runs); the variant
+    # without them says what those runs add, and passes or fails nothing
+    failed = any(part.get("verdict") == "FAIL" for key, part in summary.items()
+                 if isinstance(part, dict) and key != "campaign_iterations")
     return 1 if failed else 0
 
 
