@@ -21,10 +21,11 @@ is centred on the central value, which stays what it was.
 No extra simulation is run: the interval costs a few arithmetic operations per configuration.
 A trace of fewer than three steady iterations gives no interval (``nan``): with one nothing
 tells the spread, and with two ``t`` is 6.3 and the interval mostly says how little two samples
-tell (a capture whose two steady steps differ 2x got 0.07x to 15x its central value). What the interval does not
-hold is the model's own error, nor the difference between the process that was traced and the
-one that runs later (whole processes run at different speeds on a shared machine);
-``bench/interval_coverage.py`` measures how often it covers real runs.
+tell (a capture whose two steady steps differ 2x got 0.07x to 15x its central value). The
+pipeline widens it (:func:`widened`) to hold the same prediction made on each run of a links
+file's calibration and on each other process that captured the job (``whatif/pipeline.py``):
+whole processes run at different speeds on a shared machine. What it does not hold is the
+model's own error; ``bench/interval_coverage.py`` measures how often it covers real runs.
 """
 
 from __future__ import annotations
