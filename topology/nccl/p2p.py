@@ -24,31 +24,35 @@ NCCL runs both as pairs of sends and receives scheduled by ``src/enqueue.cc``
   hosts with Blackwell GPUs from 2.29), a quarter of it through a NIC below one step of bytes and
   half below eight; an LL step 32 KiB of data (a 512 KiB LL buffer over ``NCCL_STEPS`` = 8
   slots, half of it flags).
-* An all-to-all's ``n - 1`` peers are ``n - 1`` rounds, each on its own channels (the round's
-  base channel, ``ncclP2pChannelBaseForRound``), so they run at once while their channels fit
-  in ``P``; a channel's operations of one group of 8 rounds run together in one batch, its
-  further groups one batch after another.
+* An all-to-all's peers are rounds (``ncclP2pSchedule``). In one node each round has its own
+  base channel (``ncclP2pChannelBaseForRound``), so the ``n - 1`` sends run at once while their
+  channels fit in ``P``, one batch after another beyond. Across nodes the ranks form groups of
+  8 (``NCCL_P2P_SCHEDULE_GROUP_SIZE``, or fewer where a node has fewer ranks) and the 8 rounds
+  of one group share their base channel, 8 operations to a batch: a class of peers takes one
+  channel set per group it spans (``_lanes``).
 
 **The time.** A channel is one CUDA block whose warps a send and a receive split (``sendrecv.h``),
 so one direction moves at half a ring channel's NVLink speed (``bw_intra / 2`` of NCCL's
-search, ``graphs.ring_graph`` on one node): ``r``. The ``A = min(P, sum of c)`` channels at work
-share the GPU's NVLink (the ring's channels x speed) and, for peers on other nodes, its share of
-the node's NICs at NCCL's speed steps (``o`` times slower for the share of traffic that leaves a
-leaf, ``network.machines_per_leaf``). Peers of one link class (NVLink, network) move
-``m b`` bytes at::
+search, ``graphs.ring_graph`` on one node): ``r``. The ``A = min(P, sum of lanes x c)``
+channels at work share the GPU's NVLink (the ring's channels x speed) and, for peers on other
+nodes, its share of the node's NICs at NCCL's speed steps (``o`` times slower for the share of
+traffic that leaves a leaf, ``network.machines_per_leaf``). Peers of one link class (NVLink,
+network), ``m`` sends of ``b`` bytes on ``c`` channels each, move at::
 
-    R = min(B_link, A x (m c / sum of c) x r)         (LL: half)
-    T = L + batches x hop + max over classes of [ m b / R + min(step, b / c) / (R / (m c)) ]
+    R = min(B_link, A x (class lanes x c / sum of lanes x c) x r)      (LL: half)
+    T = L + k x hop + max over classes of [ m b / R + m c min(step, b / c) / R ]
 
 the second term being the pipeline's fill: a part's last step must still be copied out of the
-receiver's buffer (``NCCL_STEPS`` slots keep the steps before it in flight). ``L`` is NCCL's
+receiver's buffer (``NCCL_STEPS`` = 8 slots keep the steps before it in flight). ``L`` is NCCL's
 ring base latency of the protocol, ``hop`` its ring step latency on the link (through a NIC:
-Simple's, plus the NIC's, whatever the protocol: the proxy posts every send).
+Simple's plus the NIC's whatever the protocol, as the proxy posts every send) and ``k`` the
+batches a channel runs one after another; across nodes at least one network step per group of
+8 peers (ours, not NCCL's source: chosen against the two-node B200 table, about 37 us at its smallest sizes).
 
-**Where it departs from NCCL.** Releases before 2.19 scheduled peers differently (one kernel
-per group of peers; 2.11's A100 all-to-all takes 87 us at 32 B); we apply the newest schedule to
-all. PXN (a remote peer's bytes cross NVLink to the GPU on the destination's rail first) is
-folded into the network share, which is the same per NIC. The per-channel rate of a channel that
+**Where it departs from NCCL.** Older releases had other p2p schedulers, not read here: every
+release gets the newest schedule, with its own rule for a network peer's channels (2.29).
+PXN (a remote peer's bytes cross NVLink to the GPU on the destination's rail first) is folded
+into the network share, which is the same per NIC. The per-channel rate of a channel that
 holds several operations is kept (their warps split it). What a fabric's point-to-point path
 achieves between nodes is the measured ``p2p_efficiency`` (``measured.py``); inside a node the
 NVLink's measured ``link_efficiency`` applies as for the collectives.
@@ -192,6 +196,18 @@ class _Class:
     bound_gbs: float  # the GPU's rate on that link
 
 
+def _lanes(comm: Comm, s: Schedule, k: "_Class") -> int:
+    """The channel sets a class's sends take: one per peer in one node (each round its own base
+    channel), one per group of 8 peers across nodes (``ncclP2pSchedule``'s groups of
+    ``NCCL_P2P_SCHEDULE_GROUP_SIZE`` ranks share their round's base channel, 8 operations to a
+    batch)."""
+    if s.n_nodes == 1:
+        return k.peers
+    size = math.gcd(P2P_PER_BATCH, comm.ppn)
+    mine = 1 if k.link != "net" else 0  # the own group holds the rank itself
+    return math.ceil((k.peers + mine) / size)
+
+
 def _price(comm: Comm, s: Schedule, classes: list, protocols) -> tuple:
     """``(protocol, latency, hops, local_us, net_us, channels)`` for the classes' sends at once."""
     active = [k for k in classes if k.peers > 0]
@@ -204,14 +220,15 @@ def _price(comm: Comm, s: Schedule, classes: list, protocols) -> tuple:
         ll = (ll and "ll" in allowed) or allowed == ["ll"]
     proto = "ll" if ll else "simple"
     factor = tuning.RING_LL_FACTOR if ll else 1.0
-    demand = sum(k.peers * chans[k.link] for k in active)
+    lanes = {k.link: _lanes(comm, s, k) * chans[k.link] for k in active}
+    demand = sum(lanes.values())
     at_work = min(s.channels, demand)
     batches = max(1, math.ceil(demand / s.channels))
     per_channel = channel_gbs(comm) * factor
     local = net = 0.0
     for k in active:
         c = chans[k.link]
-        rate = min(k.bound_gbs * factor, at_work * (k.peers * c / demand) * per_channel)  # GB/s = kB/us
+        rate = min(k.bound_gbs * factor, at_work * (lanes[k.link] / demand) * per_channel)  # GB/s = kB/us
         chunk = min(step_data(s, proto, k.link == "net", k.nbytes), k.nbytes / c)
         t = (k.peers * k.nbytes + chunk * k.peers * c) / (1000.0 * rate)
         if k.link == "net":
