@@ -92,6 +92,17 @@ def test_all_to_all_across_two_rail_optimised_nodes_is_bound_by_the_nics():
     assert cost.time_us == pytest.approx(expected)
 
 
+@pytest.mark.parametrize("version, per_peer, step", [
+    ("2.28.7", 1, 128 * KIB),  # two channels a network peer, halved while 2 x 128 > 4 x 32
+    ("2.29.3", 2, 256 * KIB),  # ceil(48 / 14) = 4, halved while 4 x ceil(128 / 8) > 32; Arm + Blackwell: 2 x 128 KiB
+])
+def test_two_nvl72_racks_get_each_releases_network_peer_channels(version, per_peer, step):
+    c = Cluster.from_config({"machine": "gb200_nvl72", "machines": 32, "nvlink_domain": 64,
+                             "nccl": {"measured": "spec", "version": version}})
+    s = p2p.schedule(Comm.of(c.fabric))
+    assert (s.channels, s.per_peer, s.min_per_peer, s.step) == (32, per_peer, 1, step)
+
+
 @pytest.mark.parametrize("table, median, large", [
     # spec-only (no measured constant): NCCL's schedule on the vendors' NVLink figures
     ("gb300_oci_nvl72_2tray_8gpu_alltoall_nccl2.28.7.txt", 5.0, 5.0),
