@@ -89,15 +89,12 @@ def test_nvls_on_one_h100_node_is_nvlink_sharps_efficiency_on_doubled_channels()
 
 
 def test_send_recv_and_all_to_all_move_their_bytes_over_the_link_they_cross():
-    one = cluster("dgx_a100")
-    latency = tuning.BASE_LATENCY_US["ring"][2] + tuning.HOP_LATENCY_US["nvlink"]["ring"][2]
-    assert time_us(one, "send_recv", BIG) == pytest.approx(latency + BIG / 240e3)
-    n = 8  # each rank sends 7/8 of its buffer over its NVLink
-    assert time_us(one, "all_to_all", BIG) == pytest.approx(latency + BIG * (n - 1) / n / 240e3)
-    two = cluster("dgx_a100", 2)  # across nodes: the node's 8 HDR NICs at 24 GB/s, shared by its 8 ranks
-    assert time_us(two, "all_to_all", BIG) == pytest.approx(
-        tuning.BASE_LATENCY_US["ring"][2] + 2 * tuning.HOP_LATENCY_US["net"]["ring"][2]
-        + BIG * (16 - 8) / 16 / 24e3)
+    # their closed forms, from NCCL's p2p schedule, are in test_nccl_p2p.py
+    one, two = cluster("dgx_a100"), cluster("dgx_a100", 2)
+    assert time_us(one, "all_to_all", BIG) > BIG * 7 / 8 / 240e3
+    # across nodes half of each rank's bytes leave through the node's 8 HDR NICs (24 GB/s each)
+    assert time_us(two, "all_to_all", BIG) > BIG * 8 / 16 / 24e3 > time_us(one, "all_to_all", BIG)
+    assert time_us(one, "send_recv", BIG) > BIG / 240e3
 
 
 def test_fewer_channels_move_small_messages_more_slowly_than_the_tuners_estimate():

@@ -286,8 +286,10 @@ def fit(rows: Sequence[Row], source: str = "", fit_efficiency: bool = False, pri
     layout += [(f"eff:{k}", 0.9, BOUNDS["efficiency"]) for k in eff_kinds]
     layout += [(f"link:{k}", 0.9, BOUNDS["link_efficiency"]) for k in eff_links]
     layout += [("p2p", 0.8, BOUNDS["p2p_efficiency"])] if p2p else []
-    layout += [("host_launch_us", 3.0, BOUNDS["host_launch_us"]), ("host_call_us", 0.3, BOUNDS["host_call_us"])] \
-        if host else []
+    # a call's cost apart from the launch only where a thread makes several calls per GPU (all-to-all)
+    calls = host and any(r.gpus_per_thread > 1 and r.calls > 1 for r in rows)
+    layout += [("host_launch_us", 3.0, BOUNDS["host_launch_us"])] if host else []
+    layout += [("host_call_us", 0.3, BOUNDS["host_call_us"])] if calls else []
     names = [n for n, _, _ in layout]
 
     def unpack(x: np.ndarray) -> tuple:
