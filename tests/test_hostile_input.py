@@ -308,6 +308,34 @@ def test_a_scenario_that_is_not_utf8_is_one_line(tmp_path, capsys):
     assert (status, out, err) == (2, "", f"whatif: error: {path}: is not UTF-8 text, so not YAML\n")
 
 
+def _nested_too_deep(text: str) -> str:
+    """``text`` with a value nested 100,000 lists deep before its first line."""
+    return "deep: " + "[" * 100_000 + "]" * 100_000 + "\n" + text
+
+
+@pytest.mark.parametrize(
+    "command, make, problem",
+    [
+        (["predict"], lambda p: p.write_text(_nested_too_deep((REPO / "scenarios" / "straggler.yaml").read_text())),
+         "YAML nested deeper than Python's recursion limit: no scenario or cluster nests so deep"),
+        (["perfmodel", "report"], lambda p: p.write_text('{"format": "whatif-perfmodels", "deep": '
+                                                         + "[" * 100_000 + "]" * 100_000 + "}"),
+         "JSON nested deeper than Python's recursion limit: no models file nests so deep"),
+        (["lab", "calibrate", "--shared-memory-into"], lambda p: p.write_bytes(BUNDLED_TRACE.read_bytes()),
+         "cannot read it as a topology YAML (is gzip data, not YAML (a trace? name it in a scenario's trace: key))"),
+        (["lab", "calibrate", "--shared-memory-into"],
+         lambda p: p.write_bytes((REPO / "scenarios" / "straggler.yaml").read_text().replace("slower", "sl\xf6wer").encode("latin-1")),
+         "cannot read it as a topology YAML (is not UTF-8 text, so not YAML)"),
+    ],
+    ids=["scenario nested too deep", "models file nested too deep", "trace as a links file", "links file not UTF-8"],
+)
+def test_a_file_of_our_own_formats_that_used_to_raise_a_traceback_is_one_line(tmp_path, capsys, command, make, problem):
+    path = tmp_path / "input"
+    make(path)
+    status, out, err = run_cli(capsys, [*command, path])
+    assert (status, out, err) == (2, "", f"whatif: error: {path}: {problem}\n")
+
+
 # -- unbounded work: refused before it starts, with the limit and how to raise it ----------------
 
 def test_a_bad_batch_size_fails_before_the_trace_is_read(tmp_path, capsys):

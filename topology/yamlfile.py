@@ -59,6 +59,8 @@ def read_yaml(path: Path) -> Any:
     except _TooManyAliases:
         raise TopologyError("", f"more than {MAX_YAML_ALIASES} YAML aliases (*name); refusing a document that may "
                                 "expand beyond bounds (write the values out)") from None
-    except (yaml.YAMLError, RecursionError) as err:
+    except RecursionError:
+        raise TopologyError("", "YAML nested deeper than Python's recursion limit: no scenario or cluster nests so deep") from None
+    except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         raise TopologyError("", "not valid YAML" + (f" at line {mark.line + 1}" if mark else "")) from None
