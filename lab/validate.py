@@ -236,8 +236,10 @@ def validate(
     compare the prediction with the median run."""
     if model not in MODELS:
         raise LabError(f"unknown model {model!r}; choose from {', '.join(MODELS)}")
-    if repeats < 1:
-        raise LabError(f"--repeats must be at least 1, not {repeats}")
+    for option, value in (("--repeats", repeats), ("--steps", steps), ("--batch-size", batch_size),
+                          ("--predict-from", predict_from)):
+        if value is not None and value < 1:
+            raise LabError(f"{option} must be at least 1, not {value}")
     work = work.resolve()  # the prediction's scenario names the capture and links by absolute path
     if predict_from is not None and batch_size is None:
         raise LabError("--predict-from B0 needs --batch-size B: the batch size to predict and run at")

@@ -374,10 +374,11 @@ def test_a_yaml_alias_bomb_is_refused(tmp_path, capsys):
                    "beyond bounds (write the values out)\n")
 
 
-def test_a_grid_of_thousands_of_gpus_asks_for_yes(tmp_path, capsys):
+@pytest.mark.parametrize("command", [["predict"], ["advise", BUNDLED_TRACE]])
+def test_a_grid_of_thousands_of_gpus_asks_for_yes(tmp_path, capsys, command):
     path = tmp_path / "huge.yaml"
     path.write_text(f"trace: {BUNDLED_TRACE}\ncluster: {{machines: [1000, 10000], {CLUSTER}}}\n")
-    status, out, err = run_cli(capsys, ["predict", path])
+    status, out, err = run_cli(capsys, [*command, path])
     assert (status, out) == (2, "")
     assert err == (f"whatif: error: {path}: the grid simulates 11000 GPUs over 2 configurations, more than 2048 "
                    "(minutes to hours); pass --yes to run it anyway\n")
@@ -391,6 +392,30 @@ def test_perfmodel_fit_checks_its_arguments_before_the_sweep(tmp_path, capsys):
     ]:
         status, out, err = run_cli(capsys, ["perfmodel", "fit", "--out", tmp_path / "m.json", *argv])
         assert (status, out, err) == (2, "", f"whatif: error: {line}\n")
+
+
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        (["validate", "--model", "convnet", "--steps", "0"], "--steps must be at least 1, not 0"),
+        (["validate", "--model", "convnet", "--batch-size", "0"], "--batch-size must be at least 1, not 0"),
+        (["validate", "--model", "convnet", "--batch-size", "8", "--predict-from", "0"],
+         "--predict-from must be at least 1, not 0"),
+        (["lab", "run", "--threads", "0", "--", "true"], "--threads 0: a worker needs at least 1 thread"),
+        (["lab", "run", "--timeout", "0", "--", "true"], "--timeout 0: the workers need some seconds to run"),
+    ],
+    ids=["validate --steps 0", "validate --batch-size 0", "validate --predict-from 0", "lab run --threads 0",
+         "lab run --timeout 0"],
+)
+def test_the_labs_arguments_are_checked_before_any_capture_or_namespace(tmp_path, capsys, argv, line):
+    """``validate --steps 0`` used to start minutes of captures before anything looked at it."""
+    command = 1 if argv[0] == "validate" else 2
+    where = ["--work", tmp_path / "work"] if argv[0] == "validate" else ["--out", tmp_path / "out"]
+    started = time.perf_counter()
+    status, out, err = run_cli(capsys, [*argv[:command], *where, *argv[command:]])
+    assert (status, out, err) == (2, "", f"whatif: error: {line}\n")
+    assert time.perf_counter() - started < 5.0
+    assert not (tmp_path / "work").exists()
 
 
 def test_the_python_api_collects_the_same_warnings_or_raises_under_strict(alexnet_doc, tmp_path):

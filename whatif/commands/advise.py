@@ -14,6 +14,8 @@ import msgspec
 from whatif.advice import Advice, Option, advise
 from whatif.scenario import Scenario, ScenarioError
 
+from . import MAX_GRID_GPUS, check_grid_size
+
 ERRORS = (ScenarioError,)
 
 
@@ -26,10 +28,14 @@ def add_parsers(sub) -> None:
                              "(its own trace is replaced by TRACE)")
     parser.add_argument("--iteration", metavar="NAME", help="annotation that marks an iteration (default: ProfilerStep#N)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument("--yes", action="store_true",
+                        help=f"run a scenario's grid of more than {MAX_GRID_GPUS} GPUs in all (refused without it)")
 
 
 def run(args: argparse.Namespace) -> int:
     scenario = Scenario.from_file(args.scenario) if args.scenario is not None else None
+    if scenario is not None:
+        check_grid_size(args.scenario, scenario, args.yes)
     progress = (lambda text: None) if args.json else (lambda text: print(f"whatif: {text}", file=sys.stderr))
     advice = advise(args.trace, scenario, args.iteration, progress)
     if args.json:
