@@ -194,6 +194,8 @@ CLUSTER = "intra_node: nvlink2, inter_node: 10gbe"
          "stragglers[0].machine: machine 4 does not exist: the largest cluster has 4 (machines are numbered from 0)"),
         (f"cluster: {{machines: 2, {CLUSTER}}}\nstragglers: [{{machine: true, slowdown: 2}}]\n",
          "stragglers[0].machine: must be a machine index >= 0, got True"),
+        (f"cluster: {{machines: 2, {CLUSTER}}}\nstragglers: [{{machine: 1}}]\n",
+         "stragglers[0]: gives neither slowdown nor gpu_slowdown, so it slows nothing"),
         (f"cluster: {{machines: 2, gpus_per_machine: 1000000000, {CLUSTER}}}\n",
          "cluster.gpus_per_machine: 1000000000 GPUs in one machine: no machine has more than 72 (GB200 NVL72); "
          "a machine preset has 8"),
@@ -203,7 +205,7 @@ CLUSTER = "intra_node: nvlink2, inter_node: 10gbe"
         (f"cluster: {{machines: 2, {CLUSTER}}}\noptimizations: [faster-gpu=inf]\n",
          "optimizations: optimization 'faster-gpu=inf': the speed-up must be a positive finite number"),
     ],
-    ids=["nan slowdown", "inf gpu slowdown", "negative slowdown", "no such machine", "machine: true",
+    ids=["nan slowdown", "inf gpu slowdown", "negative slowdown", "no such machine", "machine: true", "no slowdown",
          "a billion GPUs per machine", "a trillion machines", "faster-gpu=inf"],
 )
 def test_a_scenario_value_that_makes_no_sense_is_one_line(tmp_path, capsys, body, line):
@@ -212,6 +214,44 @@ def test_a_scenario_value_that_makes_no_sense_is_one_line(tmp_path, capsys, body
     status, out, err = run_cli(capsys, ["predict", path])
     assert (status, out) == (2, "")
     assert err == f"whatif: error: {path}: {line}\n"
+
+
+def _shipped_straggler(tmp_path, replace: dict):
+    """scenarios/straggler.yaml (machine 1 of 2 or 4 runs 1.5 times slower), its trace named by
+    absolute path, with ``replace``'s texts replaced."""
+    text = (REPO / "scenarios" / "straggler.yaml").read_text().replace("../data/", f"{REPO / 'data'}/")
+    for old, new in replace.items():
+        assert old in text
+        text = text.replace(old, new)
+    path = tmp_path / "straggler.yaml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize(
+    "replace, line",
+    [
+        ({"machine: 1,": "machine: 3,"},
+         "{scenario}: stragglers[0].machine: machine 3 is not in 1 configuration of fewer machines, which run without it"),
+        ({"slowdown: 1.5": "gpu_slowdown: 1.5"},
+         "{trace}: has no GPU task, so the GPU slowdown of 2 configurations (gpu_slowdown, gpu_variation) changes "
+         "nothing"),
+    ],
+    ids=["straggler beyond some configurations", "gpu_slowdown on a CPU trace"],
+)
+def test_a_scenario_value_some_or_all_configurations_cannot_use_is_a_warning(tmp_path, capsys, replace, line):
+    path = _shipped_straggler(tmp_path, replace)
+    line = line.format(scenario=path, trace=REPO / "data" / "convnet_cpu.pt.trace.json.gz")
+    status, out, err = run_cli(capsys, ["--strict", "predict", path])
+    assert (status, out, err) == (2, "", f"whatif: error: {line}; --strict makes this an error\n")
+
+
+def test_a_gpu_slowdown_on_a_cpu_trace_predicts_with_the_warning(tmp_path, capsys):
+    path = _shipped_straggler(tmp_path, {"slowdown: 1.5": "gpu_slowdown: 1.5", "machines: [2, 4]": "machines: 2"})
+    status, out, err = run_cli(capsys, ["predict", path])
+    assert status == 0 and "horovod" in out
+    assert err == (f"whatif: warning: {REPO / 'data' / 'convnet_cpu.pt.trace.json.gz'}: has no GPU task, so the GPU "
+                   "slowdown of 1 configuration (gpu_slowdown, gpu_variation) changes nothing\n")
 
 
 @pytest.mark.parametrize("option", ["faster-gpu=inf", "faster-gpu=nan", "faster-gpu=-1"])

@@ -56,7 +56,7 @@ from typing import Optional, Sequence, Union
 import numpy as np
 import pandas as pd
 
-from whatif.collectors.diagnostics import warn
+from whatif.collectors.diagnostics import plural, warn
 from whatif.report.cluster import configuration_labels, configuration_row, memory_columns, parallel_row
 from whatif.report.intervals import relative_interval, steady_interval, widened
 from whatif.report.iterations import IterationSpans, iteration_report, speedup_report, steady_median
@@ -229,6 +229,7 @@ def predict(request: Request, sweep: Sweep = Sweep()) -> Prediction:
         )
     prediction = Prediction(request, study, unchanged, graph, schedule, report)
     _check_communication_changes(graph, request.clusters)
+    _check_gpu_factors(study, request.clusters)
     if request.clusters:
         _simulate_clusters(prediction, sweep)
     _hold_other_processes(prediction, sweep)
@@ -270,6 +271,16 @@ def _check_communication_changes(worker: TaskGraph, clusters: Sequence[ClusterCo
         elif change.traced_messages == 0 and not any(config.workers > 1 for config in clusters):
             raise GraphError(f"{change.recipe}: the job communicates nothing (no communication kernel in the trace, "
                              "no cluster of several workers): give a scenario")
+
+
+def _check_gpu_factors(study: TraceStudy, clusters: Sequence[ClusterConfig]) -> None:
+    """A warning where a configuration slows GPU tasks (a straggler's ``gpu_slowdown``, a
+    scenario's ``gpu_variation``) on a trace that has none: the factor changes nothing."""
+    slowed = sum(any(s.gpu_slowdown != 1.0 for s in config.stragglers) or any(f != 1.0 for f in config.gpu_slowdowns)
+                 for config in clusters)
+    if not study.graph.workload.has_gpu:
+        warn(study.trace.path, slowed, f"has no GPU task, so the GPU slowdown of {plural(slowed, 'configuration')} "
+                                       "(gpu_slowdown, gpu_variation) changes nothing")
 
 
 def _hierarchical(config: ClusterConfig) -> bool:
