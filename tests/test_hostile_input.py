@@ -98,6 +98,12 @@ def _duplicated(ev):
         b["args"]["correlation"] = a["args"]["correlation"]
 
 
+def _kernels_share_a_launch(ev):
+    kernels = first(ev, 10, "kernel")
+    for a, b in zip(kernels[0::2], kernels[1::2]):
+        b["args"]["correlation"] = a["args"]["correlation"]
+
+
 def _launched_late(ev):
     calls = {e["args"]["correlation"]: e for e in first(ev, 10**9, "cuda_runtime") if "correlation" in e["args"]}
     for e in first(ev, 2, "kernel"):
@@ -128,13 +134,15 @@ DUPLICATE_LINES = [
                          DUPLICATE_LINES[1].replace("3 GPU tasks have", "1 GPU task has")]),
         (_dangling, [DUPLICATE_LINES[1].replace("3 GPU tasks", "4 GPU tasks")]),
         (_duplicated, DUPLICATE_LINES),
+        (_kernels_share_a_launch, ["5 GPU tasks share a launching call with another (correlation ids duplicated; a call "
+                                   "launches one task, a graph launch several); each is taken as launched by it"]),
         (_launched_late, ["2 GPU tasks start before the call that launched them (correlation ids out of order or "
                           "clocks skewed); the replay starts each after its call"]),
         (_swapped, ["1 GPU task runs on its stream after a task launched later (correlation ids out of order); a "
                     "synchronisation waits for the latest launch before it"]),
     ],
     ids=["negative dur", "missing dur", "absurd dur", "absurd ts", "missing ts", "dangling correlation",
-         "duplicated correlation", "kernel before its launch", "correlation ids out of order on a stream"],
+         "duplicated correlation", "kernels sharing a correlation", "kernel before its launch", "correlation ids out of order on a stream"],
 )
 def test_events_the_tool_cannot_use_are_counted_in_one_warning_per_class(alexnet_doc, tmp_path, capsys, damage, lines):
     path = damaged(alexnet_doc, tmp_path, damage)
@@ -277,6 +285,10 @@ def _deep(doc, tmp_path):
     return path
 
 
+def _nan_duration(doc, tmp_path):
+    return damaged(doc, tmp_path, lambda ev: first(ev, 1, "kernel")[0].update(dur=float("nan")))
+
+
 def _huge_id(doc, tmp_path):
     return damaged(doc, tmp_path, lambda ev: first(ev, 1, "kernel")[0]["args"].update(correlation=2**64 - 1))
 
@@ -312,6 +324,8 @@ def _float_tid(doc, tmp_path):
     [
         (_not_utf8, "is not UTF-8 text (a string holds the byte 0xe9)"),
         (_deep, "JSON nested deeper than Python's recursion limit: no trace nests so deep"),
+        (_nan_duration, "holds NaN at byte {nan_at}, which JSON has no number for (a duration or timestamp that is "
+                        "not a number?)"),
         (_huge_id, "args['correlation']: 18446744073709551615 does not fit in 64 bits"),
         (_no_stream, "a kernel ({name!r} at ts {ts}) has no stream (args.stream) nor tid"),
         (_word_for_stream, "a kernel ({name!r} at ts {ts}) has no stream (args.stream) and its tid 'the fast one' "
@@ -319,7 +333,7 @@ def _float_tid(doc, tmp_path):
         (_null_tid, "a CPU operator ({cpu!r} at ts {cpu_ts}) has no tid"),
         (_float_tid, "JSON is not a Chrome trace (Expected `int | str | null`, got `float` - at `$.traceEvents[{i}].tid`)"),
     ],
-    ids=["not UTF-8", "nested too deep", "id beyond 64 bits", "GPU event without a stream",
+    ids=["not UTF-8", "nested too deep", "NaN duration", "id beyond 64 bits", "GPU event without a stream",
          "GPU event with a word for a stream", "null tid", "non-numeric tid"],
 )
 def test_a_trace_that_used_to_raise_a_traceback_is_one_line(alexnet_doc, tmp_path, capsys, make, problem):
@@ -329,7 +343,7 @@ def test_a_trace_that_used_to_raise_a_traceback_is_one_line(alexnet_doc, tmp_pat
     status, out, err = run_cli(capsys, ["replay", path])
     assert (status, out) == (2, "")
     expected = problem.format(name=kernel["name"], ts=float(kernel["ts"]), cpu=cpu["name"], cpu_ts=float(cpu["ts"]),
-                              i=alexnet_doc["traceEvents"].index(cpu))
+                              i=alexnet_doc["traceEvents"].index(cpu), nan_at=path.read_bytes().find(b"NaN"))
     assert err == f"whatif: error: {path}: {expected}\n"
 
 
