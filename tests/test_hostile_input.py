@@ -13,6 +13,8 @@ from __future__ import annotations
 import copy
 import gzip
 import json
+import shutil
+import sys
 import time
 
 import pytest
@@ -182,6 +184,36 @@ def test_a_pattern_that_matches_nothing_warns_and_strict_refuses(tmp_path, capsy
 def test_a_clean_real_trace_warns_of_nothing(capsys):
     status, _, err = run_cli(capsys, ["--strict", "replay", BUNDLED_TRACE])
     assert (status, err) == (0, "")
+
+
+# -- a capture's warm-up too short to time a step without the profiler ---------------------------
+
+SHORT_WARMUP = ("a warm-up of 2 steps times no step without the profiler (steps 2 to warm-up - 1 are), so predictions "
+                "from this bundle cannot remove the profiler's overhead and will be slower than the plain run; use "
+                "--warmup 3 or more")
+
+
+def test_a_bundle_captured_with_a_warmup_below_three_warns_that_its_overhead_stays(tmp_path, capsys):
+    bundle = tmp_path / "short_warmup.bundle"
+    shutil.copytree(REPO / "data" / "convnet_cpu.bundle", bundle)
+    manifest = json.loads((bundle / "bundle.json").read_text())
+    (bundle / "bundle.json").write_text(json.dumps(dict(manifest, warmup_steps=2)))
+    status, out, err = run_cli(capsys, ["simulate", bundle, "--optimization", "no-dataloader"])
+    assert status == 0 and "ProfilerStep#" in out
+    assert err == f"whatif: warning: {bundle}: {SHORT_WARMUP}\n"
+    status, out, err = run_cli(capsys, ["--strict", "simulate", bundle])
+    assert (status, out, err) == (2, "", f"whatif: error: {bundle}: {SHORT_WARMUP}; --strict makes this an error\n")
+
+
+def test_collect_with_a_warmup_below_three_warns_first_and_strict_runs_nothing(tmp_path, capsys):
+    marker = tmp_path / "ran"
+    script = ["--", sys.executable, "-c", f"open({str(marker)!r}, 'w')"]
+    status, out, err = run_cli(capsys, ["--strict", "collect", "--out", tmp_path / "x.bundle", "--warmup", "2", *script])
+    assert (status, out, err) == (2, "", f"whatif: error: --warmup 2: {SHORT_WARMUP}; --strict makes this an error\n")
+    assert not marker.exists()
+    status, out, err = run_cli(capsys, ["collect", "--out", tmp_path / "x.bundle", "--warmup", "2", *script])
+    assert status == 2 and marker.exists()
+    assert err.splitlines()[0] == f"whatif: warning: --warmup 2: {SHORT_WARMUP}"
 
 
 # -- scenario values that make no sense ----------------------------------------------------------

@@ -56,6 +56,7 @@ from typing import Optional, Sequence, Union
 import numpy as np
 import pandas as pd
 
+from whatif.collectors.bundle import MIN_WARMUP_FOR_OVERHEAD, short_warmup
 from whatif.collectors.diagnostics import plural, warn
 from whatif.report.cluster import configuration_labels, configuration_row, memory_columns, parallel_row
 from whatif.report.intervals import relative_interval, steady_interval, widened
@@ -213,6 +214,8 @@ def predict(request: Request, sweep: Sweep = Sweep()) -> Prediction:
     unprofiled_ms = request.unprofiled_ms if request.unprofiled_ms is not None else graph.workload.unprofiled_step_ms
     if request.remove_profiler_overhead and unprofiled_ms is not None and len(unprofiled_ms):
         graph = remove_profiler_overhead(graph, iterations, unprofiled_ms)
+    elif request.remove_profiler_overhead:
+        _check_warmup(study)
     unchanged = graph
     if request.batch_size is not None:
         graph = change_batch_size(graph, _models(request.perfmodel), request.batch_size, request.traced_batch_size)
@@ -271,6 +274,15 @@ def _check_communication_changes(worker: TaskGraph, clusters: Sequence[ClusterCo
         elif change.traced_messages == 0 and not any(config.workers > 1 for config in clusters):
             raise GraphError(f"{change.recipe}: the job communicates nothing (no communication kernel in the trace, "
                              "no cluster of several workers): give a scenario")
+
+
+def _check_warmup(study: TraceStudy) -> None:
+    """A warning where a bundle's warm-up was too short to time a step without the profiler
+    (``collectors/bundle.py``): its overhead stays in the prediction."""
+    bundle = getattr(study.trace, "bundle", None)
+    warmup = bundle.manifest.get("warmup_steps") if bundle is not None else None
+    if isinstance(warmup, int) and not isinstance(warmup, bool):
+        warn(bundle.path, int(warmup < MIN_WARMUP_FOR_OVERHEAD), short_warmup(warmup))
 
 
 def _check_gpu_factors(study: TraceStudy, clusters: Sequence[ClusterConfig]) -> None:
