@@ -83,6 +83,8 @@ class Option:
     reason: str  # the critical path's one line; where not applicable, why
     predicted_ms: float = math.nan
     gain_pct: float = math.nan  # throughput over the baseline's, in percent
+    low_ms: float = math.nan  # the prediction's 90 % interval (report/intervals.py); nan: none
+    high_ms: float = math.nan
     memory_saved_mb: float = math.nan  # per iteration, a memory recipe's
     configuration: dict = field(default_factory=dict)  # an alternative's (or the baseline's) cluster row
 
@@ -150,21 +152,27 @@ def advise(trace: Union[str, Path], scenario: Optional[Scenario] = None, iterati
 
 def _baseline_option(base: Prediction) -> Option:
     if base.results is None:
-        return Option("as traced (one worker)", "baseline", True, "", base.iteration_ms, 0.0)
+        return Option("as traced (one worker)", "baseline", True, "", base.iteration_ms, 0.0, *base.iteration_interval)
     row = base.results.iloc[0].to_dict()
     label = next(iter(base.runs))
-    return Option(label, "baseline", True, "", float(row["iteration_ms"]), 0.0, configuration=_plain(row))
+    return Option(label, "baseline", True, "", float(row["iteration_ms"]), 0.0, *_row_interval(row),
+                  configuration=_plain(row))
 
 
 def _measured(name: str, kind: str, changed: Prediction, baseline: Option) -> Option:
-    """The option's iteration and its throughput gain over the baseline's."""
+    """The option's iteration, its interval and its throughput gain over the baseline's."""
     if changed.results is None:
         ms = changed.iteration_ms
-        return Option(name, kind, True, "", ms, 100.0 * (baseline.predicted_ms / ms - 1))
+        return Option(name, kind, True, "", ms, 100.0 * (baseline.predicted_ms / ms - 1), *changed.iteration_interval)
     row = changed.results.iloc[0].to_dict()
     base_speedup = baseline.configuration["speedup"]
     gain = 100.0 * (float(row["speedup"]) / base_speedup - 1)
-    return Option(name, kind, True, "", float(row["iteration_ms"]), gain, configuration=_plain(row))
+    return Option(name, kind, True, "", float(row["iteration_ms"]), gain, *_row_interval(row),
+                  configuration=_plain(row))
+
+
+def _row_interval(row: dict) -> tuple[float, float]:
+    return float(row.get("iteration_ms_low", math.nan)), float(row.get("iteration_ms_high", math.nan))
 
 
 def _plain(row: dict) -> dict:
