@@ -13,6 +13,7 @@ from pathlib import Path
 
 import msgspec
 
+from whatif.report.intervals import describe
 from whatif.topology import as_gbps, parse_bandwidth, parse_latency
 
 from .calibrate import add_shared_memory, calibrate
@@ -143,7 +144,8 @@ def run_validate(args: argparse.Namespace) -> int:
         print(
             f"{point.model} {point.framework} {point.machines}x{point.gpus_per_machine} at {point.bandwidth_mbps:g} Mbps: "
             f"measured {point.measured_ms:.1f} ms (median of runs {', '.join(f'{ms:.1f}' for ms in point.runs_measured_ms)}), "
-            f"predicted {point.predicted_ms:.1f} ms, error {point.error_pct:+.1f} % "
+            f"predicted {describe(point.predicted_ms, point.predicted_ms_low, point.predicted_ms_high)}, "
+            f"error {point.error_pct:+.1f} % "
             f"(1x1 capture {point.capture_profiled_ms:.1f} ms profiled, {point.capture_unprofiled_ms:.1f} ms without the profiler)"
         )
     return 0

@@ -76,7 +76,7 @@ def test_a_point_is_predicted_again_from_the_calibration_it_was_run_with(grid_sc
         path.parent.mkdir(parents=True, exist_ok=True)
         path.touch()
     used = []
-    monkeypatch.setattr(grid_script, "predict", lambda bundle, links, *args, **kwargs: (used.append(links.name) or 99.0, None))
+    monkeypatch.setattr(grid_script, "predict", lambda bundle, links, *args, **kwargs: (used.append(links.name) or 99.0, None, None))
     from_its_session = {**measured_row([99.0]), "calibrated_at_mbps": "400.0"}
     from_before_it_was_recorded = measured_row([99.0])
     grid_script.repredict([from_its_session, from_before_it_was_recorded], work, default_mbps=200.0)
@@ -184,6 +184,7 @@ def test_a_validation_point_is_predicted_by_the_pipeline_on_calibrated_links():
     from whatif.lab.validate import predict
 
     repo = Path(__file__).resolve().parents[1]
-    predicted_ms, _ = predict(repo / "data" / "convnet_cpu.bundle",
-                                     repo / "docs" / "validation" / "fresh" / "links_400mbps.yaml", 2, 1, 400.0, "horovod")
-    assert predicted_ms > 0
+    predicted_ms, (low_ms, high_ms), _ = predict(repo / "data" / "convnet_cpu.bundle",
+                                                 repo / "docs" / "validation" / "fresh" / "links_400mbps.yaml", 2, 1,
+                                                 400.0, "horovod")
+    assert 0 < low_ms < predicted_ms < high_ms, "with its interval"
