@@ -159,6 +159,19 @@ def test_the_capture_process_of_median_speed_is_kept(captures_timing, tmp_path):
         "no other process's bundle is left behind"
 
 
+def test_each_capture_process_says_on_stderr_that_it_starts(captures_timing, tmp_path, capsys):
+    """Issue 29: captures and calibration ran for minutes with only the profiler's lines."""
+    import re
+
+    from whatif.lab.validate import capture
+
+    captures_timing += [STEADY_MS, STEADY_MS, STEADY_MS]
+    capture("vgg", tmp_path)
+    lines = capsys.readouterr().err.splitlines()
+    assert [re.sub(r"^\[\d\d:\d\d:\d\d\] ", "[time] ", line) for line in lines] == [
+        f"[time] lab: capturing vgg on one worker, process {n} of 3" for n in (1, 2, 3)]
+
+
 def test_an_unsteady_capture_is_passed_over_while_a_steady_one_exists(captures_timing, tmp_path):
     from whatif.collectors.bundle import read_bundle
     from whatif.lab.validate import capture
