@@ -181,6 +181,16 @@ def test_a_pattern_that_matches_nothing_warns_and_strict_refuses(tmp_path, capsy
     assert err == f"whatif: error: {option} {value!r}: matches no task, so it changes nothing; --strict makes this an error\n"
 
 
+def test_an_optimization_that_changes_no_task_warns_and_strict_refuses(capsys):
+    """amp on the CPU trace: no kernel to speed up (the note after it says what bounds the step)."""
+    line = "optimization 'amp': changes no task of this trace, so it changes nothing"
+    status, out, err = run_cli(capsys, ["simulate", BUNDLED_TRACE, "--optimization", "amp"])
+    assert status == 0 and "ProfilerStep#" in out
+    assert err == f"whatif: warning: {line}\n"
+    status, out, err = run_cli(capsys, ["--strict", "simulate", BUNDLED_TRACE, "--optimization", "amp"])
+    assert (status, out, err) == (2, "", f"whatif: error: {line}; --strict makes this an error\n")
+
+
 def test_a_clean_real_trace_warns_of_nothing(capsys):
     status, _, err = run_cli(capsys, ["--strict", "replay", BUNDLED_TRACE])
     assert (status, err) == (0, "")

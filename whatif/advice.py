@@ -28,6 +28,7 @@ from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 
+from whatif.collectors.diagnostics import Diagnostics, collecting
 from whatif.report.critical_path import gpu_idle_fraction
 from whatif.report.iterations import iteration_report
 from whatif.sim.critical_path import CriticalPath, iteration_critical_paths
@@ -125,7 +126,8 @@ def advise(trace: Union[str, Path], scenario: Optional[Scenario] = None, iterati
         progress(f"predicting {spec}")
         what_if = WhatIf(optimizations=list(request.what_if.optimizations) + [spec])
         try:
-            changed = predict(replace(base_request, what_if=what_if))
+            with collecting(Diagnostics()):  # the option's row says what it changes; the input's warnings came above
+                changed = predict(replace(base_request, what_if=what_if))
         except GraphError as err:
             options.append(Option(spec, "recipe", False, str(err)))
             continue

@@ -103,7 +103,10 @@ class WhatIf:
     def apply(self, graph: TaskGraph) -> TaskGraph:
         """A new graph with the changes made; ``graph`` is left alone."""
         for spec in self.optimizations:
-            graph = apply_optimization(graph, spec)
+            changed = apply_optimization(graph, spec)
+            warn(f"optimization {spec!r}", int(_same_graph(graph, changed)), "changes no task of this trace, so it "
+                                                                              "changes nothing")
+            graph = changed
         graph = graph.copy()
         for pattern, factor in self.scale:
             graph.scale(self._matching(graph, "--scale", f"{pattern}={factor:g}", pattern), factor)
@@ -117,6 +120,14 @@ class WhatIf:
         tasks = graph.select(pattern=pattern)
         warn(f"{option} {spec!r}", int(len(tasks) == 0), "matches no task, so it changes nothing")
         return tasks
+
+
+def _same_graph(before: TaskGraph, after: TaskGraph) -> bool:
+    """Whether a pass left the graph as it was: the same tasks at the same durations, the same
+    edges, no note added (a recipe that changes the communication leaves only a note)."""
+    return (len(after.tasks) == len(before.tasks) and len(after.edges) == len(before.edges)
+            and len(after.notes) == len(before.notes)
+            and np.array_equal(after.tasks["duration_us"].to_numpy(), before.tasks["duration_us"].to_numpy()))
 
 
 @dataclass(frozen=True)
