@@ -397,6 +397,18 @@ def test_a_trace_given_as_a_scenario_or_cluster_is_one_line(capsys, command):
                    "trace: key)\n")
 
 
+@pytest.mark.parametrize("command", [["predict", "{path}"], ["collective", "{path}", "--op", "all_reduce"],
+                                     ["advise", BUNDLED_TRACE, "{path}"]], ids=["predict", "collective", "advise"])
+def test_a_plain_json_trace_given_as_a_scenario_or_cluster_is_one_line(alexnet_doc, tmp_path, capsys, command):
+    """JSON is YAML: the plain AlexNet trace loaded, and was refused as 'schemaVersion: unknown key'."""
+    path = tmp_path / "alexnet.json"
+    path.write_text(json.dumps(alexnet_doc))
+    status, out, err = run_cli(capsys, [str(a).format(path=path) for a in command])
+    assert (status, out) == (2, "")
+    assert err == (f"whatif: error: {path}: is a profiler trace (Chrome trace events), not YAML of whatif's (name it "
+                   "in a scenario's trace: key)\n")
+
+
 def test_a_scenario_that_is_not_utf8_is_one_line(tmp_path, capsys):
     path = tmp_path / "latin1.yaml"
     path.write_bytes(f"trace: {BUNDLED_TRACE}\nname: caf\xe9\n".encode("latin-1"))
