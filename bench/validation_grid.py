@@ -127,8 +127,8 @@ def repredict(rows: list[dict], work: Path, default_mbps: float) -> list[dict]:
             if not needed.exists():
                 raise SystemExit(f"--repredict: {needed} is missing; it was kept by the run that measured {config_label(row)}")
         framework = run_as(row["framework"])
-        predicted, _ = predict(bundle, links_file, machines, gpus, bandwidth, framework)
-        with_profiler, _ = predict(bundle, links_file, machines, gpus, bandwidth, framework, profiler_overhead="keep")
+        predicted, _, _ = predict(bundle, links_file, machines, gpus, bandwidth, framework)
+        with_profiler, _, _ = predict(bundle, links_file, machines, gpus, bandwidth, framework, profiler_overhead="keep")
         measured = float(row["measured_ms"])
         out.append({**row, "predicted_ms": predicted, "predicted_with_profiler_ms": with_profiler,
                     "error_pct": 100.0 * (predicted - measured) / measured})

@@ -66,6 +66,18 @@ TRACE_FILE = "trace.pt.trace.json.gz"
 PARAMETERS_FILE = "parameters.json"
 LAYERS_FILE = "layers.json"
 
+#: the least warm-up that times a step without the profiler (step 1 of 0, 1, 2: the first is cold,
+#: the last is the profiler's own warm-up), which the profiler-overhead correction needs
+MIN_WARMUP_FOR_OVERHEAD = 3
+
+
+def short_warmup(warmup: int) -> str:
+    """What a capture's warm-up below :data:`MIN_WARMUP_FOR_OVERHEAD` costs, in one phrase."""
+    return (f"a warm-up of {warmup} steps times no step without the profiler (steps 2 to warm-up - 1 are), so "
+            "predictions from this bundle cannot remove the profiler's overhead and will be slower than the plain "
+            f"run; use --warmup {MIN_WARMUP_FOR_OVERHEAD} or more")
+
+
 READY_COLUMNS = ["step", "parameter", "ts_us", "tid"]
 INTERVAL_COLUMNS = ["step", "layer", "pass", "start_us", "end_us", "tid"]
 

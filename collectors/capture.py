@@ -68,14 +68,13 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
-from .bundle import TRACE_FILE, Bundle, BundleError, check_writable, is_bundle, read_bundle, write_bundle
+from .bundle import (MIN_WARMUP_FOR_OVERHEAD, TRACE_FILE, Bundle, BundleError, check_writable, is_bundle, read_bundle,
+                     short_warmup, write_bundle)
+from .diagnostics import warn
 from .host import cpu_model
 from .kineto import TraceError
 from .load import load_trace
 
-#: the least warm-up that times a step without the profiler (step 1 of 0, 1, 2: the first is cold,
-#: the last is the profiler's own warm-up), which the profiler-overhead correction needs
-MIN_WARMUP_FOR_OVERHEAD = 3
 
 #: glibc's malloc without its moving mmap threshold and without trimming, as environment
 #: variables for a process about to start. With glibc's defaults whether a step's large tensors
@@ -133,13 +132,8 @@ class Capture:
         self.out = Path(out)
         self.steps = count_setting(STEPS_ENV, "steps", steps, minimum=1)
         self.warmup = count_setting(WARMUP_ENV, "warmup", warmup, minimum=0)
-        if self.warmup < MIN_WARMUP_FOR_OVERHEAD:
-            print(
-                f"whatif: warning: warm-up of {self.warmup} steps times no step without the profiler (steps 2 to "
-                f"warm-up - 1 are), so predictions from this bundle cannot remove the profiler's overhead and "
-                f"will be slower than the plain run; use --warmup {MIN_WARMUP_FOR_OVERHEAD} or more",
-                file=sys.stderr, flush=True,
-            )
+        if self.warmup < MIN_WARMUP_FOR_OVERHEAD and not os.environ.get(WARMUP_ENV):  # whatif collect warned
+            print(f"whatif: warning: {short_warmup(self.warmup)}", file=sys.stderr, flush=True)
         self.model = model
         self.batch_size = batch_size
         self.layers = layers
@@ -544,6 +538,8 @@ def collect(
     for what, value, minimum in (("--steps", steps, 1), ("--warmup", warmup, 0)):
         if value is not None and value < minimum:
             raise CaptureError(f"{what} must be at least {minimum}, not {value}")
+    if warmup is not None:  # before the script runs: --strict refuses it
+        warn(f"--warmup {warmup}", int(warmup < MIN_WARMUP_FOR_OVERHEAD), short_warmup(warmup))
     try:
         check_writable(out)
     except BundleError as err:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import os
+import re
 import zlib
 from dataclasses import dataclass, field
 from itertools import chain
@@ -234,6 +235,11 @@ def _decode(path: Path, raw: bytes) -> tuple[_TraceFile, list[_Event]]:
     except msgspec.DecodeError as err:
         if stripped[:1] not in (b"{", b"["):
             raise TraceError(path, "is not JSON") from None
+        at = re.search(r"\(byte (\d+)\)", str(err))
+        word = re.match(rb"-?(?:NaN|Infinity)", raw[int(at.group(1)):int(at.group(1)) + 9]) if at else None
+        if word:
+            raise TraceError(path, f"holds {word.group().decode()} at byte {at.group(1)}, which JSON has no number for "
+                                   "(a duration or timestamp that is not a number?)") from None
         raise TraceError(path, f"not valid JSON, truncated or corrupt ({err})") from None
     if doc.traceEvents is None:
         if len(doc.nodes):

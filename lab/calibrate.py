@@ -53,6 +53,8 @@ import yaml
 
 from whatif.topology import Cluster, Link, collective_cost
 from whatif.topology.cluster import CALIBRATED_OPS
+from whatif.topology.units import TopologyError
+from whatif.topology.yamlfile import read_yaml
 
 from .cluster import LabError, LabSpec, check_can_run, progress, run_job
 
@@ -191,9 +193,9 @@ def add_shared_memory(links_yaml: Path, bandwidth_mbit: float, work_dir: Path = 
     """Measure the lab's shared memory into an existing topology YAML, keeping the rest of it;
     the file is replaced only once the measurement is done."""
     try:
-        doc = yaml.safe_load(links_yaml.read_text())
-    except (OSError, yaml.YAMLError) as err:
-        raise LabError(f"{links_yaml}: cannot read it as a topology YAML ({str(err).splitlines()[0]})") from None
+        doc = read_yaml(links_yaml)
+    except TopologyError as err:
+        raise LabError(f"{links_yaml}: cannot read it as a topology YAML ({err.message})") from None
     if not isinstance(doc, dict) or not {"intra_node", "inter_node"} <= set(doc):
         raise LabError(f"{links_yaml}: has no intra_node and inter_node links; write one with whatif lab calibrate --out")
     check_can_run(LabSpec(1, 2, bandwidth_mbit))

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import msgspec
 
+from whatif.report.intervals import describe
 from whatif.topology import as_gbps, parse_bandwidth, parse_latency
 
 from .calibrate import add_shared_memory, calibrate
@@ -28,7 +29,7 @@ def add_parsers(sub) -> None:
     lab = sub.add_parser("lab", help="real multi-machine runs on an emulated cluster (root, network namespaces)")
     lab_sub = lab.add_subparsers(dest="lab_command", required=True)
     lab_run = lab_sub.add_parser("run", help="run a training script as every worker of an emulated cluster")
-    lab_run.add_argument("--machines", type=int, default=1)
+    lab_run.add_argument("--machines", type=int, default=1, help="machines to emulate (at most this box's cores)")
     lab_run.add_argument("--gpus-per-machine", type=int, default=1, help="workers per machine")
     lab_run.add_argument("--bandwidth", default="200Mbps", help="each machine's NIC, both directions (e.g. 200Mbps)")
     lab_run.add_argument("--latency", default="0", help="added one-way latency (needs sch_netem)")
@@ -44,11 +45,15 @@ def add_parsers(sub) -> None:
     lab_cal.add_argument("--horovod-cycle", default="5ms", help="Horovod's cycle time to measure its loop at (default: 5ms)")
     lab_cal.add_argument("--shared-memory-into", type=Path, metavar="YAML",
                          help="measure only the workers' shared memory, into this existing topology YAML")
+    clean_help = f"remove the namespaces, veths and /etc/netns entries ({PREFIX}<pid>...) of labs whose process is gone"
     lab_sub.add_parser(
-        "clean", help=f"remove the namespaces, veths and /etc/netns entries ({PREFIX}<pid>...) of labs whose process is gone")
+        "clean", help=clean_help,
+        description=f"{clean_help[0].upper()}{clean_help[1:]}: what a lab killed before it could clean up (SIGKILL) "
+                    f"left. Every lab names what it creates {PREFIX}<its pid> and records it in {STATE_DIR} first; a "
+                    "lab whose process still runs is left alone. Prints each object removed (root).")
     validate = sub.add_parser("validate", help="capture 1x1, predict, run for real on the lab, compare (root)")
     validate.add_argument("--model", required=True, help="an example model: convnet, vgg, wide_mlp, transformer, moe")
-    validate.add_argument("--machines", type=int, default=2)
+    validate.add_argument("--machines", type=int, default=2, help="machines to emulate (at most this box's cores)")
     validate.add_argument("--gpus-per-machine", type=int, default=1, help="workers per machine")
     validate.add_argument("--bandwidth", default="200Mbps")
     validate.add_argument("--latency", default="0")
@@ -143,7 +148,8 @@ def run_validate(args: argparse.Namespace) -> int:
         print(
             f"{point.model} {point.framework} {point.machines}x{point.gpus_per_machine} at {point.bandwidth_mbps:g} Mbps: "
             f"measured {point.measured_ms:.1f} ms (median of runs {', '.join(f'{ms:.1f}' for ms in point.runs_measured_ms)}), "
-            f"predicted {point.predicted_ms:.1f} ms, error {point.error_pct:+.1f} % "
+            f"predicted {describe(point.predicted_ms, point.predicted_ms_low, point.predicted_ms_high)}, "
+            f"error {point.error_pct:+.1f} % "
             f"(1x1 capture {point.capture_profiled_ms:.1f} ms profiled, {point.capture_unprofiled_ms:.1f} ms without the profiler)"
         )
     return 0

@@ -253,6 +253,8 @@ def check_can_run(spec: LabSpec) -> None:
     """Refuse, in one line, a lab this box cannot run: before any capture or calibration."""
     if spec.machines < 1 or spec.gpus_per_machine < 1:
         raise LabError("machines and GPUs per machine must be at least 1")
+    if spec.threads_per_worker < 1:
+        raise LabError(f"--threads {spec.threads_per_worker}: a worker needs at least 1 thread")
     cores = box_cores()
     if spec.machines > cores:
         raise LabError(f"--machines {spec.machines} is more than this box's {cores} cores: the lab gives every "
@@ -438,6 +440,8 @@ def run_job(
     """
     if framework not in FRAMEWORKS:
         raise LabError(f"unknown framework {framework!r}; choose from {', '.join(FRAMEWORKS)}")
+    if not timeout_s > 0:
+        raise LabError(f"--timeout {timeout_s:g}: the workers need some seconds to run")
     out_dir.mkdir(parents=True, exist_ok=True)
     carry_priority()
     with EmulatedCluster(spec) as cluster:

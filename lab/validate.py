@@ -84,6 +84,8 @@ class ValidationPoint:
     run_phase_cpu_ms: dict = field(default_factory=dict)
     run_other_threads_cpu_ms_per_step: float = float("nan")
     captures_plain_ms: list = field(default_factory=list)  # every capture process's median plain step
+    predicted_ms_low: float = float("nan")  # the prediction's 90 % interval (report/intervals.py)
+    predicted_ms_high: float = float("nan")
 
 
 def _examples() -> Path:
@@ -177,12 +179,14 @@ def links(bandwidth_mbps: float, work: Path) -> Path:
 
 def predict(trace: Path, links_file: Path, machines: int, gpus: int, bandwidth_mbps: float, framework: str,
             batch_sizes: Optional[tuple[int, int]] = None, profiler_overhead: str = "remove"):
-    """The predicted iteration (ms) and what the prediction removed as profiler overhead
-    (``profiler_overhead="keep"``: predicted from the profiled times as they are)."""
+    """The predicted iteration (ms), its 90 % interval (low, high) and what the prediction removed
+    as profiler overhead (``profiler_overhead="keep"``: predicted from the profiled times as they are)."""
     scenario = validation_scenario(trace, links_file, machines, gpus, bandwidth_mbps, framework, batch_sizes,
                                    profiler_overhead)
     prediction = run_pipeline(scenario.request())
-    return float(prediction.results["iteration_ms"].iloc[0]), prediction.profiler_overhead
+    row = prediction.results.iloc[0]
+    interval = (float(row["iteration_ms_low"]), float(row["iteration_ms_high"]))
+    return float(row["iteration_ms"]), interval, prediction.profiler_overhead
 
 
 def validation_scenario(trace: Path, links_file: Path, machines: int, gpus: int, bandwidth_mbps: float,
@@ -236,8 +240,10 @@ def validate(
     compare the prediction with the median run."""
     if model not in MODELS:
         raise LabError(f"unknown model {model!r}; choose from {', '.join(MODELS)}")
-    if repeats < 1:
-        raise LabError(f"--repeats must be at least 1, not {repeats}")
+    for option, value in (("--repeats", repeats), ("--steps", steps), ("--batch-size", batch_size),
+                          ("--predict-from", predict_from)):
+        if value is not None and value < 1:
+            raise LabError(f"{option} must be at least 1, not {value}")
     work = work.resolve()  # the prediction's scenario names the capture and links by absolute path
     if predict_from is not None and batch_size is None:
         raise LabError("--predict-from B0 needs --batch-size B: the batch size to predict and run at")
@@ -249,8 +255,8 @@ def validate(
     links_file = links(bandwidth_mbps, work)
     changed = (predict_from, batch_size) if predict_from is not None and predict_from != batch_size else None
     progress(f"predicting {model} at {machines}x{gpus}")
-    predicted_ms, overhead = predict(trace, links_file, machines, gpus, bandwidth_mbps, framework, changed)
-    with_profiler_ms, _ = predict(trace, links_file, machines, gpus, bandwidth_mbps, framework, changed, "keep")
+    predicted_ms, interval, overhead = predict(trace, links_file, machines, gpus, bandwidth_mbps, framework, changed)
+    with_profiler_ms, _, _ = predict(trace, links_file, machines, gpus, bandwidth_mbps, framework, changed, "keep")
     batch = "" if batch_size is None else f"_batch{batch_size}"
     run_dir = work / "runs" / f"{model}_{framework}_{machines}x{gpus}_{bandwidth_mbps:g}mbps{batch}"
     reports = []
@@ -278,6 +284,7 @@ def validate(
         worker0.get("phase_cpu_ms", {}),
         float(worker0.get("other_threads_cpu_ms_per_step", float("nan"))),
         _captures_plain_ms(trace),
+        *interval,
     )
 
 

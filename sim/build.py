@@ -326,6 +326,11 @@ class _Builder:
         warn(path, dangling, f"{plural(dangling, 'GPU task')} {_verb(dangling, 'has', 'have')} no launching call in the trace (correlation id "
                              "missing or unknown); without a launch dependency, each starts when the trace says")
         launched = self.launching_row >= 0
+        one_launch = np.array(["Graph" not in self.names[r] for r in self.launching_row[launched].tolist()], dtype=bool)
+        shared = int(pd.Series(self.gpu_corr[launched][one_launch]).duplicated().sum())
+        warn(path, shared, f"{plural(shared, 'GPU task')} {_verb(shared, 'shares', 'share')} a launching call with another "
+                           "(correlation ids duplicated; a call launches one task, a graph launch several); each is "
+                           "taken as launched by it")
         early = int((self.ts[rows[launched]] < self.ts[self.launching_row[launched]] - TOLERANCE_US).sum())
         warn(path, early, f"{plural(early, 'GPU task')} {_verb(early, 'starts', 'start')} before the call that launched them (correlation ids "
                           "out of order or clocks skewed); the replay starts each after its call")

@@ -166,6 +166,7 @@ def test_advise_ranks_removing_the_data_loader_first_on_the_resnet50_trace(trace
     assert "data loading" in advice.ranked[0].reason and "no-dataloader gains" in advice.ranked[0].reason
     gains = [o.gain_pct for o in advice.ranked]
     assert gains == sorted(gains, reverse=True)
+    assert all(o.low_ms < o.predicted_ms < o.high_ms for o in [advice.baseline, *advice.ranked]), "each with its interval"
     assert sorted(o.name for o in advice.options) == sorted(RECIPES)
     not_applicable = {o.name: o.reason for o in advice.not_applicable}
     assert set(not_applicable) == {"gradient-compression", "blueconnect"}
@@ -177,6 +178,7 @@ def test_advise_ranks_the_higher_bandwidth_above_the_lower_on_a_communication_bo
     by_name = {o.name: o for o in advice.ranked}
     assert advice.baseline.name.startswith("2x1 10Gbps horovod fifo")
     assert by_name["2x1 40Gbps horovod fifo"].gain_pct > 0
+    assert all(o.low_ms < o.predicted_ms < o.high_ms for o in [advice.baseline, *advice.ranked]), "each with its interval"
     assert "critical path is communication" in by_name["2x1 40Gbps horovod fifo"].reason
 
 
@@ -189,6 +191,7 @@ def test_advise_command_prints_json_with_every_recipe(shared_traces):
     names = [o["name"] for o in doc["ranked"]] + [o["name"] for o in doc["not_applicable"]]
     assert sorted(names) == sorted(RECIPES)
     assert [o["rank"] for o in doc["ranked"]] == list(range(1, len(doc["ranked"]) + 1))
+    assert all({"low_ms", "high_ms"} <= set(o) for o in [doc["baseline"], *doc["ranked"]])
 
 
 def test_the_lab_bench_holds_only_what_the_lab_runs_against_the_ranking():

@@ -13,6 +13,8 @@ from __future__ import annotations
 import copy
 import gzip
 import json
+import shutil
+import sys
 import time
 
 import pytest
@@ -98,6 +100,12 @@ def _duplicated(ev):
         b["args"]["correlation"] = a["args"]["correlation"]
 
 
+def _kernels_share_a_launch(ev):
+    kernels = first(ev, 10, "kernel")
+    for a, b in zip(kernels[0::2], kernels[1::2]):
+        b["args"]["correlation"] = a["args"]["correlation"]
+
+
 def _launched_late(ev):
     calls = {e["args"]["correlation"]: e for e in first(ev, 10**9, "cuda_runtime") if "correlation" in e["args"]}
     for e in first(ev, 2, "kernel"):
@@ -128,13 +136,15 @@ DUPLICATE_LINES = [
                          DUPLICATE_LINES[1].replace("3 GPU tasks have", "1 GPU task has")]),
         (_dangling, [DUPLICATE_LINES[1].replace("3 GPU tasks", "4 GPU tasks")]),
         (_duplicated, DUPLICATE_LINES),
+        (_kernels_share_a_launch, ["5 GPU tasks share a launching call with another (correlation ids duplicated; a call "
+                                   "launches one task, a graph launch several); each is taken as launched by it"]),
         (_launched_late, ["2 GPU tasks start before the call that launched them (correlation ids out of order or "
                           "clocks skewed); the replay starts each after its call"]),
         (_swapped, ["1 GPU task runs on its stream after a task launched later (correlation ids out of order); a "
                     "synchronisation waits for the latest launch before it"]),
     ],
     ids=["negative dur", "missing dur", "absurd dur", "absurd ts", "missing ts", "dangling correlation",
-         "duplicated correlation", "kernel before its launch", "correlation ids out of order on a stream"],
+         "duplicated correlation", "kernels sharing a correlation", "kernel before its launch", "correlation ids out of order on a stream"],
 )
 def test_events_the_tool_cannot_use_are_counted_in_one_warning_per_class(alexnet_doc, tmp_path, capsys, damage, lines):
     path = damaged(alexnet_doc, tmp_path, damage)
@@ -171,9 +181,49 @@ def test_a_pattern_that_matches_nothing_warns_and_strict_refuses(tmp_path, capsy
     assert err == f"whatif: error: {option} {value!r}: matches no task, so it changes nothing; --strict makes this an error\n"
 
 
+def test_an_optimization_that_changes_no_task_warns_and_strict_refuses(capsys):
+    """amp on the CPU trace: no kernel to speed up (the note after it says what bounds the step)."""
+    line = "optimization 'amp': changes no task of this trace, so it changes nothing"
+    status, out, err = run_cli(capsys, ["simulate", BUNDLED_TRACE, "--optimization", "amp"])
+    assert status == 0 and "ProfilerStep#" in out
+    assert err == f"whatif: warning: {line}\n"
+    status, out, err = run_cli(capsys, ["--strict", "simulate", BUNDLED_TRACE, "--optimization", "amp"])
+    assert (status, out, err) == (2, "", f"whatif: error: {line}; --strict makes this an error\n")
+
+
 def test_a_clean_real_trace_warns_of_nothing(capsys):
     status, _, err = run_cli(capsys, ["--strict", "replay", BUNDLED_TRACE])
     assert (status, err) == (0, "")
+
+
+# -- a capture's warm-up too short to time a step without the profiler ---------------------------
+
+SHORT_WARMUP = ("a warm-up of 2 steps times no step without the profiler (steps 2 to warm-up - 1 are), so predictions "
+                "from this bundle cannot remove the profiler's overhead and will be slower than the plain run; use "
+                "--warmup 3 or more")
+
+
+def test_a_bundle_captured_with_a_warmup_below_three_warns_that_its_overhead_stays(tmp_path, capsys):
+    bundle = tmp_path / "short_warmup.bundle"
+    shutil.copytree(REPO / "data" / "convnet_cpu.bundle", bundle)
+    manifest = json.loads((bundle / "bundle.json").read_text())
+    (bundle / "bundle.json").write_text(json.dumps(dict(manifest, warmup_steps=2)))
+    status, out, err = run_cli(capsys, ["simulate", bundle, "--optimization", "no-dataloader"])
+    assert status == 0 and "ProfilerStep#" in out
+    assert err == f"whatif: warning: {bundle}: {SHORT_WARMUP}\n"
+    status, out, err = run_cli(capsys, ["--strict", "simulate", bundle])
+    assert (status, out, err) == (2, "", f"whatif: error: {bundle}: {SHORT_WARMUP}; --strict makes this an error\n")
+
+
+def test_collect_with_a_warmup_below_three_warns_first_and_strict_runs_nothing(tmp_path, capsys):
+    marker = tmp_path / "ran"
+    script = ["--", sys.executable, "-c", f"open({str(marker)!r}, 'w')"]
+    status, out, err = run_cli(capsys, ["--strict", "collect", "--out", tmp_path / "x.bundle", "--warmup", "2", *script])
+    assert (status, out, err) == (2, "", f"whatif: error: --warmup 2: {SHORT_WARMUP}; --strict makes this an error\n")
+    assert not marker.exists()
+    status, out, err = run_cli(capsys, ["collect", "--out", tmp_path / "x.bundle", "--warmup", "2", *script])
+    assert status == 2 and marker.exists()
+    assert err.splitlines()[0] == f"whatif: warning: --warmup 2: {SHORT_WARMUP}"
 
 
 # -- scenario values that make no sense ----------------------------------------------------------
@@ -194,6 +244,8 @@ CLUSTER = "intra_node: nvlink2, inter_node: 10gbe"
          "stragglers[0].machine: machine 4 does not exist: the largest cluster has 4 (machines are numbered from 0)"),
         (f"cluster: {{machines: 2, {CLUSTER}}}\nstragglers: [{{machine: true, slowdown: 2}}]\n",
          "stragglers[0].machine: must be a machine index >= 0, got True"),
+        (f"cluster: {{machines: 2, {CLUSTER}}}\nstragglers: [{{machine: 1}}]\n",
+         "stragglers[0]: gives neither slowdown nor gpu_slowdown, so it slows nothing"),
         (f"cluster: {{machines: 2, gpus_per_machine: 1000000000, {CLUSTER}}}\n",
          "cluster.gpus_per_machine: 1000000000 GPUs in one machine: no machine has more than 72 (GB200 NVL72); "
          "a machine preset has 8"),
@@ -203,7 +255,7 @@ CLUSTER = "intra_node: nvlink2, inter_node: 10gbe"
         (f"cluster: {{machines: 2, {CLUSTER}}}\noptimizations: [faster-gpu=inf]\n",
          "optimizations: optimization 'faster-gpu=inf': the speed-up must be a positive finite number"),
     ],
-    ids=["nan slowdown", "inf gpu slowdown", "negative slowdown", "no such machine", "machine: true",
+    ids=["nan slowdown", "inf gpu slowdown", "negative slowdown", "no such machine", "machine: true", "no slowdown",
          "a billion GPUs per machine", "a trillion machines", "faster-gpu=inf"],
 )
 def test_a_scenario_value_that_makes_no_sense_is_one_line(tmp_path, capsys, body, line):
@@ -212,6 +264,44 @@ def test_a_scenario_value_that_makes_no_sense_is_one_line(tmp_path, capsys, body
     status, out, err = run_cli(capsys, ["predict", path])
     assert (status, out) == (2, "")
     assert err == f"whatif: error: {path}: {line}\n"
+
+
+def _shipped_straggler(tmp_path, replace: dict):
+    """scenarios/straggler.yaml (machine 1 of 2 or 4 runs 1.5 times slower), its trace named by
+    absolute path, with ``replace``'s texts replaced."""
+    text = (REPO / "scenarios" / "straggler.yaml").read_text().replace("../data/", f"{REPO / 'data'}/")
+    for old, new in replace.items():
+        assert old in text
+        text = text.replace(old, new)
+    path = tmp_path / "straggler.yaml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize(
+    "replace, line",
+    [
+        ({"machine: 1,": "machine: 3,"},
+         "{scenario}: stragglers[0].machine: machine 3 is not in 1 configuration of fewer machines, which run without it"),
+        ({"slowdown: 1.5": "gpu_slowdown: 1.5"},
+         "{trace}: has no GPU task, so the GPU slowdown of 2 configurations (gpu_slowdown, gpu_variation) changes "
+         "nothing"),
+    ],
+    ids=["straggler beyond some configurations", "gpu_slowdown on a CPU trace"],
+)
+def test_a_scenario_value_some_or_all_configurations_cannot_use_is_a_warning(tmp_path, capsys, replace, line):
+    path = _shipped_straggler(tmp_path, replace)
+    line = line.format(scenario=path, trace=REPO / "data" / "convnet_cpu.pt.trace.json.gz")
+    status, out, err = run_cli(capsys, ["--strict", "predict", path])
+    assert (status, out, err) == (2, "", f"whatif: error: {line}; --strict makes this an error\n")
+
+
+def test_a_gpu_slowdown_on_a_cpu_trace_predicts_with_the_warning(tmp_path, capsys):
+    path = _shipped_straggler(tmp_path, {"slowdown: 1.5": "gpu_slowdown: 1.5", "machines: [2, 4]": "machines: 2"})
+    status, out, err = run_cli(capsys, ["predict", path])
+    assert status == 0 and "horovod" in out
+    assert err == (f"whatif: warning: {REPO / 'data' / 'convnet_cpu.pt.trace.json.gz'}: has no GPU task, so the GPU "
+                   "slowdown of 1 configuration (gpu_slowdown, gpu_variation) changes nothing\n")
 
 
 @pytest.mark.parametrize("option", ["faster-gpu=inf", "faster-gpu=nan", "faster-gpu=-1"])
@@ -235,6 +325,10 @@ def _deep(doc, tmp_path):
     text = json.dumps(doc)
     path.write_text(text.replace('"traceEvents":', '"deep": ' + "[" * 100_000 + "]" * 100_000 + ', "traceEvents":', 1))
     return path
+
+
+def _nan_duration(doc, tmp_path):
+    return damaged(doc, tmp_path, lambda ev: first(ev, 1, "kernel")[0].update(dur=float("nan")))
 
 
 def _huge_id(doc, tmp_path):
@@ -272,6 +366,8 @@ def _float_tid(doc, tmp_path):
     [
         (_not_utf8, "is not UTF-8 text (a string holds the byte 0xe9)"),
         (_deep, "JSON nested deeper than Python's recursion limit: no trace nests so deep"),
+        (_nan_duration, "holds NaN at byte {nan_at}, which JSON has no number for (a duration or timestamp that is "
+                        "not a number?)"),
         (_huge_id, "args['correlation']: 18446744073709551615 does not fit in 64 bits"),
         (_no_stream, "a kernel ({name!r} at ts {ts}) has no stream (args.stream) nor tid"),
         (_word_for_stream, "a kernel ({name!r} at ts {ts}) has no stream (args.stream) and its tid 'the fast one' "
@@ -279,7 +375,7 @@ def _float_tid(doc, tmp_path):
         (_null_tid, "a CPU operator ({cpu!r} at ts {cpu_ts}) has no tid"),
         (_float_tid, "JSON is not a Chrome trace (Expected `int | str | null`, got `float` - at `$.traceEvents[{i}].tid`)"),
     ],
-    ids=["not UTF-8", "nested too deep", "id beyond 64 bits", "GPU event without a stream",
+    ids=["not UTF-8", "nested too deep", "NaN duration", "id beyond 64 bits", "GPU event without a stream",
          "GPU event with a word for a stream", "null tid", "non-numeric tid"],
 )
 def test_a_trace_that_used_to_raise_a_traceback_is_one_line(alexnet_doc, tmp_path, capsys, make, problem):
@@ -289,7 +385,7 @@ def test_a_trace_that_used_to_raise_a_traceback_is_one_line(alexnet_doc, tmp_pat
     status, out, err = run_cli(capsys, ["replay", path])
     assert (status, out) == (2, "")
     expected = problem.format(name=kernel["name"], ts=float(kernel["ts"]), cpu=cpu["name"], cpu_ts=float(cpu["ts"]),
-                              i=alexnet_doc["traceEvents"].index(cpu))
+                              i=alexnet_doc["traceEvents"].index(cpu), nan_at=path.read_bytes().find(b"NaN"))
     assert err == f"whatif: error: {path}: {expected}\n"
 
 
@@ -301,11 +397,51 @@ def test_a_trace_given_as_a_scenario_or_cluster_is_one_line(capsys, command):
                    "trace: key)\n")
 
 
+@pytest.mark.parametrize("command", [["predict", "{path}"], ["collective", "{path}", "--op", "all_reduce"],
+                                     ["advise", BUNDLED_TRACE, "{path}"]], ids=["predict", "collective", "advise"])
+def test_a_plain_json_trace_given_as_a_scenario_or_cluster_is_one_line(alexnet_doc, tmp_path, capsys, command):
+    """JSON is YAML: the plain AlexNet trace loaded, and was refused as 'schemaVersion: unknown key'."""
+    path = tmp_path / "alexnet.json"
+    path.write_text(json.dumps(alexnet_doc))
+    status, out, err = run_cli(capsys, [str(a).format(path=path) for a in command])
+    assert (status, out) == (2, "")
+    assert err == (f"whatif: error: {path}: is a profiler trace (Chrome trace events), not YAML of whatif's (name it "
+                   "in a scenario's trace: key)\n")
+
+
 def test_a_scenario_that_is_not_utf8_is_one_line(tmp_path, capsys):
     path = tmp_path / "latin1.yaml"
     path.write_bytes(f"trace: {BUNDLED_TRACE}\nname: caf\xe9\n".encode("latin-1"))
     status, out, err = run_cli(capsys, ["predict", path])
     assert (status, out, err) == (2, "", f"whatif: error: {path}: is not UTF-8 text, so not YAML\n")
+
+
+def _nested_too_deep(text: str) -> str:
+    """``text`` with a value nested 100,000 lists deep before its first line."""
+    return "deep: " + "[" * 100_000 + "]" * 100_000 + "\n" + text
+
+
+@pytest.mark.parametrize(
+    "command, make, problem",
+    [
+        (["predict"], lambda p: p.write_text(_nested_too_deep((REPO / "scenarios" / "straggler.yaml").read_text())),
+         "YAML nested deeper than Python's recursion limit: no scenario or cluster nests so deep"),
+        (["perfmodel", "report"], lambda p: p.write_text('{"format": "whatif-perfmodels", "deep": '
+                                                         + "[" * 100_000 + "]" * 100_000 + "}"),
+         "JSON nested deeper than Python's recursion limit: no models file nests so deep"),
+        (["lab", "calibrate", "--shared-memory-into"], lambda p: p.write_bytes(BUNDLED_TRACE.read_bytes()),
+         "cannot read it as a topology YAML (is gzip data, not YAML (a trace? name it in a scenario's trace: key))"),
+        (["lab", "calibrate", "--shared-memory-into"],
+         lambda p: p.write_bytes((REPO / "scenarios" / "straggler.yaml").read_text().replace("slower", "sl\xf6wer").encode("latin-1")),
+         "cannot read it as a topology YAML (is not UTF-8 text, so not YAML)"),
+    ],
+    ids=["scenario nested too deep", "models file nested too deep", "trace as a links file", "links file not UTF-8"],
+)
+def test_a_file_of_our_own_formats_that_used_to_raise_a_traceback_is_one_line(tmp_path, capsys, command, make, problem):
+    path = tmp_path / "input"
+    make(path)
+    status, out, err = run_cli(capsys, [*command, path])
+    assert (status, out, err) == (2, "", f"whatif: error: {path}: {problem}\n")
 
 
 # -- unbounded work: refused before it starts, with the limit and how to raise it ----------------
@@ -346,10 +482,11 @@ def test_a_yaml_alias_bomb_is_refused(tmp_path, capsys):
                    "beyond bounds (write the values out)\n")
 
 
-def test_a_grid_of_thousands_of_gpus_asks_for_yes(tmp_path, capsys):
+@pytest.mark.parametrize("command", [["predict"], ["advise", BUNDLED_TRACE]])
+def test_a_grid_of_thousands_of_gpus_asks_for_yes(tmp_path, capsys, command):
     path = tmp_path / "huge.yaml"
     path.write_text(f"trace: {BUNDLED_TRACE}\ncluster: {{machines: [1000, 10000], {CLUSTER}}}\n")
-    status, out, err = run_cli(capsys, ["predict", path])
+    status, out, err = run_cli(capsys, [*command, path])
     assert (status, out) == (2, "")
     assert err == (f"whatif: error: {path}: the grid simulates 11000 GPUs over 2 configurations, more than 2048 "
                    "(minutes to hours); pass --yes to run it anyway\n")
@@ -363,6 +500,30 @@ def test_perfmodel_fit_checks_its_arguments_before_the_sweep(tmp_path, capsys):
     ]:
         status, out, err = run_cli(capsys, ["perfmodel", "fit", "--out", tmp_path / "m.json", *argv])
         assert (status, out, err) == (2, "", f"whatif: error: {line}\n")
+
+
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        (["validate", "--model", "convnet", "--steps", "0"], "--steps must be at least 1, not 0"),
+        (["validate", "--model", "convnet", "--batch-size", "0"], "--batch-size must be at least 1, not 0"),
+        (["validate", "--model", "convnet", "--batch-size", "8", "--predict-from", "0"],
+         "--predict-from must be at least 1, not 0"),
+        (["lab", "run", "--threads", "0", "--", "true"], "--threads 0: a worker needs at least 1 thread"),
+        (["lab", "run", "--timeout", "0", "--", "true"], "--timeout 0: the workers need some seconds to run"),
+    ],
+    ids=["validate --steps 0", "validate --batch-size 0", "validate --predict-from 0", "lab run --threads 0",
+         "lab run --timeout 0"],
+)
+def test_the_labs_arguments_are_checked_before_any_capture_or_namespace(tmp_path, capsys, argv, line):
+    """``validate --steps 0`` used to start minutes of captures before anything looked at it."""
+    command = 1 if argv[0] == "validate" else 2
+    where = ["--work", tmp_path / "work"] if argv[0] == "validate" else ["--out", tmp_path / "out"]
+    started = time.perf_counter()
+    status, out, err = run_cli(capsys, [*argv[:command], *where, *argv[command:]])
+    assert (status, out, err) == (2, "", f"whatif: error: {line}\n")
+    assert time.perf_counter() - started < 5.0
+    assert not (tmp_path / "work").exists()
 
 
 def test_the_python_api_collects_the_same_warnings_or_raises_under_strict(alexnet_doc, tmp_path):

@@ -163,6 +163,16 @@ def test_lab_clean_leaves_a_running_lab_alone():
     assert not _objects_named(lab.tag)
 
 
+def test_lab_clean_says_what_it_removes_and_what_it_leaves(capsys):
+    from whatif.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["lab", "clean", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"Every lab names what it creates {cluster.PREFIX}<its pid> and records it in {cluster.STATE_DIR}" in text
+    assert "a lab whose process still runs is left alone" in text
+
+
 def test_more_machines_than_cores_are_refused_naming_the_limit(monkeypatch):
     monkeypatch.setattr(cluster, "box_cores", lambda: 2)
     monkeypatch.setattr(cluster.os, "geteuid", lambda: 0)

@@ -154,6 +154,25 @@ def test_plot_writes_a_png(capsys, tmp_path, trace):
     assert not list(tmp_path.glob(".scaling.png*")), "no temporary file left behind"
 
 
+def test_neither_legend_covers_its_panel(capsys, tmp_path, trace, monkeypatch):
+    """Issue 29: the legend covered the bars. Both legends sit below their panels' axes."""
+    import matplotlib.pyplot as plt
+
+    figures, close = [], plt.close
+    monkeypatch.setattr(plt, "close", lambda fig=None: (figures.append(fig), close(fig)))
+    predict(capsys, scenario_file(tmp_path, trace, extra="framework: [horovod, ps]\n"), "--plot", tmp_path / "s.png")
+    (fig,) = figures
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)  # closing the figure detached its own
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    panels = [ax for ax in fig.axes if ax.get_legend() is not None]
+    assert len(panels) == 2
+    for ax in panels:
+        assert not ax.get_legend().get_window_extent(renderer).overlaps(ax.get_window_extent(renderer)), ax.get_title()
+
+
 def test_the_plot_orders_setups_by_machines_then_gpus_per_machine():
     """By worker count 1x2 came before 2x1 and the curve rose and fell; by machines it does not."""
     import pandas as pd

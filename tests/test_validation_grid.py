@@ -76,7 +76,7 @@ def test_a_point_is_predicted_again_from_the_calibration_it_was_run_with(grid_sc
         path.parent.mkdir(parents=True, exist_ok=True)
         path.touch()
     used = []
-    monkeypatch.setattr(grid_script, "predict", lambda bundle, links, *args, **kwargs: (used.append(links.name) or 99.0, None))
+    monkeypatch.setattr(grid_script, "predict", lambda bundle, links, *args, **kwargs: (used.append(links.name) or 99.0, None, None))
     from_its_session = {**measured_row([99.0]), "calibrated_at_mbps": "400.0"}
     from_before_it_was_recorded = measured_row([99.0])
     grid_script.repredict([from_its_session, from_before_it_was_recorded], work, default_mbps=200.0)
@@ -159,6 +159,19 @@ def test_the_capture_process_of_median_speed_is_kept(captures_timing, tmp_path):
         "no other process's bundle is left behind"
 
 
+def test_each_capture_process_says_on_stderr_that_it_starts(captures_timing, tmp_path, capsys):
+    """Issue 29: captures and calibration ran for minutes with only the profiler's lines."""
+    import re
+
+    from whatif.lab.validate import capture
+
+    captures_timing += [STEADY_MS, STEADY_MS, STEADY_MS]
+    capture("vgg", tmp_path)
+    lines = capsys.readouterr().err.splitlines()
+    assert [re.sub(r"^\[\d\d:\d\d:\d\d\] ", "[time] ", line) for line in lines] == [
+        f"[time] lab: capturing vgg on one worker, process {n} of 3" for n in (1, 2, 3)]
+
+
 def test_an_unsteady_capture_is_passed_over_while_a_steady_one_exists(captures_timing, tmp_path):
     from whatif.collectors.bundle import read_bundle
     from whatif.lab.validate import capture
@@ -184,6 +197,7 @@ def test_a_validation_point_is_predicted_by_the_pipeline_on_calibrated_links():
     from whatif.lab.validate import predict
 
     repo = Path(__file__).resolve().parents[1]
-    predicted_ms, _ = predict(repo / "data" / "convnet_cpu.bundle",
-                                     repo / "docs" / "validation" / "fresh" / "links_400mbps.yaml", 2, 1, 400.0, "horovod")
-    assert predicted_ms > 0
+    predicted_ms, (low_ms, high_ms), _ = predict(repo / "data" / "convnet_cpu.bundle",
+                                                 repo / "docs" / "validation" / "fresh" / "links_400mbps.yaml", 2, 1,
+                                                 400.0, "horovod")
+    assert 0 < low_ms < predicted_ms < high_ms, "with its interval"

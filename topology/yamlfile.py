@@ -53,12 +53,24 @@ def read_yaml(path: Path) -> Any:
         raise TopologyError("", f"{len(raw) / 1e6:.1f} MB is not a page of YAML (at most {MAX_YAML_BYTES / 1e6:g} MB; "
                                 "a trace? name it in a scenario's trace: key)")
     try:
-        return yaml.load(raw.decode("utf-8"), Loader=_BoundedLoader)
+        data = yaml.load(raw.decode("utf-8"), Loader=_BoundedLoader)
     except UnicodeDecodeError:
         raise TopologyError("", "is not UTF-8 text, so not YAML") from None
     except _TooManyAliases:
         raise TopologyError("", f"more than {MAX_YAML_ALIASES} YAML aliases (*name); refusing a document that may "
                                 "expand beyond bounds (write the values out)") from None
-    except (yaml.YAMLError, RecursionError) as err:
+    except RecursionError:
+        raise TopologyError("", "YAML nested deeper than Python's recursion limit: no scenario or cluster nests so deep") from None
+    except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         raise TopologyError("", "not valid YAML" + (f" at line {mark.line + 1}" if mark else "")) from None
+    if isinstance(data, (dict, list)) and _is_trace(data):
+        raise TopologyError("", "is a profiler trace (Chrome trace events), not YAML of whatif's (name it in a "
+                                "scenario's trace: key)")
+    return data
+
+
+def _is_trace(data) -> bool:
+    """Whether a document is a Chrome/Kineto trace: JSON is YAML, so a plain trace file loads."""
+    events = data.get("traceEvents") if isinstance(data, dict) else data
+    return isinstance(events, list) and bool(events) and all(isinstance(e, dict) and "ph" in e for e in events[:8])

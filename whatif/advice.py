@@ -28,6 +28,7 @@ from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 
+from whatif.collectors.diagnostics import Diagnostics, collecting
 from whatif.report.critical_path import gpu_idle_fraction
 from whatif.report.iterations import iteration_report
 from whatif.sim.critical_path import CriticalPath, iteration_critical_paths
@@ -83,6 +84,8 @@ class Option:
     reason: str  # the critical path's one line; where not applicable, why
     predicted_ms: float = math.nan
     gain_pct: float = math.nan  # throughput over the baseline's, in percent
+    low_ms: float = math.nan  # the prediction's 90 % interval (report/intervals.py); nan: none
+    high_ms: float = math.nan
     memory_saved_mb: float = math.nan  # per iteration, a memory recipe's
     configuration: dict = field(default_factory=dict)  # an alternative's (or the baseline's) cluster row
 
@@ -123,7 +126,8 @@ def advise(trace: Union[str, Path], scenario: Optional[Scenario] = None, iterati
         progress(f"predicting {spec}")
         what_if = WhatIf(optimizations=list(request.what_if.optimizations) + [spec])
         try:
-            changed = predict(replace(base_request, what_if=what_if))
+            with collecting(Diagnostics()):  # the option's row says what it changes; the input's warnings came above
+                changed = predict(replace(base_request, what_if=what_if))
         except GraphError as err:
             options.append(Option(spec, "recipe", False, str(err)))
             continue
@@ -150,21 +154,27 @@ def advise(trace: Union[str, Path], scenario: Optional[Scenario] = None, iterati
 
 def _baseline_option(base: Prediction) -> Option:
     if base.results is None:
-        return Option("as traced (one worker)", "baseline", True, "", base.iteration_ms, 0.0)
+        return Option("as traced (one worker)", "baseline", True, "", base.iteration_ms, 0.0, *base.iteration_interval)
     row = base.results.iloc[0].to_dict()
     label = next(iter(base.runs))
-    return Option(label, "baseline", True, "", float(row["iteration_ms"]), 0.0, configuration=_plain(row))
+    return Option(label, "baseline", True, "", float(row["iteration_ms"]), 0.0, *_row_interval(row),
+                  configuration=_plain(row))
 
 
 def _measured(name: str, kind: str, changed: Prediction, baseline: Option) -> Option:
-    """The option's iteration and its throughput gain over the baseline's."""
+    """The option's iteration, its interval and its throughput gain over the baseline's."""
     if changed.results is None:
         ms = changed.iteration_ms
-        return Option(name, kind, True, "", ms, 100.0 * (baseline.predicted_ms / ms - 1))
+        return Option(name, kind, True, "", ms, 100.0 * (baseline.predicted_ms / ms - 1), *changed.iteration_interval)
     row = changed.results.iloc[0].to_dict()
     base_speedup = baseline.configuration["speedup"]
     gain = 100.0 * (float(row["speedup"]) / base_speedup - 1)
-    return Option(name, kind, True, "", float(row["iteration_ms"]), gain, configuration=_plain(row))
+    return Option(name, kind, True, "", float(row["iteration_ms"]), gain, *_row_interval(row),
+                  configuration=_plain(row))
+
+
+def _row_interval(row: dict) -> tuple[float, float]:
+    return float(row.get("iteration_ms_low", math.nan)), float(row.get("iteration_ms_high", math.nan))
 
 
 def _plain(row: dict) -> dict:

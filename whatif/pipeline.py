@@ -56,7 +56,8 @@ from typing import Optional, Sequence, Union
 import numpy as np
 import pandas as pd
 
-from whatif.collectors.diagnostics import warn
+from whatif.collectors.bundle import MIN_WARMUP_FOR_OVERHEAD, short_warmup
+from whatif.collectors.diagnostics import plural, warn
 from whatif.report.cluster import configuration_labels, configuration_row, memory_columns, parallel_row
 from whatif.report.intervals import relative_interval, steady_interval, widened
 from whatif.report.iterations import IterationSpans, iteration_report, speedup_report, steady_median
@@ -102,7 +103,10 @@ class WhatIf:
     def apply(self, graph: TaskGraph) -> TaskGraph:
         """A new graph with the changes made; ``graph`` is left alone."""
         for spec in self.optimizations:
-            graph = apply_optimization(graph, spec)
+            changed = apply_optimization(graph, spec)
+            warn(f"optimization {spec!r}", int(_same_graph(graph, changed)), "changes no task of this trace, so it "
+                                                                              "changes nothing")
+            graph = changed
         graph = graph.copy()
         for pattern, factor in self.scale:
             graph.scale(self._matching(graph, "--scale", f"{pattern}={factor:g}", pattern), factor)
@@ -116,6 +120,14 @@ class WhatIf:
         tasks = graph.select(pattern=pattern)
         warn(f"{option} {spec!r}", int(len(tasks) == 0), "matches no task, so it changes nothing")
         return tasks
+
+
+def _same_graph(before: TaskGraph, after: TaskGraph) -> bool:
+    """Whether a pass left the graph as it was: the same tasks at the same durations, the same
+    edges, no note added (a recipe that changes the communication leaves only a note)."""
+    return (len(after.tasks) == len(before.tasks) and len(after.edges) == len(before.edges)
+            and len(after.notes) == len(before.notes)
+            and np.array_equal(after.tasks["duration_us"].to_numpy(), before.tasks["duration_us"].to_numpy()))
 
 
 @dataclass(frozen=True)
@@ -213,6 +225,8 @@ def predict(request: Request, sweep: Sweep = Sweep()) -> Prediction:
     unprofiled_ms = request.unprofiled_ms if request.unprofiled_ms is not None else graph.workload.unprofiled_step_ms
     if request.remove_profiler_overhead and unprofiled_ms is not None and len(unprofiled_ms):
         graph = remove_profiler_overhead(graph, iterations, unprofiled_ms)
+    elif request.remove_profiler_overhead:
+        _check_warmup(study)
     unchanged = graph
     if request.batch_size is not None:
         graph = change_batch_size(graph, _models(request.perfmodel), request.batch_size, request.traced_batch_size)
@@ -229,6 +243,7 @@ def predict(request: Request, sweep: Sweep = Sweep()) -> Prediction:
         )
     prediction = Prediction(request, study, unchanged, graph, schedule, report)
     _check_communication_changes(graph, request.clusters)
+    _check_gpu_factors(study, request.clusters)
     if request.clusters:
         _simulate_clusters(prediction, sweep)
     _hold_other_processes(prediction, sweep)
@@ -270,6 +285,25 @@ def _check_communication_changes(worker: TaskGraph, clusters: Sequence[ClusterCo
         elif change.traced_messages == 0 and not any(config.workers > 1 for config in clusters):
             raise GraphError(f"{change.recipe}: the job communicates nothing (no communication kernel in the trace, "
                              "no cluster of several workers): give a scenario")
+
+
+def _check_warmup(study: TraceStudy) -> None:
+    """A warning where a bundle's warm-up was too short to time a step without the profiler
+    (``collectors/bundle.py``): its overhead stays in the prediction."""
+    bundle = getattr(study.trace, "bundle", None)
+    warmup = bundle.manifest.get("warmup_steps") if bundle is not None else None
+    if isinstance(warmup, int) and not isinstance(warmup, bool):
+        warn(bundle.path, int(warmup < MIN_WARMUP_FOR_OVERHEAD), short_warmup(warmup))
+
+
+def _check_gpu_factors(study: TraceStudy, clusters: Sequence[ClusterConfig]) -> None:
+    """A warning where a configuration slows GPU tasks (a straggler's ``gpu_slowdown``, a
+    scenario's ``gpu_variation``) on a trace that has none: the factor changes nothing."""
+    slowed = sum(any(s.gpu_slowdown != 1.0 for s in config.stragglers) or any(f != 1.0 for f in config.gpu_slowdowns)
+                 for config in clusters)
+    if not study.graph.workload.has_gpu:
+        warn(study.trace.path, slowed, f"has no GPU task, so the GPU slowdown of {plural(slowed, 'configuration')} "
+                                       "(gpu_slowdown, gpu_variation) changes nothing")
 
 
 def _hierarchical(config: ClusterConfig) -> bool:

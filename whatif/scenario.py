@@ -73,6 +73,7 @@ import numpy as np
 
 
 from whatif.collectors.bundle import is_bundle
+from whatif.collectors.diagnostics import plural, warn
 from whatif.sim.distributed import POLICIES, ClusterConfig, Straggler
 from whatif.sim.frameworks import FRAMEWORKS, FrameworkOptions
 from whatif.sim.graph import GraphError
@@ -305,6 +306,10 @@ def _parse(doc: Any, base_dir: Path, name: str) -> Scenario:
     _gradients(name, doc.get("gradients"), scenario)
     machines = max(point.cluster.machines for point in points)
     scenario.stragglers = [_straggler(name, i, s, machines) for i, s in enumerate(_as_list(doc.get("stragglers") or []))]
+    for i, straggler in enumerate(scenario.stragglers):
+        fewer = sum(point.cluster.machines <= straggler.machine for point in points)
+        warn(name, fewer, f"stragglers[{i}].machine: machine {straggler.machine} is not in "
+                          f"{plural(fewer, 'configuration')} of fewer machines, which run without it")
     scenario.gpu_variation = _gpu_variation(name, doc.get("gpu_variation"))
     scenario.options = _options(name, doc.get("framework_options") or {})
     replicate = doc.get("replicate", "auto")
@@ -481,6 +486,8 @@ def _straggler(name: str, index: int, spec, machines: int) -> Straggler:
     _check_keys(name, spec, tuple(f.name for f in fields(Straggler)), key)
     if "machine" not in spec:
         raise ScenarioError(name, f"{key}.machine", "missing")
+    if not {"slowdown", "gpu_slowdown"} & set(spec):
+        raise ScenarioError(name, key, "gives neither slowdown nor gpu_slowdown, so it slows nothing")
     machine = spec["machine"]
     if isinstance(machine, bool) or not isinstance(machine, int) or machine < 0:
         raise ScenarioError(name, f"{key}.machine", f"must be a machine index >= 0, got {machine!r}")

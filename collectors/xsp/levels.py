@@ -77,7 +77,7 @@ def read_runs(folder: Union[str, Path]) -> dict[str, list[dict]]:
         for path in (p for p in paths if round_of(p.name) is not None):
             try:
                 record = json.loads(path.read_text())
-            except ValueError:
+            except (ValueError, RecursionError):
                 raise ProfileError(f"{path}: not JSON") from None
             if not isinstance(record, dict) or (record.get("format"), record.get("version"), record.get("level")) != (RUN_FORMAT, VERSION, level):
                 raise ProfileError(f"{path}: not a {RUN_FORMAT} record of the {level} level, version {VERSION}")

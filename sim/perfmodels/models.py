@@ -208,6 +208,8 @@ def load_models(path: Union[str, Path], check_device: bool = True) -> PerfModels
         raise PerfModelError(f"{path}: cannot be read ({getattr(err, 'strerror', None) or err})") from None
     except json.JSONDecodeError as err:
         raise PerfModelError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
+    except RecursionError:
+        raise PerfModelError(f"{path}: JSON nested deeper than Python's recursion limit: no models file nests so deep") from None
     reader = _Reader(path)
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise PerfModelError(f"{path}: field 'format' is not {FORMAT!r}: not a whatif performance models file")

@@ -18,6 +18,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from whatif.collectors.diagnostics import plural
+
+#: Above this many GPUs simulated over a scenario's grid (summed over its configurations),
+#: ``whatif predict`` and ``whatif advise`` ask for ``--yes``: a grid of a few thousand takes minutes
+MAX_GRID_GPUS = 2048
+
 
 class UsageError(Exception):
     """A command-line value that is well-formed for argparse but means nothing."""
@@ -41,3 +47,12 @@ def refuse_inputs(path: Path, inputs: tuple) -> None:
     """Refuse to write ``path`` where it is one of the command's ``inputs``, by any spelling."""
     if any(path.resolve() == Path(p).resolve() for p in inputs):
         raise UsageError(f"{path}: refusing to overwrite an input file")
+
+
+def check_grid_size(path: Path, scenario, yes: bool) -> None:
+    """Refuse a scenario whose grid simulates more than :data:`MAX_GRID_GPUS` GPUs in all, before
+    any of it runs, unless ``yes`` (the command's ``--yes``)."""
+    gpus = sum(point.cluster.n_gpus for point in scenario.points)
+    if gpus > MAX_GRID_GPUS and not yes:
+        raise UsageError(f"{path}: the grid simulates {gpus} GPUs over {plural(len(scenario.points), 'configuration')}, "
+                         f"more than {MAX_GRID_GPUS} (minutes to hours); pass --yes to run it anyway")

@@ -12,7 +12,10 @@ from pathlib import Path
 import msgspec
 
 from whatif.advice import Advice, Option, advise
+from whatif.report.intervals import LEVEL, describe
 from whatif.scenario import Scenario, ScenarioError
+
+from . import MAX_GRID_GPUS, check_grid_size
 
 ERRORS = (ScenarioError,)
 
@@ -26,10 +29,14 @@ def add_parsers(sub) -> None:
                              "(its own trace is replaced by TRACE)")
     parser.add_argument("--iteration", metavar="NAME", help="annotation that marks an iteration (default: ProfilerStep#N)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument("--yes", action="store_true",
+                        help=f"run a scenario's grid of more than {MAX_GRID_GPUS} GPUs in all (refused without it)")
 
 
 def run(args: argparse.Namespace) -> int:
     scenario = Scenario.from_file(args.scenario) if args.scenario is not None else None
+    if scenario is not None:
+        check_grid_size(args.scenario, scenario, args.yes)
     progress = (lambda text: None) if args.json else (lambda text: print(f"whatif: {text}", file=sys.stderr))
     advice = advise(args.trace, scenario, args.iteration, progress)
     if args.json:
@@ -42,14 +49,18 @@ def run(args: argparse.Namespace) -> int:
 def advice_table(advice: Advice) -> str:
     """The ranked options, then those not applicable, as text."""
     base = advice.baseline
-    lines = [f"{advice.trace}: baseline {base.name}, {base.predicted_ms:.2f} ms per iteration",
-             f"{'rank':>4}  {'option':<34} {'ms':>9} {'gain %':>7}  reason"]
+    interval = f"{100 * LEVEL:g} % interval"
+    lines = [f"{advice.trace}: baseline {base.name}, {describe(base.predicted_ms, base.low_ms, base.high_ms)} per "
+             "iteration",
+             f"{'rank':>4}  {'option':<34} {'ms':>9} {interval:>15} {'gain %':>7}  reason"]
     for rank, option in enumerate(advice.ranked, 1):
         saved = f"; frees {option.memory_saved_mb:.0f} MB a step" if math.isfinite(option.memory_saved_mb) else ""
-        lines.append(f"{rank:>4}  {option.name:<34} {option.predicted_ms:>9.2f} {option.gain_pct:>+7.1f}  "
+        within = (f"{option.low_ms:.2f}-{option.high_ms:.2f}" if math.isfinite(option.low_ms) and
+                  math.isfinite(option.high_ms) else "-")
+        lines.append(f"{rank:>4}  {option.name:<34} {option.predicted_ms:>9.2f} {within:>15} {option.gain_pct:>+7.1f}  "
                      f"{option.reason}{saved}")
     for option in advice.not_applicable:
-        lines.append(f"{'-':>4}  {option.name:<34} {'':>9} {'':>7}  not applicable: {option.reason}")
+        lines.append(f"{'-':>4}  {option.name:<34} {'':>9} {'':>15} {'':>7}  not applicable: {option.reason}")
     return "\n".join(lines)
 
 

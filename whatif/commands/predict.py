@@ -12,7 +12,6 @@ from pathlib import Path
 import msgspec
 import yaml
 
-from whatif.collectors.diagnostics import plural
 from whatif.pipeline import predict
 from whatif.report.cluster import collective_notes
 from whatif.report.intervals import LEVEL, describe
@@ -22,13 +21,9 @@ from whatif.report.timeline import TIMELINE_SUFFIX, check_timeline_path, write_a
 from whatif.scenario import Scenario, ScenarioError
 from whatif.sweep import EXECUTORS, Sweep, SweepError, available_cores
 
-from . import UsageError, refuse_inputs
+from . import MAX_GRID_GPUS, UsageError, check_grid_size, refuse_inputs
 
 ERRORS = (ScenarioError, SweepError)
-
-#: Above this many GPUs simulated over a scenario's grid (summed over its configurations),
-#: ``whatif predict`` asks for ``--yes``: a grid of a few thousand takes minutes
-MAX_GRID_GPUS = 2048
 
 
 def add_parsers(sub) -> None:
@@ -63,10 +58,7 @@ def plot_titles(path: Path, scenario: Scenario) -> tuple[str, str]:
 
 def run(args: argparse.Namespace) -> int:
     scenario = Scenario.from_file(args.scenario)
-    gpus = sum(point.cluster.n_gpus for point in scenario.points)
-    if gpus > MAX_GRID_GPUS and not args.yes:
-        raise UsageError(f"{args.scenario}: the grid simulates {gpus} GPUs over {plural(len(scenario.points), 'configuration')}, "
-                         f"more than {MAX_GRID_GPUS} (minutes to hours); pass --yes to run it anyway")
+    check_grid_size(args.scenario, scenario, args.yes)
     if args.jobs < 1:
         raise UsageError(f"--jobs {args.jobs}: at least 1")
     if args.address is not None and args.executor != "dask":
