@@ -265,16 +265,16 @@ _KIND_NOUN = {
 }
 
 
-def _timed_events(path: Path, decoded: list) -> tuple[list, np.ndarray]:
-    """The complete ('X') events worth keeping, and their kinds (int8). Those whose time cannot
-    be used are dropped, a warning per problem and kind saying how many.
+def _timed_events(path: Path, decoded: list) -> tuple[list, np.ndarray, list, np.ndarray, np.ndarray]:
+    """The complete ('X') events worth keeping, their kinds (int8), names, starts and durations.
+    Those whose time cannot be used are dropped, a warning per problem and kind saying how many.
 
     The events are classified a column at a time (each category and name looked at once); where
     any would be dropped, :func:`_timed_events_one_by_one` says why, event by event."""
     n = len(decoded)
     if not n:
-        return [], np.zeros(0, dtype=np.int8)
-    ph, cat, name = zip(*map(attrgetter("ph", "cat", "name"), decoded))
+        return [], np.zeros(0, dtype=np.int8), [], np.zeros(0), np.zeros(0)
+    ph, cat, name = (list(map(attrgetter(a), decoded)) for a in ("ph", "cat", "name"))
     kind_of = {}
     for c in dict.fromkeys(cat):
         kind = _category_kind(c)
@@ -292,9 +292,11 @@ def _timed_events(path: Path, decoded: list) -> tuple[list, np.ndarray]:
     with np.errstate(invalid="ignore"):
         usable = (dur >= 0) & (dur <= MAX_SPAN_US) & np.isfinite(ts)
         if len(ts) and usable.all() and not (np.abs(ts - np.median(ts)) > MAX_SPAN_US).any():
-            return list(map(decoded.__getitem__, rows.tolist())), kinds[rows]
+            at = rows.tolist()
+            return list(map(decoded.__getitem__, at)), kinds[rows], list(map(name.__getitem__, at)), ts, dur
     kept, kind_list = _timed_events_one_by_one(path, decoded)
-    return kept, np.asarray(kind_list, dtype=np.int8)
+    ts, dur = (np.fromiter(map(attrgetter(a), kept), dtype=np.float64, count=len(kept)) for a in ("ts", "dur"))
+    return kept, np.asarray(kind_list, dtype=np.int8), list(map(attrgetter("name"), kept)), ts, dur
 
 
 def _category_kind(cat: str) -> Optional[EventKind]:
@@ -391,13 +393,12 @@ def read_kineto(path: Union[str, Path]) -> KinetoTrace:
     raw = _read_bytes(path)
     doc, decoded = _decode(path, raw)
 
-    kept, kinds = _timed_events(path, decoded)
+    kept, kinds, names, ts_arr, dur = _timed_events(path, decoded)
     if not (kinds != EventKind.CUDA_SYNC).any():
         raise TraceError(path, "has no timed events (no complete 'X' events with a duration)")
     no_args = _Args()
     args = [no_args if a is None else a for a in map(attrgetter("args"), kept)]
     thread_labels, thread_codes = _thread_labels(path, kinds, kept, args)
-    names = list(map(attrgetter("name"), kept))
     name_codes, name_labels = _codes(names)
     # whose recorded inputs are kept: operators', and those of the ``nccl:*`` annotation around a
     # collective (c10d's record of its message)
@@ -408,7 +409,6 @@ def read_kineto(path: Union[str, Path]) -> KinetoTrace:
     input_types = _recorded(args, "input_types", has_inputs)
     concrete_inputs = _recorded(args, "concrete_inputs", operator)
     ids = dict(zip(_INT_ARGS, _int_columns(path, args)))
-    ts_arr = np.fromiter(map(attrgetter("ts"), kept), dtype=np.float64, count=len(kept))
     base_time = _json_or(doc.baseTimeNanoseconds, None)
     origin = float(ts_arr.min())
     events = pd.DataFrame(
@@ -417,7 +417,7 @@ def read_kineto(path: Union[str, Path]) -> KinetoTrace:
             "name": categorical_of(np.array(name_labels, dtype=object), name_codes),
             "thread": categorical_of(np.array(thread_labels, dtype=object), thread_codes),
             "ts_us": ts_arr - origin,
-            "dur_us": np.fromiter(map(attrgetter("dur"), kept), dtype=np.float64, count=len(kept)),
+            "dur_us": dur,
             "correlation": ids["correlation"],
             "external_id": ids["external_id"],
             "stream": ids["stream"],

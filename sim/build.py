@@ -88,7 +88,8 @@ class _Segments:
     def __init__(self, names: list[str], kinds: list[int]):
         self.names = names
         self.kinds = kinds
-        self.start: list[float] = []
+        # a segment starts where the one before it on its thread ended (the first at 0): only
+        # the ends are kept (``_Builder._cpu_tasks`` makes the starts)
         self.end: list[float] = []
         self.owner: list[int] = []  # event row, -1 for gaps
         self.ctx: list[int] = []
@@ -116,9 +117,9 @@ def _cut_thread(seg: _Segments, thread: int, rows: list, ts: list, end: list) ->
     cursor = 0.0
     runtime = int(EventKind.RUNTIME)
     kinds, names = seg.kinds, seg.names
-    out_start, out_end, out_owner, out_ctx = seg.start, seg.end, seg.owner, seg.ctx
+    out_end, out_owner, out_ctx = seg.end, seg.owner, seg.ctx
     ctx_ids, ctx_parent, ctx_event = seg.ctx_ids, seg.ctx_parent, seg.ctx_event  # seg.context, inlined
-    emitted_before = len(out_start)
+    emitted_before = len(out_end)
     for row in rows:
         s = ts[row]
         e = end[row]
@@ -127,14 +128,14 @@ def _cut_thread(seg: _Segments, thread: int, rows: list, ts: list, end: list) ->
             if top_end > cursor or kinds[top_row] == runtime:
                 if top_end < cursor:
                     top_end = cursor
-                out_start.append(cursor); out_end.append(top_end); out_owner.append(top_row); out_ctx.append(top_ctx)
+                out_end.append(top_end); out_owner.append(top_row); out_ctx.append(top_ctx)
                 cursor = top_end
         if s > cursor:
             if stack:
                 _, top_row, top_ctx = stack[-1]
             else:
                 top_row, top_ctx = -1, -1
-            out_start.append(cursor); out_end.append(s); out_owner.append(top_row); out_ctx.append(top_ctx)
+            out_end.append(s); out_owner.append(top_row); out_ctx.append(top_ctx)
             cursor = s
         parent_ctx = -1
         if stack:
@@ -154,9 +155,9 @@ def _cut_thread(seg: _Segments, thread: int, rows: list, ts: list, end: list) ->
         if top_end > cursor or kinds[top_row] == runtime:
             if top_end < cursor:
                 top_end = cursor
-            out_start.append(cursor); out_end.append(top_end); out_owner.append(top_row); out_ctx.append(top_ctx)
+            out_end.append(top_end); out_owner.append(top_row); out_ctx.append(top_ctx)
             cursor = top_end
-    seg.thread.extend([thread] * (len(out_start) - emitted_before))
+    seg.thread.extend([thread] * (len(out_end) - emitted_before))
 
 
 def _context_tables(seg: _Segments, names: list[str], kinds: np.ndarray) -> tuple[list, list, list]:
@@ -255,10 +256,13 @@ class _Builder:
                 _cut_thread(seg, int(codes[thread_rows[0]]), thread_rows.tolist(), ts_list, end_list)
         self.seg = seg
         self.first_seg, self.last_seg = seg.first_and_last_segment(len(kinds))
-        self.n_cpu = len(seg.start)
-        self.seg_start = np.asarray(seg.start, dtype=np.float64)
+        self.n_cpu = len(seg.end)
         self.seg_end = np.asarray(seg.end, dtype=np.float64)
         self.seg_thread = np.asarray(seg.thread, dtype=np.int64)
+        self.seg_start = np.zeros(self.n_cpu)
+        if self.n_cpu:
+            follows = self.seg_thread[1:] == self.seg_thread[:-1]
+            self.seg_start[1:][follows] = self.seg_end[:-1][follows]
         self.owner = np.asarray(seg.owner, dtype=np.int64)
         owner_kind = np.where(self.owner >= 0, kinds[np.maximum(self.owner, 0)], -1)
         # the self time of an annotation (ProfilerStep#N, a record_function range) is time no event
