@@ -501,7 +501,8 @@ def _codes(values: list) -> tuple[np.ndarray, list]:
 def categorical_of(labels: np.ndarray, codes: np.ndarray) -> pd.Categorical:
     """``pd.Categorical(labels[codes])`` (``labels`` strings, possibly repeated), made from the
     labels the codes use without building the row-wise array of strings."""
-    used = np.unique(codes)
+    # the codes used (-1: the last label, as numpy indexes), counted rather than sorted
+    used = np.flatnonzero(np.bincount(np.where(codes < 0, codes + len(labels), codes), minlength=len(labels)))
     distinct = sorted(set(labels[used].tolist()))
     position = {label: i for i, label in enumerate(distinct)}
     rank = np.full(len(labels), -1, dtype=np.int64)
