@@ -38,8 +38,12 @@ class IterationSpans:
         m_start = tasks["measured_start_us"].to_numpy()
         m_end = tasks["measured_end_us"].to_numpy()
         # by the resource's code: a comparison of codes, not of a string per task
-        codes = tasks["resource"].cat.codes.to_numpy()
-        labels = [str(c) for c in tasks["resource"].cat.categories] + [str(np.nan)]  # code -1: missing
+        resource = tasks["resource"]
+        if isinstance(resource.dtype, pd.CategoricalDtype):
+            codes, categories = resource.cat.codes.to_numpy(), resource.cat.categories
+        else:
+            codes, categories = pd.factorize(resource)
+        labels = [str(c) for c in categories] + [str(np.nan)]  # code -1: missing, "nan" as astype(str) has it
         mine = np.ones(len(tasks), dtype=bool) if worker is None else worker
         on_network = np.array([c.startswith("network") for c in labels])[codes]
         self.gpu = np.flatnonzero(np.isin(tasks["kind"].to_numpy(), [int(k) for k in GPU_TASK_KINDS]) & mine & ~on_network)
