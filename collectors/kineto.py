@@ -348,13 +348,17 @@ def _thread_labels(path: Path, kinds: np.ndarray, kept: list, args: list) -> tup
     """Every event's thread as the distinct labels and each event's code into them: "pid/tid"
     for CPU threads and "gpu D/stream S" for GPU streams. A GPU event needs a stream
     (``args.stream``, else a numeric ``tid``); a CPU event a ``tid``."""
-    pid, tid = zip(*map(attrgetter("pid", "tid"), kept))
+    pid, tid = list(map(attrgetter("pid"), kept)), list(map(attrgetter("tid"), kept))
     keys = list(zip(repeat("cpu"), pid, tid))
-    gpu = np.flatnonzero(np.isin(kinds, _GPU_THREAD_KINDS))
-    if len(gpu):
-        for i in gpu.tolist():
-            a = args[i]
-            keys[i] = ("gpu", a.device if a.device >= 0 else pid[i], a.stream if a.stream >= 0 else tid[i])
+    gpu = np.flatnonzero(np.isin(kinds, _GPU_THREAD_KINDS)).tolist()
+    if gpu:
+        on_gpu = list(map(args.__getitem__, gpu))
+        device, stream = list(map(attrgetter("device"), on_gpu)), list(map(attrgetter("stream"), on_gpu))
+        if min(device) < 0 or min(stream) < 0:  # the process and thread ids stand in
+            device = [d if d >= 0 else pid[i] for i, d in zip(gpu, device)]
+            stream = [s if s >= 0 else tid[i] for i, s in zip(gpu, stream)]
+        for i, key in zip(gpu, zip(repeat("gpu"), device, stream)):
+            keys[i] = key
     index = {key: i for i, key in enumerate(dict.fromkeys(keys))}
     labels = []
     for key in index:
