@@ -19,7 +19,7 @@ import os
 import re
 import zlib
 from dataclasses import dataclass, field
-from itertools import chain
+from itertools import chain, repeat
 from operator import attrgetter
 from pathlib import Path
 from typing import Optional, Union
@@ -29,6 +29,7 @@ import numpy as np
 import pandas as pd
 
 from .diagnostics import plural, warn
+from .gcpause import gc_paused
 
 
 class TraceError(Exception):
@@ -217,12 +218,17 @@ def _gunzip(path: Path, raw: bytes) -> bytes:
     return b"".join(out)
 
 
+#: the whitespace ``bytes.lstrip`` strips, matched rather than stripped (a copy of the whole text)
+_LEADING_SPACE = re.compile(rb"[ \t\n\r\x0b\x0c]*")
+
+
 def _decode(path: Path, raw: bytes) -> tuple[_TraceFile, list[_Event]]:
-    stripped = raw.lstrip()
-    if not stripped:
+    at = _LEADING_SPACE.match(raw).end()
+    first = raw[at:at + 1]
+    if not first:
         raise TraceError(path, "is empty")
     try:
-        if stripped[:1] == b"[":
+        if first == b"[":
             events = msgspec.json.decode(raw, type=list[_Event])
             return _TraceFile(traceEvents=events), events
         doc = msgspec.json.decode(raw, type=_TraceFile)
@@ -233,7 +239,7 @@ def _decode(path: Path, raw: bytes) -> tuple[_TraceFile, list[_Event]]:
     except msgspec.ValidationError as err:
         raise TraceError(path, f"JSON is not a Chrome trace ({err})") from None
     except msgspec.DecodeError as err:
-        if stripped[:1] not in (b"{", b"["):
+        if first not in (b"{", b"["):
             raise TraceError(path, "is not JSON") from None
         at = re.search(r"\(byte (\d+)\)", str(err))
         word = re.match(rb"-?(?:NaN|Infinity)", raw[int(at.group(1)):int(at.group(1)) + 9]) if at else None
@@ -264,9 +270,49 @@ _KIND_NOUN = {
 }
 
 
-def _timed_events(path: Path, decoded: list) -> tuple[list, list]:
-    """The complete ('X') events worth keeping, and their kinds. Those whose time cannot be
-    used are dropped, a warning per problem and kind saying how many."""
+def _timed_events(path: Path, decoded: list) -> tuple[list, np.ndarray, list, np.ndarray, np.ndarray]:
+    """The complete ('X') events worth keeping, their kinds (int8), names, starts and durations.
+    Those whose time cannot be used are dropped, a warning per problem and kind saying how many.
+
+    The events are classified a column at a time (each category and name looked at once); where
+    any would be dropped, :func:`_timed_events_one_by_one` says why, event by event."""
+    n = len(decoded)
+    if not n:
+        return [], np.zeros(0, dtype=np.int8), [], np.zeros(0), np.zeros(0)
+    ph, cat, name = (list(map(attrgetter(a), decoded)) for a in ("ph", "cat", "name"))
+    kind_of = {}
+    for c in dict.fromkeys(cat):
+        kind = _category_kind(c)
+        kind_of[c] = -1 if kind is None else int(kind)
+    kinds = np.fromiter(map(kind_of.__getitem__, cat), dtype=np.int8, count=n)
+    kinds[~np.fromiter(map("X".__eq__, ph), dtype=bool, count=n)] = -1
+    if "Operator" in kind_of:  # the 2021 schema's record_function ranges (_looks_like_annotation)
+        annotation = {v: _looks_like_annotation(v) for v in dict.fromkeys(name)}
+        relabel = np.fromiter(map("Operator".__eq__, cat), dtype=bool, count=n)
+        relabel &= np.fromiter(map(annotation.__getitem__, name), dtype=bool, count=n)
+        kinds[relabel & (kinds == int(EventKind.CPU_OP))] = int(EventKind.ANNOTATION)
+    rows = np.flatnonzero(kinds >= 0)
+    ts = np.fromiter(map(attrgetter("ts"), decoded), dtype=np.float64, count=n)[rows]
+    dur = np.fromiter(map(attrgetter("dur"), decoded), dtype=np.float64, count=n)[rows]
+    with np.errstate(invalid="ignore"):
+        usable = (dur >= 0) & (dur <= MAX_SPAN_US) & np.isfinite(ts)
+        if len(ts) and usable.all() and not (np.abs(ts - np.median(ts)) > MAX_SPAN_US).any():
+            at = rows.tolist()
+            return list(map(decoded.__getitem__, at)), kinds[rows], list(map(name.__getitem__, at)), ts, dur
+    kept, kind_list = _timed_events_one_by_one(path, decoded)
+    ts, dur = (np.fromiter(map(attrgetter(a), kept), dtype=np.float64, count=len(kept)) for a in ("ts", "dur"))
+    return kept, np.asarray(kind_list, dtype=np.int8), list(map(attrgetter("name"), kept)), ts, dur
+
+
+def _category_kind(cat: str) -> Optional[EventKind]:
+    """The kind of an event of category ``cat``; None: not kept (an unknown CPU-side category
+    is still CPU time)."""
+    cat = cat.lower()
+    return None if cat in _IGNORED_CATEGORIES else _KIND_OF_CATEGORY.get(cat, EventKind.CPU_OP)
+
+
+def _timed_events_one_by_one(path: Path, decoded: list) -> tuple[list, list]:
+    """:func:`_timed_events`, an event at a time, with the warnings for those dropped."""
     kind_by_category: dict[str, Optional[EventKind]] = {}
     kept, kinds = [], []
     dropped: dict[tuple[str, int], int] = {}
@@ -275,10 +321,7 @@ def _timed_events(path: Path, decoded: list) -> tuple[list, list]:
             continue
         kind = kind_by_category.get(ev.cat, ...)
         if kind is ...:
-            cat = ev.cat.lower()
-            # an unknown CPU-side category is still CPU time
-            kind = None if cat in _IGNORED_CATEGORIES else _KIND_OF_CATEGORY.get(cat, EventKind.CPU_OP)
-            kind_by_category[ev.cat] = kind
+            kind = kind_by_category[ev.cat] = _category_kind(ev.cat)
         if kind is None:
             continue
         if kind == EventKind.CPU_OP and ev.cat == "Operator" and _looks_like_annotation(ev.name):
@@ -306,39 +349,49 @@ def _timed_events(path: Path, decoded: list) -> tuple[list, list]:
     return kept, kinds
 
 
-class _ThreadLabels:
-    """Labels "pid/tid" for CPU threads and "gpu D/stream S" for GPU streams, built once each.
-    A GPU event needs a stream (``args.stream``, else a numeric ``tid``); a CPU event a ``tid``."""
-
-    _GPU = {int(k) for k in GPU_KINDS} | {int(EventKind.GPU_ANNOTATION)}
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.cache: dict[tuple, str] = {}
-
-    def __call__(self, kind: int, ev: _Event, a: _Args) -> str:
-        if kind in self._GPU:
-            key = ("gpu", a.device if a.device >= 0 else ev.pid, a.stream if a.stream >= 0 else ev.tid)
+def _thread_labels(path: Path, kinds: np.ndarray, kept: list, args: list) -> tuple[list, np.ndarray]:
+    """Every event's thread as the distinct labels and each event's code into them: "pid/tid"
+    for CPU threads and "gpu D/stream S" for GPU streams. A GPU event needs a stream
+    (``args.stream``, else a numeric ``tid``); a CPU event a ``tid``."""
+    pid, tid = list(map(attrgetter("pid"), kept)), list(map(attrgetter("tid"), kept))
+    keys = list(zip(repeat("cpu"), pid, tid))
+    gpu = np.flatnonzero(np.isin(kinds, _GPU_THREAD_KINDS)).tolist()
+    if gpu:
+        on_gpu = list(map(args.__getitem__, gpu))
+        device, stream = list(map(attrgetter("device"), on_gpu)), list(map(attrgetter("stream"), on_gpu))
+        if min(device) < 0 or min(stream) < 0:  # the process and thread ids stand in
+            device = [d if d >= 0 else pid[i] for i, d in zip(gpu, device)]
+            stream = [s if s >= 0 else tid[i] for i, s in zip(gpu, stream)]
+        for i, key in zip(gpu, zip(repeat("gpu"), device, stream)):
+            keys[i] = key
+    index = {key: i for i, key in enumerate(dict.fromkeys(keys))}
+    labels = []
+    for key in index:
+        if key[2] is None or isinstance(key[2], bool):
+            _refuse_thread(path, key, kinds, kept, keys, "has no tid" if key[0] == "cpu" else "has no stream (args.stream) nor tid")
+        if key[0] == "gpu":
+            stream = str(key[2]).replace("stream ", "").strip()
+            if not stream.lstrip("-").isdigit():
+                _refuse_thread(path, key, kinds, kept, keys,
+                               f"has no stream (args.stream) and its tid {key[2]!r} is not a stream number")
+            labels.append(f"gpu {key[1]}/stream {stream}")
         else:
-            key = ("cpu", ev.pid, ev.tid)
-        label = self.cache.get(key)
-        if label is None:
-            if key[2] is None or isinstance(key[2], bool):
-                self._refuse(kind, ev, "has no tid" if kind not in self._GPU else "has no stream (args.stream) nor tid")
-            if key[0] == "gpu":
-                stream = str(key[2]).replace("stream ", "").strip()
-                if not stream.lstrip("-").isdigit():
-                    self._refuse(kind, ev, f"has no stream (args.stream) and its tid {key[2]!r} is not a stream number")
-                label = f"gpu {key[1]}/stream {stream}"
-            else:
-                label = f"{key[1]}/{key[2]}"
-            self.cache[key] = label
-        return label
-
-    def _refuse(self, kind: int, ev: _Event, problem: str):
-        raise TraceError(self.path, f"a {_KIND_NOUN[EventKind(kind)]} ({ev.name!r} at ts {ev.ts}) {problem}")
+            labels.append(f"{key[1]}/{key[2]}")
+    codes = np.fromiter(map(index.__getitem__, keys), dtype=np.int64, count=len(keys))
+    return labels, codes
 
 
+_GPU_THREAD_KINDS = [int(k) for k in GPU_KINDS] + [int(EventKind.GPU_ANNOTATION)]
+
+
+def _refuse_thread(path: Path, key: tuple, kinds: np.ndarray, kept: list, keys: list, problem: str):
+    """The error for the first event whose thread is ``key``."""
+    i = keys.index(key)
+    ev = kept[i]
+    raise TraceError(path, f"a {_KIND_NOUN[EventKind(int(kinds[i]))]} ({ev.name!r} at ts {ev.ts}) {problem}")
+
+
+@gc_paused()
 def read_kineto(path: Union[str, Path]) -> KinetoTrace:
     """Read a Kineto trace file (plain or gzipped JSON) into a :class:`KinetoTrace`
     (``collectors/load.py`` also reads capture bundles).
@@ -349,44 +402,46 @@ def read_kineto(path: Union[str, Path]) -> KinetoTrace:
     raw = _read_bytes(path)
     doc, decoded = _decode(path, raw)
 
-    kept, kinds = _timed_events(path, decoded)
-    if not any(k != EventKind.CUDA_SYNC for k in kinds):
+    kept, kinds, names, ts_arr, dur = _timed_events(path, decoded)
+    if not (kinds != EventKind.CUDA_SYNC).any():
         raise TraceError(path, "has no timed events (no complete 'X' events with a duration)")
     no_args = _Args()
-    args = [ev.args or no_args for ev in kept]
-    thread_of = _ThreadLabels(path)
-    threads = [thread_of(k, ev, a) for k, ev, a in zip(kinds, kept, args)]
-    names = [ev.name for ev in kept]
-    ts = [ev.ts for ev in kept]
-    input_dims = {i: a.input_dims for i, a in enumerate(args) if len(a.input_dims) and _has_inputs(kinds[i], names[i])}
-    input_types = {i: a.input_types for i, a in enumerate(args) if len(a.input_types) and _has_inputs(kinds[i], names[i])}
-    concrete_inputs = {i: a.concrete_inputs for i, a in enumerate(args) if len(a.concrete_inputs) and kinds[i] == EventKind.CPU_OP}
+    args = [no_args if a is None else a for a in map(attrgetter("args"), kept)]
+    thread_labels, thread_codes = _thread_labels(path, kinds, kept, args)
+    name_codes, name_labels = _codes(names)
+    # whose recorded inputs are kept: operators', and those of the ``nccl:*`` annotation around a
+    # collective (c10d's record of its message)
+    nccl = np.fromiter((v.startswith("nccl:") for v in name_labels), dtype=bool, count=len(name_labels))
+    operator = kinds == EventKind.CPU_OP
+    has_inputs = operator | ((kinds == EventKind.ANNOTATION) & nccl[name_codes])
+    input_dims = _recorded(args, "input_dims", has_inputs)
+    input_types = _recorded(args, "input_types", has_inputs)
+    concrete_inputs = _recorded(args, "concrete_inputs", operator)
     ids = dict(zip(_INT_ARGS, _int_columns(path, args)))
-    ts_arr = np.asarray(ts, dtype=np.float64)
     base_time = _json_or(doc.baseTimeNanoseconds, None)
     origin = float(ts_arr.min())
     events = pd.DataFrame(
         {
-            "kind": np.asarray(kinds, dtype=np.int8),
-            "name": categorical(names),
-            "thread": categorical(threads),
+            "kind": kinds,
+            "name": categorical_of(np.array(name_labels, dtype=object), name_codes),
+            "thread": categorical_of(np.array(thread_labels, dtype=object), thread_codes),
             "ts_us": ts_arr - origin,
-            "dur_us": np.asarray([ev.dur for ev in kept], dtype=np.float64),
+            "dur_us": dur,
             "correlation": ids["correlation"],
             "external_id": ids["external_id"],
             "stream": ids["stream"],
             "device": ids["device"],
             "bytes": ids["bytes"],
-            "sync_kind": categorical([a.sync_kind for a in args]),
+            "sync_kind": categorical(list(map(attrgetter("sync_kind"), args))),
             "wait_on_stream": ids["wait_on_stream"],
             "wait_on_record_correlation": ids["wait_on_record_correlation"],
             "message_elements": ids["message_elements"],
-            "message_dtype": categorical([a.message_dtype for a in args]),
+            "message_dtype": categorical(list(map(attrgetter("message_dtype"), args))),
             "sequence_nr": ids["sequence_nr"],
-            "collective_name": categorical([a.collective_name for a in args]),
+            "collective_name": categorical(list(map(attrgetter("collective_name"), args))),
             "out_elements": ids["out_elements"],
-            "process_group": categorical([_text(a.process_group) if len(a.process_group) else "" for a in args]),
-            "group_ranks": categorical([_text(a.group_ranks) if len(a.group_ranks) else "" for a in args]),
+            "process_group": categorical(_texts(args, "process_group")),
+            "group_ranks": categorical(_texts(args, "group_ranks")),
             "collective_seq": ids["collective_seq"],
         }
     )
@@ -401,6 +456,22 @@ def read_kineto(path: Union[str, Path]) -> KinetoTrace:
         concrete_inputs=concrete_inputs,
         base_time_ns=base_time if isinstance(base_time, int) else None,
     )
+
+
+def _recorded(args: list, field_name: str, wanted: np.ndarray) -> dict:
+    """Event row -> the raw JSON of ``args``' ``field_name``, for the ``wanted`` rows that have it."""
+    raws = list(map(attrgetter(field_name), args))
+    present = np.fromiter(map(len, raws), dtype=np.int64, count=len(raws)) > 0
+    return {i: raws[i] for i in np.flatnonzero(present & wanted).tolist()}
+
+
+def _texts(args: list, field_name: str) -> list:
+    """``_text`` of ``args``' ``field_name`` for every event, "" where absent."""
+    raws = list(map(attrgetter(field_name), args))
+    texts = [""] * len(raws)
+    for i in np.flatnonzero(np.fromiter(map(len, raws), dtype=np.int64, count=len(raws))).tolist():
+        texts[i] = _text(raws[i])
+    return texts
 
 
 #: The integer fields of ``args`` kept as int64 columns
@@ -426,15 +497,21 @@ def _int_columns(path: Path, args: list) -> np.ndarray:
 def categorical(values: list) -> pd.Categorical:
     """``values`` (strings) as ``pd.Categorical(values)`` makes them, its categories sorted the
     same way, but the distinct values interned by a dict rather than by pandas hashing every row."""
-    index: dict = {}
-    codes = np.fromiter((index.setdefault(v, len(index)) for v in values), dtype=np.int64, count=len(values))
-    return categorical_of(np.array(list(index), dtype=object), codes)
+    codes, labels = _codes(values)
+    return categorical_of(np.array(labels, dtype=object), codes)
+
+
+def _codes(values: list) -> tuple[np.ndarray, list]:
+    """Each value's code, and the distinct values in order of first appearance."""
+    index = {v: i for i, v in enumerate(dict.fromkeys(values))}
+    return np.fromiter(map(index.__getitem__, values), dtype=np.int64, count=len(values)), list(index)
 
 
 def categorical_of(labels: np.ndarray, codes: np.ndarray) -> pd.Categorical:
     """``pd.Categorical(labels[codes])`` (``labels`` strings, possibly repeated), made from the
     labels the codes use without building the row-wise array of strings."""
-    used = np.unique(codes)
+    # the codes used (-1: the last label, as numpy indexes), counted rather than sorted
+    used = np.flatnonzero(np.bincount(np.where(codes < 0, codes + len(labels), codes), minlength=len(labels)))
     distinct = sorted(set(labels[used].tolist()))
     position = {label: i for i, label in enumerate(distinct)}
     rank = np.full(len(labels), -1, dtype=np.int64)
@@ -469,12 +546,6 @@ def is_dtype(name: str) -> bool:
     """Whether ``name`` is one of the dtype names :func:`element_bytes` knows (a profiler's
     ``Input type`` of a tensor, not of a scalar or a list)."""
     return str(name).strip().lower() in _BYTES_PER_ELEMENT
-
-
-def _has_inputs(kind: int, name: str) -> bool:
-    """Whose recorded inputs are kept: operators', and those of the ``nccl:*`` annotation around
-    a collective (c10d's record of its message)."""
-    return kind == EventKind.CPU_OP or (kind == EventKind.ANNOTATION and name.startswith("nccl:"))
 
 
 def _text(raw: msgspec.Raw) -> str:

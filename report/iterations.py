@@ -37,15 +37,21 @@ class IterationSpans:
         tasks = graph.tasks
         m_start = tasks["measured_start_us"].to_numpy()
         m_end = tasks["measured_end_us"].to_numpy()
-        resource = tasks["resource"].astype(str).to_numpy()
+        # by the resource's code: a comparison of codes, not of a string per task
+        resource = tasks["resource"]
+        if isinstance(resource.dtype, pd.CategoricalDtype):
+            codes, categories = resource.cat.codes.to_numpy(), resource.cat.categories
+        else:
+            codes, categories = pd.factorize(resource)
+        labels = [str(c) for c in categories] + [str(np.nan)]  # code -1: missing, "nan" as astype(str) has it
         mine = np.ones(len(tasks), dtype=bool) if worker is None else worker
-        on_network = np.char.startswith(resource.astype(str), "network")
+        on_network = np.array([c.startswith("network") for c in labels])[codes]
         self.gpu = np.flatnonzero(np.isin(tasks["kind"].to_numpy(), [int(k) for k in GPU_TASK_KINDS]) & mine & ~on_network)
         self.iterations = []  # (name, measured_us, the ids its span holds)
         for it in iterations.itertuples(index=False):
             inside = (m_start >= it.start_us - _TOLERANCE_US) & (m_end <= it.end_us + _TOLERANCE_US) & mine
             if it.thread is not None:
-                inside &= resource == f"cpu {it.thread}"
+                inside &= np.array([c == f"cpu {it.thread}" for c in labels])[codes]
             self.iterations.append((it.name, it.end_us - it.start_us, np.flatnonzero(inside)))
         edges = graph.edges
         self.waiting = np.unique(edges.loc[edges["kind"] == int(EdgeKind.SYNC), "dst"].to_numpy())

@@ -35,6 +35,7 @@ import pandas as pd
 
 from whatif.collectors.bundle import BundledTrace
 from whatif.collectors.diagnostics import plural, warn
+from whatif.collectors.gcpause import gc_paused
 from whatif.collectors.kineto import CPU_KINDS, EventKind, KinetoTrace, categorical_of, element_bytes
 
 from .graph import EdgeKind, GraphError, TaskGraph, TaskKind
@@ -80,13 +81,15 @@ class _Segments:
     """The leaf segments of all CPU threads, as parallel lists, and their interned contexts.
 
     A context is the chain of events enclosing a segment, outermost first; chains are interned
-    as a trie (parent context, event name, event kind) so each distinct stack is stored once.
+    as a trie (parent context, event name, event kind) so each distinct stack is stored once
+    (by ``_cut_thread``).
     """
 
     def __init__(self, names: list[str], kinds: list[int]):
         self.names = names
         self.kinds = kinds
-        self.start: list[float] = []
+        # a segment starts where the one before it on its thread ended (the first at 0): only
+        # the ends are kept (``_Builder._cpu_tasks`` makes the starts)
         self.end: list[float] = []
         self.owner: list[int] = []  # event row, -1 for gaps
         self.ctx: list[int] = []
@@ -95,27 +98,17 @@ class _Segments:
         self.ctx_parent: list[int] = []
         self.ctx_event: list[int] = []
 
-    def context(self, parent: int, row: int) -> int:
-        key = (parent, self.names[row], self.kinds[row])
-        ctx = self.ctx_ids.get(key)
-        if ctx is None:
-            ctx = len(self.ctx_parent)
-            self.ctx_ids[key] = ctx
-            self.ctx_parent.append(parent)
-            self.ctx_event.append(row)
-        return ctx
-
-    def first_and_last_segment(self) -> tuple[dict, dict]:
-        """For every event that owns segments: its first and its last segment."""
+    def first_and_last_segment(self, events: int) -> tuple[np.ndarray, np.ndarray]:
+        """For every event row (of ``events``), its first and its last segment, -1 where it owns
+        none; one more entry, -1, for the row -1 (no event)."""
         owner = np.asarray(self.owner, dtype=np.int64)
         named = np.flatnonzero(owner >= 0)
-        rows, first = np.unique(owner[named], return_index=True)
-        _, last_from_end = np.unique(owner[named][::-1], return_index=True)
-        last = len(named) - 1 - last_from_end
-        return (
-            dict(zip(rows.tolist(), named[first].tolist())),
-            dict(zip(rows.tolist(), named[last].tolist())),
-        )
+        first = np.full(events + 1, np.iinfo(np.int64).max)
+        last = np.full(events + 1, -1, dtype=np.int64)
+        np.minimum.at(first, owner[named], named)
+        np.maximum.at(last, owner[named], named)
+        first[last < 0] = -1
+        return first, last
 
 
 def _cut_thread(seg: _Segments, thread: int, rows: list, ts: list, end: list) -> None:
@@ -123,9 +116,10 @@ def _cut_thread(seg: _Segments, thread: int, rows: list, ts: list, end: list) ->
     stack: list[tuple[float, int, int]] = []  # (end, row, ctx)
     cursor = 0.0
     runtime = int(EventKind.RUNTIME)
-    kinds = seg.kinds
-    out_start, out_end, out_owner, out_ctx = seg.start, seg.end, seg.owner, seg.ctx
-    emitted_before = len(out_start)
+    kinds, names = seg.kinds, seg.names
+    out_end, out_owner, out_ctx = seg.end, seg.owner, seg.ctx
+    ctx_ids, ctx_parent, ctx_event = seg.ctx_ids, seg.ctx_parent, seg.ctx_event  # seg.context, inlined
+    emitted_before = len(out_end)
     for row in rows:
         s = ts[row]
         e = end[row]
@@ -134,14 +128,14 @@ def _cut_thread(seg: _Segments, thread: int, rows: list, ts: list, end: list) ->
             if top_end > cursor or kinds[top_row] == runtime:
                 if top_end < cursor:
                     top_end = cursor
-                out_start.append(cursor); out_end.append(top_end); out_owner.append(top_row); out_ctx.append(top_ctx)
+                out_end.append(top_end); out_owner.append(top_row); out_ctx.append(top_ctx)
                 cursor = top_end
         if s > cursor:
             if stack:
                 _, top_row, top_ctx = stack[-1]
             else:
                 top_row, top_ctx = -1, -1
-            out_start.append(cursor); out_end.append(s); out_owner.append(top_row); out_ctx.append(top_ctx)
+            out_end.append(s); out_owner.append(top_row); out_ctx.append(top_ctx)
             cursor = s
         parent_ctx = -1
         if stack:
@@ -149,15 +143,21 @@ def _cut_thread(seg: _Segments, thread: int, rows: list, ts: list, end: list) ->
             if e > parent_end:
                 e = parent_end
             parent_ctx = stack[-1][2]
-        stack.append((e, row, seg.context(parent_ctx, row)))
+        key = (parent_ctx, names[row], kinds[row])
+        ctx = ctx_ids.get(key)
+        if ctx is None:
+            ctx = ctx_ids[key] = len(ctx_parent)
+            ctx_parent.append(parent_ctx)
+            ctx_event.append(row)
+        stack.append((e, row, ctx))
     while stack:
         top_end, top_row, top_ctx = stack.pop()
         if top_end > cursor or kinds[top_row] == runtime:
             if top_end < cursor:
                 top_end = cursor
-            out_start.append(cursor); out_end.append(top_end); out_owner.append(top_row); out_ctx.append(top_ctx)
+            out_end.append(top_end); out_owner.append(top_row); out_ctx.append(top_ctx)
             cursor = top_end
-    seg.thread.extend([thread] * (len(out_start) - emitted_before))
+    seg.thread.extend([thread] * (len(out_end) - emitted_before))
 
 
 def _context_tables(seg: _Segments, names: list[str], kinds: np.ndarray) -> tuple[list, list, list]:
@@ -195,6 +195,7 @@ def _verb(count: int, one: str, many: str) -> str:
     return one if count == 1 else many
 
 
+@gc_paused()
 def build_graph(trace: KinetoTrace) -> TaskGraph:
     """The dependency graph of everything in ``trace``."""
     return _Builder(trace).graph()
@@ -254,11 +255,14 @@ class _Builder:
                 self.cpu_threads.add(int(codes[thread_rows[0]]))
                 _cut_thread(seg, int(codes[thread_rows[0]]), thread_rows.tolist(), ts_list, end_list)
         self.seg = seg
-        self.first_seg, self.last_seg = seg.first_and_last_segment()
-        self.n_cpu = len(seg.start)
-        self.seg_start = np.asarray(seg.start, dtype=np.float64)
+        self.first_seg, self.last_seg = seg.first_and_last_segment(len(kinds))
+        self.n_cpu = len(seg.end)
         self.seg_end = np.asarray(seg.end, dtype=np.float64)
         self.seg_thread = np.asarray(seg.thread, dtype=np.int64)
+        self.seg_start = np.zeros(self.n_cpu)
+        if self.n_cpu:
+            follows = self.seg_thread[1:] == self.seg_thread[:-1]
+            self.seg_start[1:][follows] = self.seg_end[:-1][follows]
         self.owner = np.asarray(seg.owner, dtype=np.int64)
         owner_kind = np.where(self.owner >= 0, kinds[np.maximum(self.owner, 0)], -1)
         # the self time of an annotation (ProfilerStep#N, a record_function range) is time no event
@@ -295,9 +299,7 @@ class _Builder:
         by_corr = by_corr[~by_corr.index.duplicated(keep="first") & (by_corr.index >= 0)]
         self.gpu_corr = self.correlation[rows]
         self.launching_row = by_corr.reindex(self.gpu_corr).fillna(-1).to_numpy(dtype=np.int64)
-        self.launching_seg = np.array(
-            [self.last_seg.get(r, -1) for r in self.launching_row.tolist()], dtype=np.int64
-        )
+        self.launching_seg = self.last_seg[self.launching_row]  # row -1: the last entry, -1
         self._check_launches(runtime_rows, rows)
 
         # per stream: its tasks in order and the running maximum of their launch correlation, to
@@ -364,10 +366,11 @@ class _Builder:
         wait_record = self.ev["wait_on_record_correlation"].to_numpy()
         stream_col = self.ev["stream"].to_numpy()
         src, dst = [], []
+        last_seg = self.last_seg.tolist()
         for r in self.runtime_rows.tolist():
             if names[r] not in _BLOCKING_CALLS:
                 continue
-            call_seg = self.last_seg.get(r, -1)
+            call_seg = last_seg[r]
             if call_seg < 0:
                 continue
             limit = int(corr[r])
@@ -402,7 +405,8 @@ class _Builder:
         src = self.launching_seg.copy()
         if waiting_calls:
             for i in np.flatnonzero(np.isin(src, list(waiting_calls))).tolist():
-                first = self.first_seg.get(int(self.launching_row[i]), int(src[i]))
+                first = int(self.first_seg[self.launching_row[i]])
+                first = first if first >= 0 else int(src[i])
                 before = first - 1
                 same_thread = before >= 0 and self.seg_thread[before] == self.seg_thread[first]
                 src[i] = before if same_thread else -1
@@ -532,9 +536,9 @@ def _operator_table(trace: KinetoTrace, resource_label: np.ndarray) -> pd.DataFr
     thread = ev["thread"].cat.codes.to_numpy()[rows]
     return pd.DataFrame(
         {
-            "name": pd.Categorical(ev["name"].to_numpy()[rows]),
+            "name": categorical_of(ev["name"].cat.categories.to_numpy(dtype=object), ev["name"].cat.codes.to_numpy()[rows]),
             "kind": pd.Categorical(kind_name[ev["kind"].to_numpy()[rows]], categories=OPERATOR_KINDS),
-            "thread": pd.Categorical(resource_label[thread]),
+            "thread": categorical_of(resource_label, thread),
             "start_us": ev["ts_us"].to_numpy()[rows],
             "dur_us": ev["dur_us"].to_numpy()[rows],
             "input_dims": recorded[0],

@@ -35,6 +35,8 @@ from typing import Optional
 import numpy as np
 import simpy
 
+from whatif.collectors.gcpause import gc_paused
+
 from .graph import GraphError, TaskGraph
 
 
@@ -116,6 +118,7 @@ class Structure:
         self.sequences, self.resource_of_sequence, self.preds = sequences, resource_of_sequence, preds
 
 
+@gc_paused()  # lists of a task's predecessors, no cycles: the collector would only walk them
 def compile_structure(graph: TaskGraph) -> Structure:
     """``graph``'s :class:`Structure`: one of the last few built where its arrays match (a
     digest of them finds it), else built anew."""
@@ -408,7 +411,10 @@ def simulate(graph: TaskGraph, policies: Optional[dict] = None, structure: Optio
     """Schedule ``graph``; ``policies`` maps resource names to :class:`Policy` objects;
     ``structure``, where given, is ``graph``'s (:func:`compile_structure`, of this graph or of
     one with the same tasks, resources, orders and edges)."""
-    return _Run(graph, policies, event_per_task=False, structure=structure).run()
+    if policies:
+        return _Run(graph, policies, event_per_task=False, structure=structure).run()
+    with gc_paused():  # fixed orders only: a few SimPy events, and the collector's walks cost half the run
+        return _Run(graph, policies, event_per_task=False, structure=structure).run()
 
 
 def simulate_event_per_task(graph: TaskGraph, policies: Optional[dict] = None) -> Schedule:

@@ -39,6 +39,10 @@ from . import UsageError, add_trace_options
 if TYPE_CHECKING:
     from whatif.pipeline import Prediction, Request
 
+#: The commands whose process may end without the interpreter's teardown (``whatif.cli.main``):
+#: they register nothing to run at exit and leave no temporary files.
+QUICK_EXIT = ("replay",)
+
 # The pipeline (and with it the cluster simulation), the operator models and the multi-rank job
 # are imported by the functions that use them, so that ``whatif replay`` of one trace imports
 # none of them.
