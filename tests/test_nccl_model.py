@@ -6,7 +6,7 @@ from whatif.topology import Cluster, TopologyError, collective_cost, collective_
 from whatif.topology.nccl import tuning
 from whatif.topology.nccl.graphs import Comm, ring_graph, tree_graph
 from whatif.topology.nccl.measured import public
-from whatif.topology.nccl.model import options
+from whatif.topology.nccl.model import nvls_traffic_factor, options
 
 GB = 1e9
 BIG = 2**33  # 8 GiB: every channel busy, no tree correction, NVLS at its largest chunk
@@ -78,14 +78,45 @@ def test_a_two_node_tree_moves_the_message_once_each_way_at_the_faster_intra_nod
     assert time_us(c, "all_reduce", BIG, algorithm="tree", protocol="simple") == pytest.approx(expected)
 
 
-def test_nvls_on_one_h100_node_is_nvlink_sharps_efficiency_on_doubled_channels():
+def test_nvls_on_one_h100_node_is_nvlink_sharps_efficiency_on_each_gpus_nvlink_traffic():
     c = cluster("dgx_h100")
-    n = 8  # 8 heads of 40 GB/s (8 x 40 <= 18 x 20.6); x 0.85 x 7/8 x 2 per head; 25 us
-    bus = 8 * 40 * tuning.NVLS_EFFICIENCY["hopper"] * 7 / 8 * 2
+    n = 8  # each GPU's NVLink carries S (n+1)/n each way: bus = 2 (n-1)/(n+1) x 18 x 20.6 x 0.85
+    bus = 2 * (n - 1) / (n + 1) * 18 * 20.6 * tuning.NVLS_EFFICIENCY["hopper"]
     algbw = bus * n / (2 * (n - 1)) * 1e3
     fill = 128 * 1024 / (algbw / (16 * 8))  # one 128 KiB chunk through one of 16 x 8 lanes
     expected = tuning.HOP_LATENCY_US["nvlink"]["nvls"][2] + BIG / algbw + fill
     assert time_us(c, "all_reduce", BIG, algorithm="nvls") == pytest.approx(expected)
+
+
+def test_nvls_traffic_law_departs_from_nccls_heads_by_n_over_n_plus_one_on_a_toy_domain():
+    # a toy NVSwitch domain of 4 B200s: NCCL's graph is 4 heads of 90 GB/s (4 x 90 <= 18 x 40.1)
+    # and prices 2 (h-1)/h of it; the NVLink carries S (n+1)/n each way, so our time's bandwidth
+    # is 18 x 40.1 x 2 (n-1)/(n+1) over NCCL's 4 x 90 x 2 (h-1)/h
+    c = cluster("dgx_b200", gpus_per_machine=4, nvlink_domain=4)
+    comm = Comm.of(c.fabric)
+    option = next(o for o in options(comm, "all_reduce") if o.algorithm == "nvls")
+    n = 4
+    assert nvls_traffic_factor(comm, option) == pytest.approx(
+        (18 * 40.1 * 2 * (n - 1) / (n + 1)) / (4 * 90 * 2 * (n - 1) / n))
+    # neither all-gather nor a ring, nor a communicator with more ranks than NCCL's 32 heads
+    ring = next(o for o in options(comm, "all_reduce") if o.algorithm == "ring")
+    assert nvls_traffic_factor(comm, ring) == 1.0
+    big = Comm.of(cluster("gb200_nvl72", machines=16).fabric)
+    wide = next(o for o in options(big, "all_reduce") if o.algorithm == "nvls")
+    assert big.n_ranks == 64 and nvls_traffic_factor(big, wide) == 1.0
+
+
+def test_nvls_on_eight_b200s_moves_bytes_at_the_nvlink_traffic_laws_rate():
+    # textbook: 8 B200s on NVSwitch, 8 GiB all-reduce: 18 x 40.1 GB/s x 0.74 x 2 x 7/9 = 831 GB/s
+    c = cluster("dgx_b200")
+    comm = Comm.of(c.fabric)
+    option = next(o for o in options(comm, "all_reduce") if o.algorithm == "nvls")
+    n = 8
+    bus = 18 * 40.1 * tuning.NVLS_EFFICIENCY["blackwell"] * 2 * (n - 1) / (n + 1)
+    assert option.bandwidth_gbs * nvls_traffic_factor(comm, option) * 2 * (n - 1) / n == pytest.approx(bus)
+    cost = collective_cost(c, "all_reduce", BIG, algorithm="nvls")
+    busbw = BIG / cost.time_us / 1e3 * 2 * (n - 1) / n
+    assert 0.97 * bus < busbw < bus
 
 
 def test_send_recv_and_all_to_all_move_their_bytes_over_the_link_they_cross():

@@ -121,7 +121,7 @@ def _gbs(bytes_per_us: float) -> float:
     return as_gigabytes_per_s(bytes_per_us)
 
 
-def _intra_total(comm: Comm) -> float:
+def intra_total(comm: Comm) -> float:
     """A GPU's bandwidth to the other GPUs of its node, GB/s as NCCL counts it (its release's
     SMxx_NVLINK_BW: the preset's per-link figure is the newest release's, scaled to the older)."""
     gpu = comm.fabric.gpu
@@ -168,7 +168,7 @@ def ring_graph(comm: Comm) -> Graph:
     """The ring (and tree) graph: channels through every GPU of each node and one NIC per node."""
     cc = comm.fabric.gpu.compute_capability
     row = tuning.speed_row(cc)
-    intra = _intra_total(comm)
+    intra = intra_total(comm)
     max_channels = tuning.MAX_CHANNELS // 2
     if comm.n_nodes == 1:
         channels, speed = _search(comm.tuner.speeds_intra[row], intra, lambda s: int(intra / s + 1e-9), max_channels)
@@ -199,7 +199,7 @@ def tree_graph(comm: Comm) -> Graph:
     ring = ring_graph(comm)
     if comm.n_nodes == 1:
         return ring
-    intra = _intra_total(comm)
+    intra = intra_total(comm)
     speeds = comm.tuner.speeds_inter[tuning.speed_row(comm.fabric.gpu.compute_capability)]
     bw_intra = ring.bw_intra
     for s in reversed(speeds):
@@ -215,7 +215,7 @@ def nvls_graph(comm: Comm) -> Optional[Graph]:
         return None
     row = tuning.speed_row(fabric.gpu.compute_capability)
     heads = min(tuning.MAX_NVLS_ARITY, comm.ppn)
-    intra = _intra_total(comm)
+    intra = intra_total(comm)
     speeds_intra, speeds_inter = comm.tuner.speeds_intra[row], comm.tuner.speeds_inter[row]
     bw_intra = next((s for s in speeds_intra if heads * s <= intra + 1e-9), speeds_intra[-1])
     bw_inter = bw_intra
@@ -232,7 +232,7 @@ def collnet_graph(comm: Comm) -> Optional[Graph]:
         return None
     ring = ring_graph(comm)
     heads = max(1, min(comm.ppn, comm.node_nics, tuning.MAX_DIRECT_ARITY + 1))
-    return Graph(heads, _intra_total(comm) / heads if comm.fabric.nvlink else ring.bw_intra, _nic_path(comm), comm.link_intra)
+    return Graph(heads, intra_total(comm) / heads if comm.fabric.nvlink else ring.bw_intra, _nic_path(comm), comm.link_intra)
 
 
 def comm_channels(comm: Comm, ring: Graph) -> int:

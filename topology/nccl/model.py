@@ -48,6 +48,9 @@ NCCL's, made on NCCL's estimate, as NCCL itself makes it):
 * *NVLS chunks and pipeline.* NVLS and NVLS tree cut small messages into small chunks
   (``calcCollChunking``), each paying a synchronisation, and take one chunk time per stage to
   fill their pipeline (:func:`chunk_slowdown`, :func:`pipeline_fill_us`).
+* *NVLS's NVLink traffic inside one domain* (:func:`nvls_traffic_factor`): an all-reduce's
+  bytes at ``2 (n-1)/(n+1)`` of the NVLink as NCCL counts it (links x ``SMxx_NVLINK_BW``) times
+  NVLink SHARP's efficiency, not NCCL's ``2 (h-1)/h`` of its heads' quantised speed.
 * *what only measurements know* (``measured.py``): the kernel's start, the same for every
   algorithm, so NCCL leaves it out; what a network hop costs beyond NCCL's InfiniBand constants
   and what fraction of the line rate a NIC kind delivers. Estimated from the public tables
@@ -71,7 +74,8 @@ from typing import Optional
 
 from ..units import TopologyError
 from . import tuning
-from .graphs import Comm, Graph, collnet_graph, comm_channels, nvls_channels, nvls_graph, ring_graph, tree_graph
+from .graphs import (Comm, Graph, collnet_graph, comm_channels, intra_total, nvls_channels, nvls_graph, ring_graph,
+                     tree_graph)
 from .measured import public
 from .versions import LATEST, extra, tuner
 
@@ -396,6 +400,37 @@ def network_share(comm: Comm, option: Option, channels: int) -> float:
     return 0.0 if slow <= 0 else min(1.0, max(0.0, full / slow - 1.0))
 
 
+def nvls_traffic_factor(comm: Comm, option: Option) -> float:
+    """How much faster (> 1) or slower (< 1) NVLS all-reduce inside one NVLink domain moves its
+    bytes than NCCL's estimate says: the ratio of what each GPU's NVLink carries to NCCL's
+    account of it (1 for every other case).
+
+    In NVLS all-reduce each GPU reduces its ``1/n`` share through the switch (``multimem.ld_reduce``:
+    the switch reads every GPU's copy of that share, so each GPU's NVLink sends the whole buffer
+    ``S`` once over all shares and receives its reduced ``S/n``) and multicasts the result
+    (``multimem.st``: it sends ``S/n`` and receives every share, ``S``). Each direction of a GPU's
+    NVLink thus carries ``S (n + 1) / n``, and the bus bandwidth is ``2 (n - 1) / (n + 1)`` times
+    the NVLink rate, times NVLink SHARP's efficiency (NCCL's ``nvlsEfficiency``). NCCL's tuner
+    (2.28+, tuning.cc) prices it as ``2 (h - 1) / h`` times its NVLS graph's ``h`` heads at the
+    search's speed step (``heads x speed <= links x SMxx_NVLINK_BW``, so quantised below the
+    NVLink: Hopper's 8 x 40 of 18 x 20.6 GB/s). Here the time takes the NVLink rate as NCCL
+    counts it (links x ``SMxx_NVLINK_BW`` of the newest release, unquantised) and the traffic of
+    ``n`` ranks; the choice stays NCCL's. Only where every rank is a head (``h = n``, at most
+    NCCL's 32): beyond, how NCCL spreads the shares over its heads is not this law, and NCCL's
+    estimate stands (GB300's 64 GPUs). Departure: the switch's multicast fan-out is taken as
+    free.
+    """
+    if option.algorithm != "nvls" or option.op != "all_reduce" or comm.n_nodes != 1 or comm.n_ranks < 2:
+        return 1.0
+    graph = nvls_graph(comm)
+    if graph is None or graph.channels < 2 or graph.channels != comm.n_ranks:
+        return 1.0
+    n, h = comm.n_ranks, graph.channels
+    ours = intra_total(comm) * 2.0 * (n - 1) / (n + 1)
+    nccl = graph.channels * graph.bw_intra * 2.0 * (h - 1) / h
+    return ours / nccl
+
+
 def estimate_parts(comm: Comm, option: Option, nbytes: float) -> tuple:
     """NCCL's estimate (``ncclTopoGetAlgoTime``) as ``(latency_us, transfer_us)``."""
     t = comm.tuner
@@ -604,7 +639,7 @@ def predict(comm: Comm, op: str, nbytes: float, algorithms=None, protocols=None,
         used = max(used, calibration.min_channels)
     efficiency, latency_factor = (1.0, 1.0) if calibration is None else calibration.factors_for(
         option.link, option.algorithm, option.protocol)
-    bandwidth = bandwidth_on(comm, option, used)
+    bandwidth = bandwidth_on(comm, option, used) * nvls_traffic_factor(comm, option)
     latency, transfer = estimate_parts(comm, dataclasses.replace(option, bandwidth_gbs=bandwidth), nbytes)
     transfer = transfer * chunk_slowdown(comm, option, nbytes) + pipeline_fill_us(comm, option, nbytes, bandwidth)
     nic = comm.fabric.nic
