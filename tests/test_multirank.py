@@ -253,7 +253,10 @@ def test_the_collective_model_prices_the_dlrm_transfers_near_what_they_took(dlrm
     job, _ = dlrm
     price = transfer_on(dgx1)
     ratios = np.array([price(c) / c["transfer_us"] for _, c in job.collectives.iterrows()])
-    assert ((ratios > 0.75) & (ratios < 1.1)).all(), ratios
+    # the measured all-to-alls of 192 B to 13.5 kB took 7 to 8 us, not in order of size (192 B
+    # 8.0 us, 1.5 kB 7.0 us): at that size a band tighter than about 1 us is the run's noise
+    assert ((ratios > 0.75) & (ratios < 1.15)).all(), ratios
+    assert 0.85 < np.median(ratios) < 1.05, ratios
     assert price(job.collectives.iloc[4]) == pytest.approx(86.0, rel=0.02), "the 1.6 MB ring/LL all-reduce"
 
 
