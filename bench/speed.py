@@ -25,6 +25,12 @@ their runs alternate (A B A B ...), so a change of load during the bench falls o
   and 40 Gbps, Horovod, FIFO; Zhu et al., USENIX ATC 2020) on the ResNet-50 V100 trace,
   ``whatif predict --json`` with ``--jobs 1`` and with ``--jobs`` = this machine's cores; the
   speed-up is the ratio of the medians, reported without a target.
+* ``parallelism_grid``: the largest parallelism grid a user of issue 28 would sweep: the bundled
+  transformer (``data/transformer_cpu.bundle``) on DGX H100 machines (8 and 64 of them: 64 and
+  512 GPUs, NCCL's fabric), tensor 1, 2, 4, 8 x pipeline 1, 2, 4 stages (8 microbatches, 1F1B)
+  x ZeRO 0, 1, 3: 72 points, ``whatif predict --json --yes`` as a user runs it (``--jobs`` all
+  cores). Its points, wall seconds, seconds per point, ratio to the decode of its trace (the
+  bundle's) and peak memory, reported without a target.
 * ``timeline_size``: the same grid with ``--timeline``: each configuration's file, compressed
   (what is written) and decompressed (the Chrome JSON, what was written before). Target: every
   configuration <= 2 MB.
@@ -85,6 +91,16 @@ PARAMETER_SERVER = {
 }
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
 TIMELINE_TARGET_MB = 2.0  # issue 30: per configuration
+TRANSFORMER = REPO / "data" / "transformer_cpu.bundle"
+#: issue 28's largest grid: every layout of tensor x pipeline x ZeRO on two DGX H100 clusters
+PARALLELISM_GRID = {
+    "trace": str(TRANSFORMER),
+    "cluster": {"machine": "dgx_h100", "machines": [8, 64]},
+    "framework": "ddp",
+    "parallelism": {"tensor": [1, 2, 4, 8], "pipeline": {"stages": [1, 2, 4], "microbatches": 8, "schedule": "1f1b"},
+                    "zero": [0, 1, 3]},
+}
+PARALLELISM_POINTS = 2 * 4 * 3 * 3
 
 
 @dataclass
@@ -259,6 +275,33 @@ def grid_jobs(bench: Bench) -> list[Row]:
     ]
 
 
+def parallelism_grid(bench: Bench) -> list[Row]:
+    path = bench.scratch / "parallelism_grid.yaml"
+    path.write_text(yaml.safe_dump(PARALLELISM_GRID))
+    command = [WHATIF, "predict", path, "--json", "--yes"]
+    _run(command)  # untimed, as time_commands does
+    seconds, megabytes = [], []
+    for _ in range(bench.runs):
+        s, mb, out = _timed_with_memory(command)
+        seconds.append(s)
+        megabytes.append(mb)
+    points = len(json.loads(out)["results"])
+    if points != PARALLELISM_POINTS:
+        raise SystemExit(f"speed: {points} points predicted for the parallelism grid's {PARALLELISM_POINTS}")
+    wall = statistics.median(seconds)
+    decode = bench.decode_s(_bundle_trace(TRANSFORMER))
+    return [
+        Row(f"parallelism grid ({points} points, 64 and 512 GPUs), predict", wall, "s", wall / decode),
+        Row("parallelism grid: seconds per point", wall / points, "s", wall / points / decode),
+        Row("parallelism grid: peak memory (largest of the runs)", max(megabytes), "MB"),
+    ]
+
+
+def _bundle_trace(bundle: Path) -> Path:
+    """The trace file of a capture bundle (its largest ``.json.gz``)."""
+    return max(bundle.rglob("*.json.gz"), key=lambda f: f.stat().st_size)
+
+
 def timeline_size(bench: Bench) -> list[Row]:
     grid = bench.daydream_grid()
     folder = bench.scratch / "timelines"
@@ -285,7 +328,7 @@ def timeline_size(bench: Bench) -> list[Row]:
 
 
 MEASUREMENTS: list[Callable[[Bench], list[Row]]] = [
-    replay, daydream_grid, heterogeneous, parameter_server, grid_jobs, timeline_size]
+    replay, daydream_grid, heterogeneous, parameter_server, grid_jobs, parallelism_grid, timeline_size]
 
 
 def table(rows: list[Row]) -> str:

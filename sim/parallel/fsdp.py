@@ -426,21 +426,32 @@ class _Plan:
         base = len(graph.tasks)
         tail: dict = {}
         table = []
+        pending, pending_edges = [], []  # the inserts after a task, made together (graph.insert_many)
+
+        def flush():
+            graph.insert_many(pending, pending_edges)
+            pending.clear(), pending_edges.clear()
+
         for c in self.collectives:
             cost = price(c.op, c.nbytes)
             unit = "root" if c.unit == ROOT else f"unit {c.unit}"
             name = f"{c.op} {GROUP} {c.nbytes / 1e6:.3f} MB {unit} {_PHASES[c.phase]}"
             anchor = c.after[0] if c.after else None
+            waits = [(int(w), 0.0, int(EdgeKind.USER)) for w in c.waiters]
             if anchor is None:
+                flush()
                 tid = len(graph.tasks)
                 on_queue = graph.tasks["order_key"][graph.tasks["resource"].astype(str) == c.queue]
                 _append(graph, [_row(c, cost.time_us, float(on_queue.max()) + 1.0 if len(on_queue) else 0.0, graph.tasks)])
+                graph.add_edges([(tid,) + w for w in waits])
             else:
-                tid = graph.insert(tail.get(anchor, anchor), None, name, cost.time_us, kind=TaskKind.COMM)
+                tid = base + len(table)  # the id insert_many gives it
+                pending.append((tail.get(anchor, anchor), name, cost.time_us, TaskKind.COMM))
+                pending_edges.append([(tid,) + w for w in waits])
                 tail[anchor] = tid
-            graph.add_edges([(tid, int(w), 0.0, int(EdgeKind.USER)) for w in c.waiters])
             table.append((tid, c.iteration, c.unit, _PHASES[c.phase], c.op, c.nbytes, GROUP, cost.time_us,
                           cost.algorithm, cost.protocol))
+        flush()
         assert base + len(table) == len(graph.tasks)
         return pd.DataFrame(table, columns=COLLECTIVE_COLUMNS), {}
 

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
+import pandas as pd
 
 from whatif.sim.graph import TaskGraph
 from whatif.sim.workload import decode_inputs, first_input_bytes
@@ -245,16 +246,32 @@ def _operator_names(graph: TaskGraph, ids: np.ndarray) -> set:
 def _softmax_elements(graph: TaskGraph, ids: np.ndarray) -> float:
     """Elements of the attention scores a softmax read in these tasks, per iteration."""
     ops = graph.ops
-    total, seen = 0.0, set()
-    for row in graph.tasks["event"].to_numpy()[ids]:
-        row = int(row)
-        if row < 0 or row in seen or row not in ops.index or not _SOFTMAX.match(str(ops.at[row, "name"])):
-            continue
-        seen.add(row)
+    total = 0.0
+    for row in _softmax_rows(graph, ids):
         dims = decode_inputs(ops.at[row, "input_dims"])
         if dims and isinstance(dims[0], list) and len(dims[0]) == 4:
             total += float(np.prod(dims[0]))
     return total / max(1, _iterations(graph, ids))
+
+
+def _softmax_rows(graph: TaskGraph, ids: np.ndarray) -> list:
+    """The operator rows these tasks belong to that are a softmax, each once, in the order the
+    tasks first name them."""
+    ops = graph.ops
+    events = graph.tasks["event"].to_numpy()[ids]
+    if not ops.index.is_unique:  # each row looked up alone, as .at would
+        rows, seen = [], set()
+        for row in events:
+            row = int(row)
+            if row < 0 or row in seen or row not in ops.index or not _SOFTMAX.match(str(ops.at[row, "name"])):
+                continue
+            seen.add(row)
+            rows.append(row)
+        return rows
+    rows = pd.unique(events)
+    rows = rows[(rows >= 0) & np.isin(rows, ops.index.to_numpy())]
+    names = ops["name"].reindex(rows).astype(str).to_numpy() if len(rows) else []
+    return [int(row) for row, name in zip(rows, names) if _SOFTMAX.match(name)]
 
 
 def _saved_inputs(graph: TaskGraph, ids: np.ndarray) -> float:

@@ -499,6 +499,21 @@ def _to_gpu_side(graph: TaskGraph, value: np.ndarray, cpu: np.ndarray) -> np.nda
     return value
 
 
+def _prefixed(column: pd.Series, prefix: str) -> pd.Series:
+    """``prefix`` before each value of a categorical column, its categories the values used
+    (sorted, as a common prefix keeps them), each category written once rather than each row;
+    the same strings as ``prefix + column.astype(str)`` where no value is missing."""
+    if not isinstance(column.dtype, pd.CategoricalDtype):
+        return (prefix + column.astype(str)).to_numpy()
+    codes = column.cat.codes.to_numpy()
+    if (codes < 0).any():
+        return (prefix + column.astype(str)).to_numpy()
+    used = np.unique(codes)
+    categories = pd.Index(np.array([prefix + str(c) for c in column.cat.categories[used]], dtype=object))
+    return pd.Series(pd.Categorical.from_codes(np.searchsorted(used, codes), categories=categories),
+                     index=column.index)
+
+
 class _Builder:
     """Accumulates the copies of tasks and edges that make the pipeline's graph."""
 
@@ -532,7 +547,7 @@ class _Builder:
         tasks = self.source.tasks.iloc[ids].copy()
         new = self.count + np.arange(len(ids))
         prefix = f"stage {device}: "
-        tasks["resource"] = (prefix + tasks["resource"].astype(str)).to_numpy()
+        tasks["resource"] = _prefixed(tasks["resource"], prefix)
         tasks["duration_us"] = self.duration[ids] * factor
         tasks["release_us"] = -np.inf
         tasks["order_key"] = (slot_index + 1) * self.span + self.keys[ids]
