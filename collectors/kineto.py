@@ -460,18 +460,23 @@ def read_kineto(path: Union[str, Path]) -> KinetoTrace:
 
 def _recorded(args: list, field_name: str, wanted: np.ndarray) -> dict:
     """Event row -> the raw JSON of ``args``' ``field_name``, for the ``wanted`` rows that have it."""
-    raws = list(map(attrgetter(field_name), args))
-    present = np.fromiter(map(len, raws), dtype=np.int64, count=len(raws)) > 0
+    raws, present = _raw_field(args, field_name)
     return {i: raws[i] for i in np.flatnonzero(present & wanted).tolist()}
 
 
 def _texts(args: list, field_name: str) -> list:
     """``_text`` of ``args``' ``field_name`` for every event, "" where absent."""
-    raws = list(map(attrgetter(field_name), args))
+    raws, present = _raw_field(args, field_name)
     texts = [""] * len(raws)
-    for i in np.flatnonzero(np.fromiter(map(len, raws), dtype=np.int64, count=len(raws))).tolist():
+    for i in np.flatnonzero(present).tolist():
         texts[i] = _text(raws[i])
     return texts
+
+
+def _raw_field(args: list, field_name: str) -> tuple[list, np.ndarray]:
+    """``args``' raw JSON ``field_name`` of every event, and whether each is present (not empty)."""
+    raws = list(map(attrgetter(field_name), args))
+    return raws, np.fromiter(map(len, raws), dtype=np.int64, count=len(raws)) > 0
 
 
 #: The integer fields of ``args`` kept as int64 columns

@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 
 from whatif.sim.engine import Schedule
-from whatif.sim.graph import GPU_TASK_KINDS, EdgeKind, TaskGraph
+from whatif.sim.graph import GPU_TASK_KINDS, EdgeKind, TaskGraph, label_mask
 
 _TOLERANCE_US = 1e-6
 
@@ -37,21 +37,15 @@ class IterationSpans:
         tasks = graph.tasks
         m_start = tasks["measured_start_us"].to_numpy()
         m_end = tasks["measured_end_us"].to_numpy()
-        # by the resource's code: a comparison of codes, not of a string per task
-        resource = tasks["resource"]
-        if isinstance(resource.dtype, pd.CategoricalDtype):
-            codes, categories = resource.cat.codes.to_numpy(), resource.cat.categories
-        else:
-            codes, categories = pd.factorize(resource)
-        labels = [str(c) for c in categories] + [str(np.nan)]  # code -1: missing, "nan" as astype(str) has it
+        resource = tasks["resource"]  # tested a category at a time, not a string per task
         mine = np.ones(len(tasks), dtype=bool) if worker is None else worker
-        on_network = np.array([c.startswith("network") for c in labels])[codes]
+        on_network = label_mask(resource, lambda r: r.startswith("network"))
         self.gpu = np.flatnonzero(np.isin(tasks["kind"].to_numpy(), [int(k) for k in GPU_TASK_KINDS]) & mine & ~on_network)
         self.iterations = []  # (name, measured_us, the ids its span holds)
         for it in iterations.itertuples(index=False):
             inside = (m_start >= it.start_us - _TOLERANCE_US) & (m_end <= it.end_us + _TOLERANCE_US) & mine
             if it.thread is not None:
-                inside &= np.array([c == f"cpu {it.thread}" for c in labels])[codes]
+                inside &= label_mask(resource, f"cpu {it.thread}".__eq__)
             self.iterations.append((it.name, it.end_us - it.start_us, np.flatnonzero(inside)))
         edges = graph.edges
         self.waiting = np.unique(edges.loc[edges["kind"] == int(EdgeKind.SYNC), "dst"].to_numpy())

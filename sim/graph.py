@@ -162,20 +162,8 @@ class TaskGraph:
         else:
             key = float(t.loc[on_resource, "order_key"].max()) + 1.0 if on_resource.any() else 0.0
         new_id = len(t)
-        row = {
-            "name": name,
-            "kind": int(kind),
-            "resource": resource,
-            "duration_us": float(duration_us),
-            "release_us": -np.inf,
-            "order_key": key,
-            "measured_start_us": np.nan,
-            "measured_end_us": np.nan,
-            "context": t["context"].iat[after],
-            "operator": t["operator"].iat[after],
-            "layer": t["layer"].iat[after],
-            "event": -1,
-        }
+        row = _inserted_row(name, kind, resource, duration_us, key,
+                            t["context"].iat[after], t["operator"].iat[after], t["layer"].iat[after])
         self.tasks = concat_tasks([t, pd.DataFrame([row], index=[new_id])])
         new_edges = [(after, new_id, 0.0, int(EdgeKind.USER))]
         if before is not None:
@@ -191,7 +179,6 @@ class TaskGraph:
         instead of once per task. Returns the new tasks' ids."""
         t = self.tasks
         resource = t["resource"]
-        codes = resource.cat.codes.to_numpy() if isinstance(resource.dtype, pd.CategoricalDtype) else None
         keys = t["order_key"].to_numpy(dtype=float)
         context, operator, layer = t["context"].to_numpy(), t["operator"].to_numpy(), t["layer"].to_numpy()
         on: dict = {}  # resource -> the sorted order keys of its tasks, the new ones among them
@@ -203,9 +190,7 @@ class TaskGraph:
                 raise GraphError(f"inserted task {name!r} needs a non-negative duration, got {duration_us}")
             where = str(resource.iat[after]) if after < base else rows[after - base]["resource"]
             if where not in on:
-                mask = (codes == resource.cat.categories.get_loc(where)) if codes is not None and where in \
-                    resource.cat.categories else (resource.astype(str).to_numpy() == where)
-                on[where] = sorted(keys[mask].tolist())
+                on[where] = sorted(keys[label_mask(resource, where.__eq__)].tolist())
             key_after = keys[after] if after < base else rows[after - base]["order_key"]
             listed = on[where]
             j = bisect.bisect_right(listed, key_after)
@@ -213,12 +198,9 @@ class TaskGraph:
             key = (key_after + nxt) / 2.0
             bisect.insort(listed, key)
             new_id = base + i
-            rows.append({"name": name, "kind": int(kind), "resource": where, "duration_us": float(duration_us),
-                         "release_us": -np.inf, "order_key": key, "measured_start_us": np.nan,
-                         "measured_end_us": np.nan,
-                         "context": context[after] if after < base else rows[after - base]["context"],
-                         "operator": operator[after] if after < base else rows[after - base]["operator"],
-                         "layer": layer[after] if after < base else rows[after - base]["layer"], "event": -1})
+            of_after = (context[after], operator[after], layer[after]) if after < base else \
+                (rows[after - base]["context"], rows[after - base]["operator"], rows[after - base]["layer"])
+            rows.append(_inserted_row(name, kind, where, duration_us, key, *of_after))
             new_edges.append((after, new_id, 0.0, int(EdgeKind.USER)))
             new_edges += list(edges[i]) if i < len(edges) else []
             ids.append(new_id)
@@ -346,6 +328,26 @@ def cpu_work(tasks: pd.DataFrame) -> np.ndarray:
     on_cpu = np.char.startswith(resource, "cpu ") | (np.char.find(resource, ": cpu ") >= 0)
     busy = tasks["duration_us"].to_numpy(dtype=float) > 0
     return np.flatnonzero(np.isin(tasks["kind"].to_numpy(), CPU_WORK_KINDS) & on_cpu & busy)
+
+
+def _inserted_row(name: str, kind: TaskKind, resource: str, duration_us: float, order_key: float,
+                  context, operator, layer) -> dict:
+    """The task-table row of a task ``insert`` makes: no measured times, no event of the trace;
+    its context, operator and layer those of the task it follows."""
+    return {"name": name, "kind": int(kind), "resource": resource, "duration_us": float(duration_us),
+            "release_us": -np.inf, "order_key": order_key, "measured_start_us": np.nan, "measured_end_us": np.nan,
+            "context": context, "operator": operator, "layer": layer, "event": -1}
+
+
+def label_mask(column: pd.Series, test: Callable[[str], bool]) -> np.ndarray:
+    """``column.astype(str).map(test)`` as a boolean array, ``test`` called once per distinct
+    value (a categorical's categories) rather than once per row; a missing value is tested as
+    the "nan" ``astype(str)`` writes."""
+    if isinstance(column.dtype, pd.CategoricalDtype):
+        codes, labels = column.cat.codes.to_numpy(), column.cat.categories
+    else:
+        codes, labels = pd.factorize(column)
+    return np.array([bool(test(str(v))) for v in labels] + [bool(test(str(np.nan)))], dtype=bool)[codes]
 
 
 def concat_tasks(frames: Sequence[pd.DataFrame], categorical: Optional[Sequence[str]] = None) -> pd.DataFrame:

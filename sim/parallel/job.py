@@ -30,11 +30,10 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
-import pandas as pd
 
 from whatif.sim.cpu_contention import driving_link, with_cpu_contention
 from whatif.sim.engine import Schedule, simulate
-from whatif.sim.graph import TaskGraph, TaskKind, cpu_work
+from whatif.sim.graph import TaskGraph, TaskKind, cpu_work, label_mask
 
 from . import PASS_ORDER, PASSES, Parallelism, ParallelismError
 from . import expert, fsdp, pipeline, tensor  # noqa: F401  (each registers its pass in PASSES)
@@ -75,19 +74,9 @@ class ParallelJob:
         """Mask of rank 0's tasks: the first stage's where the pipeline pass named its
         resources ``stage D: ...``, else every task."""
         column = self.graph.tasks["resource"]
-        if isinstance(column.dtype, pd.CategoricalDtype):  # each category read once
-            staged = [_STAGE.match(str(r)) for r in column.cat.categories]
-            codes = column.cat.codes.to_numpy()
-            named = codes >= 0
-            some = np.array([m is not None for m in staged] + [False], dtype=bool)[codes]  # code -1: the last
-            if not some.any():
-                return np.ones(len(column), dtype=bool)
-            return named & np.array([m is not None and m.group(1) == "0" for m in staged] + [False], dtype=bool)[codes]
-        resource = column.astype(str)
-        stage = resource.str.extract(_STAGE)[0]
-        if stage.isna().all():
-            return np.ones(len(resource), dtype=bool)
-        return (stage == "0").to_numpy()
+        if not label_mask(column, lambda r: _STAGE.match(r) is not None).any():
+            return np.ones(len(column), dtype=bool)
+        return label_mask(column, lambda r: (m := _STAGE.match(r)) is not None and m.group(1) == "0")
 
     def comm_tasks(self) -> np.ndarray:
         """Ids of the graph's communication tasks."""
