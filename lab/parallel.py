@@ -119,6 +119,8 @@ class ParallelSetting:
             "fsdp+tp": {"data": w // self.tensor, "tensor": self.tensor, "fsdp": True,
                         "sequence_parallel": self.sequence_parallel},
         }[self.family]
+        if self.sequence_parallel:  # DTensor's SequenceParallel: each norm's gradient all-reduced on its own
+            degrees["sequence_parallel_grads"] = "per_parameter"
         return {**degrees, "placement": ["tensor", "data", "pipeline"], "units": r"blocks\.\d+"}
 
     def degrees(self) -> dict:

@@ -49,6 +49,8 @@ def test_each_setting_says_its_parallelism_in_the_scenarios_vocabulary():
     two_d = ParallelSetting("fsdp+tp", "transformer", 2, 2, 200.0, sequence_parallel=True)
     assert two_d.degrees() == {"data": 2, "tensor": 2, "pipeline": 1, "expert": 1}
     assert two_d.options() == ["--sequence-parallel", "--tensor", "2"]
+    assert two_d.parallelism()["sequence_parallel_grads"] == "per_parameter", "DTensor reduces each norm's gradient"
+    assert "sequence_parallel_grads" not in ParallelSetting("tp", "transformer", 2, 1, 200.0).parallelism()
     assert ParallelSetting("ep", "moe", 1, 2, None).degrees() == {"data": 2, "tensor": 1, "pipeline": 1, "expert": 2}
 
 

@@ -45,6 +45,8 @@ def _cluster(machines: int, gpus: int) -> Cluster:
     ({"data": 4, "expert": 3}, "parallelism.expert"),
     ({"recompute": "some"}, "parallelism.recompute"),
     ({"sequence_parallel": True}, "parallelism.sequence_parallel"),
+    ({"tensor": 2, "sequence_parallel": True, "sequence_parallel_grads": "bucketed"},
+     "parallelism.sequence_parallel_grads"),
     ({"placement": ("tensor", "data")}, "parallelism.placement"),
     ({"pipeline": 2, "microbatches": 2, "partition": (1,)}, "parallelism.pipeline.partition"),
 ])

@@ -69,6 +69,12 @@ def test_the_block_is_parsed_and_data_fills_the_cluster(tensor_pass):
     assert [c.parallelism for c in configs] == found
 
 
+def test_sequence_parallel_grads_is_a_key_and_a_grid_axis(tensor_pass):
+    scenario = _scenario({"tensor": 2, "sequence_parallel": True,
+                          "sequence_parallel_grads": ["coalesced", "Per_Parameter"]}, gpus=2)
+    assert [p.parallelism.sequence_parallel_grads for p in scenario.points] == ["coalesced", "per_parameter"]
+
+
 def test_list_valued_keys_make_a_grid_only_as_lists_of_lists():
     one = _scenario({"placement": ["data", "tensor", "pipeline"], "recompute": "full"})
     assert [p.parallelism.placement for p in one.points] == [("data", "tensor", "pipeline")]

@@ -25,7 +25,7 @@ from whatif.sim.parallel import Parallelism
 from whatif.sim.parallel.expert import ExpertParallelChange, apply_expert
 from whatif.sim.parallel.tensor import TensorParallelChange, apply_tensor, shard_dims, with_collectives
 from whatif.sim.perfmodels.models import load_models
-from whatif.sim.parallel.units import PHASE_BACKWARD, PHASE_FORWARD, find_units
+from whatif.sim.parallel.units import PHASE_BACKWARD, PHASE_FORWARD, PHASE_OPTIMIZER, find_units
 from whatif.topology import Cluster, collective_cost
 
 torch = pytest.importorskip("torch", reason="the passes are tested on traces captured with torch (pip install -e '.[test]')")
@@ -139,15 +139,48 @@ def test_tensor_parallel_all_reduces_twice_forward_and_twice_backward_per_block(
     assert note.pairs == 2 * BLOCKS * STEPS and note.unmatched_backward == 0
 
 
+def tensor_sp(graph, units, t, grads):
+    par = Parallelism(data=8 // t, tensor=t, sequence_parallel=True, sequence_parallel_grads=grads)
+    return apply_tensor(graph, units, par, FAST, {"tensor": tuple(range(t))})
+
+
 def test_sequence_parallel_turns_each_all_reduce_into_a_reduce_scatter_and_an_all_gather(dense):
     graph, units = dense
     note = tensor(graph, units, 2, sequence_parallel=True).last_note(TensorParallelChange)
+    note.collectives = note.collectives[note.collectives["phase"] != PHASE_OPTIMIZER]
     counts = per_block(note.collectives)
     assert len(note.collectives) == 8 * BLOCKS * STEPS
     assert set(counts.index.get_level_values("op")) == {"all_gather", "reduce_scatter"} and (counts == 2).all()
     assert set(note.collectives["nbytes"]) == {BATCH * LENGTH * D_MODEL * 4}, "the same total bytes as the all-reduce"
     plain = tensor(graph, units, 2).last_note(TensorParallelChange)
     assert note.scaled_tasks > plain.scaled_tasks, "norms and residual adds shard along the sequence too"
+
+
+@pytest.mark.parametrize("grads", ["coalesced", "per_parameter"])
+def test_sequence_parallel_all_reduces_the_norms_and_row_biases_gradients_before_the_step(dense, grads):
+    graph, units = dense
+    out = tensor_sp(graph, units, 2, grads)
+    note = out.last_note(TensorParallelChange)
+    step = note.collectives[note.collectives["phase"] == PHASE_OPTIMIZER]
+    # by hand: per block two LayerNorms (weight, bias) and two row-parallel biases (attention.out,
+    # mlp.2), each D_MODEL float32 values
+    per_parameter = D_MODEL * 4
+    assert note.replicated_parameters == 6 * BLOCKS
+    assert set(step["op"]) == {"all_reduce"} and sorted(set(step["iteration"])) == list(range(STEPS))
+    if grads == "coalesced":
+        assert (step.groupby("iteration")["nbytes"].agg(["size", "sum"]).to_numpy() == [1, 6 * BLOCKS * per_parameter]).all()
+    else:
+        assert set(step["nbytes"]) == {per_parameter} and (step.groupby("iteration").size() == 6 * BLOCKS).all()
+    # each holds the iteration's first optimizer task, on the thread that steps
+    edges, tasks = out.edges, out.tasks
+    context = tasks["context"].astype(str).to_numpy()
+    schedule = simulate(out)
+    for tid in step["task"]:
+        after = edges[(edges["src"] == tid) & (edges["kind"] == int(EdgeKind.USER))]["dst"].tolist()
+        assert len(after) == 1 and "Optimizer" in context[after[0]]
+        assert schedule.start_us[after[0]] >= schedule.end_us[tid] - 1e-6
+    without = tensor(graph, units, 2).last_note(TensorParallelChange)
+    assert without.replicated_parameters == 0 and PHASE_OPTIMIZER not in set(without.collectives["phase"])
 
 
 def test_the_collectives_sit_on_the_critical_path_of_the_thread(dense):

@@ -94,8 +94,9 @@ _TOP_KEYS = (
 #: What a scenario's cluster block leaves out: one machine of one GPU.
 _CLUSTER_DEFAULTS = {"machines": 1, "gpus_per_machine": 1}
 _GRID_KEYS = ("cluster", "framework", "policy", "parallelism")
-_PARALLELISM_KEYS = ("data", "fsdp", "zero", "reshard_after_forward", "tensor", "sequence_parallel", "pipeline",
-                     "expert", "recompute", "placement", "units", "optimizer", "gpu_memory")
+_PARALLELISM_KEYS = ("data", "fsdp", "zero", "reshard_after_forward", "tensor", "sequence_parallel",
+                     "sequence_parallel_grads", "pipeline", "expert", "recompute", "placement", "units",
+                     "optimizer", "gpu_memory")
 _PIPELINE_KEYS = ("stages", "microbatches", "schedule", "virtual_stages", "partition", "microbatch_trace")
 #: parallelism keys that take a list as one value: a grid over them is a list of lists
 _LIST_VALUED = ("placement", "pipeline.partition")
@@ -578,7 +579,7 @@ def _parallelism_kwargs(name: str, point: dict) -> dict:
             raise ScenarioError(name, "parallelism.fsdp", f"fsdp is zero 3; zero: {kwargs['zero']} says otherwise")
         if fsdp:
             kwargs["zero"] = 3
-    for key in ("schedule", "recompute", "partition"):
+    for key in ("schedule", "recompute", "partition", "sequence_parallel_grads"):
         if isinstance(kwargs.get(key), str):
             kwargs[key] = kwargs[key].strip().lower()
     for key in ("placement", "partition"):

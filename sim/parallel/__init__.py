@@ -15,7 +15,11 @@ The families and their knobs:
   al., "ZeRO: memory optimizations toward training trillion parameter models" (SC'20).
 * tensor: ``tensor`` ranks split each block's GEMMs (Megatron-LM, Shoeybi et al. 2019);
   ``sequence_parallel`` splits the norms and dropouts along the sequence too (Korthikanti et
-  al., "Reducing activation recomputation in large transformer models", 2022).
+  al., "Reducing activation recomputation in large transformer models", 2022), whose
+  replicated parameters' gradients (the norms', the row-parallel layers' biases) are then
+  partial sums over the sequence shards, all-reduced over the tensor group before the optimizer
+  step: ``sequence_parallel_grads`` ``coalesced`` (one all-reduce of them all, Megatron-LM) or
+  ``per_parameter`` (one each, as DTensor's ``SequenceParallel`` leaves them).
 * pipeline: ``pipeline`` stages, ``microbatches`` per step, ``schedule`` ``gpipe``, ``1f1b`` or
   ``interleaved`` (with ``virtual_stages`` model chunks per rank, Narayanan et al. 2021),
   ``partition`` ``balanced`` (by time) or the number of units per stage.
@@ -40,6 +44,7 @@ from whatif.topology import TopologyError
 DIMENSIONS = ("tensor", "data", "pipeline")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 RECOMPUTE = ("none", "selective", "full")
+SEQUENCE_PARALLEL_GRADS = ("coalesced", "per_parameter")
 PARTITIONS = ("balanced",)
 
 #: The graph passes, by family (``tensor``, ``expert``, ``pipeline``, ``fsdp``), filled by their
@@ -64,6 +69,7 @@ class Parallelism:
     expert: int = 1
     zero: int = 0  # 0 none (DDP), 1, 2, 3 (= FSDP)
     sequence_parallel: bool = False
+    sequence_parallel_grads: str = "coalesced"
     microbatches: int = 1
     schedule: str = "1f1b"
     virtual_stages: int = 1
@@ -104,6 +110,10 @@ class Parallelism:
         if self.recompute not in RECOMPUTE:
             raise ParallelismError("parallelism.recompute",
                                    f"unknown value {self.recompute!r} (choose from {', '.join(RECOMPUTE)})")
+        if self.sequence_parallel_grads not in SEQUENCE_PARALLEL_GRADS:
+            raise ParallelismError("parallelism.sequence_parallel_grads",
+                                   f"unknown value {self.sequence_parallel_grads!r} "
+                                   f"(choose from {', '.join(SEQUENCE_PARALLEL_GRADS)})")
         if self.sequence_parallel and self.tensor == 1:
             raise ParallelismError("parallelism.sequence_parallel", "sequence parallelism needs tensor > 1")
         partition = self.partition

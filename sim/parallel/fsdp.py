@@ -188,7 +188,9 @@ def apply_fsdp(graph: TaskGraph, units: Units, par: Parallelism, cluster, ranks_
         return collective_cost(priced_on, op, size, ranks=ranks)
 
     out = graph.copy()
-    optimizer = np.flatnonzero((phase == OPTIMIZER) & (graph.tasks["kind"].to_numpy() != int(TaskKind.WAIT)))
+    # the optimizer's own work: not a wait, nor a collective a pass before this one put there
+    optimizer = np.flatnonzero((phase == OPTIMIZER) & ~np.isin(graph.tasks["kind"].to_numpy(),
+                                                                [int(TaskKind.WAIT), int(TaskKind.COMM)]))
     share = 1.0 / d if zero else 1.0  # DDP keeps the whole optimizer step on every rank
     out.scale(optimizer, share)
     table, waits = plan.insert(out, price)

@@ -14,7 +14,15 @@ splits the rest of the block (norms, dropout, residual adds) along the sequence 
 each all-reduce by a reduce-scatter and an all-gather of the same total bytes: forward
 all-gathers before each column-parallel layer and reduce-scatters after each row-parallel one;
 backward reduce-scatters after each column-parallel layer's input gradient and all-gathers the
-output gradient before each row-parallel layer's backward (8 per block and iteration).
+output gradient before each row-parallel layer's backward (8 per block and iteration). The
+parameters that stay replicated but now see only a sequence shard, each norm's weight and bias
+and each row-parallel layer's bias, get partial gradients on each rank, which are all-reduced
+over the tensor group after backward and before the optimizer step: as one flat all-reduce of
+them all (``sequence_parallel_grads: coalesced``, Megatron-LM's ``finalize_model_grads``) or one
+per parameter (``per_parameter``, as DTensor's ``SequenceParallel`` leaves them: the lab's CPU
+workers wait for each at the step). The norms are a unit's outermost forward ``layer_norm``,
+``rms_norm`` and ``group_norm`` calls, their parameters the traced 1-D operands of parameter
+shape; the biases are the row-parallel calls' 1-D operands.
 
 **Where the pairs are.** In each unit (``units.py``) and iteration, the forward linear calls
 (``aten::linear``, or an ``aten::addmm`` / ``aten::mm`` / ``aten::matmul`` outside one, with a
@@ -41,7 +49,10 @@ kernels would need models of that GPU), the stated rule: 1/t. The rule overstate
 small, memory-bound shards. CPU dispatch and Python time stay as traced: every rank still
 launches every operator.
 
-**Where the collectives go.** Each is a COMM task on the rank's ``network tensor`` resource (the
+**Where the collectives go.** The replicated gradients' all-reduces wait for the task before
+the iteration's first optimizer task (its first kernel on a GPU trace) on that task's resource
+(the last backward task there) and hold that optimizer task (where an iteration traced no optimizer step: they follow its last
+backward task). The others: Each is a COMM task on the rank's ``network tensor`` resource (the
 communication stream, one collective at a time), priced by ``topology.collective_cost(cluster,
 op, nbytes, ranks=ranks_of["tensor"])``, after the call (or backward node) it follows, and
 before the task that came next on that call's resource: the compute stream on a GPU trace, the
@@ -74,10 +85,11 @@ from ..perfmodels.models import PerfModels
 from ..perfmodels.shapes import operator_units
 from ..workload import decode_inputs
 from . import PASSES, Parallelism
-from .units import PHASE_BACKWARD, PHASE_FORWARD, Units
+from .units import PHASE_BACKWARD, PHASE_FORWARD, PHASE_OPTIMIZER, Units
 
 GROUP = "tensor"
 LINEAR_CALLS = ("aten::linear", "aten::addmm", "aten::mm", "aten::matmul")
+NORM_CALLS = ("aten::layer_norm", "aten::rms_norm", "aten::group_norm")
 LINEAR_BACKWARD = re.compile(r"^autograd::engine::evaluate_function: (Addmm|Mm|Linear)Backward\d*$")
 DISPATCH = "moe.dispatch"  # examples/moe.py's seam: where a mixture of experts sends its tokens
 COMPOSITE = frozenset({"aten::linear", "aten::matmul", "aten::scaled_dot_product_attention"})
@@ -93,6 +105,8 @@ class TensorParallelChange:
     tensor: int
     sequence_parallel: bool
     ranks: tuple
+    sequence_parallel_grads: str = "coalesced"
+    replicated_parameters: int = 0  # per iteration: the norms' and row-parallel biases' partial gradients
     pairs: int = 0  # column/row pairs found, over all units and iterations
     scaled_tasks: int = 0
     unmatched_backward: int = 0  # unit-iterations whose backward linears did not match forward
@@ -104,6 +118,9 @@ class TensorParallelChange:
         ops = ", ".join(f"{int(n)} {op} ({total / 1e6:.3g} MB)" for op, (n, total) in per_op.iterrows()) or "none"
         text = (f"tensor parallel over {self.tensor} ranks{' with sequence parallelism' if self.sequence_parallel else ''}: "
                 f"{self.pairs} column/row pairs, {self.scaled_tasks} tasks shrunk ({self.rule}); collectives: {ops}")
+        if self.replicated_parameters:
+            text += (f"; the {self.replicated_parameters} replicated parameters' gradients all-reduced before the step"
+                     f" ({self.sequence_parallel_grads.replace('_', ' ')})")
         if self.unmatched_backward:
             text += f"; {self.unmatched_backward} unit backwards left as traced (linears unmatched)"
         return text
@@ -354,7 +371,7 @@ def apply_tensor(graph: TaskGraph, units: Units, par: Parallelism, cluster, rank
     if t == 1:
         return graph
     graph, calls, comm = rank_pass(graph, units, cluster, ranks_of, GROUP, t)
-    change = TensorParallelChange(t, par.sequence_parallel, comm.ranks)
+    change = TensorParallelChange(t, par.sequence_parallel, comm.ranks, par.sequence_parallel_grads)
     forward = by_unit_iteration(calls, linear_calls(calls, parameter_shapes(graph)), PHASE_FORWARD)
     backward = by_unit_iteration(calls, calls.outermost(calls.rows_named(LINEAR_BACKWARD)), PHASE_BACKWARD)
     dispatch = by_unit_iteration(calls, calls.rows_named([DISPATCH]), PHASE_FORWARD)
@@ -363,6 +380,8 @@ def apply_tensor(graph: TaskGraph, units: Units, par: Parallelism, cluster, rank
     shrink = Shrink(graph, t, models)
     change.rule = shrink.rule
     sp = par.sequence_parallel
+    norms = by_unit_iteration(calls, calls.outermost(calls.rows_named(NORM_CALLS)), PHASE_FORWARD) if sp else {}
+    replicated: dict[int, list] = {}  # per iteration: the bytes of each replicated parameter's gradient
     for (unit, it), fwd in forward.items():
         if (unit, it) in dispatch:
             first = calls.op_start[dispatch[unit, it][0]]
@@ -387,9 +406,14 @@ def apply_tensor(graph: TaskGraph, units: Units, par: Parallelism, cluster, rank
                             reduce_bytes=in_bytes, where=where)
         if sp:
             _shard_rest(calls, units, factor, shrink, unit, it, fwd, bwd if matched else [], paired_until)
+            replicated.setdefault(it, []).extend(
+                _replicated_gradients(ops, norms.get((unit, it), []), [row for _, row in pairs]))
     if not change.pairs:
         raise GraphError(f"parallelism.tensor: no pair of linear layers (column- then row-parallel) found in the "
                          f"forward of the {len(units)} units ({units.pattern}) of {graph.workload.source}")
+    for it, sizes in sorted(replicated.items()):
+        _reduce_replicated(calls, units, comm, it, sizes, par.sequence_parallel_grads)
+    change.replicated_parameters = max((len(v) for v in replicated.values()), default=0)
     change.scaled_tasks = int((factor != 1.0).sum())
     graph.scale(np.arange(len(graph.tasks)), factor)
     change.collectives = comm.commit()
@@ -422,6 +446,47 @@ def _shard_pair(calls: Calls, comm: "Collectives", factor: np.ndarray, shrink: "
         comm.after(calls.last_task(last), "reduce_scatter", reduce_bytes, *where)
     else:
         comm.after(calls.last_task(last), "all_reduce", reduce_bytes, *where)
+
+
+def _replicated_gradients(ops: pd.DataFrame, norm_rows: list, row_parallel: list) -> list[float]:
+    """The bytes of each parameter that sequence parallelism leaves replicated with a partial
+    gradient: the 1-D parameter operands of the unit's norm calls (after their input) and of
+    its row-parallel calls (their bias), each once."""
+    out = []
+    for r in list(norm_rows) + list(row_parallel):
+        dims, types = decode_inputs(ops.at[r, "input_dims"]), decode_inputs(ops.at[r, "input_types"])
+        name = str(ops.at[r, "name"])
+        positions = [0] if name == "aten::addmm" else (range(1, len(dims)) if name in NORM_CALLS else [2])
+        for i in positions:
+            if i < len(dims) and _is_shape(dims[i]) and len(dims[i]) == 1:
+                out.append(float(dims[i][0]) * (element_bytes(types[i]) if i < len(types) else 4))
+    return out
+
+
+def _reduce_replicated(calls: Calls, units: Units, comm: "Collectives", it: int, sizes: list, how: str) -> None:
+    """Iteration ``it``'s all-reduces of the replicated gradients ``sizes`` (bytes each): one of
+    their sum, or one each, held by the iteration's first optimizer task (see the module's docstring)."""
+    if not sizes:
+        return
+    n = len(units.task_unit)
+    lo, hi = calls.steps[it] if it < len(calls.steps) else (-np.inf, np.inf)
+    start = calls.start[:n]
+    in_step = np.isfinite(start) & (start >= lo) & (start < hi)
+    where = (-1, PHASE_OPTIMIZER, it)
+    optimizer = np.flatnonzero(in_step & (units.task_phase == PHASE_OPTIMIZER))
+    if calls.gpu[optimizer].any():  # on a GPU trace the step's kernels wait, not the host
+        optimizer = optimizer[calls.gpu[optimizer]]
+    each = [float(sum(sizes))] if how == "coalesced" else sizes
+    if len(optimizer):
+        first = int(optimizer[np.argmin(start[optimizer])])
+        for nbytes in each:
+            comm.before(first, "all_reduce", nbytes, *where)
+        return
+    backward = np.flatnonzero(in_step & (units.task_phase == PHASE_BACKWARD))
+    if len(backward):
+        last = int(backward[np.argmax(calls.graph.tasks["measured_end_us"].to_numpy()[backward])])
+        for nbytes in each:
+            comm.after(last, "all_reduce", nbytes, *where)
 
 
 def _shard_rest(calls: Calls, units: Units, factor: np.ndarray, shrink: "Shrink", unit: int, it: int, fwd: list,
