@@ -139,7 +139,7 @@ def decompose(table: Table, comm: Comm, choice: tuple = (None, None)) -> list:
         rows.append(MeasuredRow(table.path, comm.arch, row.time_us, found.base_latency_us, found.hops, found.kind,
                                 found.local_us, found.net_us, table.op in ("all_to_all", "send_recv"), found.combine,
                                 table.gpus_per_thread, calls_per_gpu(table.op, n), found.option.algorithm,
-                                comm.link_intra))
+                                comm.link_intra, found.ceiling_us))
     return rows
 
 
