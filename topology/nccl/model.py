@@ -55,6 +55,10 @@ NCCL's, made on NCCL's estimate, as NCCL itself makes it):
   algorithm, so NCCL leaves it out; what a network hop costs beyond NCCL's InfiniBand constants
   and what fraction of the line rate a NIC kind delivers. Estimated from the public tables
   (or none, ``measured: spec``).
+* *a Simple tree's chain fill* (:func:`tree_chain_fill_us`): the first 512 KiB chunk crosses
+  ``2 (ppn - 1)`` NVLink and ``2 log2 nodes`` network hops whole before every stage is busy;
+  NCCL's per-hop latency is a constant. Small on 8-GPU nodes, milliseconds on a 72-GPU NVLink
+  domain's chain (GB200 NVL72 racks).
 * *which rate a transfer waits on* (:func:`link_share`, :func:`network_share`,
   :func:`ring_nic_share`): the transfer is split into what NVLink (PCIe) sets, what the NICs
   set and what a per-channel ceiling of NCCL's kernels sets, so that a measured NVLink or NIC
@@ -570,8 +574,8 @@ def pipeline_fill_us(comm: Comm, option: Option, nbytes: float, bandwidth_gbs: f
     down the tree, the reduction folded into the first and the multicast into the last), and
     only once the first chunk is through is every stage busy, so
     ``(depth - 1) x chunk / b`` comes on top of the bytes at full speed (``b`` one lane's
-    bandwidth). 0 for algorithms whose every link is busy from the start (rings) or whose mid
-    sizes NCCL's own estimate corrects (trees)."""
+    bandwidth). 0 for algorithms whose every link is busy from the start (rings); trees' is
+    :func:`tree_chain_fill_us`."""
     found = nvls_chunk(comm, option, nbytes)
     if found is None:
         return 0.0
@@ -579,6 +583,36 @@ def pipeline_fill_us(comm: Comm, option: Option, nbytes: float, bandwidth_gbs: f
     depth = 1 + 2 * _log2i(comm.n_nodes) if option.algorithm == "nvls_tree" else 2
     lane_bytes_per_us = bandwidth_gbs * 1e3 / ops
     return (depth - 1) * min(chunk, nbytes / ops) / lane_bytes_per_us
+
+
+TREE_SIMPLE_CHUNK = 4 * 2**20 // 8  # NCCL's Simple buffer (DEFAULT_BUFFSIZE, 4 MiB) over NCCL_STEPS (8)
+
+
+def tree_chain_fill_us(comm: Comm, option: Option, nbytes: float, channels: int, release: tuple) -> float:
+    """The time a tree all-reduce's Simple pipeline takes to fill: the first chunk climbs the
+    chain of ``ppn`` GPUs of its node and ``log2 nodes`` network levels, and comes down again,
+    each hop a whole chunk (Simple forwards a step only once it has arrived), so ``2 (ppn - 1)``
+    NVLink hops and ``2 log2 nodes`` network hops pass before every stage is busy. A hop moves a
+    chunk at its channel's share of the link: a GPU's NVLink over the channels launched, a NIC
+    (one per channel, as many as the node has). The chunk is NCCL's Simple step, 512 KiB
+    (``calcCollChunking``: a tree's chunk is one step); releases before 2.20 halve it while a
+    channel holds fewer than ``8 x depth`` (then ``4 x``, ``1 x``) chunks, down to 128, 64 and
+    32 KiB. NCCL's estimate has no such term (its per-hop latency is a constant); LL and LL128
+    forward line by line, so theirs is taken as nothing. 0 for other algorithms."""
+    if option.algorithm != "tree" or option.protocol != "simple" or option.op != "all_reduce" or comm.n_nodes < 2:
+        return 0.0
+    ppn, levels = comm.ppn, _log2i(comm.n_nodes)
+    channels = max(channels, 1)
+    chunk = float(TREE_SIMPLE_CHUNK)
+    if release < (2, 20, 0):
+        depth = ppn - 1 + levels + 1
+        for times, floor in ((8, 131072), (4, 65536), (1, 32768)):
+            while nbytes / (channels * chunk) < depth * times and chunk > floor:
+                chunk /= 2
+    chunk = min(chunk, nbytes / channels)
+    nvlink = intra_total(comm) * 1e3 / channels
+    nic = _nic_path(comm) * 1e3 * min(1.0, comm.node_nics / channels)
+    return 2 * (ppn - 1) * chunk / nvlink + 2 * levels * chunk / nic
 
 
 def channels_used(comm: Comm, option: Option, nbytes: float, version: Optional[tuple] = None) -> int:
@@ -696,7 +730,8 @@ def predict(comm: Comm, op: str, nbytes: float, algorithms=None, protocols=None,
         option.link, option.algorithm, option.protocol)
     bandwidth = bandwidth_on(comm, option, used) * nvls_traffic_factor(comm, option)
     latency, transfer = estimate_parts(comm, dataclasses.replace(option, bandwidth_gbs=bandwidth), nbytes)
-    transfer = transfer * chunk_slowdown(comm, option, nbytes) + pipeline_fill_us(comm, option, nbytes, bandwidth)
+    transfer = (transfer * chunk_slowdown(comm, option, nbytes) + pipeline_fill_us(comm, option, nbytes, bandwidth)
+                + tree_chain_fill_us(comm, option, nbytes, used, release))
     nic = comm.fabric.nic
     hops = net_hops(comm, option)
     links = link_share(comm, option, used)
