@@ -591,10 +591,13 @@ TREE_SIMPLE_CHUNK = 4 * 2**20 // 8  # NCCL's Simple buffer (DEFAULT_BUFFSIZE, 4 
 def tree_chain_fill_us(comm: Comm, option: Option, nbytes: float, channels: int, release: tuple) -> float:
     """The time a tree all-reduce's Simple pipeline takes to fill: the first chunk climbs the
     chain of ``ppn`` GPUs of its node and ``log2 nodes`` network levels, and comes down again,
-    each hop a whole chunk (Simple forwards a step only once it has arrived), so ``2 (ppn - 1)``
-    NVLink hops and ``2 log2 nodes`` network hops pass before every stage is busy. A hop moves a
-    chunk at its channel's share of the link: a GPU's NVLink over the channels launched, a NIC
-    (one per channel, as many as the node has). The chunk is NCCL's Simple step, 512 KiB
+    each hop a whole chunk (Simple forwards a step only once it has arrived): ``2 (ppn - 1)``
+    NVLink hops and ``2 log2 nodes`` network hops of ``t_i`` each. In steady state every chunk
+    costs the slowest link two hops (it carries the chunk up and back down: a tree's algorithm
+    bandwidth is half its bus bandwidth), which the transfer ``S / B`` counts; the rest of the
+    first chunk's trip, ``sum t_i - 2 max t_i``, is the fill (none for one GPU on each of two
+    nodes, whose one chunk goes up and down once). A hop moves a chunk at its channel's share of the link: a GPU's
+    NVLink over the channels launched, a NIC (one per channel, as many as the node has). The chunk is NCCL's Simple step, 512 KiB
     (``calcCollChunking``: a tree's chunk is one step); releases before 2.20 halve it while a
     channel holds fewer than ``8 x depth`` (then ``4 x``, ``1 x``) chunks, down to 128, 64 and
     32 KiB. NCCL's estimate has no such term (its per-hop latency is a constant); LL and LL128
@@ -610,9 +613,10 @@ def tree_chain_fill_us(comm: Comm, option: Option, nbytes: float, channels: int,
             while nbytes / (channels * chunk) < depth * times and chunk > floor:
                 chunk /= 2
     chunk = min(chunk, nbytes / channels)
-    nvlink = intra_total(comm) * 1e3 / channels
-    nic = _nic_path(comm) * 1e3 * min(1.0, comm.node_nics / channels)
-    return 2 * (ppn - 1) * chunk / nvlink + 2 * levels * chunk / nic
+    nvlink = chunk / (intra_total(comm) * 1e3 / channels)
+    nic = chunk / (_nic_path(comm) * 1e3 * min(1.0, comm.node_nics / channels))
+    hops = [nvlink] * (2 * (ppn - 1)) + [nic] * (2 * levels)
+    return max(0.0, sum(hops) - 2 * max(hops)) if hops else 0.0
 
 
 def channels_used(comm: Comm, option: Option, nbytes: float, version: Optional[tuple] = None) -> int:
