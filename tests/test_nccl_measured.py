@@ -261,3 +261,16 @@ def test_nvlinks_rate_is_not_fitted_where_all_to_all_hides_it_behind_the_network
     rows = [dataclasses.replace(r, measured_us=float(t)) for r, t in zip(rows, predict_rows(rows, truth))]
     found = fit(rows, fit_efficiency=True)
     assert found.link_efficiency == () and found.p2p_efficiency == pytest.approx(0.3, rel=0.01)
+
+
+def test_an_algorithm_no_table_ran_takes_the_constants_and_no_other_algorithms_factor():
+    from whatif.topology.calibrate import fit_tables
+
+    # one DGX H100's tables, slowed: the NVLink rate is a constant the ring and NVLS rows fit; a
+    # tree, which no table ran, gets it and no (algorithm, protocol) factor of theirs
+    truth = cluster(machines=1, measured={"kernel_us": {"hopper": 6.0}, "link_efficiency": {"nvlink": 0.8}})
+    found = fit_tables([_table(truth, 1, "one_node.txt")], cluster(machines=2)).cluster
+    calibration = found.fabric.calibration
+    assert all(row[1] != "*" for row in calibration.factors)
+    assert calibration.factors_for("nvlink", "tree", "simple") == (1.0, 1.0)
+    assert calibration.constants.local_efficiency("nvlink") == pytest.approx(0.8, rel=0.02)
