@@ -274,3 +274,23 @@ def test_an_algorithm_no_table_ran_takes_the_constants_and_no_other_algorithms_f
     assert all(row[1] != "*" for row in calibration.factors)
     assert calibration.factors_for("nvlink", "tree", "simple") == (1.0, 1.0)
     assert calibration.constants.local_efficiency("nvlink") == pytest.approx(0.8, rel=0.02)
+
+
+def test_rows_faster_than_the_host_estimate_are_the_gpus_and_inform_the_fit():
+    from whatif.topology.calibrate import fit_tables
+
+    # one DGX H100's all-to-all, one GPU a thread: 16 calls an iteration put the public host
+    # estimate (launch + 16 calls) above the GPU's time at small sizes. A table that ran faster
+    # than that estimate was not set by its host thread: every row informs the p2p factors
+    c = cluster(machines=1, measured="public")
+    constants = c.fabric.calibration.constants
+    host = constants.host_us(1, 16)
+    lines = []
+    sizes = [4**k * 64 for k in range(8)]
+    for size in sizes:
+        time = 0.8 * collective_cost(c, "all_to_all", size).time_us
+        lines.append(f"{size:>12} {size // 4:>12} float none -1 {time:10.2f} 0.1 0.1 0")
+    table = dataclasses.replace(parse_text("\n".join(lines) + "\n", "a2a.txt", "all_to_all"), n_ranks=8)
+    assert min(r.time_us for r in table.rows) < host
+    fitted = fit_tables([table], c)
+    assert sum(group[5] for group in fitted.groups) == len(sizes)

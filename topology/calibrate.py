@@ -28,7 +28,10 @@ constants where NCCL picks differently. A ``*`` row written by hand still applie
 (``Calibration.factors_for``). Which rows belong to which (algorithm,
 protocol) is NCCL's choice on its own uncalibrated estimate, as in NCCL itself. ``e`` is kept
 within [0.05, 2], ``f`` within [0.2, 20]. Rows the benchmark's host thread set (several GPUs
-on one thread) say nothing of the fabric and are left out.
+on one thread, or all-to-all's ``2n`` calls an iteration) say nothing of the fabric and are
+left out: those whose host time, at the constants' estimate, exceeds the GPU's and which ran no
+faster than it (a row faster than the host estimate proves that estimate too high for this
+machine, and its time the GPU's: GB300's Grace ran 64 ranks' 128 calls in 32 us, not 62).
 
 Each table's communicator is its ranks (``Table.n_ranks``) on as many of the cluster's machines
 as its hosts (or, without ``Rank`` lines, packed machine by machine): one cluster description
@@ -196,7 +199,8 @@ def fit_tables(tables: Sequence[Table], cluster: Cluster, choices: Optional[Sequ
     for table, comm, choice in zip(tables, comms, choices):
         for row in table.rows:
             found = _predict(comm, table.op, row.size_bytes, choice, base)
-            if table_time_us(table, comm, found, priors) > found.time_us:
+            host = table_time_us(table, comm, found, priors)
+            if host > found.time_us and row.time_us >= host:
                 continue  # the benchmark's host thread, not the fabric, set this row's time
             key = (found.option.link, found.option.algorithm, found.option.protocol)
             groups.setdefault(key, []).append((found.latency_us, found.transfer_us, row.time_us))
