@@ -109,8 +109,10 @@ def test_calibrate_fits_measured_tables_writes_a_cluster_and_says_when_the_netwo
     # the physical constants first (kernel start, hop latency, NVLink and NIC efficiency), then every
     # (algorithm, protocol) with three or more rows fits both factors on what they leave; one with
     # fewer, the factor of what dominates its rows. A table slowed 4x in latency as well as in
-    # bandwidth is not what physical constants describe, so about 1 % is left in the median.
-    assert len(errors) == 15 and errors[len(errors) // 2] < 1.5 and errors[-1] < 25.0
+    # bandwidth is not what physical constants describe, so about 1 % is left in the median; and a
+    # per-channel ceiling of NCCL's kernels (LL's, here at 128 KiB) is no link's rate, which the
+    # NIC's efficiency does not slow, so the worst row, where it binds, keeps about a quarter.
+    assert len(errors) == 15 and errors[len(errors) // 2] < 1.5 and errors[-1] < 30.0
     calibrated = yaml.safe_load(out_path.read_text())
     assert calibrated["machine"] == "dgx_h100" and "net" in calibrated["nccl"]
     code, out, _ = run(capsys, "collective", str(out_path), "-b", "1G", "-e", "1G", "--json")

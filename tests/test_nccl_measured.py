@@ -186,3 +186,111 @@ def test_a_calibration_at_one_scale_carries_its_physical_constants_to_another():
     for row in eight.rows:
         predicted = predict(comm, "all_reduce", row.size_bytes, calibration=found.fabric.calibration)
         assert predicted.time_us == pytest.approx(row.time_us, rel=0.03)
+
+
+def _gb200_racks(measured, racks=2) -> Cluster:
+    """``racks`` NVLink domains of 64 GB200s (16 trays of 4, one 400G NIC per GPU) joined by InfiniBand."""
+    return Cluster.from_config({"gpu": "gb200", "machines": 16 * racks, "gpus_per_machine": 4, "nvlink_domain": 64,
+                                "nvswitch": True, "nics_per_machine": 4,
+                                "nic": {"bandwidth": "400Gbps", "transport": "ib", "kind": "ib"},
+                                "nccl": {"measured": measured}})
+
+
+def test_a_ring_waits_on_its_nics_only_where_they_carry_its_bus_bandwidth():
+    from whatif.topology.nccl.model import choose, ring_graph, ring_nic_share
+    from whatif.topology.nccl.graphs import _nic_path, comm_channels
+
+    # two DGX H100s: 8 channels at one NIC's 48 GB/s on 8 NICs, b = c: NIC-bound, 2 b / c - 1 = 1
+    comm = Comm.of(cluster(machines=2).fabric)
+    graph = ring_graph(comm)
+    assert ring_nic_share(comm, graph, comm_channels(comm, graph)) == 1.0
+    # two 64-GPU GB200 domains: 16 channels of 45.1 GB/s (b = 722) over 32 of 64 NICs at 48 (c = 1536)
+    racks = Comm.of(_gb200_racks("spec").fabric)
+    graph = ring_graph(racks)
+    launched = comm_channels(racks, graph)
+    b, c = graph.channels * graph.bw_inter, min(racks.node_nics, launched) * 48.0
+    assert _nic_path(racks) == 48.0 and 2 * b / c - 1 < 0 and ring_nic_share(racks, graph, launched) == 0.0
+    # half the channels on 8 NICs: c = 8 x 48, b = 192: 2 b / c - 1 = 0
+    assert ring_nic_share(comm, dataclasses.replace(ring_graph(comm), channels=4), 8) == pytest.approx(0.0)
+    assert choose(racks, "all_reduce", 1 << 33, {"ring"}, {"simple"}).link == "net"
+
+
+def test_a_ring_across_nvlink_domains_moves_at_nvlinks_rate_not_the_nics():
+    size = 1 << 33
+
+    def ring(measured):
+        c = _gb200_racks(measured)
+        return predict(Comm.of(c.fabric), "all_reduce", size, {"ring"}, {"simple"}, c.fabric.calibration)
+
+    base, nvlink, nic = ring("spec"), ring({"link_efficiency": {"nvlink": 1.25}}), ring({"efficiency": {"ib": 0.5}})
+    assert nvlink.transfer_us == pytest.approx(base.transfer_us / 1.25)  # S / (1.25 B): NVLink's pace
+    assert nic.transfer_us == pytest.approx(base.transfer_us)            # idle NICs at half speed: no change
+
+
+def test_a_kernels_per_channel_ceiling_is_no_links_rate():
+    from whatif.topology.nccl.model import _algorithm_bandwidth, _graph, link_share, priced
+
+    # LL on one DGX H100: its share of the ring's bus bandwidth, capped per GPU (LL_MAX_BW). With
+    # the links at half speed, T = S / min(cap, b / 2) against S / min(cap, b): the share the links
+    # set is full / slow - 1, the rest the cap's, which no link's efficiency moves
+    one = cluster()
+    comm = Comm.of(one.fabric)
+    size = 1 << 30
+    ll = predict(comm, "all_reduce", size, {"ring"}, {"ll"}, one.fabric.calibration)
+    newest, option = priced(comm, ll.option)
+    graph = _graph(newest, "ring")
+    full = _algorithm_bandwidth(newest, "all_reduce", "ring", "ll", graph)
+    slow = _algorithm_bandwidth(newest, "all_reduce", "ring", "ll", dataclasses.replace(
+        graph, bw_intra=graph.bw_intra / 2, bw_inter=graph.bw_inter / 2))
+    share = link_share(newest, option, ll.channels)
+    assert 0 < share < 1 and share == pytest.approx(full / slow - 1)
+    assert ll.ceiling_us == pytest.approx(ll.transfer_us * (1 - share)) and ll.local_us == pytest.approx(
+        ll.transfer_us * share)
+    fast = cluster(measured={"link_efficiency": {"nvlink": 1.25}})
+    again = predict(Comm.of(fast.fabric), "all_reduce", size, {"ring"}, {"ll"}, fast.fabric.calibration)
+    assert again.transfer_us == pytest.approx(ll.local_us / 1.25 + ll.ceiling_us)
+    simple = predict(Comm.of(fast.fabric), "all_reduce", size, {"ring"}, {"simple"}, fast.fabric.calibration)
+    plain = predict(comm, "all_reduce", size, {"ring"}, {"simple"}, one.fabric.calibration)
+    assert simple.ceiling_us == 0.0 and simple.transfer_us == pytest.approx(plain.transfer_us / 1.25)
+
+
+def test_nvlinks_rate_is_not_fitted_where_all_to_all_hides_it_behind_the_network():
+    truth = Measured(kernel_us=(("blackwell", 5.0),), p2p_efficiency=0.3)
+    rows = [Row("a2a", "blackwell", 0.0, 30.0, 2, "ib", local, 2 * local, True, "max", 1, 32, "p2p")
+            for local in (0.5, 1.0, 2000.0, 4000.0, 8000.0)]
+    rows = [dataclasses.replace(r, measured_us=float(t)) for r, t in zip(rows, predict_rows(rows, truth))]
+    found = fit(rows, fit_efficiency=True)
+    assert found.link_efficiency == () and found.p2p_efficiency == pytest.approx(0.3, rel=0.01)
+
+
+def test_an_algorithm_no_table_ran_takes_the_constants_and_no_other_algorithms_factor():
+    from whatif.topology.calibrate import fit_tables
+
+    # one DGX H100's tables, slowed: the NVLink rate is a constant the ring and NVLS rows fit; a
+    # tree, which no table ran, gets it and no (algorithm, protocol) factor of theirs
+    truth = cluster(machines=1, measured={"kernel_us": {"hopper": 6.0}, "link_efficiency": {"nvlink": 0.8}})
+    found = fit_tables([_table(truth, 1, "one_node.txt")], cluster(machines=2)).cluster
+    calibration = found.fabric.calibration
+    assert all(row[1] != "*" for row in calibration.factors)
+    assert calibration.factors_for("nvlink", "tree", "simple") == (1.0, 1.0)
+    assert calibration.constants.local_efficiency("nvlink") == pytest.approx(0.8, rel=0.02)
+
+
+def test_rows_faster_than_the_host_estimate_are_the_gpus_and_inform_the_fit():
+    from whatif.topology.calibrate import fit_tables
+
+    # one DGX H100's all-to-all, one GPU a thread: 16 calls an iteration put the public host
+    # estimate (launch + 16 calls) above the GPU's time at small sizes. A table that ran faster
+    # than that estimate was not set by its host thread: every row informs the p2p factors
+    c = cluster(machines=1, measured="public")
+    constants = c.fabric.calibration.constants
+    host = constants.host_us(1, 16)
+    lines = []
+    sizes = [4**k * 64 for k in range(8)]
+    for size in sizes:
+        time = 0.8 * collective_cost(c, "all_to_all", size).time_us
+        lines.append(f"{size:>12} {size // 4:>12} float none -1 {time:10.2f} 0.1 0.1 0")
+    table = dataclasses.replace(parse_text("\n".join(lines) + "\n", "a2a.txt", "all_to_all"), n_ranks=8)
+    assert min(r.time_us for r in table.rows) < host
+    fitted = fit_tables([table], c)
+    assert sum(group[5] for group in fitted.groups) == len(sizes)

@@ -75,7 +75,13 @@ def test_a_two_node_tree_moves_the_message_once_each_way_at_the_faster_intra_nod
     latency = tuning.BASE_LATENCY_US["tree"][p] + 2 * (
         (ppn - 1) * tuning.HOP_LATENCY_US["nvlink"]["tree"][p] + (tuning.HOP_LATENCY_US["net"]["tree"][p] + 2 * nic))
     expected = latency + BIG / (bus * 0.5 * 1e3)
-    assert time_us(c, "all_reduce", BIG, algorithm="tree", protocol="simple") == pytest.approx(expected)
+    # and the chain's fill: 512 KiB over 7 NVLink hops and one network level, each way
+    # (tree_chain_fill_us; 8 channels: NCCL's 12 x 20 GB/s of NVLink over 8, half a 100G NIC
+    # each), less two of the slowest hop, a chunk's steady pace, which the transfer counts
+    cost = collective_cost(c, "all_reduce", BIG, algorithm="tree", protocol="simple")
+    chunk = 2**19
+    fill = 2 * 7 * chunk / (240e3 / cost.channels)
+    assert cost.channels == 8 and cost.time_us == pytest.approx(expected + fill)
 
 
 def test_nvls_on_one_h100_node_is_nvlink_sharps_efficiency_on_each_gpus_nvlink_traffic():
@@ -245,3 +251,41 @@ def test_a_rings_network_steps_follow_each_release_and_our_critical_path_prices_
                 + net_steps * tuning.HOP_LATENCY_US["net"]["ring"][0])
     # (8 bytes move in well under a nanosecond: the time is the latency)
     assert time_us(c, "all_reduce", 8, algorithm="ring", protocol="ll") == pytest.approx(expected, rel=1e-4)
+
+
+def test_a_simple_tree_fills_its_chain_one_whole_chunk_per_hop():
+    from whatif.topology.nccl.graphs import _nic_path, intra_total
+    from whatif.topology.nccl.model import TREE_SIMPLE_CHUNK, choose, tree_chain_fill_us
+
+    # four DGX H100s: a chunk climbs 7 NVLink hops and 2 network levels and comes down again,
+    # each hop 512 KiB at its channel's share of the GPU's NVLink, or at one NIC (16 channels
+    # on 8 NICs: half a NIC each); two of the slowest hop are a chunk's steady pace, not fill
+    c = cluster("dgx_h100", machines=4)
+    comm = Comm.of(c.fabric)
+    tree = choose(comm, "all_reduce", BIG, {"tree"}, {"simple"})
+    channels = 16
+    nvlink = intra_total(comm) * 1e3 / channels
+    nic = _nic_path(comm) * 1e3 * 8 / channels
+    hops = [TREE_SIMPLE_CHUNK / nvlink] * 14 + [TREE_SIMPLE_CHUNK / nic] * 4
+    expected = sum(hops) - 2 * max(hops)
+    assert tree_chain_fill_us(comm, tree, BIG, channels, (2, 26, 2)) == pytest.approx(expected)
+    # a message smaller than a chunk per channel fills with what it has; before 2.20 the chunk
+    # halves while a channel holds fewer than 8 x depth of them (depth 7 + 2 + 1), to 128 KiB
+    small = 16 * 2**18
+    assert tree_chain_fill_us(comm, tree, small, channels, (2, 26, 2)) == pytest.approx(expected / 2)
+    assert tree_chain_fill_us(comm, tree, BIG // 64, channels, (2, 19, 3)) == pytest.approx(expected / 4)
+    # LL and LL128 forward line by line, rings keep every link busy, one node has no tree to fill
+    for algorithm, protocol in (("tree", "ll128"), ("ring", "simple")):
+        option = choose(comm, "all_reduce", BIG, {algorithm}, {protocol})
+        assert tree_chain_fill_us(comm, option, BIG, channels, (2, 26, 2)) == 0.0
+    one = Comm.of(cluster("dgx_h100").fabric)
+    assert tree_chain_fill_us(one, choose(one, "all_reduce", BIG, {"tree"}, {"simple"}), BIG, 16, (2, 26, 2)) == 0.0
+
+
+def test_one_gpu_on_each_of_two_nodes_has_no_chain_to_fill():
+    from whatif.topology.nccl.model import choose, tree_chain_fill_us
+
+    c = cluster("dgx_h100", machines=2, gpus_per_machine=1, nics_per_machine=1)
+    comm = Comm.of(c.fabric)
+    tree = choose(comm, "all_reduce", BIG, {"tree"}, {"simple"})
+    assert tree_chain_fill_us(comm, tree, BIG, 2, (2, 26, 2)) == 0.0  # up and down: the transfer's two hops

@@ -18,15 +18,20 @@ how much longer its steps take than NCCL's constants (a slower network stack, EF
 by least squares on the relative error with a soft-L1 loss (``_solve``: robust to a noisy row
 and to the few rows a protocol holds between two switches), and writes them as the fabric's
 :class:`~whatif.topology.fabric.Calibration` (``e`` = ``bandwidth``, ``f`` = ``latency``), on top
-of the cluster's measured constants (``nccl/measured.py``), with a ``*`` row per link class for
-the algorithms and protocols the tables did not exercise: the geometric mean of its
-collectives' bandwidth factors, weighted by the rows that inform them (the link's own
-efficiency; point-to-point traffic is another matter), and no latency factor (a latency misfit
-is the model's, algorithm by algorithm, more than the link's), so a calibration at one scale
-carries to another where NCCL picks differently. Which rows belong to which (algorithm,
+of the cluster's measured constants (``nccl/measured.py``). The algorithms and protocols the
+tables did not exercise get no factor: the link's own efficiency is a measured constant,
+fitted first, and what each (algorithm, protocol) leaves is that algorithm's misfit on these
+communicators, not the link's (a geometric mean of them, the ``*`` row earlier calibrations
+wrote, carried one algorithm's misfit to another: an 8-GPU GB300 table's LL factor of 1.6
+made its 4-GPU ring 15 % fast), so a calibration at one scale carries to another through the
+constants where NCCL picks differently. A ``*`` row written by hand still applies
+(``Calibration.factors_for``). Which rows belong to which (algorithm,
 protocol) is NCCL's choice on its own uncalibrated estimate, as in NCCL itself. ``e`` is kept
 within [0.05, 2], ``f`` within [0.2, 20]. Rows the benchmark's host thread set (several GPUs
-on one thread) say nothing of the fabric and are left out.
+on one thread, or all-to-all's ``2n`` calls an iteration) say nothing of the fabric and are
+left out: those whose host time, at the constants' estimate, exceeds the GPU's and which ran no
+faster than it (a row faster than the host estimate proves that estimate too high for this
+machine, and its time the GPU's: GB300's Grace ran 64 ranks' 128 calls in 32 us, not 62).
 
 Each table's communicator is its ranks (``Table.n_ranks``) on as many of the cluster's machines
 as its hosts (or, without ``Rank`` lines, packed machine by machine): one cluster description
@@ -139,7 +144,7 @@ def decompose(table: Table, comm: Comm, choice: tuple = (None, None)) -> list:
         rows.append(MeasuredRow(table.path, comm.arch, row.time_us, found.base_latency_us, found.hops, found.kind,
                                 found.local_us, found.net_us, table.op in ("all_to_all", "send_recv"), found.combine,
                                 table.gpus_per_thread, calls_per_gpu(table.op, n), found.option.algorithm,
-                                comm.link_intra))
+                                comm.link_intra, found.ceiling_us))
     return rows
 
 
@@ -194,23 +199,16 @@ def fit_tables(tables: Sequence[Table], cluster: Cluster, choices: Optional[Sequ
     for table, comm, choice in zip(tables, comms, choices):
         for row in table.rows:
             found = _predict(comm, table.op, row.size_bytes, choice, base)
-            if table_time_us(table, comm, found, priors) > found.time_us:
+            host = table_time_us(table, comm, found, priors)
+            if host > found.time_us and row.time_us >= host:
                 continue  # the benchmark's host thread, not the fabric, set this row's time
             key = (found.option.link, found.option.algorithm, found.option.protocol)
             groups.setdefault(key, []).append((found.latency_us, found.transfer_us, row.time_us))
-    fitted, informed = [], {}
+    fitted = []
     for key, items in sorted(groups.items()) if per_algorithm else ():
         latency, transfer, measured = (np.array(column, dtype=float) for column in zip(*items))
-        e, f, n = _solve(latency, transfer, measured)
+        e, f, _ = _solve(latency, transfer, measured)
         fitted.append((*key, e, f, len(items)))
-        informed[key] = n
-    for link in sorted({row[0] for row in fitted if row[1] != "p2p"}):  # for what was not measured
-        rows = [row for row in fitted if row[0] == link and row[1] != "p2p" and informed[row[:3]]]
-        if not rows:
-            continue
-        weights = np.array([informed[row[:3]] for row in rows], dtype=float)
-        mean = float(np.exp(np.average(np.log([row[3] for row in rows]), weights=weights)))
-        fitted.append((link, "*", "*", mean, 1.0, int(weights.sum())))
     calibration = Calibration(tuple(row[:5] for row in fitted), source, version, priors)
     calibrated = dataclasses.replace(cluster, fabric=dataclasses.replace(cluster.fabric, calibration=calibration))
     rows, diagnoses = [], []

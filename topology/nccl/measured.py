@@ -165,9 +165,11 @@ class Row:
     """One table row as the model decomposes it under :data:`SPEC` (see :func:`fit`).
 
     ``time_us = max(gpu, host)`` with ``gpu = latency_us + kernel[arch] + hops x hop[kind] +
-    local_us / link_efficiency[link] + net_us / efficiency[kind]`` (``combine`` "sum"; "max":
-    the larger of the two transfers, for all-to-all, whose NVLink and network parts run at
-    once), and ``host = gpus_per_thread x (launch + calls x call)``.
+    local_us / link_efficiency[link] + net_us / efficiency[kind] + ceiling_us`` (``combine``
+    "sum"; "max": the larger of the two transfers, for all-to-all, whose NVLink and network
+    parts run at once), and ``host = gpus_per_thread x (launch + calls x call)``; ``ceiling_us``
+    is the transfer a per-channel ceiling of NCCL's kernels sets, which no link's efficiency
+    moves (``model.link_share``).
     """
 
     table: str
@@ -184,6 +186,7 @@ class Row:
     calls: int
     algorithm: str = ""
     link: str = "nvlink"
+    ceiling_us: float = 0.0
 
 
 class _Arrays:
@@ -194,6 +197,7 @@ class _Arrays:
         self.hops = np.array([r.hops for r in rows])
         self.local = np.array([r.local_us for r in rows])
         self.net = np.array([r.net_us for r in rows])
+        self.ceiling = np.array([r.ceiling_us for r in rows])
         self.p2p = np.array([r.p2p for r in rows])
         self.maxed = np.array([r.combine == "max" for r in rows])
         self.host_gpus = np.array([r.gpus_per_thread for r in rows], dtype=float)
@@ -211,7 +215,7 @@ class _Arrays:
         eff_of = np.where(self.p2p, p2p, np.append(eff, 1.0)[self.kind])
         net = self.net / eff_of
         local = self.local if link_eff is None else self.local / np.append(link_eff, 1.0)[self.link]
-        transfer = np.where(self.maxed, np.maximum(local, net), local + net)
+        transfer = np.where(self.maxed, np.maximum(local, net), local + net) + self.ceiling
         gpu = self.latency + np.append(kernel, 0.0)[self.arch] + self.hops * hop_of + transfer
         return np.maximum(gpu, self.host_gpus * (launch + self.calls * call))
 
@@ -236,7 +240,7 @@ def _regime(row: Row) -> str:
     count only for rings, trees and point-to-point, whose latency NCCL builds from per-hop
     constants; CollNet's switch aggregation and NVLS's multicast have latencies of their own,
     which a kernel start or a NIC hop would misdescribe."""
-    transfer = row.local_us + row.net_us
+    transfer = row.local_us + row.net_us + row.ceiling_us
     share = transfer / (transfer + row.latency_us) if transfer + row.latency_us > 0 else 0.0
     if share <= 0.2:
         return "latency" if row.algorithm in LATENCY_ALGORITHMS or not row.algorithm else "mixed"
@@ -262,7 +266,10 @@ def fit(rows: Sequence[Row], source: str = "", fit_efficiency: bool = False, pri
     that perftest shows at 81 %), so a public estimate would move a healthy cluster as often
     away from the truth as towards it; a cluster's own tables (``whatif calibrate
     nccl-tests``) tell its rate: the network's from bandwidth-bound rows of which the network
-    carries at least a fifth (``SHARE``), NVLink's (PCIe's) from those of which it does."""
+    carries at least a fifth (``SHARE``), NVLink's (PCIe's) from those of which it does and where
+    it is not hidden behind the network (all-to-all's two parts run at once, ``combine`` "max":
+    there NVLink's part informs its rate only where it is the larger at the specs' rates; else
+    the kernel start and NVLink's rate trade off on rows that neither sets)."""
     from scipy.optimize import least_squares
 
     rows = [r for r in rows if _regime(r) != "mixed"]
@@ -272,10 +279,12 @@ def fit(rows: Sequence[Row], source: str = "", fit_efficiency: bool = False, pri
     kernel_archs = [a for a in archs if any(r.arch == a and _regime(r) == "latency" for r in rows)]
     hop_kinds = [k for k in kinds if any(r.kind == k and r.hops > 0 and _regime(r) == "latency" for r in rows)]
     eff_kinds = [k for k in kinds if fit_efficiency and any(
-        r.kind == k and not r.p2p and r.net_us >= SHARE * (r.local_us + r.net_us) and _regime(r) == "bandwidth"
+        r.kind == k and not r.p2p and r.net_us >= SHARE * (r.local_us + r.net_us + r.ceiling_us)
+        and _regime(r) == "bandwidth"
         for r in rows)]
     eff_links = [link for link in LINKS if fit_efficiency and any(
-        r.link == link and r.local_us >= SHARE * (r.local_us + r.net_us) and _regime(r) == "bandwidth"
+        r.link == link and r.local_us >= SHARE * (r.local_us + r.net_us + r.ceiling_us)
+        and (r.combine != "max" or r.local_us >= r.net_us) and _regime(r) == "bandwidth"
         for r in rows)]
     p2p = any(r.p2p and r.net_us > r.local_us and _regime(r) == "bandwidth" for r in rows)
     host = any(r.gpus_per_thread > 1 for r in rows)

@@ -55,6 +55,16 @@ NCCL's, made on NCCL's estimate, as NCCL itself makes it):
   algorithm, so NCCL leaves it out; what a network hop costs beyond NCCL's InfiniBand constants
   and what fraction of the line rate a NIC kind delivers. Estimated from the public tables
   (or none, ``measured: spec``).
+* *a Simple tree's chain fill* (:func:`tree_chain_fill_us`): the first 512 KiB chunk crosses
+  ``2 (ppn - 1)`` NVLink and ``2 log2 nodes`` network hops whole before every stage is busy;
+  NCCL's per-hop latency is a constant. Small on 8-GPU nodes, milliseconds on a 72-GPU NVLink
+  domain's chain (GB200 NVL72 racks).
+* *which rate a transfer waits on* (:func:`link_share`, :func:`network_share`,
+  :func:`ring_nic_share`): the transfer is split into what NVLink (PCIe) sets, what the NICs
+  set and what a per-channel ceiling of NCCL's kernels sets, so that a measured NVLink or NIC
+  efficiency acts on its own part only. NCCL takes the smaller of the bandwidths and does not
+  split; a ring across NVLink domains whose NICs outnumber its channels waits on NVLink, not on
+  the one-NIC speed NCCL's search gives its channels.
 * *the fabric's own efficiency*, per link class and (algorithm, protocol), and a latency factor:
   1 from specs, fitted by ``whatif calibrate nccl-tests`` (``calibration`` of the fabric).
 
@@ -74,8 +84,8 @@ from typing import Optional
 
 from ..units import TopologyError
 from . import tuning
-from .graphs import (Comm, Graph, collnet_graph, comm_channels, intra_total, nvls_channels, nvls_graph, ring_graph,
-                     tree_graph)
+from .graphs import (Comm, Graph, _nic_path, collnet_graph, comm_channels, intra_total, nvls_channels, nvls_graph,
+                     ring_graph, tree_graph)
 from .measured import public
 from .versions import LATEST, extra, tuner
 
@@ -397,7 +407,53 @@ def network_share(comm: Comm, option: Option, channels: int) -> float:
     else:
         half = dataclasses.replace(graph, bw_intra=graph.bw_intra / 2, bw_inter=graph.bw_inter / 2)
     slow = _algorithm_bandwidth(comm, option.op, option.algorithm, option.protocol, half)
-    return 0.0 if slow <= 0 else min(1.0, max(0.0, full / slow - 1.0))
+    share = 0.0 if slow <= 0 else min(1.0, max(0.0, full / slow - 1.0))
+    if option.algorithm == "ring":
+        share *= ring_nic_share(comm, graph, channels)
+    return share
+
+
+def link_share(comm: Comm, option: Option, channels: int) -> float:
+    """The share of ``option``'s transfer time that the links' rates set, NVLink (PCIe) and
+    network together: how much longer it takes when every link runs at half speed (both graph
+    speeds halved). The rest (``1 - share``) is set by a per-channel ceiling of NCCL's kernels
+    (``TREE_MAX_BW``, LL128's and LL's ceilings per channel or per GPU): a kernel's throughput,
+    which a faster or slower NVLink or NIC does not move, so neither link's measured efficiency
+    acts on it (``predict``). Where a ceiling binds, NCCL's formula takes the smaller of it and
+    the links' bandwidth, and so do we; NCCL does not split the time."""
+    if option.algorithm == "p2p":
+        return 1.0
+    graph = _graph(comm, option.algorithm)
+    if channels < option.channels:
+        graph = dataclasses.replace(graph, channels=graph.channels * channels / option.channels)
+    full = _algorithm_bandwidth(comm, option.op, option.algorithm, option.protocol, graph)
+    half = dataclasses.replace(graph, bw_intra=graph.bw_intra / 2, bw_inter=graph.bw_inter / 2)
+    slow = _algorithm_bandwidth(comm, option.op, option.algorithm, option.protocol, half)
+    return 1.0 if slow <= 0 else min(1.0, max(0.0, full / slow - 1.0))
+
+
+def ring_nic_share(comm: Comm, graph: Graph, channels: int) -> float:
+    """Whether a ring across nodes waits on its NICs (1) or on the NVLink inside its nodes (0):
+    ``clamp(2 b / c - 1, 0, 1)``, ``b`` the ring's bus bandwidth (every channel leaves each node
+    once, at its speed, on the channels launched) and ``c`` what the node's NICs carry at the
+    speed NCCL's search gives a channel on one NIC, one channel per NIC up to ``node_nics``:
+    ``b`` at ``c`` is NIC-bound (halving the NICs halves it), ``b`` at ``c / 2`` or below is not.
+
+    NCCL's search caps a ring channel's speed at one NIC's (``_nic_path``), so halving the NICs
+    halves every ring in its model (``network_share``'s account, 1). Where a node has far more
+    NICs than the ring has channels (a GB200/GB300 NVLink domain of 64 or 72 GPUs, each with its
+    own NIC, joined to another by a 30-channel ring) the channels' NICs are idle half the time
+    and NVLink sets the pace: CoreWeave's 128-GPU GB200 ring delivers 810 GB/s of bus bandwidth,
+    above 15 NICs' 750 and at NVLink's rate, not the NICs'. Departure: the channels are taken to
+    spread over distinct NICs (NCCL's search places them; we do not follow it NIC by NIC)."""
+    if comm.n_nodes < 2:
+        return 0.0
+    speeds = comm.tuner.speeds_inter[tuning.speed_row(comm.fabric.gpu.compute_capability)]
+    path = _nic_path(comm)
+    nic = next((s for s in speeds if s <= path + 1e-9), path)
+    bus = graph.channels * graph.bw_inter  # the graph on the launched channels (network_share's)
+    capacity = min(comm.node_nics, max(channels, 1)) * nic
+    return min(1.0, max(0.0, 2.0 * bus / capacity - 1.0)) if capacity > 0 else 1.0
 
 
 def nvls_traffic_factor(comm: Comm, option: Option) -> float:
@@ -518,8 +574,8 @@ def pipeline_fill_us(comm: Comm, option: Option, nbytes: float, bandwidth_gbs: f
     down the tree, the reduction folded into the first and the multicast into the last), and
     only once the first chunk is through is every stage busy, so
     ``(depth - 1) x chunk / b`` comes on top of the bytes at full speed (``b`` one lane's
-    bandwidth). 0 for algorithms whose every link is busy from the start (rings) or whose mid
-    sizes NCCL's own estimate corrects (trees)."""
+    bandwidth). 0 for algorithms whose every link is busy from the start (rings); trees' is
+    :func:`tree_chain_fill_us`."""
     found = nvls_chunk(comm, option, nbytes)
     if found is None:
         return 0.0
@@ -527,6 +583,40 @@ def pipeline_fill_us(comm: Comm, option: Option, nbytes: float, bandwidth_gbs: f
     depth = 1 + 2 * _log2i(comm.n_nodes) if option.algorithm == "nvls_tree" else 2
     lane_bytes_per_us = bandwidth_gbs * 1e3 / ops
     return (depth - 1) * min(chunk, nbytes / ops) / lane_bytes_per_us
+
+
+TREE_SIMPLE_CHUNK = 4 * 2**20 // 8  # NCCL's Simple buffer (DEFAULT_BUFFSIZE, 4 MiB) over NCCL_STEPS (8)
+
+
+def tree_chain_fill_us(comm: Comm, option: Option, nbytes: float, channels: int, release: tuple) -> float:
+    """The time a tree all-reduce's Simple pipeline takes to fill: the first chunk climbs the
+    chain of ``ppn`` GPUs of its node and ``log2 nodes`` network levels, and comes down again,
+    each hop a whole chunk (Simple forwards a step only once it has arrived): ``2 (ppn - 1)``
+    NVLink hops and ``2 log2 nodes`` network hops of ``t_i`` each. In steady state every chunk
+    costs the slowest link two hops (it carries the chunk up and back down: a tree's algorithm
+    bandwidth is half its bus bandwidth), which the transfer ``S / B`` counts; the rest of the
+    first chunk's trip, ``sum t_i - 2 max t_i``, is the fill (none for one GPU on each of two
+    nodes, whose one chunk goes up and down once). A hop moves a chunk at its channel's share of the link: a GPU's
+    NVLink over the channels launched, a NIC (one per channel, as many as the node has). The chunk is NCCL's Simple step, 512 KiB
+    (``calcCollChunking``: a tree's chunk is one step); releases before 2.20 halve it while a
+    channel holds fewer than ``8 x depth`` (then ``4 x``, ``1 x``) chunks, down to 128, 64 and
+    32 KiB. NCCL's estimate has no such term (its per-hop latency is a constant); LL and LL128
+    forward line by line, so theirs is taken as nothing. 0 for other algorithms."""
+    if option.algorithm != "tree" or option.protocol != "simple" or option.op != "all_reduce" or comm.n_nodes < 2:
+        return 0.0
+    ppn, levels = comm.ppn, _log2i(comm.n_nodes)
+    channels = max(channels, 1)
+    chunk = float(TREE_SIMPLE_CHUNK)
+    if release < (2, 20, 0):
+        depth = ppn - 1 + levels + 1
+        for times, floor in ((8, 131072), (4, 65536), (1, 32768)):
+            while nbytes / (channels * chunk) < depth * times and chunk > floor:
+                chunk /= 2
+    chunk = min(chunk, nbytes / channels)
+    nvlink = chunk / (intra_total(comm) * 1e3 / channels)
+    nic = chunk / (_nic_path(comm) * 1e3 * min(1.0, comm.node_nics / channels))
+    hops = [nvlink] * (2 * (ppn - 1)) + [nic] * (2 * levels)
+    return max(0.0, sum(hops) - 2 * max(hops)) if hops else 0.0
 
 
 def channels_used(comm: Comm, option: Option, nbytes: float, version: Optional[tuple] = None) -> int:
@@ -579,9 +669,11 @@ class Predicted:
 
     ``hops``, ``kind``, ``local_us`` and ``net_us`` say how the time was made, for fitting the
     measured constants (``measured.py``): ``hops`` network hops of NIC kind ``kind``, and the
-    transfer at the specs' rates split into what crosses no network (``local_us``) and what the
-    network bounds (``net_us``), combined by ``combine`` (``sum``, or ``max`` where the two run
-    at once); ``base_latency_us`` is the latency before the measured constants.
+    transfer at the specs' rates split into what the NVLink (PCIe) inside a node bounds
+    (``local_us``), what the network bounds (``net_us``), combined by ``combine`` (``sum``, or
+    ``max`` where the two run at once), and what neither link's rate sets (``ceiling_us``: a
+    per-channel ceiling of NCCL's kernels, ``link_share``); ``base_latency_us`` is the latency
+    before the measured constants.
     """
 
     option: Option
@@ -594,6 +686,7 @@ class Predicted:
     net_us: float = 0.0
     combine: str = "sum"
     base_latency_us: float = 0.0
+    ceiling_us: float = 0.0
 
     @property
     def time_us(self) -> float:
@@ -641,13 +734,15 @@ def predict(comm: Comm, op: str, nbytes: float, algorithms=None, protocols=None,
         option.link, option.algorithm, option.protocol)
     bandwidth = bandwidth_on(comm, option, used) * nvls_traffic_factor(comm, option)
     latency, transfer = estimate_parts(comm, dataclasses.replace(option, bandwidth_gbs=bandwidth), nbytes)
-    transfer = transfer * chunk_slowdown(comm, option, nbytes) + pipeline_fill_us(comm, option, nbytes, bandwidth)
+    transfer = (transfer * chunk_slowdown(comm, option, nbytes) + pipeline_fill_us(comm, option, nbytes, bandwidth)
+                + tree_chain_fill_us(comm, option, nbytes, used, release))
     nic = comm.fabric.nic
     hops = net_hops(comm, option)
-    share = network_share(comm, option, used)
-    local, net = transfer * (1.0 - share), transfer * share
+    links = link_share(comm, option, used)
+    share = min(network_share(comm, option, used), links)
+    local, net, ceiling = transfer * (links - share), transfer * share, transfer * (1.0 - links)
     measured_latency = latency + measured.kernel(comm.arch) + hops * measured.hop(nic.kind, nic.transport)
     measured_transfer = local / measured.local_efficiency(comm.link_intra) + net / measured.net_efficiency(
-        nic.kind, nic.transport)
+        nic.kind, nic.transport) + ceiling
     return Predicted(chosen, measured_latency * latency_factor, measured_transfer / efficiency, used,
-                     hops, nic.kind, local, net, "sum", latency)
+                     hops, nic.kind, local, net, "sum", latency, ceiling)
