@@ -136,13 +136,15 @@ def _prices(config: ClusterConfig, fw: Framework) -> dict:
 
 
 def simulate_cluster(worker: TaskGraph, gradients: Gradients, iterations: pd.DataFrame, config: ClusterConfig,
-                     laid: Optional[dict] = None) -> ClusterSchedule:
+                     laid: Optional[dict] = None, alone: Optional[Schedule] = None) -> ClusterSchedule:
     """Simulate ``config.workers`` copies of ``worker`` training together. ``laid``, where
     given, keeps the cluster graphs built for this ``worker``, ``gradients`` and ``iterations``
     (:class:`_ClusterGraph`, by what decides their tasks and edges): a grid's configurations that
-    differ only in their links and sizes share one, and only its durations are set anew."""
+    differ only in their links and sizes share one, and only its durations are set anew.
+    ``alone``, where given, is ``worker`` simulated already (``simulate(worker)``, whose graph is
+    ``worker`` itself): one worker's configuration is that schedule, not simulated again."""
     if config.workers == 1:
-        schedule = simulate(worker)
+        schedule = alone if alone is not None and alone.graph is worker else simulate(worker)
         return ClusterSchedule(schedule, np.zeros(0, np.int64), np.ones(len(worker.tasks), bool), 0.0, 0.0)
     if config.policy not in POLICIES:
         raise GraphError(f"unknown policy {config.policy!r}; choose from {', '.join(POLICIES)}")

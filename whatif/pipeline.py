@@ -369,7 +369,7 @@ def _simulate_clusters(prediction: Prediction, sweep: Sweep) -> None:
     gradients = find_gradients(without_comm, study.iterations, request.gradient_sizes, request.gradient_total)
     grid = _Grid(worker, without_comm, gradients, study.iterations, pass_rate_bytes_per_us(study.graph),
                  prediction.iteration_ms, prediction.iteration_interval, request.optimizer, request.gpu_memory_bytes,
-                 _microbatch_graph(request))
+                 _microbatch_graph(request), alone=prediction.schedule)
     rows, runs = zip(*run_sweep(_configuration, grid, request.clusters, sweep))
     labels = configuration_labels(list(rows), request.clusters)
     prediction.results = pd.DataFrame(list(rows))
@@ -391,6 +391,7 @@ class _Grid:
     optimizer: str
     gpu_memory_bytes: Optional[float]
     microbatch: Optional[TaskGraph] = None  # the microbatch trace's graph, without its communication
+    alone: Optional[Schedule] = None  # the worker simulated alone: every 1x1 configuration's schedule
     units: dict = field(default_factory=dict)  # parallelism.units -> the worker's units, found once
     laid: dict = field(default_factory=dict)  # the cluster graphs built, which simulate_cluster keeps
     spans: dict = field(default_factory=dict)  # what their reports read of them (_spans)
@@ -422,7 +423,7 @@ def _simulated(grid: _Grid, config: ClusterConfig) -> tuple[dict, ClusterSchedul
             row.update(iteration_ms_low=low, iteration_ms_high=high)
         return row, run
     run = simulate_cluster(grid.worker if config.workers == 1 else grid.without_comm, grid.gradients,
-                           grid.iterations, config, grid.laid)
+                           grid.iterations, config, grid.laid, grid.alone)
     report = _spans(grid, run).report(run.schedule) if config.workers > 1 else iteration_report(run.schedule, grid.iterations)
     row = configuration_row(config, run, report, grid.iteration_ms)
     if par is not None:  # plain data parallelism: the cluster path, and its memory
