@@ -34,7 +34,7 @@ own overlaps, that order need not hold, and every kind is simulated (``_simulate
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Optional, Sequence
 
@@ -117,6 +117,8 @@ class ClusterSchedule:
     bytes_per_iteration: float
     # per communication task (the index): its bytes and the collective it ran in (``_collectives``)
     collectives: pd.DataFrame = field(default_factory=lambda: _collectives_frame([]))
+    # the key of the cluster graph (``lay_cluster``) whose durations the schedule's graph is; None: another graph
+    laid: Optional[tuple] = None
 
 
 def _prices(config: ClusterConfig, fw: Framework) -> dict:
@@ -146,16 +148,8 @@ def simulate_cluster(worker: TaskGraph, gradients: Gradients, iterations: pd.Dat
     if config.workers == 1:
         schedule = alone if alone is not None and alone.graph is worker else simulate(worker)
         return ClusterSchedule(schedule, np.zeros(0, np.int64), np.ones(len(worker.tasks), bool), 0.0, 0.0)
-    if config.policy not in POLICIES:
-        raise GraphError(f"unknown policy {config.policy!r}; choose from {', '.join(POLICIES)}")
+    key, built = lay_cluster(worker, gradients, iterations, config, laid)
     fw = framework(config.framework)
-    simulated = _simulated_workers(config)
-    key = (fw.name, config.policy, config.options, config.pass_bytes_per_us, tuple(simulated))
-    built = laid.get(key) if laid is not None else None
-    if built is None:
-        built = _ClusterGraph(worker, gradients, iterations, config, fw, simulated)
-        if laid is not None:
-            laid[key] = built
     prices = _prices(config, fw)
     graph = built.with_durations(built.durations(config, fw, prices))
     sliced, rate = built.sliced, config.pass_bytes_per_us
@@ -188,7 +182,44 @@ def simulate_cluster(worker: TaskGraph, gradients: Gradients, iterations: pd.Dat
         len(comm) / built.iterations_with,
         sum(built.nbytes) * config.bytes_factor / built.iterations_with / len(fw.phases),
         _collectives(config, fw, schedule, comm, built.queue, built.nbytes),
+        key if laid is not None and schedule.graph is graph else None,
     )
+
+
+def lay_cluster(worker: TaskGraph, gradients: Gradients, iterations: pd.DataFrame, config: ClusterConfig,
+                laid: Optional[dict] = None) -> tuple[tuple, "_ClusterGraph"]:
+    """The graph of ``config``'s cluster but for its durations (:class:`_ClusterGraph`), and its
+    key in ``laid`` (what decides its tasks and edges), which keeps it where given; one there
+    already is not built again. For a configuration of several workers."""
+    if config.policy not in POLICIES:
+        raise GraphError(f"unknown policy {config.policy!r}; choose from {', '.join(POLICIES)}")
+    fw = framework(config.framework)
+    simulated = _simulated_workers(config)
+    key = (fw.name, config.policy, config.options, config.pass_bytes_per_us, tuple(simulated))
+    built = laid.get(key) if laid is not None else None
+    if built is None:
+        built = _ClusterGraph(worker, gradients, iterations, config, fw, simulated)
+        if laid is not None:
+            laid[key] = built
+    return key, built
+
+
+def without_graph(run: ClusterSchedule, held) -> tuple[ClusterSchedule, Optional[np.ndarray]]:
+    """``run`` to send to a process that holds the cluster graphs keyed ``held`` (as this one
+    holds them): where its schedule's graph is one of them with durations of its own, without
+    that graph, and its durations (which :func:`with_graph` lays back over the cluster graph
+    there); else ``run`` as it is, and None."""
+    if run.laid is None or run.laid not in held:
+        return run, None
+    durations = run.schedule.graph.tasks["duration_us"].to_numpy()
+    return replace(run, schedule=replace(run.schedule, graph=None)), durations
+
+
+def with_graph(run: ClusterSchedule, durations: Optional[np.ndarray], laid: dict) -> ClusterSchedule:
+    """A run :func:`without_graph` sent, its graph laid back: the cluster graph with ``durations``."""
+    if durations is None:
+        return run
+    return replace(run, schedule=replace(run.schedule, graph=laid[run.laid].with_durations(durations)))
 
 
 class _ClusterGraph:
