@@ -411,9 +411,11 @@ def simulate(graph: TaskGraph, policies: Optional[dict] = None, structure: Optio
     """Schedule ``graph``; ``policies`` maps resource names to :class:`Policy` objects;
     ``structure``, where given, is ``graph``'s (:func:`compile_structure`, of this graph or of
     one with the same tasks, resources, orders and edges)."""
-    if policies:
+    if policies and len(graph.tasks) > _COMPILED_MAX_TASKS:  # every worker replicated: collected as it goes, for memory
         return _Run(graph, policies, event_per_task=False, structure=structure).run()
-    with gc_paused():  # fixed orders only: a few SimPy events, and the collector's walks cost half the run
+    # the collector's walks of the run's lists cost half of it (a tenth with a policy's SimPy
+    # events, whose cycles wait for the collector until the run is over)
+    with gc_paused():
         return _Run(graph, policies, event_per_task=False, structure=structure).run()
 
 
