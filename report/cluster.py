@@ -38,7 +38,9 @@ def cluster_breakdown(run: ClusterSchedule, report: pd.DataFrame) -> pd.DataFram
     computing = IntervalUnion(start[compute], end[compute])
     communicating = IntervalUnion(start[on_network], end[on_network])
     working_only = IntervalUnion(start[working], end[working])
-    working_or_comm = IntervalUnion(np.r_[start[working], start[on_network]], np.r_[end[working], end[on_network]])
+    # its merged blocks stand for the intervals they merge: the same union, the same blocks
+    working_or_comm = IntervalUnion(np.r_[working_only.start, start[on_network]],
+                                    np.r_[working_only.end, end[on_network]])
     rows = []
     for lo, hi in zip(report["span_start_us"], report["span_end_us"]):
         if not np.isfinite(lo):

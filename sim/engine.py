@@ -391,7 +391,9 @@ class _Run:
         t0 = time.perf_counter()
         self.env.run()
         wall = time.perf_counter() - t0
-        stuck = [i for i, e in enumerate(self.end) if e is None] if None in self.end else []
+        start, end = (np.fromiter(times, dtype=np.float64, count=len(times)) for times in (self.start, self.end))
+        # a task never computed is None, which becomes NaN; a NaN computed (a NaN duration) is not stuck
+        stuck = [i for i, e in enumerate(self.end) if e is None] if np.isnan(end).any() else []
         if stuck:
             names = self.graph.tasks["name"].iloc[stuck[:3]].astype(str).tolist()
             raise GraphError(
@@ -400,8 +402,8 @@ class _Run:
             )
         return Schedule(
             graph=self.graph,
-            start_us=np.asarray(self.start, dtype=np.float64),
-            end_us=np.asarray(self.end, dtype=np.float64),
+            start_us=start,
+            end_us=end,
             simpy_events=self.events,
             wall_s=wall,
         )
@@ -411,9 +413,11 @@ def simulate(graph: TaskGraph, policies: Optional[dict] = None, structure: Optio
     """Schedule ``graph``; ``policies`` maps resource names to :class:`Policy` objects;
     ``structure``, where given, is ``graph``'s (:func:`compile_structure`, of this graph or of
     one with the same tasks, resources, orders and edges)."""
-    if policies:
+    if policies and len(graph.tasks) > _COMPILED_MAX_TASKS:  # every worker replicated: collected as it goes, for memory
         return _Run(graph, policies, event_per_task=False, structure=structure).run()
-    with gc_paused():  # fixed orders only: a few SimPy events, and the collector's walks cost half the run
+    # the collector's walks of the run's lists cost half of it (a tenth with a policy's SimPy
+    # events, whose cycles wait for the collector until the run is over)
+    with gc_paused():
         return _Run(graph, policies, event_per_task=False, structure=structure).run()
 
 

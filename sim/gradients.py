@@ -33,7 +33,7 @@ import numpy as np
 import pandas as pd
 
 from .graph import EdgeKind, GraphError, TaskGraph, TaskKind
-from .workload import first_input_bytes
+from .workload import first_inputs_bytes
 
 ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
 BUNDLE_SOURCE = "capture bundle: per-parameter gradient hooks"
@@ -101,7 +101,7 @@ def _find(graph, iterations, sizes, total_bytes, event, accumulate, rows, span) 
     if bundled is not None:
         return bundled
     if len(accumulate):
-        shapes = [first_input_bytes(graph.ops, r) for r in rows.tolist()]
+        shapes = first_inputs_bytes(graph.ops, rows.tolist())
         known = [b is not None and b > 0 for b in shapes]
         if any(known):
             grads = [

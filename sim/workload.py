@@ -104,15 +104,24 @@ def decode_inputs(text) -> list:
 def first_input_bytes(ops: pd.DataFrame, row: int) -> Optional[float]:
     """Bytes of the first input an operator recorded (its shape and type); None where the
     trace recorded no shape."""
+    return _first_input_bytes(ops.at[row, "input_dims"], ops.at[row, "input_types"])
+
+
+def first_inputs_bytes(ops: pd.DataFrame, rows: list) -> list:
+    """:func:`first_input_bytes` of each of ``rows``, the two columns read once."""
+    dims, types = (ops.loc[rows, column].tolist() for column in ("input_dims", "input_types"))
+    return [_first_input_bytes(d, t) for d, t in zip(dims, types)]
+
+
+def _first_input_bytes(dims_text, types) -> Optional[float]:
     try:
-        dims = json.loads(ops.at[row, "input_dims"] or "null")
+        dims = json.loads(dims_text or "null")
     except json.JSONDecodeError:
         return None
     if not dims or not isinstance(dims, list) or not isinstance(dims[0], list) or not dims[0]:
         return None
     elements = float(np.prod(dims[0]))
     size = 4
-    types = ops.at[row, "input_types"]
     if types is not None:
         try:
             size = element_bytes(json.loads(types)[0])

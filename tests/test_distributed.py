@@ -21,7 +21,7 @@ from whatif import GraphError
 from whatif.report.iterations import steady_median
 from whatif.report.cluster import cluster_breakdown
 from whatif.report.iterations import iteration_report
-from whatif.sim.distributed import ClusterConfig, ClusterSchedule, Straggler, simulate_cluster
+from whatif.sim.distributed import ClusterConfig, ClusterSchedule, Straggler, _Asked, simulate_cluster
 from whatif.sim.engine import Schedule
 from whatif.sim.frameworks import FrameworkOptions
 from whatif.sim.gradients import find_gradients
@@ -275,6 +275,47 @@ def test_an_unknown_policy_is_refused(resnet50):
     config = ClusterConfig(cluster(2, 1, 10), "ddp", "lifo")
     with pytest.raises(GraphError, match="lifo"):
         simulate_cluster(resnet50.worker, resnet50.gradients, resnet50.study.iterations, config)
+
+
+# -- a grid's configurations share what they can -------------------------------------------------------
+
+
+def test_a_configuration_the_inter_node_link_cannot_change_reuses_the_schedule_simulated(resnet50):
+    """One machine of two GPUs communicates over NVLink alone: at 40 Gbps between machines it
+    has the durations and prices of 10 Gbps, and the schedule kept then is its own, the one it
+    would simulate; two machines at 40 Gbps are simulated."""
+    args = (resnet50.worker, resnet50.gradients, resnet50.study.iterations)
+    laid: dict = {}
+    at_10 = simulate_cluster(*args, ClusterConfig(cluster(1, 2, 10)), laid)
+    at_40 = simulate_cluster(*args, ClusterConfig(cluster(1, 2, 40)), laid)
+    assert at_40.schedule is at_10.schedule
+    alone = simulate_cluster(*args, ClusterConfig(cluster(1, 2, 40)))  # nothing laid: simulated
+    np.testing.assert_array_equal(alone.schedule.start_us, at_40.schedule.start_us)
+    np.testing.assert_array_equal(alone.schedule.end_us, at_40.schedule.end_us)
+    pd.testing.assert_frame_equal(alone.collectives, at_40.collectives, check_exact=True)
+    two_at_10 = simulate_cluster(*args, ClusterConfig(cluster(2, 1, 10)), laid)
+    two_at_40 = simulate_cluster(*args, ClusterConfig(cluster(2, 1, 40)), laid)
+    assert two_at_40.schedule is not two_at_10.schedule
+    assert two_at_40.schedule.makespan_us < two_at_10.schedule.makespan_us
+
+
+def test_a_kept_schedule_is_not_reused_where_a_price_asked_answers_otherwise(resnet50):
+    args = (resnet50.worker, resnet50.gradients, resnet50.study.iterations)
+    laid: dict = {}
+    simulate_cluster(*args, ClusterConfig(cluster(1, 2, 10)), laid)
+    (built,) = laid.values()
+    durations, answers, schedule = built.kept[0]
+    asked = [(phase, nbytes, value) for phase, of_phase in answers.items() for nbytes, value in of_phase.items()]
+    assert asked, "the policy priced its fused batches"
+    phase, nbytes, value = asked[-1]
+
+    def prices(otherwise: float) -> dict:
+        return {p: _Asked(lambda b, p=p: otherwise if (p, b) == (phase, nbytes) else answers[p].get(b, value))
+                for p in answers}
+
+    assert built.simulated_already(durations, prices(value)) is schedule
+    assert built.simulated_already(durations, prices(value * 1.5)) is None
+    assert built.simulated_already(durations * 1.5, prices(value)) is None
 
 
 # -- communication waits for the GPU -----------------------------------------------------------------

@@ -144,6 +144,13 @@ def test_tasks_that_wait_for_each_other_are_a_cycle(run):
         run(g)
 
 
+@pytest.mark.parametrize("run", ENGINES, ids=ENGINE_IDS)
+def test_a_task_of_no_number_of_microseconds_ends_at_no_time_but_is_not_stuck(run):
+    # NaN is also what a task never computed becomes in the schedule's arrays: it is not a cycle
+    schedule = run(make_graph([("a", "r1", float("nan"), 0.0), ("b", "r1", 1, 0.0)]))
+    assert np.isnan(schedule.end_us[0]) and schedule.end_us[1] == 1.0
+
+
 # -- policies -----------------------------------------------------------------------------------
 
 

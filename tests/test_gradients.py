@@ -18,6 +18,7 @@ from whatif import GraphError
 from whatif.sim.frameworks import FrameworkOptions, framework
 from whatif.sim.gradients import ACCUMULATE_GRAD, find_gradients
 from whatif.sim.graph import TaskKind
+from whatif.sim.workload import first_input_bytes, first_inputs_bytes
 
 RESNET50_PARAMETERS = 25_557_032
 RESNET50_GRADIENT_BYTES = 4 * RESNET50_PARAMETERS  # float32: 102.2 MB
@@ -262,3 +263,14 @@ def test_p3_slices_are_at_most_the_slice_size(resnet50_gradients, name, slice_by
 def test_a_framework_nobody_knows_is_refused(resnet50_gradients):
     with pytest.raises(ValueError, match="horovod"):
         framework("mpi").messages(resnet50_gradients.of_iteration(0), FrameworkOptions(), sliced=False)
+
+
+@pytest.mark.parametrize("name", [RESNET50, DLRM_RANK0], ids=["resnet50", "dlrm"])
+def test_the_first_inputs_of_many_operators_are_those_of_each(traces, name):
+    """``first_inputs_bytes`` reads the operator table's columns once; each operator's bytes
+    are what ``first_input_bytes`` reads of it alone (None where no shape was recorded)."""
+    ops = worker_graph(traces, name).ops
+    rows = ops.index[::7].tolist()
+    each = [first_input_bytes(ops, r) for r in rows]
+    assert first_inputs_bytes(ops, rows) == each
+    assert any(b is not None for b in each) and any(b is None for b in each)

@@ -12,7 +12,7 @@ import yaml
 from whatif.cli import main
 from whatif.pipeline import Request, predict
 from whatif.report.intervals import LEVEL, describe, prediction_interval, student_t_two_sided
-from whatif.report.iterations import steady_median, steady_values
+from whatif.report.iterations import IntervalUnion, steady_median, steady_values
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared" / "traces"
@@ -300,3 +300,21 @@ def test_the_width_one_interval_for_all_needs_covers_that_share_of_points(covera
     h = math.asinh(width / 200.0)  # width = 100 (e^h - e^-h) = 200 sinh(h)
     inside = np.abs(np.log(measured / central)) <= h + 1e-12
     assert inside.mean() >= 0.85 and (np.abs(np.log(measured / central)) < h - 1e-3).mean() < 0.85
+
+
+def test_the_union_of_merged_blocks_and_more_intervals_is_the_union_of_all():
+    """cluster_breakdown merges the worker's busy intervals once and adds the network's to their
+    blocks: the same blocks, to the bit, as merging every interval at once (touching intervals,
+    of zero length and repeated ends included)."""
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        starts = np.round(rng.uniform(0, 100, 300), 1)
+        ends = starts + np.round(rng.exponential(2.0, 300), 1) * (rng.random(300) > 0.1)
+        some = rng.random(300) < 0.7
+        first = IntervalUnion(starts[some], ends[some])
+        over_blocks = IntervalUnion(np.r_[first.start, starts[~some]], np.r_[first.end, ends[~some]])
+        at_once = IntervalUnion(np.r_[starts[some], starts[~some]], np.r_[ends[some], ends[~some]])
+        np.testing.assert_array_equal(over_blocks.start, at_once.start)
+        np.testing.assert_array_equal(over_blocks.end, at_once.end)
+        lo, hi = sorted(rng.uniform(0, 110, 2))
+        assert over_blocks.within(lo, hi) == at_once.within(lo, hi)

@@ -5,7 +5,9 @@ the grid's order, the warnings, the errors and stdout as a serial run would.
 
 from __future__ import annotations
 
+import pickle
 import time
+from dataclasses import replace
 
 import numpy as np
 import pandas as pd
@@ -16,7 +18,10 @@ from whatif.cli import main
 from whatif.collectors.diagnostics import Diagnostics, collecting, warn
 from whatif.pipeline import predict
 from whatif.scenario import Scenario
-from whatif.sim.graph import GraphError
+from whatif.sim.distributed import simulate_cluster, with_graph, without_graph
+from whatif.sim.gradients import find_gradients
+from whatif.sim.graph import GraphError, TaskKind
+from whatif.study import TraceStudy
 from whatif import sweep as sweep_module
 from whatif.sweep import Sweep, SweepError, run_sweep
 
@@ -43,6 +48,13 @@ def assert_same_prediction(got, expected):
         np.testing.assert_array_equal(other.schedule.end_us, run.schedule.end_us, err_msg=label)
         np.testing.assert_array_equal(other.comm_tasks, run.comm_tasks, err_msg=label)
         pd.testing.assert_frame_equal(other.collectives, run.collectives, check_exact=True)
+        assert_same_graph(other.schedule.graph, run.schedule.graph)
+
+
+def assert_same_graph(got, expected):
+    pd.testing.assert_frame_equal(got.tasks, expected.tasks, check_exact=True)
+    pd.testing.assert_frame_equal(got.edges, expected.edges, check_exact=True)
+    assert [n.describe() for n in got.notes] == [n.describe() for n in expected.notes]
 
 
 def test_the_grid_has_configurations_that_differ(serial):
@@ -79,6 +91,23 @@ def fails_on_two(shared, item):
     if item == 2:
         raise GraphError(f"item {item} cannot be simulated")
     return item
+
+
+def test_a_run_sent_back_leaves_out_the_cluster_graph_both_sides_hold():
+    study = TraceStudy.from_trace(BUNDLED_TRACE)
+    worker = study.graph.copy()
+    worker.remove(worker.select(kinds=[TaskKind.COMM]))
+    gradients = find_gradients(worker, study.iterations)
+    config = Scenario.from_dict({**GRID, "cluster": {**GRID["cluster"], "machines": 2, "gpus_per_machine": 2}}).request().clusters[0]
+    laid: dict = {}
+    run = simulate_cluster(worker, gradients, study.iterations, replace(config, pass_bytes_per_us=1e3), laid)
+    sent, durations = without_graph(run, frozenset(laid))
+    assert sent.schedule.graph is None and len(pickle.dumps(sent)) < len(pickle.dumps(run)) / 2
+    back = with_graph(pickle.loads(pickle.dumps(sent)), durations, laid)
+    assert_same_graph(back.schedule.graph, run.schedule.graph)
+    np.testing.assert_array_equal(back.schedule.end_us, run.schedule.end_us)
+    whole, no_durations = without_graph(run, frozenset())  # the other side has no such graph: all of it goes
+    assert whole is run and no_durations is None
 
 
 @pytest.mark.parametrize("jobs", [1, 2, 3])

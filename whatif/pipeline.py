@@ -61,7 +61,7 @@ from whatif.collectors.diagnostics import plural, warn
 from whatif.report.cluster import configuration_labels, configuration_row, memory_columns, parallel_row
 from whatif.report.intervals import relative_interval, steady_interval, widened
 from whatif.report.iterations import IterationSpans, iteration_report, speedup_report, steady_median
-from whatif.sim.distributed import ClusterConfig, ClusterSchedule, simulate_cluster
+from whatif.sim.distributed import ClusterConfig, ClusterSchedule, lay_cluster, simulate_cluster, with_graph, without_graph
 from whatif.sim.engine import Schedule, simulate
 from whatif.sim.frameworks.copies import pass_rate_bytes_per_us
 from whatif.sim.gradients import Gradients, find_gradients
@@ -79,7 +79,7 @@ from whatif.sim.perfmodels.cache import default_models
 from whatif.sim.perfmodels.models import PerfModels, load_models
 
 from .study import TraceStudy
-from .sweep import Sweep, run_sweep
+from .sweep import Sweep, run_sweep, runs_elsewhere
 
 
 @dataclass(frozen=True)
@@ -369,8 +369,12 @@ def _simulate_clusters(prediction: Prediction, sweep: Sweep) -> None:
     gradients = find_gradients(without_comm, study.iterations, request.gradient_sizes, request.gradient_total)
     grid = _Grid(worker, without_comm, gradients, study.iterations, pass_rate_bytes_per_us(study.graph),
                  prediction.iteration_ms, prediction.iteration_interval, request.optimizer, request.gpu_memory_bytes,
-                 _microbatch_graph(request))
-    rows, runs = zip(*run_sweep(_configuration, grid, request.clusters, sweep))
+                 _microbatch_graph(request), alone=prediction.schedule)
+    if runs_elsewhere(sweep, len(request.clusters)):
+        for config in request.clusters:  # laid here once, not in every process, and not sent back
+            _lay(grid, config)
+        grid.held = frozenset(grid.laid)
+    rows, runs = zip(*run_sweep(_configuration, grid, request.clusters, sweep, pack=_sent, unpack=_received))
     labels = configuration_labels(list(rows), request.clusters)
     prediction.results = pd.DataFrame(list(rows))
     prediction.runs = dict(zip(labels, runs))
@@ -391,9 +395,37 @@ class _Grid:
     optimizer: str
     gpu_memory_bytes: Optional[float]
     microbatch: Optional[TaskGraph] = None  # the microbatch trace's graph, without its communication
+    alone: Optional[Schedule] = None  # the worker simulated alone: every 1x1 configuration's schedule
     units: dict = field(default_factory=dict)  # parallelism.units -> the worker's units, found once
     laid: dict = field(default_factory=dict)  # the cluster graphs built, which simulate_cluster keeps
+    held: frozenset = frozenset()  # the keys of those laid before the sweep ran elsewhere: on both sides
     spans: dict = field(default_factory=dict)  # what their reports read of them (_spans)
+
+
+def _lay(grid: _Grid, config: ClusterConfig) -> None:
+    """``config``'s cluster graph laid in ``grid.laid`` (``lay_cluster``), where its
+    configuration simulates one: several workers, no parallelism's families."""
+    if config.pass_bytes_per_us is None:
+        config = replace(config, pass_bytes_per_us=grid.pass_rate)
+    par = config.parallelism
+    if config.workers > 1 and not (par is not None and par.families()):
+        try:
+            lay_cluster(grid.without_comm, grid.gradients, grid.iterations, config, grid.laid)
+        except Exception:  # the configuration's own error, raised where it runs as before
+            pass
+
+
+def _sent(grid: _Grid, result: tuple[dict, ClusterSchedule]) -> tuple:
+    """A configuration's result as a process sends it back: its run's graph left out where both
+    sides hold the cluster graph it was laid over (``grid.held``)."""
+    row, run = result
+    return (row, *without_graph(run, grid.held))
+
+
+def _received(grid: _Grid, sent: tuple) -> tuple[dict, ClusterSchedule]:
+    """A result :func:`_sent` sent, with its run's graph again."""
+    row, run, durations = sent
+    return row, with_graph(run, durations, grid.laid)
 
 
 def _configuration(grid: _Grid, config: ClusterConfig) -> tuple[dict, ClusterSchedule]:
@@ -422,7 +454,7 @@ def _simulated(grid: _Grid, config: ClusterConfig) -> tuple[dict, ClusterSchedul
             row.update(iteration_ms_low=low, iteration_ms_high=high)
         return row, run
     run = simulate_cluster(grid.worker if config.workers == 1 else grid.without_comm, grid.gradients,
-                           grid.iterations, config, grid.laid)
+                           grid.iterations, config, grid.laid, grid.alone)
     report = _spans(grid, run).report(run.schedule) if config.workers > 1 else iteration_report(run.schedule, grid.iterations)
     row = configuration_row(config, run, report, grid.iteration_ms)
     if par is not None:  # plain data parallelism: the cluster path, and its memory

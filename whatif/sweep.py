@@ -69,31 +69,40 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
+def runs_elsewhere(sweep: Sweep, items: int) -> bool:
+    """Whether :func:`run_sweep` runs ``items`` items in other processes or on Dask workers."""
+    return sweep.executor == "dask" or min(sweep.jobs, items) > 1
+
+
 def run_sweep(function: Callable[[Any, Any], Any], shared: Any, items: Sequence, sweep: Sweep = Sweep(),
-              what: str = "configuration") -> list:
+              what: str = "configuration", pack: Optional[Callable[[Any, Any], Any]] = None,
+              unpack: Optional[Callable[[Any, Any], Any]] = None) -> list:
     """``[function(shared, item) for item in items]``, run as ``sweep`` says. ``function`` is a
     module-level function (the processes find it by name); ``shared`` goes to each process or
-    worker once. ``what`` names an item on the progress bar."""
+    worker once. ``what`` names an item on the progress bar. A result made elsewhere is sent
+    back as ``pack(shared, result)`` and is ``unpack(shared, sent)`` here (module-level
+    functions too), where given: what ``shared`` holds on both sides need not travel."""
     items = list(items)
 
     def progress_bar():  # made once the processes are started: none is forked with tqdm's thread
         return _progress_bar(len(items), what, sweep.progress)
 
     if sweep.executor == "dask":
-        outcomes = _on_dask(function, shared, items, sweep.address, progress_bar)
-    elif min(sweep.jobs, len(items)) > 1:
-        outcomes = _on_processes(function, shared, items, min(sweep.jobs, len(items)), progress_bar)
+        outcomes = _on_dask(function, shared, items, sweep.address, progress_bar, pack)
+    elif runs_elsewhere(sweep, len(items)):
+        outcomes = _on_processes(function, shared, items, min(sweep.jobs, len(items)), progress_bar, pack)
     else:
         outcomes = []
         with progress_bar() as bar:
             for item in items:  # warnings recorded as they come, strict ones raised at once
                 outcomes.append((function(shared, item), []))
                 bar.update()
+        unpack = None
     results = []
     for result, warnings in outcomes:
         for text in warnings:
             report(text)
-        results.append(result)
+        results.append(unpack(shared, result) if unpack is not None else result)
     return results
 
 
@@ -104,11 +113,12 @@ def _collected(function, shared, item) -> tuple[Any, list]:
         return function(shared, item), diagnostics.messages
 
 
-def _sent_back(function, shared, item) -> tuple[Any, list]:
-    """:func:`_collected` where it runs in another process or on a Dask worker: an error it
-    raises is one that survives the trip back."""
+def _sent_back(function, shared, item, pack=None) -> tuple[Any, list]:
+    """:func:`_collected` where it runs in another process or on a Dask worker, its result as
+    ``pack`` makes it: an error it raises is one that survives the trip back."""
     try:
-        return _collected(function, shared, item)
+        result, warnings = _collected(function, shared, item)
+        return (pack(shared, result) if pack is not None else result), warnings
     except Exception as err:
         raise _picklable(err) from None
 
@@ -118,18 +128,18 @@ def _sent_back(function, shared, item) -> tuple[Any, list]:
 _SHARED: dict = {}  # in a worker process: the function and its shared inputs
 
 
-def _install(function, shared) -> None:
-    _SHARED.update(function=function, shared=shared)
+def _install(function, shared, pack) -> None:
+    _SHARED.update(function=function, shared=shared, pack=pack)
 
 
 def _in_worker(item) -> tuple[Any, list]:
-    return _sent_back(_SHARED["function"], _SHARED["shared"], item)
+    return _sent_back(_SHARED["function"], _SHARED["shared"], item, _SHARED["pack"])
 
 
-def _on_processes(function, shared, items: list, jobs: int, progress_bar) -> list:
+def _on_processes(function, shared, items: list, jobs: int, progress_bar, pack=None) -> list:
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context(method),
-                             initializer=_install, initargs=(function, shared)) as pool:
+                             initializer=_install, initargs=(function, shared, pack)) as pool:
         futures = [pool.submit(_in_worker, item) for item in items]
         try:
             with progress_bar() as bar:
@@ -154,7 +164,7 @@ def _picklable(err: Exception) -> Exception:
 
 # -- a Dask cluster ----------------------------------------------------------------------------
 
-def _on_dask(function, shared, items: list, address: Optional[str], progress_bar) -> list:
+def _on_dask(function, shared, items: list, address: Optional[str], progress_bar, pack=None) -> list:
     try:
         from distributed import Client
         from distributed import as_completed as dask_completed
@@ -170,7 +180,7 @@ def _on_dask(function, shared, items: list, address: Optional[str], progress_bar
         raise SweepError(f"Dask scheduler {address}: cannot connect ({err})") from None
     with client:
         on_workers = client.scatter(shared, broadcast=True, hash=False)
-        futures = [client.submit(_sent_back, function, on_workers, item, pure=False) for item in items]
+        futures = [client.submit(_sent_back, function, on_workers, item, pack, pure=False) for item in items]
         try:
             with progress_bar() as bar:
                 for future in dask_completed(futures, loop=client.loop):
