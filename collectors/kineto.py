@@ -274,34 +274,43 @@ def _timed_events(path: Path, decoded: list) -> tuple[list, np.ndarray, list, np
     """The complete ('X') events worth keeping, their kinds (int8), names, starts and durations.
     Those whose time cannot be used are dropped, a warning per problem and kind saying how many.
 
-    The events are classified a column at a time (each category and name looked at once); where
-    any would be dropped, :func:`_timed_events_one_by_one` says why, event by event."""
+    The events are classified in one pass, by their phase and category (each pair looked at
+    once), and only those kept are read further; where any would be dropped,
+    :func:`_timed_events_one_by_one` says why, event by event."""
     n = len(decoded)
     if not n:
         return [], np.zeros(0, dtype=np.int8), [], np.zeros(0), np.zeros(0)
-    ph, cat, name = (list(map(attrgetter(a), decoded)) for a in ("ph", "cat", "name"))
-    kind_of = {}
-    for c in dict.fromkeys(cat):
-        kind = _category_kind(c)
-        kind_of[c] = -1 if kind is None else int(kind)
-    kinds = np.fromiter(map(kind_of.__getitem__, cat), dtype=np.int8, count=n)
-    kinds[~np.fromiter(map("X".__eq__, ph), dtype=bool, count=n)] = -1
-    if "Operator" in kind_of:  # the 2021 schema's record_function ranges (_looks_like_annotation)
-        annotation = {v: _looks_like_annotation(v) for v in dict.fromkeys(name)}
-        relabel = np.fromiter(map("Operator".__eq__, cat), dtype=bool, count=n)
-        relabel &= np.fromiter(map(annotation.__getitem__, name), dtype=bool, count=n)
-        kinds[relabel & (kinds == int(EventKind.CPU_OP))] = int(EventKind.ANNOTATION)
+    kind_of = _KindOfPhaseAndCategory()
+    kinds = np.fromiter(map(kind_of.__getitem__, map(attrgetter("ph", "cat"), decoded)), dtype=np.int8, count=n)
     rows = np.flatnonzero(kinds >= 0)
-    ts = np.fromiter(map(attrgetter("ts"), decoded), dtype=np.float64, count=n)[rows]
-    dur = np.fromiter(map(attrgetter("dur"), decoded), dtype=np.float64, count=n)[rows]
+    kinds = kinds[rows]
+    kept = list(map(decoded.__getitem__, rows.tolist()))
+    names = list(map(attrgetter("name"), kept))
+    if ("X", "Operator") in kind_of:  # the 2021 schema's record_function ranges (_looks_like_annotation)
+        annotation = {v: _looks_like_annotation(v) for v in dict.fromkeys(names)}
+        relabel = np.fromiter(map("Operator".__eq__, map(attrgetter("cat"), kept)), dtype=bool, count=len(kept))
+        relabel &= np.fromiter(map(annotation.__getitem__, names), dtype=bool, count=len(kept))
+        kinds[relabel & (kinds == int(EventKind.CPU_OP))] = int(EventKind.ANNOTATION)
+    ts, dur = (np.fromiter(map(attrgetter(a), kept), dtype=np.float64, count=len(kept)) for a in ("ts", "dur"))
     with np.errstate(invalid="ignore"):
         usable = (dur >= 0) & (dur <= MAX_SPAN_US) & np.isfinite(ts)
         if len(ts) and usable.all() and not (np.abs(ts - np.median(ts)) > MAX_SPAN_US).any():
-            at = rows.tolist()
-            return list(map(decoded.__getitem__, at)), kinds[rows], list(map(name.__getitem__, at)), ts, dur
+            return kept, kinds, names, ts, dur
     kept, kind_list = _timed_events_one_by_one(path, decoded)
     ts, dur = (np.fromiter(map(attrgetter(a), kept), dtype=np.float64, count=len(kept)) for a in ("ts", "dur"))
     return kept, np.asarray(kind_list, dtype=np.int8), list(map(attrgetter("name"), kept)), ts, dur
+
+
+class _KindOfPhaseAndCategory(dict):
+    """(phase, category) -> the kind (an int) of the events kept, -1 for the others: those of
+    another phase than complete ('X') or of a category not kept; each pair worked out the first
+    time it is asked for."""
+
+    def __missing__(self, key: tuple) -> int:
+        ph, cat = key
+        kind = _category_kind(cat) if ph == "X" else None
+        value = self[key] = -1 if kind is None else int(kind)
+        return value
 
 
 def _category_kind(cat: str) -> Optional[EventKind]:
@@ -352,41 +361,52 @@ def _timed_events_one_by_one(path: Path, decoded: list) -> tuple[list, list]:
 def _thread_labels(path: Path, kinds: np.ndarray, kept: list, args: list) -> tuple[list, np.ndarray]:
     """Every event's thread as the distinct labels and each event's code into them: "pid/tid"
     for CPU threads and "gpu D/stream S" for GPU streams. A GPU event needs a stream
-    (``args.stream``, else a numeric ``tid``); a CPU event a ``tid``."""
+    (``args.stream``, else a numeric ``tid``); a CPU event a ``tid``.
+
+    The labels are in the order their threads first appear; a CPU event's thread is found by
+    numbers (its pid's and its tid's codes), not by hashing a key per event."""
     pid, tid = list(map(attrgetter("pid"), kept)), list(map(attrgetter("tid"), kept))
-    keys = list(zip(repeat("cpu"), pid, tid))
-    gpu = np.flatnonzero(np.isin(kinds, _GPU_THREAD_KINDS)).tolist()
-    if gpu:
-        on_gpu = list(map(args.__getitem__, gpu))
+    pid_codes, pids = _codes(pid)
+    tid_codes, tids = _codes(tid)
+    keys = pid_codes * len(tids) + tid_codes  # a CPU thread: its (pid, tid) as one number
+    gpu = np.flatnonzero(np.isin(kinds, _GPU_THREAD_KINDS))
+    gpu_keys: list = []
+    if len(gpu):
+        at = gpu.tolist()
+        on_gpu = list(map(args.__getitem__, at))
         device, stream = list(map(attrgetter("device"), on_gpu)), list(map(attrgetter("stream"), on_gpu))
         if min(device) < 0 or min(stream) < 0:  # the process and thread ids stand in
-            device = [d if d >= 0 else pid[i] for i, d in zip(gpu, device)]
-            stream = [s if s >= 0 else tid[i] for i, s in zip(gpu, stream)]
-        for i, key in zip(gpu, zip(repeat("gpu"), device, stream)):
-            keys[i] = key
-    index = {key: i for i, key in enumerate(dict.fromkeys(keys))}
+            device = [d if d >= 0 else pid[i] for i, d in zip(at, device)]
+            stream = [s if s >= 0 else tid[i] for i, s in zip(at, stream)]
+        gpu_codes, gpu_keys = _codes(list(zip(device, stream)))
+        keys[gpu] = len(pids) * len(tids) + gpu_codes  # a GPU stream: numbered after every CPU key
+    distinct, first, codes = np.unique(keys, return_index=True, return_inverse=True)
+    order = np.argsort(first)  # the threads in the order they first appear
+    rank = np.empty(len(order), dtype=np.int64)
+    rank[order] = np.arange(len(order))
     labels = []
-    for key in index:
-        if key[2] is None or isinstance(key[2], bool):
-            _refuse_thread(path, key, kinds, kept, keys, "has no tid" if key[0] == "cpu" else "has no stream (args.stream) nor tid")
-        if key[0] == "gpu":
-            stream = str(key[2]).replace("stream ", "").strip()
-            if not stream.lstrip("-").isdigit():
-                _refuse_thread(path, key, kinds, kept, keys,
-                               f"has no stream (args.stream) and its tid {key[2]!r} is not a stream number")
-            labels.append(f"gpu {key[1]}/stream {stream}")
-        else:
-            labels.append(f"{key[1]}/{key[2]}")
-    codes = np.fromiter(map(index.__getitem__, keys), dtype=np.int64, count=len(keys))
-    return labels, codes
+    for key, i in zip(distinct[order].tolist(), first[order].tolist()):
+        if key < len(pids) * len(tids):
+            thread = tids[key % len(tids)]
+            if thread is None or isinstance(thread, bool):
+                _refuse_thread(path, i, kinds, kept, "has no tid")
+            labels.append(f"{pids[key // len(tids)]}/{thread}")
+            continue
+        device, stream = gpu_keys[key - len(pids) * len(tids)]
+        if stream is None or isinstance(stream, bool):
+            _refuse_thread(path, i, kinds, kept, "has no stream (args.stream) nor tid")
+        number = str(stream).replace("stream ", "").strip()
+        if not number.lstrip("-").isdigit():
+            _refuse_thread(path, i, kinds, kept, f"has no stream (args.stream) and its tid {stream!r} is not a stream number")
+        labels.append(f"gpu {device}/stream {number}")
+    return labels, rank[codes.reshape(-1)]
 
 
 _GPU_THREAD_KINDS = [int(k) for k in GPU_KINDS] + [int(EventKind.GPU_ANNOTATION)]
 
 
-def _refuse_thread(path: Path, key: tuple, kinds: np.ndarray, kept: list, keys: list, problem: str):
-    """The error for the first event whose thread is ``key``."""
-    i = keys.index(key)
+def _refuse_thread(path: Path, i: int, kinds: np.ndarray, kept: list, problem: str):
+    """The error for event ``i``, the first on its thread."""
     ev = kept[i]
     raise TraceError(path, f"a {_KIND_NOUN[EventKind(int(kinds[i]))]} ({ev.name!r} at ts {ev.ts}) {problem}")
 
@@ -507,9 +527,17 @@ def categorical(values: list) -> pd.Categorical:
 
 
 def _codes(values: list) -> tuple[np.ndarray, list]:
-    """Each value's code, and the distinct values in order of first appearance."""
-    index = {v: i for i, v in enumerate(dict.fromkeys(values))}
+    """Each value's code, and the distinct values in order of first appearance (one pass)."""
+    index = _Interned()
     return np.fromiter(map(index.__getitem__, values), dtype=np.int64, count=len(values)), list(index)
+
+
+class _Interned(dict):
+    """value -> its code: the number of distinct values asked for before it."""
+
+    def __missing__(self, value) -> int:
+        code = self[value] = len(self)
+        return code
 
 
 def categorical_of(labels: np.ndarray, codes: np.ndarray) -> pd.Categorical:
