@@ -15,9 +15,7 @@ names interned as categoricals, as Holistic Trace Analysis does.
 from __future__ import annotations
 
 import enum
-import os
 import re
-import zlib
 from dataclasses import dataclass, field
 from operator import attrgetter, itemgetter
 from pathlib import Path
@@ -29,15 +27,7 @@ import pandas as pd
 
 from .diagnostics import plural, warn
 from .gcpause import gc_paused
-
-
-class TraceError(Exception):
-    """A trace file that cannot be used; the message names the file and the problem."""
-
-    def __init__(self, path: Union[str, Path], problem: str):
-        super().__init__(f"{path}: {problem}")
-        self.path = str(path)
-        self.problem = problem
+from .tracefile import TraceError, read_bytes
 
 
 class EventKind(enum.IntEnum):
@@ -154,67 +144,6 @@ class KinetoTrace:
     @property
     def has_gpu(self) -> bool:
         return bool(self.events["kind"].isin([int(k) for k in GPU_KINDS]).any())
-
-
-def _read_bytes(path: Path) -> bytes:
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise TraceError(path, "no such file") from None
-    except IsADirectoryError:
-        raise TraceError(path, "is a folder, neither a trace file nor a trace bundle (no bundle.json)") from None
-    except OSError as err:
-        raise TraceError(path, f"cannot be read ({err.strerror})") from None
-    if raw[:2] == b"\x1f\x8b":
-        raw = _gunzip(path, raw)
-    return raw
-
-
-#: The most a gzipped trace may expand to, in MB, and how many times its compressed size; the
-#: environment variables of the same names raise them. Real traces expand 8 to 30-fold (the
-#: shared ones: 0.1 to 54 MB); a gzip bomb expands a thousandfold.
-MAX_TRACE_MB = 4096
-MAX_GZIP_RATIO = 200
-_GZIP_RATIO_FROM_MB = 64  # the ratio is not held against a trace that expands to less than this
-
-
-def _limit(name: str, default: float) -> float:
-    try:
-        return float(os.environ.get(name, default))
-    except ValueError:
-        raise TraceError(f"${name}", f"{os.environ[name]!r} is not a number") from None
-
-
-def _gunzip(path: Path, raw: bytes) -> bytes:
-    """The gzip data decompressed (every member), refusing beyond :data:`MAX_TRACE_MB` or
-    :data:`MAX_GZIP_RATIO` times its size before it has taken the memory."""
-    max_mb = _limit("WHATIF_MAX_TRACE_MB", MAX_TRACE_MB)
-    max_ratio = _limit("WHATIF_MAX_GZIP_RATIO", MAX_GZIP_RATIO)
-    limit = int(min(max_mb * 1e6, max(len(raw) * max_ratio, _GZIP_RATIO_FROM_MB * 1e6)))
-    out, data = [], raw
-    size = 0
-    try:
-        while data:
-            unzip = zlib.decompressobj(wbits=31)
-            while data:
-                chunk = unzip.decompress(data, limit + 1 - size)
-                size += len(chunk)
-                out.append(chunk)
-                if size > limit:
-                    why = (f"more than {max_ratio:g} times its {len(raw) / 1e6:.1f} MB (WHATIF_MAX_GZIP_RATIO"
-                           if limit < max_mb * 1e6 else f"more than {max_mb:g} MB (WHATIF_MAX_TRACE_MB")
-                    raise TraceError(path, f"gzip data expands to {why} raises the limit); refusing to read it")
-                data = unzip.unconsumed_tail
-                if unzip.eof:
-                    break
-            if not unzip.eof:
-                raise EOFError
-            data = unzip.unused_data.lstrip(b"\0")  # gzip.decompress allows zeros after a member
-            if data and data[:2] != b"\x1f\x8b":
-                raise zlib.error
-    except (EOFError, zlib.error):
-        raise TraceError(path, "truncated or corrupt gzip data") from None
-    return b"".join(out)
 
 
 #: the whitespace ``bytes.lstrip`` strips, matched rather than stripped (a copy of the whole text)
@@ -418,7 +347,7 @@ def read_kineto(path: Union[str, Path]) -> KinetoTrace:
     Raises :class:`TraceError` with a one-line reason for anything that is not a usable trace.
     """
     path = Path(path)
-    raw = _read_bytes(path)
+    raw = read_bytes(path)
     doc, decoded = _decode(path, raw)
 
     kept, kinds, names, ts_arr, dur = _timed_events(path, decoded)
