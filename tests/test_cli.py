@@ -188,7 +188,8 @@ def test_a_replay_imports_neither_the_pipeline_nor_the_other_commands():
     loaded = set(eval(result.stderr.strip().splitlines()[-1]))
     assert "whatif.commands.simulate" in loaded
     assert not loaded & {"whatif.pipeline", "whatif.sim.distributed", "whatif.topology", "whatif.commands.predict",
-                         "whatif.commands.advise", "whatif.lab.cli", "whatif.sim.multirank"}
+                         "whatif.commands.advise", "whatif.lab.cli", "whatif.sim.multirank",
+                         "whatif.report.timeline", "whatif.sim.critical_path"}  # no --timeline asked
 
 
 def test_the_command_table_names_every_command_of_each_module():
