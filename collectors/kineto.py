@@ -457,7 +457,9 @@ class _ArgsColumns:
         default ("") where absent, as ``pd.Categorical`` makes it (its categories sorted), but
         the distinct values interned by a dict rather than by pandas hashing every row."""
         values = self._values(field_name)
-        codes, labels = _codes(values if as_text is None else list(map(as_text, values)))
+        if as_text is not None:  # only where the field is present: most of these events leave it out
+            values = [as_text(v) if len(v) else "" for v in values]
+        codes, labels = _codes(values)
         column = np.full(len(self.args), len(labels), dtype=np.int64)  # the default, after the others
         column[self.rows] = codes
         return categorical_of(np.array(labels + [""], dtype=object), column)
