@@ -15,12 +15,9 @@ names interned as categoricals, as Holistic Trace Analysis does.
 from __future__ import annotations
 
 import enum
-import os
 import re
-import zlib
 from dataclasses import dataclass, field
-from itertools import chain, repeat
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from pathlib import Path
 from typing import Optional, Union
 
@@ -30,15 +27,7 @@ import pandas as pd
 
 from .diagnostics import plural, warn
 from .gcpause import gc_paused
-
-
-class TraceError(Exception):
-    """A trace file that cannot be used; the message names the file and the problem."""
-
-    def __init__(self, path: Union[str, Path], problem: str):
-        super().__init__(f"{path}: {problem}")
-        self.path = str(path)
-        self.problem = problem
+from .tracefile import TraceError, read_bytes
 
 
 class EventKind(enum.IntEnum):
@@ -157,67 +146,6 @@ class KinetoTrace:
         return bool(self.events["kind"].isin([int(k) for k in GPU_KINDS]).any())
 
 
-def _read_bytes(path: Path) -> bytes:
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise TraceError(path, "no such file") from None
-    except IsADirectoryError:
-        raise TraceError(path, "is a folder, neither a trace file nor a trace bundle (no bundle.json)") from None
-    except OSError as err:
-        raise TraceError(path, f"cannot be read ({err.strerror})") from None
-    if raw[:2] == b"\x1f\x8b":
-        raw = _gunzip(path, raw)
-    return raw
-
-
-#: The most a gzipped trace may expand to, in MB, and how many times its compressed size; the
-#: environment variables of the same names raise them. Real traces expand 8 to 30-fold (the
-#: shared ones: 0.1 to 54 MB); a gzip bomb expands a thousandfold.
-MAX_TRACE_MB = 4096
-MAX_GZIP_RATIO = 200
-_GZIP_RATIO_FROM_MB = 64  # the ratio is not held against a trace that expands to less than this
-
-
-def _limit(name: str, default: float) -> float:
-    try:
-        return float(os.environ.get(name, default))
-    except ValueError:
-        raise TraceError(f"${name}", f"{os.environ[name]!r} is not a number") from None
-
-
-def _gunzip(path: Path, raw: bytes) -> bytes:
-    """The gzip data decompressed (every member), refusing beyond :data:`MAX_TRACE_MB` or
-    :data:`MAX_GZIP_RATIO` times its size before it has taken the memory."""
-    max_mb = _limit("WHATIF_MAX_TRACE_MB", MAX_TRACE_MB)
-    max_ratio = _limit("WHATIF_MAX_GZIP_RATIO", MAX_GZIP_RATIO)
-    limit = int(min(max_mb * 1e6, max(len(raw) * max_ratio, _GZIP_RATIO_FROM_MB * 1e6)))
-    out, data = [], raw
-    size = 0
-    try:
-        while data:
-            unzip = zlib.decompressobj(wbits=31)
-            while data:
-                chunk = unzip.decompress(data, limit + 1 - size)
-                size += len(chunk)
-                out.append(chunk)
-                if size > limit:
-                    why = (f"more than {max_ratio:g} times its {len(raw) / 1e6:.1f} MB (WHATIF_MAX_GZIP_RATIO"
-                           if limit < max_mb * 1e6 else f"more than {max_mb:g} MB (WHATIF_MAX_TRACE_MB")
-                    raise TraceError(path, f"gzip data expands to {why} raises the limit); refusing to read it")
-                data = unzip.unconsumed_tail
-                if unzip.eof:
-                    break
-            if not unzip.eof:
-                raise EOFError
-            data = unzip.unused_data.lstrip(b"\0")  # gzip.decompress allows zeros after a member
-            if data and data[:2] != b"\x1f\x8b":
-                raise zlib.error
-    except (EOFError, zlib.error):
-        raise TraceError(path, "truncated or corrupt gzip data") from None
-    return b"".join(out)
-
-
 #: the whitespace ``bytes.lstrip`` strips, matched rather than stripped (a copy of the whole text)
 _LEADING_SPACE = re.compile(rb"[ \t\n\r\x0b\x0c]*")
 
@@ -274,34 +202,43 @@ def _timed_events(path: Path, decoded: list) -> tuple[list, np.ndarray, list, np
     """The complete ('X') events worth keeping, their kinds (int8), names, starts and durations.
     Those whose time cannot be used are dropped, a warning per problem and kind saying how many.
 
-    The events are classified a column at a time (each category and name looked at once); where
-    any would be dropped, :func:`_timed_events_one_by_one` says why, event by event."""
+    The events are classified in one pass, by their phase and category (each pair looked at
+    once), and only those kept are read further; where any would be dropped,
+    :func:`_timed_events_one_by_one` says why, event by event."""
     n = len(decoded)
     if not n:
         return [], np.zeros(0, dtype=np.int8), [], np.zeros(0), np.zeros(0)
-    ph, cat, name = (list(map(attrgetter(a), decoded)) for a in ("ph", "cat", "name"))
-    kind_of = {}
-    for c in dict.fromkeys(cat):
-        kind = _category_kind(c)
-        kind_of[c] = -1 if kind is None else int(kind)
-    kinds = np.fromiter(map(kind_of.__getitem__, cat), dtype=np.int8, count=n)
-    kinds[~np.fromiter(map("X".__eq__, ph), dtype=bool, count=n)] = -1
-    if "Operator" in kind_of:  # the 2021 schema's record_function ranges (_looks_like_annotation)
-        annotation = {v: _looks_like_annotation(v) for v in dict.fromkeys(name)}
-        relabel = np.fromiter(map("Operator".__eq__, cat), dtype=bool, count=n)
-        relabel &= np.fromiter(map(annotation.__getitem__, name), dtype=bool, count=n)
-        kinds[relabel & (kinds == int(EventKind.CPU_OP))] = int(EventKind.ANNOTATION)
+    kind_of = _KindOfPhaseAndCategory()
+    kinds = np.fromiter(map(kind_of.__getitem__, map(attrgetter("ph", "cat"), decoded)), dtype=np.int8, count=n)
     rows = np.flatnonzero(kinds >= 0)
-    ts = np.fromiter(map(attrgetter("ts"), decoded), dtype=np.float64, count=n)[rows]
-    dur = np.fromiter(map(attrgetter("dur"), decoded), dtype=np.float64, count=n)[rows]
+    kinds = kinds[rows]
+    kept = list(map(decoded.__getitem__, rows.tolist()))
+    names = list(map(attrgetter("name"), kept))
+    if ("X", "Operator") in kind_of:  # the 2021 schema's record_function ranges (_looks_like_annotation)
+        annotation = {v: _looks_like_annotation(v) for v in dict.fromkeys(names)}
+        relabel = np.fromiter(map("Operator".__eq__, map(attrgetter("cat"), kept)), dtype=bool, count=len(kept))
+        relabel &= np.fromiter(map(annotation.__getitem__, names), dtype=bool, count=len(kept))
+        kinds[relabel & (kinds == int(EventKind.CPU_OP))] = int(EventKind.ANNOTATION)
+    ts, dur = (np.fromiter(map(attrgetter(a), kept), dtype=np.float64, count=len(kept)) for a in ("ts", "dur"))
     with np.errstate(invalid="ignore"):
         usable = (dur >= 0) & (dur <= MAX_SPAN_US) & np.isfinite(ts)
         if len(ts) and usable.all() and not (np.abs(ts - np.median(ts)) > MAX_SPAN_US).any():
-            at = rows.tolist()
-            return list(map(decoded.__getitem__, at)), kinds[rows], list(map(name.__getitem__, at)), ts, dur
+            return kept, kinds, names, ts, dur
     kept, kind_list = _timed_events_one_by_one(path, decoded)
     ts, dur = (np.fromiter(map(attrgetter(a), kept), dtype=np.float64, count=len(kept)) for a in ("ts", "dur"))
     return kept, np.asarray(kind_list, dtype=np.int8), list(map(attrgetter("name"), kept)), ts, dur
+
+
+class _KindOfPhaseAndCategory(dict):
+    """(phase, category) -> the kind (an int) of the events kept, -1 for the others: those of
+    another phase than complete ('X') or of a category not kept; each pair worked out the first
+    time it is asked for."""
+
+    def __missing__(self, key: tuple) -> int:
+        ph, cat = key
+        kind = _category_kind(cat) if ph == "X" else None
+        value = self[key] = -1 if kind is None else int(kind)
+        return value
 
 
 def _category_kind(cat: str) -> Optional[EventKind]:
@@ -352,41 +289,52 @@ def _timed_events_one_by_one(path: Path, decoded: list) -> tuple[list, list]:
 def _thread_labels(path: Path, kinds: np.ndarray, kept: list, args: list) -> tuple[list, np.ndarray]:
     """Every event's thread as the distinct labels and each event's code into them: "pid/tid"
     for CPU threads and "gpu D/stream S" for GPU streams. A GPU event needs a stream
-    (``args.stream``, else a numeric ``tid``); a CPU event a ``tid``."""
+    (``args.stream``, else a numeric ``tid``); a CPU event a ``tid``.
+
+    The labels are in the order their threads first appear; a CPU event's thread is found by
+    numbers (its pid's and its tid's codes), not by hashing a key per event."""
     pid, tid = list(map(attrgetter("pid"), kept)), list(map(attrgetter("tid"), kept))
-    keys = list(zip(repeat("cpu"), pid, tid))
-    gpu = np.flatnonzero(np.isin(kinds, _GPU_THREAD_KINDS)).tolist()
-    if gpu:
-        on_gpu = list(map(args.__getitem__, gpu))
+    pid_codes, pids = _codes(pid)
+    tid_codes, tids = _codes(tid)
+    keys = pid_codes * len(tids) + tid_codes  # a CPU thread: its (pid, tid) as one number
+    gpu = np.flatnonzero(np.isin(kinds, _GPU_THREAD_KINDS))
+    gpu_keys: list = []
+    if len(gpu):
+        at = gpu.tolist()
+        on_gpu = list(map(args.__getitem__, at))
         device, stream = list(map(attrgetter("device"), on_gpu)), list(map(attrgetter("stream"), on_gpu))
         if min(device) < 0 or min(stream) < 0:  # the process and thread ids stand in
-            device = [d if d >= 0 else pid[i] for i, d in zip(gpu, device)]
-            stream = [s if s >= 0 else tid[i] for i, s in zip(gpu, stream)]
-        for i, key in zip(gpu, zip(repeat("gpu"), device, stream)):
-            keys[i] = key
-    index = {key: i for i, key in enumerate(dict.fromkeys(keys))}
+            device = [d if d >= 0 else pid[i] for i, d in zip(at, device)]
+            stream = [s if s >= 0 else tid[i] for i, s in zip(at, stream)]
+        gpu_codes, gpu_keys = _codes(list(zip(device, stream)))
+        keys[gpu] = len(pids) * len(tids) + gpu_codes  # a GPU stream: numbered after every CPU key
+    distinct, first, codes = np.unique(keys, return_index=True, return_inverse=True)
+    order = np.argsort(first)  # the threads in the order they first appear
+    rank = np.empty(len(order), dtype=np.int64)
+    rank[order] = np.arange(len(order))
     labels = []
-    for key in index:
-        if key[2] is None or isinstance(key[2], bool):
-            _refuse_thread(path, key, kinds, kept, keys, "has no tid" if key[0] == "cpu" else "has no stream (args.stream) nor tid")
-        if key[0] == "gpu":
-            stream = str(key[2]).replace("stream ", "").strip()
-            if not stream.lstrip("-").isdigit():
-                _refuse_thread(path, key, kinds, kept, keys,
-                               f"has no stream (args.stream) and its tid {key[2]!r} is not a stream number")
-            labels.append(f"gpu {key[1]}/stream {stream}")
-        else:
-            labels.append(f"{key[1]}/{key[2]}")
-    codes = np.fromiter(map(index.__getitem__, keys), dtype=np.int64, count=len(keys))
-    return labels, codes
+    for key, i in zip(distinct[order].tolist(), first[order].tolist()):
+        if key < len(pids) * len(tids):
+            thread = tids[key % len(tids)]
+            if thread is None or isinstance(thread, bool):
+                _refuse_thread(path, i, kinds, kept, "has no tid")
+            labels.append(f"{pids[key // len(tids)]}/{thread}")
+            continue
+        device, stream = gpu_keys[key - len(pids) * len(tids)]
+        if stream is None or isinstance(stream, bool):
+            _refuse_thread(path, i, kinds, kept, "has no stream (args.stream) nor tid")
+        number = str(stream).replace("stream ", "").strip()
+        if not number.lstrip("-").isdigit():
+            _refuse_thread(path, i, kinds, kept, f"has no stream (args.stream) and its tid {stream!r} is not a stream number")
+        labels.append(f"gpu {device}/stream {number}")
+    return labels, rank[codes.reshape(-1)]
 
 
 _GPU_THREAD_KINDS = [int(k) for k in GPU_KINDS] + [int(EventKind.GPU_ANNOTATION)]
 
 
-def _refuse_thread(path: Path, key: tuple, kinds: np.ndarray, kept: list, keys: list, problem: str):
-    """The error for the first event whose thread is ``key``."""
-    i = keys.index(key)
+def _refuse_thread(path: Path, i: int, kinds: np.ndarray, kept: list, problem: str):
+    """The error for event ``i``, the first on its thread."""
     ev = kept[i]
     raise TraceError(path, f"a {_KIND_NOUN[EventKind(int(kinds[i]))]} ({ev.name!r} at ts {ev.ts}) {problem}")
 
@@ -399,7 +347,7 @@ def read_kineto(path: Union[str, Path]) -> KinetoTrace:
     Raises :class:`TraceError` with a one-line reason for anything that is not a usable trace.
     """
     path = Path(path)
-    raw = _read_bytes(path)
+    raw = read_bytes(path)
     doc, decoded = _decode(path, raw)
 
     kept, kinds, names, ts_arr, dur = _timed_events(path, decoded)
@@ -414,10 +362,11 @@ def read_kineto(path: Union[str, Path]) -> KinetoTrace:
     nccl = np.fromiter((v.startswith("nccl:") for v in name_labels), dtype=bool, count=len(name_labels))
     operator = kinds == EventKind.CPU_OP
     has_inputs = operator | ((kinds == EventKind.ANNOTATION) & nccl[name_codes])
-    input_dims = _recorded(args, "input_dims", has_inputs)
-    input_types = _recorded(args, "input_types", has_inputs)
-    concrete_inputs = _recorded(args, "concrete_inputs", operator)
-    ids = dict(zip(_INT_ARGS, _int_columns(path, args)))
+    columns = _ArgsColumns(args)
+    input_dims = columns.recorded("input_dims", has_inputs)
+    input_types = columns.recorded("input_types", has_inputs)
+    concrete_inputs = columns.recorded("concrete_inputs", operator)
+    ids = columns.integers(path)
     base_time = _json_or(doc.baseTimeNanoseconds, None)
     origin = float(ts_arr.min())
     events = pd.DataFrame(
@@ -432,16 +381,16 @@ def read_kineto(path: Union[str, Path]) -> KinetoTrace:
             "stream": ids["stream"],
             "device": ids["device"],
             "bytes": ids["bytes"],
-            "sync_kind": categorical(list(map(attrgetter("sync_kind"), args))),
+            "sync_kind": columns.categorical("sync_kind"),
             "wait_on_stream": ids["wait_on_stream"],
             "wait_on_record_correlation": ids["wait_on_record_correlation"],
             "message_elements": ids["message_elements"],
-            "message_dtype": categorical(list(map(attrgetter("message_dtype"), args))),
+            "message_dtype": columns.categorical("message_dtype"),
             "sequence_nr": ids["sequence_nr"],
-            "collective_name": categorical(list(map(attrgetter("collective_name"), args))),
+            "collective_name": columns.categorical("collective_name"),
             "out_elements": ids["out_elements"],
-            "process_group": categorical(_texts(args, "process_group")),
-            "group_ranks": categorical(_texts(args, "group_ranks")),
+            "process_group": columns.categorical("process_group", _text),
+            "group_ranks": columns.categorical("group_ranks", _text),
             "collective_seq": ids["collective_seq"],
         }
     )
@@ -458,58 +407,83 @@ def read_kineto(path: Union[str, Path]) -> KinetoTrace:
     )
 
 
-def _recorded(args: list, field_name: str, wanted: np.ndarray) -> dict:
-    """Event row -> the raw JSON of ``args``' ``field_name``, for the ``wanted`` rows that have it."""
-    raws, present = _raw_field(args, field_name)
-    return {i: raws[i] for i in np.flatnonzero(present & wanted).tolist()}
-
-
-def _texts(args: list, field_name: str) -> list:
-    """``_text`` of ``args``' ``field_name`` for every event, "" where absent."""
-    raws, present = _raw_field(args, field_name)
-    texts = [""] * len(raws)
-    for i in np.flatnonzero(present).tolist():
-        texts[i] = _text(raws[i])
-    return texts
-
-
-def _raw_field(args: list, field_name: str) -> tuple[list, np.ndarray]:
-    """``args``' raw JSON ``field_name`` of every event, and whether each is present (not empty)."""
-    raws = list(map(attrgetter(field_name), args))
-    return raws, np.fromiter(map(len, raws), dtype=np.int64, count=len(raws)) > 0
-
-
 #: The integer fields of ``args`` kept as int64 columns
 _INT_ARGS = ("correlation", "external_id", "stream", "device", "bytes", "wait_on_stream", "wait_on_record_correlation",
              "message_elements", "sequence_nr", "out_elements", "collective_seq")
+#: The fields of ``args`` that most events have, the first of :class:`_Args`: a launch's
+#: correlation id and an operator's external id; most events leave every other field out
+_COMMON_ARGS = _Args.__struct_fields__[:2]
+_NO_ARGS = _Args()
 
 
-def _int_columns(path: Path, args: list) -> np.ndarray:
-    """The :data:`_INT_ARGS` of every event's ``args``, a row per field, read in one pass."""
-    values = chain.from_iterable(map(attrgetter(*_INT_ARGS), args))
-    try:
-        table = np.fromiter(values, dtype=np.int64, count=len(args) * len(_INT_ARGS))
-    except OverflowError:
+class _ArgsColumns:
+    """The fields of every event's ``args``, a column at a time. The :data:`_COMMON_ARGS` are
+    read from every event; the others only from the events that have any of them (a kernel's
+    stream, a memcpy's bytes, a collective's message), found in one pass that holds all of an
+    event's other fields at once against their defaults (as a tuple, past the common ones): on
+    the largest shared trace, 24k of 123k events."""
+
+    def __init__(self, args: list):
+        self.args = args
+        rest = itemgetter(slice(len(_COMMON_ARGS), None))
+        defaults = rest(msgspec.structs.astuple(_NO_ARGS))
+        plain = np.fromiter(map(defaults.__eq__, map(rest, map(msgspec.structs.astuple, args))), dtype=bool, count=len(args))
+        self.rows = np.flatnonzero(~plain)
+        self.some = list(map(args.__getitem__, self.rows.tolist()))
+
+    def _values(self, field_name: str) -> list:
+        """``field_name`` of the events :attr:`rows` names (every event's where it is common)."""
+        return list(map(attrgetter(field_name), self.args if field_name in _COMMON_ARGS else self.some))
+
+    def integers(self, path: Path) -> dict:
+        """Each of the :data:`_INT_ARGS`: a column of int64, -1 where absent."""
+        columns = {}
         for name in _INT_ARGS:
-            big = next((v for v in (getattr(a, name) for a in args) if not -(2**63) <= v < 2**63), None)
-            if big is not None:
+            values = self._values(name)
+            try:
+                values = np.fromiter(values, dtype=np.int64, count=len(values))
+            except OverflowError:
+                big = next(v for v in values if not -(2**63) <= v < 2**63)
                 field_name = _Args.__struct_encode_fields__[_Args.__struct_fields__.index(name)]
                 raise TraceError(path, f"args[{field_name!r}]: {big} does not fit in 64 bits") from None
-        raise
-    return table.reshape(len(args), len(_INT_ARGS)).T.copy()
+            if name not in _COMMON_ARGS:
+                values, column = np.full(len(self.args), getattr(_NO_ARGS, name), dtype=np.int64), values
+                values[self.rows] = column
+            columns[name] = values
+        return columns
 
+    def categorical(self, field_name: str, as_text=None) -> pd.Categorical:
+        """``field_name`` (a string, or raw JSON ``as_text`` makes one) of every event, its
+        default ("") where absent, as ``pd.Categorical`` makes it (its categories sorted), but
+        the distinct values interned by a dict rather than by pandas hashing every row."""
+        values = self._values(field_name)
+        if as_text is not None:  # only where the field is present: most of these events leave it out
+            values = [as_text(v) if len(v) else "" for v in values]
+        codes, labels = _codes(values)
+        column = np.full(len(self.args), len(labels), dtype=np.int64)  # the default, after the others
+        column[self.rows] = codes
+        return categorical_of(np.array(labels + [""], dtype=object), column)
 
-def categorical(values: list) -> pd.Categorical:
-    """``values`` (strings) as ``pd.Categorical(values)`` makes them, its categories sorted the
-    same way, but the distinct values interned by a dict rather than by pandas hashing every row."""
-    codes, labels = _codes(values)
-    return categorical_of(np.array(labels, dtype=object), codes)
+    def recorded(self, field_name: str, wanted: np.ndarray) -> dict:
+        """Event row -> the raw JSON of ``field_name``, for the ``wanted`` rows that have it."""
+        raws = self._values(field_name)
+        present = np.fromiter(map(len, raws), dtype=np.int64, count=len(raws)) > 0
+        keep = np.flatnonzero(present & wanted[self.rows])
+        return dict(zip(self.rows[keep].tolist(), map(raws.__getitem__, keep.tolist())))
 
 
 def _codes(values: list) -> tuple[np.ndarray, list]:
-    """Each value's code, and the distinct values in order of first appearance."""
-    index = {v: i for i, v in enumerate(dict.fromkeys(values))}
+    """Each value's code, and the distinct values in order of first appearance (one pass)."""
+    index = _Interned()
     return np.fromiter(map(index.__getitem__, values), dtype=np.int64, count=len(values)), list(index)
+
+
+class _Interned(dict):
+    """value -> its code: the number of distinct values asked for before it."""
+
+    def __missing__(self, value) -> int:
+        code = self[value] = len(self)
+        return code
 
 
 def categorical_of(labels: np.ndarray, codes: np.ndarray) -> pd.Categorical:

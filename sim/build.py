@@ -85,16 +85,17 @@ class _Segments:
     (by ``_cut_thread``).
     """
 
-    def __init__(self, names: list[str], kinds: list[int]):
+    def __init__(self, names: list[str], kinds: list[int], labels: int):
         self.names = names
         self.kinds = kinds
+        self.labels = labels  # how many (name, kind) labels ``_cut_thread`` numbers events by
         # a segment starts where the one before it on its thread ended (the first at 0): only
         # the ends are kept (``_Builder._cpu_tasks`` makes the starts)
         self.end: list[float] = []
         self.owner: list[int] = []  # event row, -1 for gaps
         self.ctx: list[int] = []
         self.thread: list[int] = []
-        self.ctx_ids: dict[tuple, int] = {}
+        self.ctx_ids: dict[int, int] = {}  # (parent context + 1) x labels + label -> context
         self.ctx_parent: list[int] = []
         self.ctx_event: list[int] = []
 
@@ -111,53 +112,55 @@ class _Segments:
         return first, last
 
 
-def _cut_thread(seg: _Segments, thread: int, rows: list, ts: list, end: list) -> None:
-    """Cut one thread's nested events into leaf segments and gaps (from time 0 on)."""
+def _cut_thread(seg: _Segments, thread: int, rows: list, ts: list, end: list, label: list) -> None:
+    """Cut one thread's nested events into leaf segments and gaps (from time 0 on). ``label``
+    numbers each event's name and kind (``_Segments.labels`` of them), so that a context is
+    interned by one number: (its parent's context + 1) x labels + its event's label."""
     stack: list[tuple[float, int, int]] = []  # (end, row, ctx)
+    push, pop = stack.append, stack.pop
     cursor = 0.0
     runtime = int(EventKind.RUNTIME)
-    kinds, names = seg.kinds, seg.names
-    out_end, out_owner, out_ctx = seg.end, seg.owner, seg.ctx
+    kinds, labels = seg.kinds, seg.labels
+    out_end, out_owner, out_ctx = seg.end.append, seg.owner.append, seg.ctx.append
     ctx_ids, ctx_parent, ctx_event = seg.ctx_ids, seg.ctx_parent, seg.ctx_event  # seg.context, inlined
-    emitted_before = len(out_end)
+    emitted_before = len(seg.end)
     for row in rows:
         s = ts[row]
-        e = end[row]
         while stack and stack[-1][0] <= s:
-            top_end, top_row, top_ctx = stack.pop()
+            top_end, top_row, top_ctx = pop()
             if top_end > cursor or kinds[top_row] == runtime:
                 if top_end < cursor:
                     top_end = cursor
-                out_end.append(top_end); out_owner.append(top_row); out_ctx.append(top_ctx)
+                out_end(top_end); out_owner(top_row); out_ctx(top_ctx)
                 cursor = top_end
-        if s > cursor:
-            if stack:
-                _, top_row, top_ctx = stack[-1]
-            else:
-                top_row, top_ctx = -1, -1
-            out_end.append(s); out_owner.append(top_row); out_ctx.append(top_ctx)
-            cursor = s
-        parent_ctx = -1
+        e = end[row]
         if stack:
-            parent_end = stack[-1][0]
+            parent_end, parent_row, parent_ctx = stack[-1]
+            if s > cursor:
+                out_end(s); out_owner(parent_row); out_ctx(parent_ctx)
+                cursor = s
             if e > parent_end:
                 e = parent_end
-            parent_ctx = stack[-1][2]
-        key = (parent_ctx, names[row], kinds[row])
+        else:
+            parent_ctx = -1
+            if s > cursor:
+                out_end(s); out_owner(-1); out_ctx(-1)
+                cursor = s
+        key = (parent_ctx + 1) * labels + label[row]
         ctx = ctx_ids.get(key)
         if ctx is None:
             ctx = ctx_ids[key] = len(ctx_parent)
             ctx_parent.append(parent_ctx)
             ctx_event.append(row)
-        stack.append((e, row, ctx))
+        push((e, row, ctx))
     while stack:
-        top_end, top_row, top_ctx = stack.pop()
+        top_end, top_row, top_ctx = pop()
         if top_end > cursor or kinds[top_row] == runtime:
             if top_end < cursor:
                 top_end = cursor
-            out_end.append(top_end); out_owner.append(top_row); out_ctx.append(top_ctx)
+            out_end(top_end); out_owner(top_row); out_ctx(top_ctx)
             cursor = top_end
-    seg.thread.extend([thread] * (len(out_end) - emitted_before))
+    seg.thread.extend([thread] * (len(seg.end) - emitted_before))
 
 
 def _context_tables(seg: _Segments, names: list[str], kinds: np.ndarray) -> tuple[list, list, list]:
@@ -244,7 +247,8 @@ class _Builder:
 
     def _cpu_tasks(self) -> None:
         kinds, ts, end, codes = self.kinds, self.ts, self.end, self.thread_codes
-        seg = _Segments(self.names, kinds.tolist())
+        seg = _Segments(self.names, kinds.tolist(), len(self.name_labels) * len(EventKind))
+        label = (self.name_codes * len(EventKind) + kinds).tolist()  # an event's name and kind, one number
         rows = np.flatnonzero(np.isin(kinds, [int(k) for k in CPU_KINDS]))
         priority = np.array([_KIND_PRIORITY.get(k, 2) for k in range(len(EventKind))])[kinds[rows]]
         rows = rows[np.lexsort((priority, -(end[rows] - ts[rows]), ts[rows], codes[rows]))]
@@ -253,7 +257,7 @@ class _Builder:
         for thread_rows in np.split(rows, np.flatnonzero(np.diff(codes[rows])) + 1):
             if len(thread_rows):
                 self.cpu_threads.add(int(codes[thread_rows[0]]))
-                _cut_thread(seg, int(codes[thread_rows[0]]), thread_rows.tolist(), ts_list, end_list)
+                _cut_thread(seg, int(codes[thread_rows[0]]), thread_rows.tolist(), ts_list, end_list, label)
         self.seg = seg
         self.first_seg, self.last_seg = seg.first_and_last_segment(len(kinds))
         self.n_cpu = len(seg.end)
@@ -529,10 +533,7 @@ def _operator_table(trace: KinetoTrace, resource_label: np.ndarray) -> pd.DataFr
     message_bytes = np.full(len(rows), np.nan)
     dtypes = ev["message_dtype"].to_numpy()[rows[sized]]
     message_bytes[sized] = elements[sized].astype(float) * np.array([element_bytes(d) for d in dtypes], dtype=float)
-    recorded = [
-        [bytes(inputs[r]) if r in inputs else None for r in rows.tolist()]
-        for inputs in (trace.input_dims, trace.input_types, trace.concrete_inputs)
-    ]
+    recorded = [_in_row_order(inputs, rows) for inputs in (trace.input_dims, trace.input_types, trace.concrete_inputs)]
     thread = ev["thread"].cat.codes.to_numpy()[rows]
     return pd.DataFrame(
         {
@@ -548,6 +549,20 @@ def _operator_table(trace: KinetoTrace, resource_label: np.ndarray) -> pd.DataFr
         },
         index=pd.Index(rows, dtype=np.int64),
     )
+
+
+def _in_row_order(inputs: dict, rows: np.ndarray) -> list:
+    """``inputs`` (event row -> raw JSON) as bytes in the order of ``rows`` (sorted), None for
+    a row it does not hold; looked up for the rows it holds, not for every row."""
+    out = [None] * len(rows)
+    if inputs:
+        keys = np.fromiter(inputs, dtype=np.int64, count=len(inputs))
+        at = np.minimum(np.searchsorted(rows, keys), max(len(rows) - 1, 0))
+        held = (rows[at] == keys) if len(rows) else np.zeros(len(keys), dtype=bool)
+        for i, raw, hit in zip(at.tolist(), inputs.values(), held.tolist()):
+            if hit:
+                out[i] = bytes(raw)
+    return out
 
 
 def _workload(trace: KinetoTrace) -> Workload:

@@ -146,6 +146,38 @@ def test_the_installed_command_runs_a_replay(tmp_path):
     assert [it["name"] for it in json.loads(result.stdout)["iterations"]] == BUNDLED_STEPS
 
 
+def test_the_installed_command_reads_its_trace_ahead_and_says_what_it_met(tmp_path):
+    """``whatif replay T`` as the process's own command reads T on a thread while its modules
+    import (``collectors/tracefile.py``); a problem the thread meets is the command's one line."""
+    bomb = tmp_path / "bomb.json.gz"
+    bomb.write_bytes(gzip.compress(b'{"traceEvents": [' + b" " * 100_000_000 + b"]}", compresslevel=9))
+    result = subprocess.run([sys.executable, "-m", "whatif.cli", "replay", str(bomb)],
+                            capture_output=True, text=True, timeout=120)
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == (f"whatif: error: {bomb}: gzip data expands to more than 200 times its 0.1 MB "
+                             "(WHATIF_MAX_GZIP_RATIO raises the limit); refusing to read it\n")
+
+
+def test_a_trace_read_ahead_is_the_trace_read_now_and_read_once(tmp_path):
+    from whatif.collectors import tracefile
+
+    path = tmp_path / "trace.json.gz"
+    path.write_bytes(BUNDLED_TRACE.read_bytes())
+    tracefile.read_ahead(path)
+    assert tracefile.read_bytes(path) == gzip.decompress(path.read_bytes())
+    path.write_bytes(gzip.compress(b"changed"))  # the bytes read ahead are taken once: now, the file's
+    assert tracefile.read_bytes(path) == b"changed"
+
+
+def test_a_problem_met_reading_ahead_is_raised_by_the_reader(tmp_path):
+    from whatif.collectors import tracefile
+
+    missing = tmp_path / "missing.json"
+    tracefile.read_ahead(missing)
+    with pytest.raises(tracefile.TraceError, match="missing.json: no such file"):
+        tracefile.read_bytes(missing)
+
+
 def test_a_replay_imports_neither_the_pipeline_nor_the_other_commands():
     """``whatif replay`` of one trace loads only what it runs: not the cluster simulation, the
     topology or the other commands' modules, which cost it a second of its start-up."""
@@ -156,7 +188,8 @@ def test_a_replay_imports_neither_the_pipeline_nor_the_other_commands():
     loaded = set(eval(result.stderr.strip().splitlines()[-1]))
     assert "whatif.commands.simulate" in loaded
     assert not loaded & {"whatif.pipeline", "whatif.sim.distributed", "whatif.topology", "whatif.commands.predict",
-                         "whatif.commands.advise", "whatif.lab.cli", "whatif.sim.multirank"}
+                         "whatif.commands.advise", "whatif.lab.cli", "whatif.sim.multirank",
+                         "whatif.report.timeline", "whatif.sim.critical_path"}  # no --timeline asked
 
 
 def test_the_command_table_names_every_command_of_each_module():

@@ -11,12 +11,14 @@ its count; ``--strict``, before or after the command, makes the first of them an
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import os
 import sys
 from typing import Optional, Sequence
 
 from whatif.collectors.diagnostics import Diagnostics, collecting
+from whatif.collectors.tracefile import read_ahead
 
 #: The command modules, in the order ``whatif --help`` lists their commands, with the commands
 #: each adds. Only the module of the command given is imported (``whatif replay`` does not import
@@ -41,6 +43,11 @@ ERRORS = {
     "whatif.sim.perfmodels.models": "PerfModelError",
     "whatif.collectors.diagnostics": "StrictError",
 }
+#: The commands whose first argument is a trace file: run as the process's own command, the file
+#: is read and decompressed on a thread (``collectors/tracefile.py``) while the command's modules
+#: import. Only a file that exists is read ahead, and only the first argument that is not an
+#: option; the command reads its trace as ever, taking those bytes where they are of its path.
+READ_AHEAD = ("replay",)
 _STRICT_HELP = "make every warning (input the tool could not use) an error, exit status 2"
 
 
@@ -87,16 +94,33 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     status. Run as the process's own command (no ``argv``), a command its module lists in
     ``QUICK_EXIT`` ends the process here once its output is flushed: the interpreter's teardown,
     freeing every object the command made one by one, is a tenth of a replay's time on a large
-    trace, and such a command leaves nothing for it to do (no exit handlers, no temporary files)."""
+    trace, and such a command leaves nothing for it to do (no exit handlers, no temporary files).
+    Such a command also runs, its imports included, without Python's cyclic garbage collector:
+    what it makes lives until the process ends, so the collector's passes over the objects of a
+    large trace and of the imported libraries would find next to nothing to free."""
     quick = argv is None
     argv = sys.argv[1:] if argv is None else list(argv)
+    collector_on = gc.isenabled()
+    if quick:
+        gc.disable()  # on again below for a command that does not end the process itself
+        _read_ahead(argv)
     parser, owner = _parser(argv)
     args = parser.parse_args(argv)
     module = owner[args.command]
+    quick = quick and args.command in getattr(module, "QUICK_EXIT", ())
+    if collector_on and not quick:
+        gc.enable()
     status = _run(module, args)
-    if quick and args.command in getattr(module, "QUICK_EXIT", ()):
+    if quick:
         _exit_now(status)
     return status
+
+
+def _read_ahead(argv: Sequence[str]) -> None:
+    """Start reading the trace of a :data:`READ_AHEAD` command, where ``argv`` names one."""
+    words = [i for i, a in enumerate(argv) if not a.startswith("-")]
+    if len(words) > 1 and argv[words[0]] in READ_AHEAD and os.path.isfile(argv[words[1]]):
+        read_ahead(argv[words[1]])
 
 
 def _exit_now(status: int) -> None:

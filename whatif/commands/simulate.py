@@ -29,7 +29,6 @@ from whatif.collectors.ranks import is_job, load_traces
 from whatif.report.intervals import LEVEL, describe
 from whatif.report.iterations import iteration_report, steady_median
 from whatif.report.tables import iteration_table, json_number, json_records
-from whatif.report.timeline import check_timeline_path, write_timeline
 from whatif.sim.graph import GraphError
 from whatif.sim.passes.registry import OPTIMIZATIONS, optimization_name, parse_optimization
 from whatif.study import TraceStudy
@@ -43,9 +42,9 @@ if TYPE_CHECKING:
 #: they register nothing to run at exit and leave no temporary files.
 QUICK_EXIT = ("replay",)
 
-# The pipeline (and with it the cluster simulation), the operator models and the multi-rank job
-# are imported by the functions that use them, so that ``whatif replay`` of one trace imports
-# none of them.
+# The pipeline (and with it the cluster simulation), the operator models, the multi-rank job and
+# the timeline writer (with the critical path) are imported by the functions that use them, so
+# that ``whatif replay`` of one trace without ``--timeline`` imports none of them.
 
 
 def add_parsers(sub) -> None:
@@ -75,6 +74,8 @@ def run(args: argparse.Namespace) -> int:
     if args.command == "simulate":
         _check_arguments(args)
     if args.timeline is not None:
+        from whatif.report.timeline import check_timeline_path
+
         check_timeline_path(args.timeline, protect=tuple(args.trace))
     if is_job(args.trace):
         return run_job(args)
@@ -89,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
         schedule, report, what = prediction.schedule, prediction.speedup_report(), _what_was_asked(args, prediction)
         _say_why_it_gains_little(args, prediction, report)
     if args.timeline is not None:
+        from whatif.report.timeline import write_timeline
+
         write_timeline(schedule, args.timeline, protect=(args.trace,))
     summary = {
         "median_measured_ms": float(report["measured_ms"].median()),
@@ -139,6 +142,8 @@ def run_job(args: argparse.Namespace) -> int:
         what = {"optimizations": list(args.optimization), "scale": list(args.scale), "remove": list(args.remove)}
     reports = rank_reports(job, schedule, replay if args.command == "simulate" else None)
     if args.timeline is not None:
+        from whatif.report.timeline import write_timeline
+
         write_timeline(schedule, args.timeline, protect=tuple(r.path for r in job.ranks))
     if args.json:
         out = {"traces": [str(p) for p in args.trace], **job_json(job, reports, schedule), **what}
