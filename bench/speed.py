@@ -7,7 +7,9 @@ lists them, and ``--only REGEX`` picks some by name. A row has the figure measur
 to the decode where it is a time, and its target, if any: a time's is a ratio to the decode, a
 size's an amount. Commands run as the installed ``whatif`` (interpreter start and imports
 included), each ``--runs`` times; the median is the figure. Where two commands are compared,
-their runs alternate (A B A B ...), so a change of load during the bench falls on both.
+their runs alternate (A B A B ...), so a change of load during the bench falls on both. Python
+writes its bytecode cache as it does for a user (``USER_ENV``); the first, untimed run of each
+command writes it.
 
 * ``replay``: ``whatif replay`` of the largest shared trace (216k events). Target: <= 0.75x
   the decode of that trace.
@@ -168,8 +170,14 @@ class Bench:
         return path
 
 
+#: The commands' environment: this one's, but with Python writing its bytecode cache, as it does
+#: for a user (some sandboxes set PYTHONDONTWRITEBYTECODE, which makes every run compile the
+#: modules of an editable install again; the untimed first run of each command writes the cache).
+USER_ENV = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+
+
 def _run(command: list) -> subprocess.CompletedProcess:
-    done = subprocess.run([str(c) for c in command], capture_output=True, text=True)
+    done = subprocess.run([str(c) for c in command], capture_output=True, text=True, env=USER_ENV)
     if done.returncode != 0:
         raise SystemExit(f"speed: {' '.join(map(str, command))} failed (status {done.returncode}): "
                          f"{done.stderr.strip()[-2000:]}")
@@ -241,7 +249,7 @@ def _timed_with_memory(command: list) -> tuple[float, float, str]:
     """Wall seconds, peak resident MB (``wait4``'s, of this child alone) and stdout of ``command``."""
     with tempfile.TemporaryFile() as err:
         t0 = time.perf_counter()
-        process = subprocess.Popen([str(c) for c in command], stdout=subprocess.PIPE, stderr=err)
+        process = subprocess.Popen([str(c) for c in command], stdout=subprocess.PIPE, stderr=err, env=USER_ENV)
         out = process.stdout.read()
         _, status, usage = os.wait4(process.pid, 0)
         seconds = time.perf_counter() - t0
