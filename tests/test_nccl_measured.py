@@ -198,7 +198,7 @@ def _gb200_racks(measured, racks=2) -> Cluster:
 
 def test_a_ring_waits_on_its_nics_only_where_they_carry_its_bus_bandwidth():
     from whatif.topology.nccl.model import choose, ring_graph, ring_nic_share
-    from whatif.topology.nccl.graphs import _nic_path, comm_channels
+    from whatif.topology.nccl.graphs import nic_path, comm_channels
 
     # two DGX H100s: 8 channels at one NIC's 48 GB/s on 8 NICs, b = c: NIC-bound, 2 b / c - 1 = 1
     comm = Comm.of(cluster(machines=2).fabric)
@@ -209,7 +209,7 @@ def test_a_ring_waits_on_its_nics_only_where_they_carry_its_bus_bandwidth():
     graph = ring_graph(racks)
     launched = comm_channels(racks, graph)
     b, c = graph.channels * graph.bw_inter, min(racks.node_nics, launched) * 48.0
-    assert _nic_path(racks) == 48.0 and 2 * b / c - 1 < 0 and ring_nic_share(racks, graph, launched) == 0.0
+    assert nic_path(racks) == 48.0 and 2 * b / c - 1 < 0 and ring_nic_share(racks, graph, launched) == 0.0
     # half the channels on 8 NICs: c = 8 x 48, b = 192: 2 b / c - 1 = 0
     assert ring_nic_share(comm, dataclasses.replace(ring_graph(comm), channels=4), 8) == pytest.approx(0.0)
     assert choose(racks, "all_reduce", 1 << 33, {"ring"}, {"simple"}).link == "net"

@@ -254,7 +254,7 @@ def test_a_rings_network_steps_follow_each_release_and_our_critical_path_prices_
 
 
 def test_a_simple_tree_fills_its_chain_one_whole_chunk_per_hop():
-    from whatif.topology.nccl.graphs import _nic_path, intra_total
+    from whatif.topology.nccl.graphs import nic_path, intra_total
     from whatif.topology.nccl.model import TREE_SIMPLE_CHUNK, choose, tree_chain_fill_us
 
     # four DGX H100s: a chunk climbs 7 NVLink hops and 2 network levels and comes down again,
@@ -265,7 +265,7 @@ def test_a_simple_tree_fills_its_chain_one_whole_chunk_per_hop():
     tree = choose(comm, "all_reduce", BIG, {"tree"}, {"simple"})
     channels = 16
     nvlink = intra_total(comm) * 1e3 / channels
-    nic = _nic_path(comm) * 1e3 * 8 / channels
+    nic = nic_path(comm) * 1e3 * 8 / channels
     hops = [TREE_SIMPLE_CHUNK / nvlink] * 14 + [TREE_SIMPLE_CHUNK / nic] * 4
     expected = sum(hops) - 2 * max(hops)
     assert tree_chain_fill_us(comm, tree, BIG, channels, (2, 26, 2)) == pytest.approx(expected)

@@ -132,7 +132,7 @@ def intra_total(comm: Comm) -> float:
     return _gbs(gpu.nvlink_total_bytes_per_us) * scale
 
 
-def _nic_path(comm: Comm) -> float:
+def nic_path(comm: Comm) -> float:
     """One channel's best path to the network: a NIC, reached through the GPU's PCIe."""
     fabric = comm.fabric
     return min(_gbs(fabric.net_device_bytes_per_us), _gbs(fabric.gpu.pcie_bytes_per_us))
@@ -183,7 +183,7 @@ def ring_graph(comm: Comm) -> Graph:
                 fits.append(int(intra / (s * through) + 1e-9))
             return min(fits)
 
-        channels, speed = _search(comm.tuner.speeds_inter[row], _nic_path(comm), capacity, max_channels)
+        channels, speed = _search(comm.tuner.speeds_inter[row], nic_path(comm), capacity, max_channels)
     channels, speed = _dup(channels, speed, cc, max_channels)
     return Graph(channels, speed, speed, comm.link_intra)
 
@@ -221,7 +221,7 @@ def nvls_graph(comm: Comm) -> Optional[Graph]:
     bw_inter = bw_intra
     if comm.n_nodes > 1:
         heads = min(heads, comm.node_nics)
-        path = _nic_path(comm)
+        path = nic_path(comm)
         bw_inter = next((s for s in speeds_inter if s <= path + 1e-9), speeds_inter[-1])
     return Graph(heads, bw_intra, bw_inter, "nvlink")
 
@@ -232,7 +232,7 @@ def collnet_graph(comm: Comm) -> Optional[Graph]:
         return None
     ring = ring_graph(comm)
     heads = max(1, min(comm.ppn, comm.node_nics, tuning.MAX_DIRECT_ARITY + 1))
-    return Graph(heads, intra_total(comm) / heads if comm.fabric.nvlink else ring.bw_intra, _nic_path(comm), comm.link_intra)
+    return Graph(heads, intra_total(comm) / heads if comm.fabric.nvlink else ring.bw_intra, nic_path(comm), comm.link_intra)
 
 
 def comm_channels(comm: Comm, ring: Graph) -> int:

@@ -84,7 +84,7 @@ from typing import Optional
 
 from ..units import TopologyError
 from . import tuning
-from .graphs import (Comm, Graph, _nic_path, collnet_graph, comm_channels, intra_total, nvls_channels, nvls_graph,
+from .graphs import (Comm, Graph, collnet_graph, comm_channels, intra_total, nic_path, nvls_channels, nvls_graph,
                      ring_graph, tree_graph)
 from .measured import public
 from .versions import LATEST, extra, tuner
@@ -398,19 +398,27 @@ def network_share(comm: Comm, option: Option, channels: int) -> float:
     a per-channel ceiling or NVLink that binds first leaves the network's rate out of it."""
     if comm.n_nodes == 1 or option.algorithm == "p2p":
         return 0.0
+    nics_only = option.algorithm in ("nvls", "nvls_tree", "collnet_direct")
+    share, graph = _half_speed_share(comm, option, channels, halve_intra=not nics_only, stalled=0.0)
+    if option.algorithm == "ring":
+        share *= ring_nic_share(comm, graph, channels)
+    return share
+
+
+def _half_speed_share(comm: Comm, option: Option, channels: int, halve_intra: bool, stalled: float) -> tuple:
+    """How much longer ``option``'s transfer takes on ``channels`` when its graph's network
+    speed, and with ``halve_intra`` its NVLink (PCIe) speed too, are halved: the share of the
+    time those speeds set, within [0, 1] (``stalled`` where the halved graph moves nothing);
+    and the graph on those channels."""
     graph = _graph(comm, option.algorithm)
     if channels < option.channels:
         graph = dataclasses.replace(graph, channels=graph.channels * channels / option.channels)
     full = _algorithm_bandwidth(comm, option.op, option.algorithm, option.protocol, graph)
-    if option.algorithm in ("nvls", "nvls_tree", "collnet_direct"):
-        half = dataclasses.replace(graph, bw_inter=graph.bw_inter / 2)
-    else:
-        half = dataclasses.replace(graph, bw_intra=graph.bw_intra / 2, bw_inter=graph.bw_inter / 2)
+    half = dataclasses.replace(graph, bw_inter=graph.bw_inter / 2)
+    if halve_intra:
+        half = dataclasses.replace(half, bw_intra=graph.bw_intra / 2)
     slow = _algorithm_bandwidth(comm, option.op, option.algorithm, option.protocol, half)
-    share = 0.0 if slow <= 0 else min(1.0, max(0.0, full / slow - 1.0))
-    if option.algorithm == "ring":
-        share *= ring_nic_share(comm, graph, channels)
-    return share
+    return (stalled if slow <= 0 else min(1.0, max(0.0, full / slow - 1.0))), graph
 
 
 def link_share(comm: Comm, option: Option, channels: int) -> float:
@@ -423,13 +431,7 @@ def link_share(comm: Comm, option: Option, channels: int) -> float:
     the links' bandwidth, and so do we; NCCL does not split the time."""
     if option.algorithm == "p2p":
         return 1.0
-    graph = _graph(comm, option.algorithm)
-    if channels < option.channels:
-        graph = dataclasses.replace(graph, channels=graph.channels * channels / option.channels)
-    full = _algorithm_bandwidth(comm, option.op, option.algorithm, option.protocol, graph)
-    half = dataclasses.replace(graph, bw_intra=graph.bw_intra / 2, bw_inter=graph.bw_inter / 2)
-    slow = _algorithm_bandwidth(comm, option.op, option.algorithm, option.protocol, half)
-    return 1.0 if slow <= 0 else min(1.0, max(0.0, full / slow - 1.0))
+    return _half_speed_share(comm, option, channels, halve_intra=True, stalled=1.0)[0]
 
 
 def ring_nic_share(comm: Comm, graph: Graph, channels: int) -> float:
@@ -439,7 +441,7 @@ def ring_nic_share(comm: Comm, graph: Graph, channels: int) -> float:
     speed NCCL's search gives a channel on one NIC, one channel per NIC up to ``node_nics``:
     ``b`` at ``c`` is NIC-bound (halving the NICs halves it), ``b`` at ``c / 2`` or below is not.
 
-    NCCL's search caps a ring channel's speed at one NIC's (``_nic_path``), so halving the NICs
+    NCCL's search caps a ring channel's speed at one NIC's (``nic_path``), so halving the NICs
     halves every ring in its model (``network_share``'s account, 1). Where a node has far more
     NICs than the ring has channels (a GB200/GB300 NVLink domain of 64 or 72 GPUs, each with its
     own NIC, joined to another by a 30-channel ring) the channels' NICs are idle half the time
@@ -449,7 +451,7 @@ def ring_nic_share(comm: Comm, graph: Graph, channels: int) -> float:
     if comm.n_nodes < 2:
         return 0.0
     speeds = comm.tuner.speeds_inter[tuning.speed_row(comm.fabric.gpu.compute_capability)]
-    path = _nic_path(comm)
+    path = nic_path(comm)
     nic = next((s for s in speeds if s <= path + 1e-9), path)
     bus = graph.channels * graph.bw_inter  # the graph on the launched channels (network_share's)
     capacity = min(comm.node_nics, max(channels, 1)) * nic
@@ -596,9 +598,10 @@ def tree_chain_fill_us(comm: Comm, option: Option, nbytes: float, channels: int,
     costs the slowest link two hops (it carries the chunk up and back down: a tree's algorithm
     bandwidth is half its bus bandwidth), which the transfer ``S / B`` counts; the rest of the
     first chunk's trip, ``sum t_i - 2 max t_i``, is the fill (none for one GPU on each of two
-    nodes, whose one chunk goes up and down once). A hop moves a chunk at its channel's share of the link: a GPU's
-    NVLink over the channels launched, a NIC (one per channel, as many as the node has). The chunk is NCCL's Simple step, 512 KiB
-    (``calcCollChunking``: a tree's chunk is one step); releases before 2.20 halve it while a
+    nodes, whose one chunk goes up and down once). A hop moves a chunk at its channel's share of
+    the link: a GPU's NVLink over the channels launched, a NIC (one per channel, as many as the
+    node has). The chunk is NCCL's Simple step, 512 KiB (``calcCollChunking``: a tree's chunk
+    is one step); releases before 2.20 halve it while a
     channel holds fewer than ``8 x depth`` (then ``4 x``, ``1 x``) chunks, down to 128, 64 and
     32 KiB. NCCL's estimate has no such term (its per-hop latency is a constant); LL and LL128
     forward line by line, so theirs is taken as nothing. 0 for other algorithms."""
@@ -614,7 +617,7 @@ def tree_chain_fill_us(comm: Comm, option: Option, nbytes: float, channels: int,
                 chunk /= 2
     chunk = min(chunk, nbytes / channels)
     nvlink = chunk / (intra_total(comm) * 1e3 / channels)
-    nic = chunk / (_nic_path(comm) * 1e3 * min(1.0, comm.node_nics / channels))
+    nic = chunk / (nic_path(comm) * 1e3 * min(1.0, comm.node_nics / channels))
     hops = [nvlink] * (2 * (ppn - 1)) + [nic] * (2 * levels)
     return max(0.0, sum(hops) - 2 * max(hops)) if hops else 0.0
 
