@@ -29,6 +29,7 @@ import hashlib
 import heapq
 import time
 from collections import OrderedDict
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Optional
 
@@ -413,11 +414,11 @@ def simulate(graph: TaskGraph, policies: Optional[dict] = None, structure: Optio
     """Schedule ``graph``; ``policies`` maps resource names to :class:`Policy` objects;
     ``structure``, where given, is ``graph``'s (:func:`compile_structure`, of this graph or of
     one with the same tasks, resources, orders and edges)."""
-    if policies and len(graph.tasks) > _COMPILED_MAX_TASKS:  # every worker replicated: collected as it goes, for memory
-        return _Run(graph, policies, event_per_task=False, structure=structure).run()
     # the collector's walks of the run's lists cost half of it (a tenth with a policy's SimPy
-    # events, whose cycles wait for the collector until the run is over)
-    with gc_paused():
+    # events, whose cycles wait for the collector until the run is over); with every worker
+    # replicated and a policy, it collects as it goes, for memory
+    collecting = policies and len(graph.tasks) > _COMPILED_MAX_TASKS
+    with nullcontext() if collecting else gc_paused():
         return _Run(graph, policies, event_per_task=False, structure=structure).run()
 
 

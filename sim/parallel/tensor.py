@@ -49,18 +49,19 @@ kernels would need models of that GPU), the stated rule: 1/t. The rule overstate
 small, memory-bound shards. CPU dispatch and Python time stay as traced: every rank still
 launches every operator.
 
-**Where the collectives go.** The replicated gradients' all-reduces wait for the task before
-the iteration's first optimizer task (its first kernel on a GPU trace) on that task's resource
-(the last backward task there) and hold that optimizer task (where an iteration traced no optimizer step: they follow its last
-backward task). The others: Each is a COMM task on the rank's ``network tensor`` resource (the
+**Where the collectives go.** Each is a COMM task on the rank's ``network tensor`` resource (the
 communication stream, one collective at a time), priced by ``topology.collective_cost(cluster,
 op, nbytes, ranks=ranks_of["tensor"])``, after the call (or backward node) it follows, and
 before the task that came next on that call's resource: the compute stream on a GPU trace, the
 thread on a CPU trace (Gloo blocks it), so tensor-parallel communication is on the critical path
 as it is in Megatron. An all-gather before a call waits for the task before the call on its
 resource. Bytes follow nccl-tests' convention (``docs/communication.md``): the whole tensor for
-all three operations. The layouts at the blocks' boundary (scattering the residual stream into
-the first block and gathering it after the last under sequence parallelism) are not modelled.
+all three operations. The replicated gradients' all-reduces wait for the task before the
+iteration's first optimizer task (its first kernel on a GPU trace) on that task's resource (the
+last backward task there) and hold that optimizer task; where an iteration traced no optimizer
+step, they follow its last backward task. The layouts at the blocks' boundary (scattering the
+residual stream into the first block and gathering it after the last under sequence
+parallelism) are not modelled.
 """
 
 from __future__ import annotations
