@@ -217,3 +217,28 @@ def test_a_what_if_that_gains_nothing_says_what_bounds_the_step(capsys, traces):
 def test_a_what_if_that_gains_says_nothing_more(capsys, traces):
     assert main(["simulate", str(traces.path(RESNET50)), "--optimization", "fused-optimizer"]) == 0
     assert capsys.readouterr().err == ""
+
+
+def test_the_trace_read_ahead_is_the_commands_trace_not_an_options_value(tmp_path, monkeypatch):
+    """``whatif replay --timeline OLD.json.gz T`` reads T ahead, not the timeline it will replace;
+    :data:`whatif.cli.READ_AHEAD` names every option of the command that takes a value."""
+    from whatif import cli
+
+    old, trace = tmp_path / "old.json.gz", tmp_path / "trace.json.gz"
+    old.write_bytes(b"x")
+    trace.write_bytes(b"y")
+    asked = []
+    monkeypatch.setattr(cli, "read_ahead", asked.append)
+    for argv in (["replay", "--timeline", str(old), str(trace)], ["--strict", "replay", "--json", str(trace)],
+                 ["replay", f"--timeline={old}", "--iteration", "Step", str(trace), str(old)]):
+        asked.clear()
+        cli._read_ahead(argv)
+        assert asked == [str(trace)], argv
+    cli._read_ahead(["simulate", str(trace)])
+    cli._read_ahead(["replay", str(tmp_path / "missing.json")])
+    assert asked == [str(trace)]
+    parser, _ = cli._parser(["replay"])
+    for command, valued in cli.READ_AHEAD.items():
+        leaf = parser._subparsers._group_actions[0].choices[command]
+        takes_value = {s for a in leaf._actions if a.option_strings and a.nargs != 0 for s in a.option_strings}
+        assert set(valued) == takes_value, command

@@ -43,11 +43,12 @@ ERRORS = {
     "whatif.sim.perfmodels.models": "PerfModelError",
     "whatif.collectors.diagnostics": "StrictError",
 }
-#: The commands whose first argument is a trace file: run as the process's own command, the file
-#: is read and decompressed on a thread (``collectors/tracefile.py``) while the command's modules
-#: import. Only a file that exists is read ahead, and only the first argument that is not an
-#: option; the command reads its trace as ever, taking those bytes where they are of its path.
-READ_AHEAD = ("replay",)
+#: The commands whose first positional argument is a trace file, each with its options that take a
+#: value (so that ``--timeline OUT.json.gz`` is not taken for the trace): run as the process's own
+#: command, the file is read and decompressed on a thread (``collectors/tracefile.py``) while the
+#: command's modules import. Only a file that exists is read ahead; the command reads its trace as
+#: ever, taking those bytes where they are of its path. A test holds the options to the parser's.
+READ_AHEAD = {"replay": ("--iteration", "--timeline")}
 _STRICT_HELP = "make every warning (input the tool could not use) an error, exit status 2"
 
 
@@ -117,10 +118,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _read_ahead(argv: Sequence[str]) -> None:
-    """Start reading the trace of a :data:`READ_AHEAD` command, where ``argv`` names one."""
-    words = [i for i, a in enumerate(argv) if not a.startswith("-")]
-    if len(words) > 1 and argv[words[0]] in READ_AHEAD and os.path.isfile(argv[words[1]]):
-        read_ahead(argv[words[1]])
+    """Start reading the trace of a :data:`READ_AHEAD` command, where ``argv`` names one: the
+    first word after the command that is neither an option nor an option's value."""
+    command, valued = None, ()
+    words = iter(argv)
+    for word in words:
+        if word in valued:
+            next(words, None)  # the option's value
+        elif word.startswith("-"):
+            continue  # a flag, or --option=value
+        elif command is None:
+            if word not in READ_AHEAD:
+                return
+            command, valued = word, READ_AHEAD[word]
+        else:
+            if os.path.isfile(word):
+                read_ahead(word)
+            return
 
 
 def _exit_now(status: int) -> None:
