@@ -404,15 +404,13 @@ class _Grid:
 
 def _lay(grid: _Grid, config: ClusterConfig) -> None:
     """``config``'s cluster graph laid in ``grid.laid`` (``lay_cluster``), where its
-    configuration simulates one: several workers, no parallelism's families."""
+    configuration simulates one: several workers, no parallelism's families. A configuration
+    that cannot be laid raises its error here, as its run would: the sweep stops at it."""
     if config.pass_bytes_per_us is None:
         config = replace(config, pass_bytes_per_us=grid.pass_rate)
     par = config.parallelism
     if config.workers > 1 and not (par is not None and par.families()):
-        try:
-            lay_cluster(grid.without_comm, grid.gradients, grid.iterations, config, grid.laid)
-        except Exception:  # the configuration's own error, raised where it runs as before
-            pass
+        lay_cluster(grid.without_comm, grid.gradients, grid.iterations, config, grid.laid)
 
 
 def _sent(grid: _Grid, result: tuple[dict, ClusterSchedule]) -> tuple:
