@@ -341,3 +341,34 @@ def _bundle_units(model: str):
     from whatif.sim.parallel.units import find_units
 
     return find_units(TraceStudy.from_trace(REPO / f"data/{model}_cpu.bundle").graph).table
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_slot_with_no_task_still_passes_the_schedules_dependencies_on(schedule):
+    """A stage whose units left no backward task in the trace gets, per microbatch, a task of no
+    time in its backward slot on the training loop's thread, and the transfers still wait on it."""
+    p, m = 2, 3
+    graph, units = synthetic(4, 100.0, 200.0, 1e6)
+    keep = ~((units.task_phase == BACKWARD) & (units.task_unit <= 2))  # stage 0: units 0-2, no backward
+    ids = np.flatnonzero(keep)
+    remap = np.full(len(keep), -1)
+    remap[ids] = np.arange(len(ids))
+    src, dst = remap[graph.edges["src"].to_numpy()], remap[graph.edges["dst"].to_numpy()]
+    inside = (src >= 0) & (dst >= 0)
+    edges = graph.edges[inside].assign(src=src[inside], dst=dst[inside]).reset_index(drop=True)
+    cut = TaskGraph(graph.tasks.iloc[ids].reset_index(drop=True), edges, workload=graph.workload)
+    units.task_unit, units.task_phase = units.task_unit[ids], units.task_phase[ids]
+    built, schedule_run = run(cut, units, par(p, m, schedule))
+    names = built.tasks["name"].astype(str)
+    empty = np.flatnonzero(names.str.startswith("empty backward of stage 0").to_numpy())
+    assert len(empty) == m
+    assert (built.tasks["duration_us"].to_numpy()[empty] == 0).all()
+    assert (built.tasks["resource"].astype(str).to_numpy()[empty] == "stage 0: cpu 1/1").all()
+    note = built.last_note(PipelineSchedule)
+    gradients = note.transfers[note.transfers["from_stage"] == 1]["task"].to_numpy()  # stage 1 -> 0
+    waiting = built.edges[np.isin(built.edges["src"], gradients)]["dst"].to_numpy()
+    assert set(waiting) == set(empty)  # each gradient sent back is waited for by an empty slot
+    ends = dict(zip(empty.tolist(), schedule_run.end_us[empty]))
+    for task in waiting:
+        sender = built.edges[(built.edges["dst"] == task) & np.isin(built.edges["src"], gradients)]["src"]
+        assert ends[task] >= schedule_run.end_us[int(sender.iat[0])]

@@ -275,14 +275,14 @@ def apply_pipeline(graph: TaskGraph, units, par, cluster, ranks_of: dict, *, mod
                               "from_device": d, "to_device": int(device_of_stage[to]), "nbytes": nbytes,
                               "time_us": cost.time_us, "algorithm": cost.algorithm, "protocol": cost.protocol})
     out = builder.graph()
-    source = np.asarray(builder.source_id, dtype=np.int64)
+    source = np.concatenate(builder.source_id)
     task_unit = np.where(source >= 0, np.asarray(units.task_unit)[np.maximum(source, 0)], -1)
-    task_phase = np.asarray(builder.phase, dtype=np.int64)
+    task_phase = np.concatenate(builder.phase)
     out.notes.append(PipelineSchedule(
         schedule, p, m, v, scaling, window, pd.DataFrame(stage_rows),
         pd.DataFrame(transfers, columns=["task", "microbatch", "from_stage", "to_stage", "from_device", "to_device",
                                          "nbytes", "time_us", "algorithm", "protocol"]),
-        np.asarray(builder.device, dtype=np.int64), np.asarray(builder.microbatch, dtype=np.int64),
+        np.concatenate(builder.device), np.concatenate(builder.microbatch),
         task_phase, source, Units(units.pattern, task_unit, task_phase, units.table),
     ))
     return out
@@ -499,23 +499,29 @@ def _to_gpu_side(graph: TaskGraph, value: np.ndarray, cpu: np.ndarray) -> np.nda
     return value
 
 
-def _prefixed(column: pd.Series, prefix: str) -> pd.Series:
-    """``prefix`` before each value of a categorical column, its categories the values used
-    (sorted, as a common prefix keeps them), each category written once rather than each row;
-    the same strings as ``prefix + column.astype(str)`` where no value is missing."""
-    if not isinstance(column.dtype, pd.CategoricalDtype):
-        return (prefix + column.astype(str)).to_numpy()
-    codes = column.cat.codes.to_numpy()
-    if (codes < 0).any():
-        return (prefix + column.astype(str)).to_numpy()
-    used = np.unique(codes)
-    categories = pd.Index(np.array([prefix + str(c) for c in column.cat.categories[used]], dtype=object))
-    return pd.Series(pd.Categorical.from_codes(np.searchsorted(used, codes), categories=categories),
+def _prefixed_by_device(column: pd.Series, device: np.ndarray) -> pd.Series:
+    """``"stage D: "`` before each value of a column, ``D`` the row's ``device``: a categorical
+    column's categories are the values used (sorted), each written once rather than each row;
+    the same strings as ``"stage D: " + value`` where no value is missing."""
+    if isinstance(column.dtype, pd.CategoricalDtype):
+        codes = column.cat.codes.to_numpy().astype(np.int64)
+        if not (codes < 0).any():
+            names = column.cat.categories
+            pairs, inverse = np.unique(device * len(names) + codes, return_inverse=True)
+            labels = [f"stage {pair // len(names)}: {names[pair % len(names)]}" for pair in pairs.tolist()]
+            categories = pd.Index(np.array(labels, dtype=object))
+            rank = np.argsort(np.argsort(categories.to_numpy(), kind="stable"), kind="stable")
+            return pd.Series(pd.Categorical.from_codes(rank[inverse.ravel()], categories=categories.sort_values()),
+                             index=column.index)
+    values = column.astype(str).to_numpy()
+    return pd.Series(np.array([f"stage {d}: {v}" for d, v in zip(device.tolist(), values)], dtype=object),
                      index=column.index)
 
 
 class _Builder:
-    """Accumulates the copies of tasks and edges that make the pipeline's graph."""
+    """Accumulates the copies of tasks and edges that make the pipeline's graph. A copy is
+    recorded as the source rows it takes and what changes in them; the task table is cut from
+    the source once, in :meth:`graph`, rather than once per slot."""
 
     def __init__(self, graph: TaskGraph, duration: np.ndarray, origin_us: float, main: int):
         self.source = graph
@@ -524,16 +530,31 @@ class _Builder:
         keys = graph.tasks["order_key"].to_numpy(dtype=float)
         self.keys = keys - (origin_us if np.isfinite(origin_us) else 0.0)
         self.span = float(np.nanmax(np.abs(self.keys))) * 2.0 + 1.0
-        self.frames, self.edges = [], []
+        self.resource = graph.tasks["resource"].astype(str).to_numpy()
+        self.copies: list = []  # (device, first new id, source ids, durations, order keys)
+        self.empties: list = []  # (new id, device, name, order key)
+        self.sends: list = []  # the transfer tasks' rows
+        self.edges: list = []  # (src, dst, lag_us, kind) arrays, in the order they were added
+        # each new task's device, microbatch, phase and source task (-1: none), as arrays per call
         self.device, self.microbatch, self.phase, self.source_id = [], [], [], []
         self.count = 0
         self.slot_tasks: dict = {}  # (stage, microbatch, phase) -> {resource: (first id, last id)}
         self.copied_us: dict = {}  # (stage, microbatch, phase) -> task time
-        self.group_of: dict = {}  # (device, stage, microbatch) -> {source id: new id}
+        self.group_of: dict = {}  # (device, stage, microbatch) -> new id of each source task (-1: none)
         src, dst = graph.edges["src"].to_numpy(), graph.edges["dst"].to_numpy()
         self.edge_src, self.edge_dst = src, dst
         self.edge_lag = graph.edges["lag_us"].to_numpy(dtype=float)
         self.edge_kind = graph.edges["kind"].to_numpy()
+        n = len(graph.tasks)  # each task's edges, out and in, as index ranges into two sorted orders
+        self.by_src, self.by_dst = np.argsort(src, kind="stable"), np.argsort(dst, kind="stable")
+        self.src_at = np.searchsorted(src[self.by_src], np.arange(n + 1))
+        self.dst_at = np.searchsorted(dst[self.by_dst], np.arange(n + 1))
+
+    def _edges_of(self, ids: np.ndarray) -> np.ndarray:
+        """The source edges with an end among ``ids``, in the source's order, each once."""
+        parts = [order[np.concatenate([np.arange(at[i], at[i + 1]) for i in ids.tolist()])] if len(ids) else
+                 np.zeros(0, dtype=np.int64) for order, at in ((self.by_src, self.src_at), (self.by_dst, self.dst_at))]
+        return np.unique(np.concatenate(parts)).astype(np.int64)
 
     def copy(self, device: int, ids: np.ndarray, slot_index: int, microbatch: int, phase: int,
              group=None, factor: float = 1.0) -> None:
@@ -544,60 +565,49 @@ class _Builder:
             if group is not None:
                 self._empty_slot(device, slot_index, group, phase)
             return
-        tasks = self.source.tasks.iloc[ids].copy()
+        ids = np.asarray(ids, dtype=np.int64)
         new = self.count + np.arange(len(ids))
-        prefix = f"stage {device}: "
-        tasks["resource"] = _prefixed(tasks["resource"], prefix)
-        tasks["duration_us"] = self.duration[ids] * factor
-        tasks["release_us"] = -np.inf
-        tasks["order_key"] = (slot_index + 1) * self.span + self.keys[ids]
-        tasks.index = new
-        self.frames.append(tasks)
+        durations = self.duration[ids] * factor
+        keys = (slot_index + 1) * self.span + self.keys[ids]
+        self.copies.append((device, self.count, ids, durations, keys))
         self.count += len(ids)
-        self.device += [device] * len(ids)
-        self.microbatch += [microbatch] * len(ids)
-        self.phase += [phase] * len(ids)
-        self.source_id += ids.tolist()
+        self.device.append(np.full(len(ids), device, dtype=np.int64))
+        self.microbatch.append(np.full(len(ids), microbatch, dtype=np.int64))
+        self.phase.append(np.full(len(ids), phase, dtype=np.int64))
+        self.source_id.append(ids)
         key = (device, group) if group is not None else (device, slot_index)
-        mapping = self.group_of.setdefault(key, {})
-        mapping.update(zip(ids.tolist(), new.tolist()))
-        remap = np.full(len(self.source.tasks), -1, dtype=np.int64)
-        remap[np.fromiter(mapping.keys(), dtype=np.int64)] = np.fromiter(mapping.values(), dtype=np.int64)
-        s, d = remap[self.edge_src], remap[self.edge_dst]
+        remap = self.group_of.get(key)
+        if remap is None:
+            remap = self.group_of[key] = np.full(len(self.source.tasks), -1, dtype=np.int64)
+        remap[ids] = new
+        touching = self._edges_of(ids)
+        s, d = remap[self.edge_src[touching]], remap[self.edge_dst[touching]]
         inside = (s >= 0) & (d >= 0) & ((s >= new[0]) | (d >= new[0]))  # edges touching the new copies
-        self.edges.append(pd.DataFrame({"src": s[inside], "dst": d[inside], "lag_us": self.edge_lag[inside],
-                                        "kind": self.edge_kind[inside]}))
+        chosen = touching[inside]
+        self.edges.append((s[inside], d[inside], self.edge_lag[chosen], self.edge_kind[chosen]))
         if group is not None:
             k, j = group
-            resources = tasks["resource"].astype(str).to_numpy()
-            keys = tasks["order_key"].to_numpy()
+            resources = self.resource[ids]
             ends = {}
             for r in np.unique(resources):
                 on = np.flatnonzero(resources == r)
-                ends[r] = (int(new[on[np.argmin(keys[on])]]), int(new[on[np.argmax(keys[on])]]))
+                ends[f"stage {device}: {r}"] = (int(new[on[np.argmin(keys[on])]]), int(new[on[np.argmax(keys[on])]]))
             self.slot_tasks[(k, j, phase)] = ends
-            self.copied_us[(k, j, phase)] = float(tasks["duration_us"].sum())
+            self.copied_us[(k, j, phase)] = float(durations.sum())
 
     def _empty_slot(self, device: int, slot_index: int, group: tuple, phase: int) -> None:
         """A slot with nothing to run (no task of the trace was attributed to it) still passes
         the schedule's dependencies on: a task of no time on the training loop's thread."""
-        row = self.source.tasks.iloc[[self.main]].copy()
         what = "forward" if phase == FORWARD else "backward"
-        row["name"] = f"empty {what} of stage {group[0]} microbatch {group[1]}"
-        row["kind"] = int(TaskKind.INSERTED)
-        row["resource"] = f"stage {device}: {row['resource'].iat[0]}"
-        row["duration_us"], row["release_us"] = 0.0, -np.inf
-        row["order_key"] = (slot_index + 1) * self.span
-        row["event"] = -1
         task = self.count
-        row.index = [task]
-        self.frames.append(row)
+        self.empties.append((task, device, f"empty {what} of stage {group[0]} microbatch {group[1]}",
+                             (slot_index + 1) * self.span))
         self.count += 1
-        self.device.append(device)
-        self.microbatch.append(group[1])
-        self.phase.append(phase)
-        self.source_id.append(-1)
-        resource = str(row["resource"].iat[0])
+        self.device.append(np.array([device], dtype=np.int64))
+        self.microbatch.append(np.array([group[1]], dtype=np.int64))
+        self.phase.append(np.array([phase], dtype=np.int64))
+        self.source_id.append(np.array([-1], dtype=np.int64))
+        resource = f"stage {device}: {self.resource[self.main]}"
         self.slot_tasks[(group[0], group[1], phase)] = {resource: (task, task)}
 
     def send(self, device: int, slot_index: int, source: tuple, target: tuple, resource: str, name: str,
@@ -605,23 +615,57 @@ class _Builder:
         """A transfer task after slot ``source`` (its last task on every resource) that slot
         ``target``'s first task on every resource waits for."""
         task = self.count
-        row = {"name": name, "kind": int(TaskKind.COMM), "resource": f"stage {device}: {resource}",
-               "duration_us": float(time_us), "release_us": -np.inf, "order_key": (slot_index + 1) * self.span,
-               "measured_start_us": np.nan, "measured_end_us": np.nan, "context": "", "operator": "",
-               "layer": "", "event": -1}
-        self.frames.append(pd.DataFrame([row], index=[task]))
+        self.sends.append({"name": name, "kind": int(TaskKind.COMM), "resource": f"stage {device}: {resource}",
+                           "duration_us": float(time_us), "release_us": -np.inf,
+                           "order_key": (slot_index + 1) * self.span, "measured_start_us": np.nan,
+                           "measured_end_us": np.nan, "context": "", "operator": "", "layer": "", "event": -1})
         self.count += 1
-        self.device.append(device)
-        self.microbatch.append(source[1])
-        self.phase.append(source[2])
-        self.source_id.append(-1)
+        self.device.append(np.array([device], dtype=np.int64))
+        self.microbatch.append(np.array([source[1]], dtype=np.int64))
+        self.phase.append(np.array([source[2]], dtype=np.int64))
+        self.source_id.append(np.array([-1], dtype=np.int64))
         edges = [(last, task) for _, last in self.slot_tasks.get(source, {}).values()]
         edges += [(task, first) for first, _ in self.slot_tasks.get(target, {}).values()]
-        self.edges.append(pd.DataFrame(edges, columns=["src", "dst"]).assign(lag_us=0.0, kind=int(EdgeKind.USER)))
+        pairs = np.asarray(edges, dtype=np.int64).reshape(-1, 2)
+        self.edges.append((pairs[:, 0], pairs[:, 1], np.zeros(len(pairs)), np.full(len(pairs), int(EdgeKind.USER))))
         return task
 
     def graph(self) -> TaskGraph:
-        categorical = [c for c in self.source.tasks.columns if isinstance(self.source.tasks[c].dtype, pd.CategoricalDtype)]
-        tasks = concat_tasks(self.frames, categorical).astype({"kind": self.source.tasks["kind"].dtype})
-        edges = pd.concat(self.edges, ignore_index=True).astype(self.source.edges.dtypes.to_dict())
+        """The pipeline's graph: the copies cut from the source's table at once, the empty slots
+        and the transfers after them, every row in the order its id was given."""
+        source = self.source.tasks
+        frames, order = [], []
+        if self.copies:
+            ids = np.concatenate([c[2] for c in self.copies])
+            copied = source.iloc[ids].copy()
+            device = np.concatenate([np.full(len(c[2]), c[0], dtype=np.int64) for c in self.copies])
+            copied["resource"] = _prefixed_by_device(copied["resource"], device)
+            copied["duration_us"] = np.concatenate([c[3] for c in self.copies])
+            copied["release_us"] = -np.inf
+            copied["order_key"] = np.concatenate([c[4] for c in self.copies])
+            frames.append(copied)
+            order.append(np.concatenate([c[1] + np.arange(len(c[2])) for c in self.copies]))
+        if self.empties:
+            rows = source.iloc[[self.main] * len(self.empties)].copy()
+            main_resource = str(self.resource[self.main])
+            rows["name"] = [e[2] for e in self.empties]
+            rows["kind"] = int(TaskKind.INSERTED)
+            rows["resource"] = [f"stage {e[1]}: {main_resource}" for e in self.empties]
+            rows["duration_us"], rows["release_us"] = 0.0, -np.inf
+            rows["order_key"] = [e[3] for e in self.empties]
+            rows["event"] = -1
+            frames.append(rows)
+            order.append(np.array([e[0] for e in self.empties], dtype=np.int64))
+        if self.sends:
+            frames.append(pd.DataFrame(self.sends))
+            order.append(self.count - len(self.sends) + np.arange(len(self.sends)))
+        categorical = [c for c in source.columns if isinstance(source[c].dtype, pd.CategoricalDtype)]
+        tasks = concat_tasks(frames, categorical).astype({"kind": source["kind"].dtype})
+        position = np.concatenate(order)
+        if not np.array_equal(position, np.arange(len(position))):  # empty slots among the copies
+            tasks = tasks.iloc[np.argsort(position, kind="stable")].reset_index(drop=True)
+        src, dst, lag, kind = (np.concatenate([e[i] for e in self.edges]) if self.edges else np.zeros(0)
+                               for i in range(4))
+        edges = pd.DataFrame({"src": src.astype(np.int64), "dst": dst.astype(np.int64), "lag_us": lag,
+                              "kind": kind}).astype(self.source.edges.dtypes.to_dict())
         return TaskGraph(tasks, edges, self.source.ops, self.source.workload, list(self.source.notes))
