@@ -518,6 +518,16 @@ def _prefixed_by_device(column: pd.Series, device: np.ndarray) -> pd.Series:
                      index=column.index)
 
 
+def _ranges(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """``start, start + 1, ..., end - 1`` for each pair, one after another."""
+    lengths = ends - starts
+    total = int(lengths.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    offsets = np.repeat(starts - np.cumsum(lengths) + lengths, lengths)
+    return offsets + np.arange(total)
+
+
 class _Builder:
     """Accumulates the copies of tasks and edges that make the pipeline's graph. A copy is
     recorded as the source rows it takes and what changes in them; the task table is cut from
@@ -552,8 +562,8 @@ class _Builder:
 
     def _edges_of(self, ids: np.ndarray) -> np.ndarray:
         """The source edges with an end among ``ids``, in the source's order, each once."""
-        parts = [order[np.concatenate([np.arange(at[i], at[i + 1]) for i in ids.tolist()])] if len(ids) else
-                 np.zeros(0, dtype=np.int64) for order, at in ((self.by_src, self.src_at), (self.by_dst, self.dst_at))]
+        parts = [order[_ranges(at[ids], at[ids + 1])] for order, at in ((self.by_src, self.src_at),
+                                                                           (self.by_dst, self.dst_at))]
         return np.unique(np.concatenate(parts)).astype(np.int64)
 
     def copy(self, device: int, ids: np.ndarray, slot_index: int, microbatch: int, phase: int,
