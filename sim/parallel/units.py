@@ -123,19 +123,38 @@ def _from_bundle(graph: TaskGraph, regex: Optional[re.Pattern]) -> Units:
     resource = tasks["resource"].astype(str).to_numpy()
     on_cpu = ~np.isin(tasks["kind"].to_numpy(), [int(k) for k in GPU_TASK_KINDS])
 
-    intervals = workload.layer_intervals.copy()
-    intervals["unit"] = intervals["layer"].map(unit_of_leaf).fillna(-1).astype(np.int64)
-    for step_index, (_, rows) in enumerate(intervals.groupby("step", sort=False)):
+    intervals = workload.layer_intervals
+    span_unit = intervals["layer"].map(unit_of_leaf).fillna(-1).to_numpy(dtype=np.int64)
+    span_step = pd.factorize(intervals["step"])[0]  # steps in order of first appearance
+    span_pass = intervals["pass"].astype(str).to_numpy()
+    span_thread = intervals["thread"].astype(str).to_numpy()
+    has_thread = intervals["thread"].notna().to_numpy()
+    span_start = intervals["start_us"].to_numpy(dtype=float)
+    span_end = intervals["end_us"].to_numpy(dtype=float)
+    on_thread: dict = {}  # thread -> its CPU tasks by start, and their starts
+
+    def starting(thread: str, lo: float, hi: float) -> np.ndarray:
+        """The CPU tasks on ``thread`` that start in ``[lo, hi)``."""
+        if thread not in on_thread:
+            ids = np.flatnonzero(on_cpu & (resource == thread))
+            ids = ids[np.argsort(start[ids], kind="stable")]  # a task with no start sorts last, in no span
+            on_thread[thread] = (ids, start[ids])
+        ids, starts = on_thread[thread]
+        return ids[np.searchsorted(starts, lo, "left"):np.searchsorted(starts, hi, "left")]
+
+    for step_index in range(int(span_step.max()) + 1 if len(span_step) else 0):
         for phase_name, phase in (("forward", PHASE_FORWARD), ("backward", PHASE_BACKWARD)):
-            of_phase = rows[rows["pass"] == phase_name]
-            for thread, spans in of_phase.groupby("thread", sort=False):
-                here = on_cpu & (resource == thread)
-                whole = here & (start >= spans["start_us"].min()) & (start < spans["end_us"].max())
+            rows = np.flatnonzero((span_step == step_index) & (span_pass == phase_name) & has_thread)
+            for thread in dict.fromkeys(span_thread[rows].tolist()):  # in order of first appearance
+                spans = rows[span_thread[rows] == thread]
+                whole = starting(thread, np.fmin.reduce(span_start[spans]), np.fmax.reduce(span_end[spans]))
                 task_phase[whole] = phase
                 task_step[whole] = step_index
-                for unit, unit_rows in spans[spans["unit"] >= 0].groupby("unit"):
-                    inside = here & (start >= unit_rows["start_us"].min()) & (start < unit_rows["end_us"].max())
-                    task_unit[inside] = unit
+                for unit in np.unique(span_unit[spans]).tolist():
+                    if unit >= 0:
+                        of_unit = spans[span_unit[spans] == unit]
+                        lo, hi = np.fmin.reduce(span_start[of_unit]), np.fmax.reduce(span_end[of_unit])
+                        task_unit[starting(thread, lo, hi)] = unit
     _optimizer_phase(graph, task_phase)
     _to_launched(graph, task_unit, task_phase, task_step)
     param_bytes = _param_bytes(workload.parameters, order)
