@@ -79,15 +79,16 @@ def _copy_into_buckets(worker: TaskGraph, gradients: Gradients, bytes_per_us: fl
     """Put DDP's copy of each gradient into its bucket on the thread that made the gradient
     ready, right after it, and hand the gradient over once copied; the copies back are added by
     :func:`_copy_back`."""
-    copied = []
-    for g in gradients.gradients:
-        copy = worker.insert(g.ready_task, None, "DDP: copy gradient into bucket", g.nbytes / bytes_per_us,
-                             kind=TaskKind.CPU)
-        handed_over = worker.tasks.at[g.ready_task, "measured_end_us"]  # orders the buckets as before
-        worker.tasks.loc[copy, ["measured_start_us", "measured_end_us"]] = handed_over
+    ready = [g.ready_task for g in gradients.gradients]
+    copies = worker.insert_many([(r, "DDP: copy gradient into bucket", g.nbytes / bytes_per_us, TaskKind.CPU)
+                                 for r, g in zip(ready, gradients.gradients)])
+    if copies:  # each handed over when its gradient was: orders the buckets as before
+        handed_over = worker.tasks["measured_end_us"].to_numpy()[ready]
+        for column in ("measured_start_us", "measured_end_us"):
+            worker.tasks.loc[copies, column] = handed_over
+    for copy, g in zip(copies, gradients.gradients):
         count_streamed_bytes(worker, copy, g.nbytes)
-        copied.append(replace(g, ready_task=copy))
-    return Gradients(copied, gradients.source)
+    return Gradients([replace(g, ready_task=c) for c, g in zip(copies, gradients.gradients)], gradients.source)
 
 
 def _copy_back(worker: TaskGraph, consumer: int, nbytes: float, bytes_per_us: float) -> Optional[int]:
