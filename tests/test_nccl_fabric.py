@@ -141,3 +141,18 @@ def test_a_cluster_file_with_a_machine_loads_from_yaml(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("cluster:\n  machine: dgx_b200\n  machines: 4\n")
     assert load_cluster(path, "cluster").fabric.gpu.name == "b200"
+
+
+def test_a_factor_kept_to_a_node_count_applies_there_before_one_for_any_and_round_trips():
+    from whatif.topology.fabric import Calibration
+
+    config = {"net": {"tree/simple@2": {"bandwidth": 0.5}, "tree/simple": {"bandwidth": 0.8},
+                      "ring/simple@3+": {"latency": 2.0}}}
+    calibration = Calibration.from_config(config, "nccl")
+    assert calibration.factors_for("net", "tree", "simple", 2) == (0.5, 1.0)
+    assert calibration.factors_for("net", "tree", "simple", 16) == (0.8, 1.0)
+    assert calibration.factors_for("net", "ring", "simple", 2) == (1.0, 1.0)
+    assert calibration.factors_for("net", "ring", "simple", 4) == (1.0, 2.0)
+    assert Calibration.from_config(calibration.as_config(), "nccl") == calibration
+    with pytest.raises(TopologyError, match=r"nccl\.net\.tree/simple@4"):
+        Calibration.from_config({"net": {"tree/simple@4": {"bandwidth": 0.5}}}, "nccl")

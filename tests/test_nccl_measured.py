@@ -294,3 +294,20 @@ def test_rows_faster_than_the_host_estimate_are_the_gpus_and_inform_the_fit():
     assert min(r.time_us for r in table.rows) < host
     fitted = fit_tables([table], c)
     assert sum(group[5] for group in fitted.groups) == len(sizes)
+
+
+def test_a_trees_factors_fitted_on_two_nodes_stay_on_two_nodes_and_a_rings_carry():
+    from whatif.topology.calibrate import factor_nodes, fit_tables
+
+    # across two nodes NCCL's trees are one edge between them; from three a node's NIC serves a
+    # parent and two children: a tree's misfit on one says nothing of the other, a ring's does
+    assert (factor_nodes("tree", 2), factor_nodes("nvls_tree", 8), factor_nodes("ring", 2)) == ("2", "3+", "")
+    truth = cluster(machines=8, measured="public", net={"tree/ll": {"latency": 2.0}})
+    fit = fit_tables([_table(truth, 2, "two_nodes.txt")], cluster(machines=8, measured="public"))
+    calibration = fit.cluster.fabric.calibration
+    trees = [g for g in fit.groups if g[1] in ("tree", "nvls_tree")]
+    assert trees and all(g[6] == "2" for g in trees)
+    assert any((g[3], g[4]) != (1.0, 1.0) for g in trees)
+    for link, algorithm, protocol, bandwidth, latency, _, _ in trees:
+        assert calibration.factors_for(link, algorithm, protocol, 2) == (bandwidth, latency)
+        assert calibration.factors_for(link, algorithm, protocol, 8) == (1.0, 1.0)

@@ -8,7 +8,8 @@ public estimates as the prior): the kernel start, one network hop's latency for 
 and the fraction of the line rate its NICs and its NVLink (PCIe) deliver, each acting on the
 part of a row's time it governs. They are the same at every scale, so a calibration at one
 scale carries to another through them. On top of them, measurements know two more things per
-link class and (algorithm, protocol) (``per_algorithm``): the fraction of
+link class and (algorithm, protocol), for trees also per node-count class
+(``per_algorithm``, :func:`factor_nodes`): the fraction of
 ``B`` this fabric really delivers (NIC firmware, PCIe settings, congestion, a slower switch) and
 how much longer its steps take than NCCL's constants (a slower network stack, EFA, sockets).
 :func:`fit_tables` finds them::
@@ -51,7 +52,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from .cluster import Cluster
-from .fabric import Calibration, Fabric
+from .fabric import Calibration, Fabric, node_class
 from .nccl import p2p
 from .nccl.measured import SPEC, Measured
 from .nccl.measured import fit as fit_measured
@@ -65,6 +66,7 @@ EFFICIENCY_RANGE = (0.05, 2.0)
 LATENCY_RANGE = (0.2, 20.0)
 UNDERPERFORMING = 0.6  # a table below this fraction of the specs' bus bandwidth is diagnosed
 DIAGNOSED_BYTES = 16 * 2**20  # ... at its largest row, if that is at least this big
+TREE_SHAPED = ("tree", "nvls_tree")  # algorithms whose shape across nodes changes from two nodes to three
 TWIN_RATIO = 1.5  # a row whose out-of-place and in-place runs differ by more: one run was disturbed
 
 
@@ -89,7 +91,7 @@ class Fit:
 
     cluster: Cluster
     rows: tuple
-    groups: tuple    # (link, algorithm, protocol, bandwidth factor, latency factor, rows)
+    groups: tuple    # (link, algorithm, protocol, bandwidth factor, latency factor, rows, node class)
     diagnoses: tuple
 
 
@@ -202,14 +204,15 @@ def fit_tables(tables: Sequence[Table], cluster: Cluster, choices: Optional[Sequ
             host = table_time_us(table, comm, found, priors)
             if host > found.time_us and row.time_us >= host:
                 continue  # the benchmark's host thread, not the fabric, set this row's time
-            key = (found.option.link, found.option.algorithm, found.option.protocol)
+            key = (found.option.link, found.option.algorithm, found.option.protocol,
+                   factor_nodes(found.option.algorithm, comm.n_nodes))
             groups.setdefault(key, []).append((found.latency_us, found.transfer_us, row.time_us))
     fitted = []
     for key, items in sorted(groups.items()) if per_algorithm else ():
         latency, transfer, measured = (np.array(column, dtype=float) for column in zip(*items))
         e, f, _ = _solve(latency, transfer, measured)
-        fitted.append((*key, e, f, len(items)))
-    calibration = Calibration(tuple(row[:5] for row in fitted), source, version, priors)
+        fitted.append((*key[:3], e, f, len(items), key[3]))
+    calibration = Calibration(tuple((*row[:5], row[6]) for row in fitted), source, version, priors)
     calibrated = dataclasses.replace(cluster, fabric=dataclasses.replace(cluster.fabric, calibration=calibration))
     rows, diagnoses = [], []
     for table, comm, choice in zip(tables, comms, choices):
@@ -222,6 +225,16 @@ def fit_tables(tables: Sequence[Table], cluster: Cluster, choices: Optional[Sequ
         if note:
             diagnoses.append(note)
     return Fit(calibrated, tuple(rows), tuple(fitted), tuple(diagnoses))
+
+
+def factor_nodes(algorithm: str, n_nodes: int) -> str:
+    """The node-count class a factor fitted on ``algorithm`` across ``n_nodes`` nodes is kept to
+    (:func:`~whatif.topology.fabric.node_class`; "" for any). A ring is the same cycle at every
+    node count, so what it misses carries; a tree is not: across two nodes NCCL's two trees are
+    each one edge between them and its tuner reads its two-node ceilings (``tuning.cc``'s N2
+    column), from three nodes a node's NIC serves a parent and two children under the N4 column,
+    so a tree's misfit on two nodes says nothing of it on more, nor the other way."""
+    return node_class(n_nodes) if algorithm in TREE_SHAPED else ""
 
 
 def spikes(table: Table) -> tuple:

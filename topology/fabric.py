@@ -239,13 +239,26 @@ class Network:
         )
 
 
+NODE_CLASSES = ("2", "3+")
+
+
+def node_class(n_nodes: int) -> str:
+    """The node-count class of a communicator across ``n_nodes`` nodes (NVLink domains), as
+    NCCL's tuner keys its ceilings (``tuning.cc``'s N1 / N2 / N4 columns, ``index2 = nNodes <= 2
+    ? nNodes-1 : 2``): "2" or "3+"; "" for one node, whose link class already says so."""
+    return "" if n_nodes <= 1 else "2" if n_nodes == 2 else "3+"
+
+
 @dataclass(frozen=True)
 class Calibration:
     """What measurements say that specs cannot: per link class and (algorithm, protocol), the
     fraction of the modelled bandwidth the fabric delivers and a factor on the modelled latency.
 
-    ``factors`` holds ``(link, algorithm, protocol, bandwidth, latency)`` rows; ``*`` stands for
-    any algorithm or protocol. ``version`` is the NCCL release the cluster runs (``2.26.2``):
+    ``factors`` holds ``(link, algorithm, protocol, bandwidth, latency[, nodes])`` rows; ``*``
+    stands for any algorithm or protocol. ``nodes`` (a :func:`node_class`, "" or absent for any)
+    keeps a factor to communicators of that node count: ``whatif calibrate`` writes it for trees,
+    whose shape across two nodes is not their shape across more (``calibrate.factor_nodes``;
+    YAML: ``tree/simple@2``, ``tree/simple@3+``). ``version`` is the NCCL release the cluster runs (``2.26.2``):
     it decides which algorithms exist and how NCCL's tuner picks among them
     (``nccl/versions.py``); without it, the newest modelled. ``measured`` are the constants
     only measurements give (``nccl/measured.py``): ``spec`` for none, else the public tables'
@@ -263,6 +276,7 @@ class Calibration:
           source: whatif calibrate nccl-tests ...
           net:
             ring/simple: {bandwidth: 0.93, latency: 1.2}
+            tree/simple@3+: {bandwidth: 1.1}
             "*": {bandwidth: 0.95}
     """
 
@@ -279,12 +293,15 @@ class Calibration:
         """The measured constants the model uses: this cluster's, else the public estimates."""
         return public() if self.measured is None else self.measured
 
-    def factors_for(self, link: str, algorithm: str, protocol: str) -> tuple:
-        """``(bandwidth, latency)`` factors: the most specific row that matches, else ``(1, 1)``."""
+    def factors_for(self, link: str, algorithm: str, protocol: str, n_nodes: int = 1) -> tuple:
+        """``(bandwidth, latency)`` factors on a communicator across ``n_nodes`` nodes: the most
+        specific row that matches (a row of its node class before one for any), else ``(1, 1)``."""
+        wanted = node_class(n_nodes)
         for want in ((algorithm, protocol), (algorithm, "*"), ("*", "*")):
-            for row in self.factors:
-                if row[0] == link and (row[1], row[2]) == want:
-                    return row[3], row[4]
+            for nodes in dict.fromkeys((wanted, "")):
+                for row in self.factors:
+                    if row[0] == link and (row[1], row[2]) == want and _row_nodes(row) == nodes:
+                        return row[3], row[4]
         return 1.0, 1.0
 
     def as_config(self) -> dict:
@@ -296,8 +313,9 @@ class Calibration:
         out.update({k: getattr(self, k) for k in ("algorithm", "protocol") if getattr(self, k)})
         if self.source:
             out["source"] = self.source
-        for link, algorithm, protocol, bandwidth, latency in self.factors:
-            name = "*" if algorithm == "*" else f"{algorithm}/{protocol}"
+        for row in self.factors:
+            link, algorithm, protocol, bandwidth, latency = row[:5]
+            name = ("*" if algorithm == "*" else f"{algorithm}/{protocol}") + (f"@{_row_nodes(row)}" if _row_nodes(row) else "")
             out.setdefault(link, {})[name] = {"bandwidth": round(float(bandwidth), 4), "latency": round(float(latency), 4)}
         return out
 
@@ -314,7 +332,10 @@ class Calibration:
                 raise TopologyError(f"{key}.{link}", f"expected a mapping of ALGORITHM/PROTOCOL to factors, got {entries!r}")
             for name, factors in entries.items():
                 where = f"{key}.{link}.{name}"
-                algorithm, _, protocol = str(name).partition("/")
+                pair, _, nodes = str(name).partition("@")
+                if nodes and nodes not in NODE_CLASSES:
+                    raise TopologyError(where, f"unknown node class {nodes!r} after @; known: {', '.join(NODE_CLASSES)}")
+                algorithm, _, protocol = pair.partition("/")
                 protocol = protocol or "*"
                 if algorithm != "*" and algorithm not in ALGORITHMS + ("p2p",):
                     raise TopologyError(where, f"unknown algorithm {algorithm!r}; known: {', '.join(ALGORITHMS)}, p2p, *")
@@ -325,7 +346,7 @@ class Calibration:
                 _check_keys(factors, ("bandwidth", "latency"), where)
                 bandwidth = _factor(factors.get("bandwidth", 1.0), f"{where}.bandwidth")
                 latency = _factor(factors.get("latency", 1.0), f"{where}.latency")
-                rows.append((link, algorithm, protocol, bandwidth, latency))
+                rows.append((link, algorithm, protocol, bandwidth, latency, nodes))
         version = parse_version(value["version"], f"{key}.version") if value.get("version") is not None else ()
         measured = Measured.from_config(value["measured"], f"{key}.measured") if "measured" in value else None
         if value.get("measured") == "public":
@@ -337,6 +358,10 @@ class Calibration:
         except TopologyError as err:
             raise TopologyError(f"{key}.{err.key}", err.message) from None
         return cls(tuple(rows), str(value.get("source", "")), version, measured, min_channels, **forced)
+
+
+def _row_nodes(row: tuple) -> str:
+    return row[5] if len(row) > 5 else ""
 
 
 def _factor(value: Any, key: str) -> float:

@@ -734,7 +734,7 @@ def predict(comm: Comm, op: str, nbytes: float, algorithms=None, protocols=None,
     if calibration is not None and calibration.min_channels and option.algorithm in ("ring", "tree"):
         used = max(used, calibration.min_channels)
     efficiency, latency_factor = (1.0, 1.0) if calibration is None else calibration.factors_for(
-        option.link, option.algorithm, option.protocol)
+        option.link, option.algorithm, option.protocol, comm.n_nodes)
     bandwidth = bandwidth_on(comm, option, used) * nvls_traffic_factor(comm, option)
     latency, transfer = estimate_parts(comm, dataclasses.replace(option, bandwidth_gbs=bandwidth), nbytes)
     transfer = (transfer * chunk_slowdown(comm, option, nbytes) + pipeline_fill_us(comm, option, nbytes, bandwidth)

@@ -255,7 +255,7 @@ def _timed(comm: Comm, option: Option, latency: float, hops: float, local: float
     the network rate that point-to-point traffic between nodes gets; then the calibration's
     factors."""
     measured = public() if calibration is None else calibration.constants
-    efficiency, latency_factor = _factors(calibration, option.link, option.protocol)
+    efficiency, latency_factor = _factors(calibration, option.link, option.protocol, comm.n_nodes)
     nic = comm.fabric.nic
     timed_latency = (latency + measured.kernel(comm.arch) + hops * measured.hop(nic.kind, nic.transport)) * latency_factor
     net_time = net / measured.p2p_efficiency if net else 0.0
@@ -273,8 +273,8 @@ def _oversubscription(comm: Comm) -> float:
     return max(1.0, leaving * network.oversubscription)
 
 
-def _factors(calibration, link: str, protocol: str) -> tuple:
-    return (1.0, 1.0) if calibration is None else calibration.factors_for(link, "p2p", protocol)
+def _factors(calibration, link: str, protocol: str, n_nodes: int) -> tuple:
+    return (1.0, 1.0) if calibration is None else calibration.factors_for(link, "p2p", protocol, n_nodes)
 
 
 def _predict(comm: Comm, op: str, nbytes: float, classes: list, protocols, calibration) -> Predicted:

@@ -211,8 +211,8 @@ def run_calibrate(args) -> int:
     errors = sorted(abs(r.error_pct) for r in fit.rows)
     print(f"\n{len(errors)} rows: median |error| {errors[len(errors) // 2]:.1f} %, max {errors[-1]:.1f} %")
     print("fitted (link, algorithm/protocol: bandwidth factor, latency factor, rows):")
-    for link, algorithm, protocol, bandwidth, latency, count in fit.groups:
-        name = "any other" if algorithm == "*" else f"{algorithm}/{protocol}"
+    for link, algorithm, protocol, bandwidth, latency, count, nodes in fit.groups:
+        name = ("any other" if algorithm == "*" else f"{algorithm}/{protocol}") + (f" on {nodes} nodes" if nodes else "")
         print(f"  {link:<6} {name:<20} bandwidth x{bandwidth:.3f}  latency x{latency:.3f}  ({count} rows)")
     for note in fit.diagnoses:
         print(note)
