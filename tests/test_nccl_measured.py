@@ -311,3 +311,22 @@ def test_a_trees_factors_fitted_on_two_nodes_stay_on_two_nodes_and_a_rings_carry
     for link, algorithm, protocol, bandwidth, latency, _, _ in trees:
         assert calibration.factors_for(link, algorithm, protocol, 2) == (bandwidth, latency)
         assert calibration.factors_for(link, algorithm, protocol, 8) == (1.0, 1.0)
+
+
+def test_a_row_one_of_its_two_runs_contradicts_is_left_out_of_the_fit():
+    from whatif.topology.calibrate import fit_tables
+
+    truth = cluster(machines=2, measured={"kernel_us": {"hopper": 6.0}, "hop_us": {"ib": 9.0}})
+
+    def table(disturbed: float):
+        lines = []
+        for k, size in enumerate(4**k * 8 for k in range(10)):
+            time = collective_cost(truth, "all_reduce", size).time_us
+            out = time * (disturbed if k == 2 else 1.0)  # 128 B: the out-of-place run met something else
+            lines.append(f"{size:>12} {size // 4:>12} float sum -1 {out:10.2f} 0.1 0.1 0 {time:10.2f} 0.1 0.1 0")
+        return dataclasses.replace(parse_text("\n".join(lines) + "\n", "two_nodes.txt", "all_reduce"), n_ranks=16)
+
+    clean, noisy = (fit_tables([table(d)], cluster(machines=2, measured="public")) for d in (1.0, 4.0))
+    for constants in (clean.cluster.fabric.calibration.constants, noisy.cluster.fabric.calibration.constants):
+        assert constants.kernel("hopper") + 2 * constants.hop("ib") == pytest.approx(6.0 + 2 * 9.0, rel=0.05)
+    assert any("1 row left out of the fit (128 B)" in note for note in noisy.diagnoses)

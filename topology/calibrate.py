@@ -32,7 +32,10 @@ within [0.05, 2], ``f`` within [0.2, 20]. Rows the benchmark's host thread set (
 on one thread, or all-to-all's ``2n`` calls an iteration) say nothing of the fabric and are
 left out: those whose host time, at the constants' estimate, exceeds the GPU's and which ran no
 faster than it (a row faster than the host estimate proves that estimate too high for this
-machine, and its time the GPU's: GB300's Grace ran 64 ranks' 128 calls in 32 us, not 62).
+machine, and its time the GPU's: GB300's Grace ran 64 ranks' 128 calls in 32 us, not 62). So
+are rows one of nccl-tests' two runs contradicts (:func:`spikes`): a 1 MiB row of 317 us,
+above the 227 us of 2 MiB, had set a 32-GPU H100 table's kernel start to 0 and its InfiniBand
+hop to 51 us.
 
 Each table's communicator is its ranks (``Table.n_ranks``) on as many of the cluster's machines
 as its hosts (or, without ``Rank`` lines, packed machine by machine): one cluster description
@@ -193,12 +196,13 @@ def fit_tables(tables: Sequence[Table], cluster: Cluster, choices: Optional[Sequ
     version, constants = cluster.fabric.calibration.version, cluster.fabric.calibration.measured
     spec = dataclasses.replace(cluster.fabric, calibration=Calibration(version=version, measured=constants))
     comms = [table_comm(spec, table)[1] for table in tables]
-    decomposed = [r for table, comm, choice in zip(tables, comms, choices) for r in decompose(table, comm, choice)]
+    steady = [dataclasses.replace(table, rows=tuple(r for r in table.rows if r not in spikes(table))) for table in tables]
+    decomposed = [r for table, comm, choice in zip(steady, comms, choices) for r in decompose(table, comm, choice)]
     priors = fit_measured(decomposed, source or "whatif calibrate nccl-tests", fit_efficiency=True,
                           prior=spec.calibration.constants)
     base = Calibration(version=version, measured=priors)
     groups: dict = {}
-    for table, comm, choice in zip(tables, comms, choices):
+    for table, comm, choice in zip(steady, comms, choices):
         for row in table.rows:
             found = _predict(comm, table.op, row.size_bytes, choice, base)
             host = table_time_us(table, comm, found, priors)
@@ -224,6 +228,11 @@ def fit_tables(tables: Sequence[Table], cluster: Cluster, choices: Optional[Sequ
         note = diagnose(table, comm, choice)
         if note:
             diagnoses.append(note)
+        noise = spikes(table)
+        if noise:
+            diagnoses.append(f"{table.path}: {len(noise)} row{'s' * (len(noise) > 1)} left out of the fit "
+                             f"({', '.join(_size(r.size_bytes) for r in noise)}): the out-of-place and in-place runs "
+                             f"differ by more than {TWIN_RATIO}x, so one of them met something else")
     return Fit(calibrated, tuple(rows), tuple(fitted), tuple(diagnoses))
 
 
