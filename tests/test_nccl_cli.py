@@ -137,3 +137,25 @@ def test_calibrate_errors_name_the_file_and_line(capsys, tmp_path, h100):
     bad.write_text("# Collective test starting: all_reduce_perf\n        1024   256  float sum -1  12.x  0.1 0.1 0\n")
     code, _, err = run(capsys, "calibrate", "nccl-tests", str(bad), "--cluster", str(h100), "--out", str(tmp_path / "o.yaml"))
     assert code == 2 and f"{bad}:2" in err and len(err.strip().splitlines()) == 1
+
+
+def test_calibrate_marks_the_rows_it_leaves_out_and_sums_up_the_others(capsys, tmp_path):
+    """Issue 309's 4-node table opens with a row one of its runs contradicts (1 MiB: 317 us out of
+    place, 93 us in place): the fit leaves it out, the table of rows marks it, and the summary's
+    median and max are those of the rows fitted."""
+    from pathlib import Path
+
+    table = Path(__file__).resolve().parents[1] / "bench" / "nccl_tests" / "data" / "h100_ib_4node_32gpu_allreduce_issue309.txt"
+    cluster = tmp_path / "h100x4.yaml"
+    cluster.write_text("machine: dgx_h100\nmachines: 4\n")
+    code, out, _ = run(capsys, "calibrate", "nccl-tests", str(table), "--cluster", str(cluster),
+                       "--out", str(tmp_path / "c.yaml"))
+    assert code == 0
+    rows = [line for line in out.splitlines() if line.startswith("h100_ib_4node")]
+    marked = [line for line in rows if line.endswith("(left out of the fit)")]
+    assert [int(line.split()[1]) for line in marked] == [1 << 20]
+    errors = sorted(abs(float(line.split()[4].rstrip("%"))) for line in rows if line not in marked)
+    summary = next(line for line in out.splitlines() if "median |error|" in line)
+    assert summary.startswith(f"{len(rows) - 1} rows fitted:")
+    assert summary.endswith(f"max {errors[-1]:.1f} %")
+    assert "1 row left out of the fit (1 MiB)" in out

@@ -22,7 +22,7 @@ from typing import Mapping
 import yaml
 
 from whatif.topology import Cluster, TopologyError, collective_cost, parse_size
-from whatif.topology.calibrate import fit_tables
+from whatif.topology.calibrate import fit_tables, spikes
 from whatif.topology.nccl.tuning import OPS, parse_choices
 from whatif.topology.nccl.versions import LATEST, version_text
 from whatif.topology.nccl_tests import bus_factor, read_table
@@ -204,16 +204,22 @@ def run_calibrate(args) -> int:
     choice = parse_choices(args.algorithm, args.protocol)
     sources = ", ".join(str(p) for p in args.files)
     fit = fit_tables(tables, cluster, [choice] * len(tables), source=f"whatif calibrate nccl-tests {sources}")
+    left_out = {(t.path, r.size_bytes) for t in tables for r in spikes(t)}  # named below, with the reason
     print(f"{'file':<40} {'size':>12} {'measured us':>12} {'fitted us':>10} {'error':>8}  chosen")
     for row in fit.rows:
+        mark = "  (left out of the fit)" if (row.table, row.size_bytes) in left_out else ""
         print(f"{Path(row.table).name[:40]:<40} {row.size_bytes:>12.0f} {row.measured_us:>12.2f} {row.predicted_us:>10.2f} "
-              f"{row.error_pct:>+7.1f}%  {row.algorithm}/{row.protocol}")
-    errors = sorted(abs(r.error_pct) for r in fit.rows)
-    print(f"\n{len(errors)} rows: median |error| {errors[len(errors) // 2]:.1f} %, max {errors[-1]:.1f} %")
+              f"{row.error_pct:>+7.1f}%  {row.algorithm}/{row.protocol}{mark}")
+    errors = sorted(abs(r.error_pct) for r in fit.rows if (r.table, r.size_bytes) not in left_out)
+    if errors:
+        fitted = " fitted" if left_out else ""
+        print(f"\n{len(errors)} rows{fitted}: median |error| {errors[len(errors) // 2]:.1f} %, max {errors[-1]:.1f} %")
     print("fitted (link, algorithm/protocol: bandwidth factor, latency factor, rows):")
-    for link, algorithm, protocol, bandwidth, latency, count, nodes in fit.groups:
-        name = ("any other" if algorithm == "*" else f"{algorithm}/{protocol}") + (f" on {nodes} nodes" if nodes else "")
-        print(f"  {link:<6} {name:<20} bandwidth x{bandwidth:.3f}  latency x{latency:.3f}  ({count} rows)")
+    names = [("any other" if algorithm == "*" else f"{algorithm}/{protocol}") + (f" on {nodes} nodes" if nodes else "")
+             for _, algorithm, protocol, *_rest, nodes in fit.groups]
+    width = max([20, *map(len, names)])
+    for name, (link, _, _, bandwidth, latency, count, _) in zip(names, fit.groups):
+        print(f"  {link:<6} {name:<{width}} bandwidth x{bandwidth:.3f}  latency x{latency:.3f}  ({count} rows)")
     for note in fit.diagnoses:
         print(note)
     out = {**{k: v for k, v in config.items() if k != "nccl"}, "nccl": fit.cluster.fabric.calibration.as_config()}
