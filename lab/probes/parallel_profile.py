@@ -11,6 +11,8 @@ wall and main-thread CPU by phase:
         tp 2 OUT [--sequence-parallel] [--schedule 1f1b]
 
 World 1 runs the family on a one-rank mesh: its libraries' dispatch with no communication.
+Across the emulated machines, ``lab/cluster.py``'s ``run_job`` starts each rank with
+``PARALLEL_PROFILE_WORKER=1`` in its environment and the same arguments (its logs hold the lines).
 """
 
 from __future__ import annotations
