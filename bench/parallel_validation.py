@@ -6,7 +6,9 @@ and FSDP+TP on 2 machines x 2 workers at every bandwidth: capture the single-wor
 predictions start from (once per model and batch), run the setting for real ``--repeats`` times
 and keep the median run, and, with ``--predictor MODULE:FUNCTION``, predict it
 (``lab.parallel.Predictor``: ``f(setting, captures, work) -> ms``); without one ``predicted_ms``
-stays empty, for a predictor to fill later from the kept captures (``--repredict``).
+stays empty, for a predictor to fill later from the kept captures (``--repredict``, which runs
+the lab only to measure a tensor-parallel point's library cost where its record lacks it:
+``lab.parallel.measure_tensor_dispatch``, once per model, batch and sequence parallelism).
 
 Writes ``parallel_validation.csv`` and ``parallel_validation.json`` under ``--out`` (default
 ``bench/out/parallel_validation``), rewritten as each setting finishes (``--resume`` goes on from
@@ -32,7 +34,8 @@ from pathlib import Path
 
 from measured_code import code_version
 from whatif.lab.parallel import (
-    VARIANTS, as_record, default_settings, point_of_record, predict_point, run_campaign, write_campaign,
+    TENSOR_FAMILIES, VARIANTS, as_record, default_settings, measure_tensor_dispatch, point_of_record, predict_point,
+    run_campaign, write_campaign,
 )
 
 
@@ -50,9 +53,13 @@ def repredict(out: Path, predictor) -> list:
     if not path.exists():
         raise SystemExit(f"--repredict: no measurements in {path}")
     points = [point_of_record(r) for r in json.loads(path.read_text())["points"]]
+    work = (out / "work").resolve()
     for point in points:
+        s = point.setting
+        if point.status == "ok" and s.family in TENSOR_FAMILIES and "tensor_dispatch" not in point.captures:
+            point.captures["tensor_dispatch"] = str(measure_tensor_dispatch(s.model, s.batch_size, s.sequence_parallel, work))
         if point.status == "ok":
-            predict_point(point, predictor, (out / "work").resolve())
+            predict_point(point, predictor, work)
     write_campaign(out, [as_record(p) for p in points])
     return points
 

@@ -210,11 +210,13 @@ class TensorParallelWorker(DistributedWorker):
 
     def prepare(self, model, optimizer):
         parallelize_blocks(model, cpu_mesh((self.size,), ("tensor",)), self.options.sequence_parallel)
+        self.pairs = 2 * len(blocks_of(model))  # each block's attention and MLP: a column/row pair
         return model, same_optimizer(optimizer, model.parameters())
 
     def settings(self) -> dict:
         settings = super().settings()
         settings["parallelism"]["sequence_parallel"] = self.options.sequence_parallel
+        settings["parallelism"]["tensor_pairs"] = getattr(self, "pairs", 0)
         return settings
 
 

@@ -138,6 +138,8 @@ def measure_collectives(spec: LabSpec, out_dir: Path, sizes=COLLECTIVE_SIZES_BYT
 def op_shape(op: str, machines: int, gpus: int) -> tuple[float, float]:
     """``(steps, per_byte)`` of ``op``'s closed form on ``machines x gpus`` workers over one kind
     of link (``topology.collectives``): its time is ``steps L + per_byte S / (e B)``."""
+    if op == "send":  # one way: one step of ``L + S / B``, as a send_recv's exchange is priced
+        op = "send_recv"
     unit = Link(bandwidth_bytes_per_us=1.0, latency_us=1.0)
     cluster = Cluster(machines, gpus, unit, unit)
     steps = collective_cost(cluster, op, 0.0).time_us
@@ -153,6 +155,8 @@ def fit_collectives(measured: dict, machines: int, gpus: int, bandwidth_bytes_pe
     sizes = np.asarray(measured["sizes_bytes"], float)
     out = {}
     for op in CALIBRATED_OPS:
+        if op not in measured:  # a probe's record from before the op was timed (``send``)
+            continue
         slope, intercept = np.polyfit(sizes, np.asarray(measured[op], float), 1)
         steps, per_byte = op_shape(op, machines, gpus)
         latency = f"{max(intercept, 0.0) / steps * 1e6:.1f}us"

@@ -20,6 +20,10 @@ shape and a NIC rate) the harness
    their spread, every rank's median, where rank 0's steps went, the captures, and
    ``predicted_ms`` (empty without a predictor).
 
+A tensor-parallel setting also measures, once per model, batch and sequence parallelism, what
+its library costs the host (:func:`measure_tensor_dispatch`), which the predictor gives the
+scenario as ``parallelism.tensor_dispatch``: a plain capture does not hold it.
+
 CPU. The box has two cores. A 2-rank setting gets a core per worker (``cluster.pin``); a 4-rank
 setting (FSDP+TP on 2 machines x 2 workers) runs as two 1-core machines, each machine's two
 workers sharing its core, which the simulation must model as a machine whose workers share one
@@ -32,6 +36,7 @@ import csv
 import json
 import os
 import statistics
+import sys
 import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -40,8 +45,8 @@ from typing import Callable, Optional
 from whatif.collectors.bundle import read_bundle
 from whatif.collectors.capture import STEADY_ALLOCATOR
 
-from .cluster import TORCH_FAMILIES, LabError, LabSpec, pin
-from .validate import capture, measure
+from .cluster import TORCH_FAMILIES, LabError, LabSpec, pin, progress, run_job
+from .validate import _examples, capture, measure
 
 #: The variants a campaign can run: name -> (family, model, settings).
 VARIANTS = {
@@ -194,6 +199,9 @@ def run_setting(setting: ParallelSetting, work: Path, repeats: int = 3, steps: i
     bundles = {kind: capture(setting.model, work, batch_size=batch, allocator=allocator)
                for kind, batch in setting.capture_batches().items()}
     plain = {kind: _median(read_bundle(path).unprofiled_step_ms) for kind, path in bundles.items()}
+    if setting.family in TENSOR_FAMILIES:
+        bundles["tensor_dispatch"] = measure_tensor_dispatch(setting.model, setting.batch_size,
+                                                             setting.sequence_parallel, work)
     run_dir = work / "parallel_runs" / run_name(setting)
     reports = [
         measure(setting.model, setting.spec(), setting.family, run_dir / f"run{r}", steps=steps, warmup=warmup,
@@ -218,6 +226,62 @@ def run_setting(setting: ParallelSetting, work: Path, repeats: int = 3, steps: i
     if predictor is not None:
         predict_point(point, predictor, work)
     return point
+
+
+TENSOR_FAMILIES = ("tp", "fsdp+tp")
+DISPATCH_RUNS, DISPATCH_STEPS, DISPATCH_WARMUP = 3, 10, 3
+
+
+def tensor_dispatch_path(model: str, batch_size: int, sequence_parallel: bool, work: Path) -> Path:
+    return work / "tensor_dispatch" / f"{model}_batch{batch_size}{'_sp' if sequence_parallel else ''}.json"
+
+
+def measure_tensor_dispatch(model: str, batch_size: int, sequence_parallel: bool, work: Path,
+                            runs: int = DISPATCH_RUNS, steps: int = DISPATCH_STEPS, warmup: int = DISPATCH_WARMUP) -> Path:
+    """The host time DTensor's tensor parallelism adds per column/row pair, in forward, backward
+    and the optimizer step, kept in ``work`` (measured once; the path of its JSON).
+
+    One worker on one core (as the captures run) trains ``model`` at ``batch_size`` ``runs``
+    times plain (``--framework single``) and as many times under the family's tensor-parallel
+    plan on a one-rank mesh (``--framework tp`` in a world of one: every operator at full size,
+    no communication), the two alternating because the box's speed drifts; each phase's median
+    step, plain against parallelized, differs by what the library does on the host (inputs and
+    outputs converted to and from DTensors, sharding propagation for each operator of a
+    parallelized layer, each sharded parameter's update dispatched). The median difference over
+    the runs, divided by the plan's pairs (``tensor_pairs`` in the run's report), is
+    ``forward_us``, ``backward_us`` and ``step_us`` (never below 0)."""
+    path = tensor_dispatch_path(model, batch_size, sequence_parallel, work)
+    if path.exists():
+        return path
+    spec = LabSpec(1, 1, LOOPBACK_MBPS)
+    options = ["--sequence-parallel"] if sequence_parallel else []
+    plain, tensor, pairs = [], [], 0
+    for r in range(runs):
+        for framework, into in (("single", plain), ("tp", tensor)):
+            progress(f"tensor dispatch of {model}: {framework}, run {r + 1} of {runs}")
+            out = path.parent / path.stem / f"{framework}_run{r}"
+            argv = [sys.executable, str(_examples() / "run_distributed.py"), "--model", model,
+                    "--framework", framework, "--steps", str(steps), "--warmup", str(warmup), "--threads", "1",
+                    "--batch-size", str(batch_size), "--json", str(out / "report.json")] + (options if framework == "tp" else [])
+            out.mkdir(parents=True, exist_ok=True)
+            result = run_job(spec, "ddp" if framework == "single" else framework, argv, out, timeout_s=900)
+            if any(result.exit_codes):
+                raise LabError(f"the tensor dispatch run failed (exit codes {result.exit_codes}); logs in {out}")
+            report = json.loads((out / "report.json").read_text())
+            into.append(report["workers"][0]["phase_wall_ms"])
+            pairs = report.get("parallelism", {}).get("tensor_pairs", pairs)
+    if not pairs:
+        raise LabError(f"the tensor-parallel run of {model} reported no column/row pairs")
+    per_pair = {f"{phase}_us": max(statistics.median(t[phase] - p[phase] for p, t in zip(plain, tensor)), 0.0) * 1e3 / pairs
+                for phase in ("forward", "backward", "step")}
+    path.write_text(json.dumps({**per_pair, "pairs": pairs, "plain_phase_ms": plain, "tensor_phase_ms": tensor}, indent=1) + "\n")
+    return path
+
+
+def tensor_dispatch_block(path: Path) -> dict:
+    """``measure_tensor_dispatch``'s JSON as the scenario's ``parallelism.tensor_dispatch``."""
+    measured = json.loads(Path(path).read_text())
+    return {phase: f"{measured[f'{phase}_us']:.1f}us" for phase in ("forward", "backward", "step")}
 
 
 def predict_point(point: ParallelPoint, predictor: Predictor, work: Path) -> None:

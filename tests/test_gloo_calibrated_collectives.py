@@ -16,6 +16,7 @@ from whatif.lab.calibrate import fit_collectives, median_of_runs, op_shape
 from whatif.topology import Cluster, Link, TopologyError, collective_cost, collective_plan
 from whatif.topology.cluster import CALIBRATED_OPS
 from whatif.topology.collectives import allreduce_time_us
+from whatif.sim.parallel.pipeline import one_way
 
 NIC = {"bandwidth": "200Mbps", "latency": "70us", "efficiency": 0.94}
 LOOPBACK = {"bandwidth": "1300MB/s", "latency": "2000us", "efficiency": 1.0}
@@ -89,8 +90,8 @@ def test_the_fit_gives_back_the_times_it_was_fitted_to(machines, gpus, nominal):
     """Times made by each op's closed form at a known latency and rate (different per op, as a
     real probe finds them) are fitted, written as the links YAML's entries, and priced again."""
     sizes = [64e3, 256e3, 1e6, 4e6, 16e6]
-    rates = {"all_gather": 20e6, "reduce_scatter": 22e6, "all_to_all": 18e6, "send_recv": 23e6}  # bytes/s
-    latency_s = {"all_gather": 3e-4, "reduce_scatter": 2e-4, "all_to_all": 5e-4, "send_recv": 1e-4}
+    rates = {"all_gather": 20e6, "reduce_scatter": 22e6, "all_to_all": 18e6, "send_recv": 23e6, "send": 24e6}  # bytes/s
+    latency_s = {"all_gather": 3e-4, "reduce_scatter": 2e-4, "all_to_all": 5e-4, "send_recv": 1e-4, "send": 2e-5}
     measured = {"sizes_bytes": sizes}
     for op in CALIBRATED_OPS:
         steps, per_byte = op_shape(op, machines, gpus)
@@ -100,8 +101,30 @@ def test_the_fit_gives_back_the_times_it_was_fitted_to(machines, gpus, nominal):
     link = dict(base, collectives=fitted)
     cluster = lab(machines, gpus, nic=link) if nominal else lab(machines, gpus, loopback=link)
     for op in CALIBRATED_OPS:
+        # a one-way send prices a pipeline's send_recv (sim/parallel/pipeline.py's one_way)
+        priced, as_op = (one_way(cluster), "send_recv") if op == "send" else (cluster, op)
         for size, seconds in zip(sizes, measured[op]):
-            assert collective_cost(cluster, op, size).time_us == pytest.approx(seconds * 1e6, rel=2e-3)
+            assert collective_cost(priced, as_op, size).time_us == pytest.approx(seconds * 1e6, rel=2e-3)
+
+
+def test_a_probe_record_from_before_the_one_way_send_fits_without_it():
+    sizes = [64e3, 256e3, 1e6, 4e6, 16e6]
+    measured = {"sizes_bytes": sizes, **{op: [1e-3 + s / 20e6 for s in sizes] for op in CALIBRATED_OPS if op != "send"}}
+    fitted = fit_collectives(measured, 2, 1, 200e6 / 8)
+    assert "send" not in fitted and set(fitted) == set(CALIBRATED_OPS) - {"send"}
+    cluster = lab(2, 1, nic=dict(NIC, collectives=fitted))
+    assert one_way(cluster) is cluster  # its send_recv prices a pipeline's transfers, as it did
+
+
+def test_a_pipeline_prices_its_one_way_transfers_where_the_links_time_them():
+    exchange = {"send_recv": {"latency": "3500us", "efficiency": 1.0}}
+    cluster = lab(1, 2, loopback=dict(LOOPBACK, collectives=exchange))
+    both = lab(1, 2, loopback=dict(LOOPBACK, collectives={**exchange, "send": {"latency": "300us"}}))
+    size = 131e3
+    assert collective_cost(one_way(cluster), "send_recv", size).time_us == collective_cost(cluster, "send_recv", size).time_us
+    one = collective_cost(one_way(both), "send_recv", size).time_us
+    assert one == pytest.approx(300 + size / 1300.0) and one < collective_cost(both, "send_recv", size).time_us
+    assert collective_cost(both, "send_recv", size).time_us == pytest.approx(3500 + size / 1300.0)  # the link's own
 
 
 def test_probe_runs_combine_by_the_median_of_each_size():

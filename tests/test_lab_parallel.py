@@ -105,6 +105,47 @@ def test_a_predictor_fills_the_prediction_and_what_it_raises_is_kept(tmp_path):
     assert csv_row(point_of_record(back)) == csv_row(point)
 
 
+def test_the_tensor_dispatch_is_the_median_phase_difference_over_the_plans_pairs(tmp_path, monkeypatch):
+    """Plain and one-rank tensor-parallel runs alternate; each phase's median difference over
+    the pairs the run reports is the host time per pair, never below 0, measured once."""
+    from whatif.lab import parallel
+
+    plain = [{"forward": 60.0, "backward": 120.0, "step": 10.0}, {"forward": 55.0, "backward": 110.0, "step": 9.0},
+             {"forward": 58.0, "backward": 115.0, "step": 11.0}]
+    tensor = [{"forward": 84.0, "backward": 158.0, "step": 9.0}, {"forward": 77.0, "backward": 150.0, "step": 8.0},
+              {"forward": 90.0, "backward": 157.0, "step": 10.5}]
+    runs = []
+
+    def fake_job(spec, framework, argv, out, timeout_s):
+        which = argv[argv.index("--framework") + 1]
+        runs.append((which, spec.workers, "--sequence-parallel" in argv))
+        phases = (plain if which == "single" else tensor)[sum(1 for r in runs if r[0] == which) - 1]
+        report = {"workers": [{"phase_wall_ms": phases}]}
+        if which == "tp":
+            report["parallelism"] = {"tensor_pairs": 8}
+        (out / "report.json").write_text(json.dumps(report))
+        return parallel_job_result()
+
+    monkeypatch.setattr(parallel, "run_job", fake_job)
+    path = parallel.measure_tensor_dispatch("transformer", 8, True, tmp_path)
+    measured = json.loads(path.read_text())
+    assert [r[0] for r in runs] == ["single", "tp"] * 3 and {r[1] for r in runs} == {1}
+    assert [r[2] for r in runs if r[0] == "tp"] == [True] * 3  # the plan of the setting's family
+    assert measured["forward_us"] == pytest.approx(24e3 / 8)  # medians of 24, 22, 32 ms
+    assert measured["backward_us"] == pytest.approx(40e3 / 8)  # of 38, 40, 42
+    assert measured["step_us"] == 0.0  # -1, -1, -0.5: the library made the step no slower
+    assert parallel.tensor_dispatch_block(path) == {"forward": "3000.0us", "backward": "5000.0us", "step": "0.0us"}
+    assert parallel.measure_tensor_dispatch("transformer", 8, True, tmp_path) == path and len(runs) == 6  # kept
+
+
+def parallel_job_result():
+    from pathlib import Path
+
+    from whatif.lab.cluster import JobResult
+
+    return JobResult(exit_codes=[0], logs=[], out_dir=Path("."))
+
+
 def test_the_moe_capture_records_its_blocks_router_experts_and_exchanges(tmp_path):
     """What the expert-parallel prediction reads from the one-worker bundle: the units and the
     experts by name, the experts' GEMMs at capacity x d_model, and where the all-to-alls go."""

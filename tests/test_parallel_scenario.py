@@ -75,6 +75,12 @@ def test_sequence_parallel_grads_is_a_key_and_a_grid_axis(tensor_pass):
     assert [p.parallelism.sequence_parallel_grads for p in scenario.points] == ["coalesced", "per_parameter"]
 
 
+def test_tensor_dispatch_is_three_durations_per_pair_zero_where_left_out(tensor_pass):
+    scenario = _scenario({"tensor": 2, "tensor_dispatch": {"forward": "3ms", "backward": "4.8 ms"}}, gpus=2)
+    assert [p.parallelism.tensor_dispatch for p in scenario.points] == [(3000.0, 4800.0, 0.0)]
+    assert _scenario({"tensor": 2}, gpus=2).points[0].parallelism.tensor_dispatch == (0.0, 0.0, 0.0)
+
+
 def test_list_valued_keys_make_a_grid_only_as_lists_of_lists():
     one = _scenario({"placement": ["data", "tensor", "pipeline"], "recompute": "full"})
     assert [p.parallelism.placement for p in one.points] == [("data", "tensor", "pipeline")]
@@ -96,6 +102,9 @@ def test_memory_options():
     ({"pipeline": {"stages": 2, "micro": 4}}, 4, "parallelism.pipeline.micro: unknown key"),
     ({"recompute": []}, 4, "parallelism.recompute: an empty list"),
     ({"zero": 5}, 4, "parallelism.zero: expected 0, 1, 2 or 3"),
+    ({"tensor": 2, "tensor_dispatch": {"forward": 3}}, 2, "parallelism.tensor_dispatch.forward: '3' has no unit"),
+    ({"tensor": 2, "tensor_dispatch": {"fwd": "3ms"}}, 2, "parallelism.tensor_dispatch.fwd: unknown key"),
+    ({"tensor": 2, "tensor_dispatch": "3ms"}, 2, "parallelism.tensor_dispatch: expected {forward: DURATION"),
     ({"optimizer": "lamb"}, 4, "parallelism.optimizer: unknown value 'lamb'"),
     ({}, 4, "cluster.cores_per_machine: must be positive, got 0", ),
     ({"pipeline": {"stages": 2, "microbatches": 2, "microbatch_trace": "nowhere.bundle"}}, 4,

@@ -202,6 +202,38 @@ def test_the_collectives_sit_on_the_critical_path_of_the_thread(dense):
         assert schedule.start_us[after] >= schedule.end_us[tid] - 1e-6
 
 
+def test_the_librarys_host_time_lengthens_each_pairs_row_call_backward_node_and_the_step(dense):
+    graph, units = dense
+    plain = tensor(graph, units, 2)
+    per_pair = (300.0, 500.0, 70.0)
+    par = Parallelism(data=4, tensor=2, tensor_dispatch=per_pair)
+    out = apply_tensor(graph, units, par, FAST, {"tensor": (0, 1)})
+    note = out.last_note(TensorParallelChange)
+    pairs = note.pairs // STEPS
+    assert pairs == 2 * BLOCKS
+    added = out.tasks["duration_us"].to_numpy() - plain.tasks["duration_us"].to_numpy()
+    assert note.dispatch_us == pytest.approx(added.sum()) == pytest.approx(STEPS * pairs * sum(per_pair))
+    grew = np.flatnonzero(added > 1e-9)
+    operator = out.tasks["operator"].astype(str).to_numpy()[grew]
+    phase = np.asarray(units.task_phase)[grew]
+    # forward: each pair's row-parallel linear; backward: its column layer's backward node; one
+    # optimizer task per iteration takes the step's share of every pair
+    assert sorted(added[grew][phase == PHASE_FORWARD]) == [300.0] * (STEPS * pairs)
+    assert set(operator[phase == PHASE_FORWARD]) == {"aten::linear"}
+    assert sorted(added[grew][phase == PHASE_BACKWARD]) == [500.0] * (STEPS * pairs)
+    assert sorted(added[grew][phase == PHASE_OPTIMIZER]) == pytest.approx([70.0 * pairs] * STEPS)
+    assert int(TaskKind.COMM) not in set(out.tasks["kind"].to_numpy()[grew])  # host tasks, not transfers
+    assert simulate(out).makespan_us >= simulate(plain).makespan_us + 0.9 * note.dispatch_us  # on the thread's path
+    assert "host time added" in note.describe()
+
+
+def test_the_librarys_host_time_is_three_durations_not_below_zero():
+    with pytest.raises(Exception, match="parallelism.tensor_dispatch"):
+        Parallelism(data=4, tensor=2, tensor_dispatch=(1.0, -1.0, 0.0))
+    with pytest.raises(Exception, match="parallelism.tensor_dispatch"):
+        Parallelism(data=4, tensor=2, tensor_dispatch=(1.0, 2.0))
+
+
 def test_gemm_time_shrinks_and_the_step_gets_faster_with_more_tensor_ranks_on_nvlink(dense):
     graph, units = dense
     names = graph.tasks["name"].astype(str).to_numpy()

@@ -62,7 +62,10 @@ _LOOP = "_loop"
 _FRAMEWORK_LOOP = re.compile(r"[a-z][a-z0-9]*_loop")  # a framework's background loop: horovod_loop
 _LINK_KEYS = ("preset", "bandwidth", "latency", "efficiency", "cpu_contention", "collectives", "note")
 #: The Gloo ops a link may carry calibrated figures of its own for (``Link.collectives``).
-CALIBRATED_OPS = ("all_gather", "reduce_scatter", "all_to_all", "send_recv")
+#: ``send_recv``: two ranks send to each other at once (the op's ring step); ``send``: one rank
+#: sends and its peer receives, nothing the other way (a pipeline's activation or gradient),
+#: which prices ``send_recv`` where a one-way transfer is meant (``sim/parallel/pipeline.py``).
+CALIBRATED_OPS = ("all_gather", "reduce_scatter", "all_to_all", "send_recv", "send")
 CLUSTER_KEYS = ("machines", "gpus_per_machine", "intra_node", "inter_node", "server_machines", "shared_memory", "name", "note",
                 "cores_per_machine")
 CLUSTER_KEYS += ("backend",) + FABRIC_KEYS

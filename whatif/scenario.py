@@ -82,6 +82,7 @@ from whatif.sim.parallel.job import check_modelled
 from whatif.sim.parallel.memory import OPTIMIZER_STATE_BYTES
 from whatif.sim.passes.registry import OPTIMIZATIONS, optimization_name, parse_optimization
 from whatif.topology import Cluster, TopologyError, as_gbps, collective_cost, parse_size, with_fabric_links
+from whatif.topology.units import parse_latency
 from whatif.topology.yamlfile import read_yaml
 
 from .pipeline import Request, WhatIf
@@ -95,7 +96,7 @@ _TOP_KEYS = (
 _CLUSTER_DEFAULTS = {"machines": 1, "gpus_per_machine": 1}
 _GRID_KEYS = ("cluster", "framework", "policy", "parallelism")
 _PARALLELISM_KEYS = ("data", "fsdp", "zero", "reshard_after_forward", "tensor", "sequence_parallel",
-                     "sequence_parallel_grads", "pipeline", "expert", "recompute", "placement", "units",
+                     "sequence_parallel_grads", "tensor_dispatch", "pipeline", "expert", "recompute", "placement", "units",
                      "optimizer", "gpu_memory")
 _PIPELINE_KEYS = ("stages", "microbatches", "schedule", "virtual_stages", "partition", "microbatch_trace")
 #: parallelism keys that take a list as one value: a grid over them is a list of lists
@@ -579,6 +580,8 @@ def _parallelism_kwargs(name: str, point: dict) -> dict:
             raise ScenarioError(name, "parallelism.fsdp", f"fsdp is zero 3; zero: {kwargs['zero']} says otherwise")
         if fsdp:
             kwargs["zero"] = 3
+    if "tensor_dispatch" in kwargs:
+        kwargs["tensor_dispatch"] = _tensor_dispatch(name, kwargs["tensor_dispatch"])
     for key in ("schedule", "recompute", "partition", "sequence_parallel_grads"):
         if isinstance(kwargs.get(key), str):
             kwargs[key] = kwargs[key].strip().lower()
@@ -588,6 +591,22 @@ def _parallelism_kwargs(name: str, point: dict) -> dict:
     if kwargs.get("units") is not None:
         kwargs["units"] = str(kwargs["units"])
     return kwargs
+
+
+def _tensor_dispatch(name: str, value: Any) -> tuple:
+    """``parallelism.tensor_dispatch: {forward: 2ms, backward: 4ms, step: 500us}`` (each key
+    optional, 0 where left out) as ``Parallelism.tensor_dispatch``: microseconds per pair."""
+    key = "parallelism.tensor_dispatch"
+    if not isinstance(value, dict):
+        raise ScenarioError(name, key, f"expected {{forward: DURATION, backward: DURATION, step: DURATION}}, got {value!r}")
+    _check_keys(name, value, ("forward", "backward", "step"), key)
+    out = []
+    for phase in ("forward", "backward", "step"):
+        try:
+            out.append(parse_latency(value.get(phase, 0), f"{key}.{phase}"))
+        except TopologyError as err:
+            raise ScenarioError(name, err.key, err.message) from None
+    return tuple(out)
 
 
 def _parallelisms(name: str, grid: list[dict], cluster: Cluster) -> list[Optional[Parallelism]]:

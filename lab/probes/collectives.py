@@ -13,6 +13,10 @@ SIZE_BYTES ...``). Each size is timed, on an otherwise idle worker, for what
 * ``send_recv``: every rank sends ``SIZE`` to the next and receives as much from the previous at
   once (``batch_isend_irecv``, as ``torch.distributed.pipelining`` posts a stage's sends and
   receives);
+* ``send``: rank 1 sends ``SIZE`` to rank 0, which receives it, nothing the other way (a
+  pipeline's activation between two stages; ``batch_isend_irecv`` of one op on each side); the
+  receiver's time. On the lab's loopback at 128 kB a one-way transfer took 0.3 to 0.7 ms where
+  the exchange above took 1.3 to 2.6 (``lab/probes/tp_collectives.py``);
 * ``all_reduce``: ``all_reduce`` (tensor parallelism's), timed beside them so that they can be
   compared in the same run.
 
@@ -31,7 +35,7 @@ import sys
 import time
 
 REPEATS = 3
-OPS = ("all_gather", "reduce_scatter", "all_to_all", "send_recv", "all_reduce")
+OPS = ("all_gather", "reduce_scatter", "all_to_all", "send_recv", "send", "all_reduce")
 
 
 def run_op(dist, torch, op: str, size: int):
@@ -54,6 +58,15 @@ def run_op(dist, torch, op: str, size: int):
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
         return exchange
+    if op == "send":
+        into = torch.empty(elements)
+        one = {1: dist.P2POp(dist.isend, whole, 0), 0: dist.P2POp(dist.irecv, into, 1)}.get(rank)
+
+        def one_way():
+            if one is not None:
+                for work in dist.batch_isend_irecv([one]):
+                    work.wait()
+        return one_way
     return lambda: dist.all_reduce(whole)
 
 

@@ -20,6 +20,11 @@ The families and their knobs:
   partial sums over the sequence shards, all-reduced over the tensor group before the optimizer
   step: ``sequence_parallel_grads`` ``coalesced`` (one all-reduce of them all, Megatron-LM) or
   ``per_parameter`` (one each, as DTensor's ``SequenceParallel`` leaves them).
+  ``tensor_dispatch`` is the host time the tensor-parallel library adds per column/row pair
+  beyond the traced operators, in forward, in backward and in the optimizer step (``(forward_us,
+  backward_us, step_us)``; DTensor on a CPU routes every operator of a parallelized layer and
+  every sharded parameter's update through its sharding propagation in Python); a plain trace
+  lacks it. Default none; the lab measures it (``lab/parallel.py``'s ``measure_tensor_dispatch``).
 * pipeline: ``pipeline`` stages, ``microbatches`` per step, ``schedule`` ``gpipe``, ``1f1b`` or
   ``interleaved`` (with ``virtual_stages`` model chunks per rank, Narayanan et al. 2021),
   ``partition`` ``balanced`` (by time) or the number of units per stage.
@@ -70,6 +75,7 @@ class Parallelism:
     zero: int = 0  # 0 none (DDP), 1, 2, 3 (= FSDP)
     sequence_parallel: bool = False
     sequence_parallel_grads: str = "coalesced"
+    tensor_dispatch: tuple = (0.0, 0.0, 0.0)  # host us per column/row pair: forward, backward, step
     microbatches: int = 1
     schedule: str = "1f1b"
     virtual_stages: int = 1
@@ -114,6 +120,11 @@ class Parallelism:
             raise ParallelismError("parallelism.sequence_parallel_grads",
                                    f"unknown value {self.sequence_parallel_grads!r} "
                                    f"(choose from {', '.join(SEQUENCE_PARALLEL_GRADS)})")
+        dispatch = self.tensor_dispatch
+        if not (isinstance(dispatch, tuple) and len(dispatch) == 3
+                and all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < float("inf") for v in dispatch)):
+            raise ParallelismError("parallelism.tensor_dispatch",
+                                   f"expected three durations >= 0 (forward, backward, step), got {dispatch!r}")
         if self.sequence_parallel and self.tensor == 1:
             raise ParallelismError("parallelism.sequence_parallel", "sequence parallelism needs tensor > 1")
         partition = self.partition

@@ -53,7 +53,8 @@ holding every device, whose resources are named ``stage D: <the traced resource>
   priced by ``topology.collective_cost(cluster, "send_recv", nbytes, ranks=(a, b))`` between the
   two devices' GPUs) on the sender's ``network send next`` / ``network send prev`` resource, which waits for the
   slot's last task on every resource and which the receiving slot's first task on every resource
-  waits for. ``2 * (p * v - 1) * m`` transfers a step.
+  waits for. ``2 * (p * v - 1) * m`` transfers a step. Each goes one way, so where the links
+  carry figures calibrated for a one-way ``send``, those price it (:func:`one_way`).
 
 Devices share no resource, so the engine runs them in parallel; the only waits between them are
 the transfers. With equal stages and free transfers the bubble is the closed form's: ``(p - 1) /
@@ -67,6 +68,7 @@ around the microbatches, and non-unit parameters in the optimizer's split.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -299,10 +301,33 @@ PASSES["pipeline"] = _pipeline_pass
 
 def _transfer(cluster, nbytes: float, a: int, b: int) -> CollectiveCost:
     """One activation's send from GPU ``a`` to ``b``; free without a cluster (the schedule's
-    compute alone) or between chunks of one GPU (they share its memory)."""
+    compute alone) or between chunks of one GPU (they share its memory). Priced as a one-way
+    send where the links carry figures calibrated for one (:func:`one_way`)."""
     if cluster is None or a == b:
         return CollectiveCost("send_recv", nbytes, 0.0, "none" if cluster is None else "local", "", 0)
-    return collective_cost(cluster, "send_recv", nbytes, ranks=(a, b))
+    return collective_cost(one_way(cluster), "send_recv", nbytes, ranks=(a, b))
+
+
+def one_way(cluster):
+    """``cluster`` with each link's ``send`` figures (one rank sends, its peer receives: a
+    stage's activation or gradient) standing for its ``send_recv`` ones (both ranks at once:
+    what ``send_recv`` means to a link, and to a link file calibrated before ``send`` was timed,
+    which prices the transfer as before). On the lab's loopback Gloo moved 128 kB one way in
+    0.3 to 0.7 ms where the exchange took 1.3 to 2.6 ms (``lab/probes/tp_collectives.py``): a
+    pipeline's transfers go one way at a time between two stages."""
+    def as_send_recv(link):
+        figures = {op: rest for op, *rest in link.collectives}
+        if "send" not in figures:
+            return link
+        kept = tuple(entry for entry in link.collectives if entry[0] not in ("send", "send_recv"))
+        return dataclasses.replace(link, collectives=kept + (("send_recv", *figures["send"]),))
+
+    if getattr(cluster, "fabric", None) is not None:  # NCCL's own model of a point-to-point send
+        return cluster
+    intra, inter = as_send_recv(cluster.intra_node), as_send_recv(cluster.inter_node)
+    if intra is cluster.intra_node and inter is cluster.inter_node:
+        return cluster
+    return dataclasses.replace(cluster, intra_node=intra, inter_node=inter)
 
 
 def bubbles(schedule: Schedule) -> pd.DataFrame:

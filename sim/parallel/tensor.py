@@ -62,6 +62,19 @@ last backward task there) and hold that optimizer task; where an iteration trace
 step, they follow its last backward task. The layouts at the blocks' boundary (scattering the
 residual stream into the first block and gathering it after the last under sequence
 parallelism) are not modelled.
+
+**The library's own host time** (``tensor_dispatch``, per pair: forward, backward, step). A
+tensor-parallel library runs on the host what a plain trace does not hold: DTensor converts each
+parallelized layer's inputs and outputs, propagates shardings for every operator of the layer
+in Python, in forward and in backward, and routes each sharded parameter's update through the
+same dispatch at the optimizer step. Where given, each pair's forward adds its ``forward`` time
+to the row-parallel call's last CPU task (before the all-reduce it issues), each pair's backward
+its ``backward`` time to the column-parallel layer's backward node's last CPU task, and each
+iteration's optimizer step ``step`` times its pairs to its first CPU optimizer task; on a GPU
+trace the host is late by as much, the kernels only where it holds them up. The lab measures the
+three on its CPU (``lab/parallel.py``'s ``measure_tensor_dispatch``): the example transformer
+under its tensor-parallel plan on a one-rank mesh (no communication, every operator at full
+size) against the plain model, the phases' difference over the pairs.
 """
 
 from __future__ import annotations
@@ -111,6 +124,7 @@ class TensorParallelChange:
     pairs: int = 0  # column/row pairs found, over all units and iterations
     scaled_tasks: int = 0
     unmatched_backward: int = 0  # unit-iterations whose backward linears did not match forward
+    dispatch_us: float = 0.0  # the library's host time added over all iterations (tensor_dispatch)
     collectives: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=COLLECTIVE_COLUMNS))
     rule: str = "compute of the sharded spans x 1/t (no operator models)"
 
@@ -122,6 +136,8 @@ class TensorParallelChange:
         if self.replicated_parameters:
             text += (f"; the {self.replicated_parameters} replicated parameters' gradients all-reduced before the step"
                      f" ({self.sequence_parallel_grads.replace('_', ' ')})")
+        if self.dispatch_us:
+            text += f"; the library's host time added: {self.dispatch_us / 1e3:.3g} ms"
         if self.unmatched_backward:
             text += f"; {self.unmatched_backward} unit backwards left as traced (linears unmatched)"
         return text
@@ -417,6 +433,7 @@ def apply_tensor(graph: TaskGraph, units: Units, par: Parallelism, cluster, rank
     change.replicated_parameters = max((len(v) for v in replicated.values()), default=0)
     change.scaled_tasks = int((factor != 1.0).sum())
     graph.scale(np.arange(len(graph.tasks)), factor)
+    change.dispatch_us = _add_dispatch(graph, calls, units, forward, backward, dispatch, par.tensor_dispatch)
     change.collectives = comm.commit()
     graph.notes.append(change)
     return graph
@@ -447,6 +464,46 @@ def _shard_pair(calls: Calls, comm: "Collectives", factor: np.ndarray, shrink: "
         comm.after(calls.last_task(last), "reduce_scatter", reduce_bytes, *where)
     else:
         comm.after(calls.last_task(last), "all_reduce", reduce_bytes, *where)
+
+
+def _add_dispatch(graph: TaskGraph, calls: Calls, units: Units, forward: dict, backward: dict, moe: dict,
+                  per_pair: tuple) -> float:
+    """Lengthen the host tasks that carry the library's own time (``per_pair``: forward,
+    backward and step microseconds per column/row pair; see the module's docstring); the time
+    added in all."""
+    fwd_us, bwd_us, step_us = per_pair
+    if not (fwd_us or bwd_us or step_us):
+        return 0.0
+    extra = np.zeros(len(graph.tasks))
+    pairs_of_iteration: dict[int, int] = {}
+    for (unit, it), fwd in forward.items():
+        dense = [r for r in fwd if calls.op_start[r] < calls.op_start[moe[unit, it][0]]] if (unit, it) in moe else fwd
+        pairs = [(dense[i], dense[i + 1]) for i in range(0, len(dense) - 1, 2)]
+        pairs_of_iteration[it] = pairs_of_iteration.get(it, 0) + len(pairs)
+        bwd = backward.get((unit, it), [])
+        back_of = {f: b for f, b in zip(fwd, reversed(bwd))} if len(bwd) == len(fwd) else {}
+        for col, row in pairs:
+            _add_to_last(calls, extra, row, fwd_us)
+            if col in back_of:
+                _add_to_last(calls, extra, back_of[col], bwd_us)
+    n = len(units.task_unit)
+    start = calls.start[:n]
+    for it, pairs in pairs_of_iteration.items():
+        lo, hi = calls.steps[it] if it < len(calls.steps) else (-np.inf, np.inf)
+        optimizer = np.flatnonzero(np.isfinite(start) & (start >= lo) & (start < hi)
+                                   & (units.task_phase == PHASE_OPTIMIZER) & ~calls.gpu[:n])
+        if len(optimizer):
+            extra[int(optimizer[np.argmin(start[optimizer])])] += step_us * pairs
+    col = graph.tasks.columns.get_loc("duration_us")
+    graph.tasks.iloc[:, col] = graph.tasks["duration_us"].to_numpy(dtype=float) + extra
+    return float(extra.sum())
+
+
+def _add_to_last(calls: Calls, extra: np.ndarray, row: int, us: float) -> None:
+    """``us`` more on the last CPU task of operator ``row``."""
+    inside = calls.cpu_tasks(row)
+    if us and len(inside):
+        extra[int(inside[-1])] += us
 
 
 def _replicated_gradients(ops: pd.DataFrame, norm_rows: list, row_parallel: list) -> list[float]:

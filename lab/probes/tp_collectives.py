@@ -1,0 +1,142 @@
+"""How long tensor parallelism's all-reduce takes as DTensor issues it, beside ``dist.all_reduce``.
+
+An exploration, run by hand on the lab's box (two ranks over Gloo on loopback, each pinned to a
+core of its own as ``lab/cluster.py``'s ``pin`` pins a 1 x 2 setting; Gloo's threads share the
+rank's core):
+
+    sudo flock /work/wt/lab.lock nice -n -20 .venv/bin/python -m whatif.lab.probes.tp_collectives [SIZE_BYTES]
+
+Each way of all-reducing ``SIZE_BYTES`` (default 512 kB, the transformer's activation at batch
+8) is timed ``REPEATS`` times, each after a barrier (idle) and in a loop where every rank
+computes ``COMPUTE_MS`` of matrix products before each all-reduce without a barrier (as a TP
+step's forward does between its row-parallel layers):
+
+* ``dist``: ``dist.all_reduce`` (what ``whatif lab calibrate`` times);
+* ``functional``: ``torch.ops._c10d_functional.all_reduce`` then ``wait_tensor`` (what DTensor's
+  ``Partial -> Replicate`` redistribution calls);
+* ``dtensor``: a ``Partial`` DTensor's ``redistribute(Replicate)``, waited on;
+* ``exchange``: both ranks send ``SIZE_BYTES`` to each other and receive at once
+  (``batch_isend_irecv``, what ``whatif lab calibrate`` times as ``send_recv``);
+* ``one_way``: rank 0 sends, rank 1 receives (``batch_isend_irecv`` of one op each, as
+  ``torch.distributed.pipelining`` moves an activation between two stages).
+
+Rank 0 prints one line per way and setting: the median and the quartiles in milliseconds
+(``one_way``: rank 0 is the receiver). ``lab/cluster.py``'s ``run_job`` runs it across the
+emulated machines (``TP_PROBE_WORKER=1`` in the job's environment).
+
+What it found on the lab's box (2026-11-28, loopback, nice -20, the lab lock): at 512 kB the
+three ways of all-reducing took the same, medians 3.6, 3.0 and 3.7 ms idle and 3.7, 3.4 and
+3.9 ms after compute (quartiles 1.1 to 5.5: Gloo's small all-reduces on loopback take either
+about 1.5 or about 3.7 ms), so DTensor's functional collectives cost what ``dist.all_reduce``
+costs and the calibrated all-reduce prices them; at 128 kB the exchange took 1.3 ms idle and
+2.6 ms after compute, the one-way send 0.3 and 0.7 ms, which is why the collectives probe times
+a one-way ``send`` for the pipeline's transfers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+REPEATS = 40
+COMPUTE_MS = 8.0
+
+
+def quartiles(values: list) -> tuple:
+    q = statistics.quantiles(values, n=4)
+    return q[0], statistics.median(values), q[2]
+
+
+def worker(size: int) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    elements = size // 4
+    a = torch.randn(192, 192)
+
+    def compute(ms: float) -> None:
+        end = time.perf_counter() + ms / 1e3
+        while time.perf_counter() < end:
+            torch.mm(a, a)
+
+    def by_dist():
+        t = torch.ones(elements)
+        dist.all_reduce(t)
+
+    def by_functional():
+        t = torch.ones(elements)
+        out = torch.ops._c10d_functional.all_reduce(t, "sum", dist.group.WORLD.group_name)
+        torch.ops._c10d_functional.wait_tensor(out)
+
+    def by_dtensor():
+        t = DTensor.from_local(torch.ones(elements), mesh, [Partial()])
+        t.redistribute(mesh, [Replicate()]).to_local().add_(0)
+
+    peer = 1 - rank
+    into = torch.empty(elements)
+
+    def by_exchange():  # the calibration's send_recv: both ranks send and receive at once
+        ops = [dist.P2POp(dist.isend, torch.ones(elements), peer), dist.P2POp(dist.irecv, into, peer)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+    def by_one_way():  # a pipeline's activation: rank 0 sends, rank 1 receives
+        op = dist.P2POp(dist.isend, torch.ones(elements), peer) if rank == 0 else dist.P2POp(dist.irecv, into, peer)
+        for work in dist.batch_isend_irecv([op]):
+            work.wait()
+
+    results = {}
+    ways = (("dist", by_dist), ("functional", by_functional), ("dtensor", by_dtensor), ("exchange", by_exchange),
+            ("one_way", by_one_way))
+    for name, op in ways:
+        for _ in range(3):
+            op()
+        idle = []
+        for _ in range(REPEATS):
+            dist.barrier()
+            start = time.perf_counter()
+            op()
+            idle.append((time.perf_counter() - start) * 1e3)
+        dist.barrier()
+        looped = []
+        for _ in range(REPEATS):
+            compute(COMPUTE_MS)
+            start = time.perf_counter()
+            op()
+            looped.append((time.perf_counter() - start) * 1e3)
+        results[name] = {"idle": quartiles(idle), "after_compute": quartiles(looped)}
+    if rank == 0:
+        for name, r in results.items():
+            for where, (q1, med, q3) in r.items():
+                print(f"{name:11} {where:14} median {med:7.2f} ms  (quartiles {q1:.2f} to {q3:.2f})", flush=True)
+        print(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def launch(size: int) -> int:
+    from whatif.lab.cluster import carry_priority
+
+    carry_priority()
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT="29533", WORLD_SIZE="2", OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen(["taskset", "-c", str(rank), sys.executable, "-m", __spec__.name, str(size)],
+                              env=dict(env, RANK=str(rank), TP_PROBE_WORKER="1")) for rank in range(2)]
+    return max(p.wait() for p in procs)
+
+
+if __name__ == "__main__":
+    size_bytes = int(float(sys.argv[1])) if len(sys.argv) > 1 else 512 * 1024
+    if os.environ.get("TP_PROBE_WORKER"):
+        worker(size_bytes)
+    else:
+        sys.exit(launch(size_bytes))
