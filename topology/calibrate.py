@@ -90,12 +90,15 @@ class FittedRow:
 
 @dataclass(frozen=True)
 class Fit:
-    """The calibrated cluster, every row's prediction after the fit, and the diagnoses."""
+    """The calibrated cluster, every row's prediction after the fit, the diagnoses, and the rows
+    left out of the fit as one of their two runs contradicts (:func:`spikes`): ``(table path,
+    size in bytes)``."""
 
     cluster: Cluster
     rows: tuple
     groups: tuple    # (link, algorithm, protocol, bandwidth factor, latency factor, rows, node class)
     diagnoses: tuple
+    left_out: tuple = ()
 
 
 def table_comm(fabric: Fabric, table: Table) -> tuple:
@@ -196,7 +199,9 @@ def fit_tables(tables: Sequence[Table], cluster: Cluster, choices: Optional[Sequ
     version, constants = cluster.fabric.calibration.version, cluster.fabric.calibration.measured
     spec = dataclasses.replace(cluster.fabric, calibration=Calibration(version=version, measured=constants))
     comms = [table_comm(spec, table)[1] for table in tables]
-    steady = [dataclasses.replace(table, rows=tuple(r for r in table.rows if r not in spikes(table))) for table in tables]
+    noise = [spikes(table) for table in tables]
+    steady = [dataclasses.replace(table, rows=tuple(r for r in table.rows if r not in noisy))
+              for table, noisy in zip(tables, noise)]
     decomposed = [r for table, comm, choice in zip(steady, comms, choices) for r in decompose(table, comm, choice)]
     priors = fit_measured(decomposed, source or "whatif calibrate nccl-tests", fit_efficiency=True,
                           prior=spec.calibration.constants)
@@ -219,7 +224,7 @@ def fit_tables(tables: Sequence[Table], cluster: Cluster, choices: Optional[Sequ
     calibration = Calibration(tuple((*row[:5], row[6]) for row in fitted), source, version, priors)
     calibrated = dataclasses.replace(cluster, fabric=dataclasses.replace(cluster.fabric, calibration=calibration))
     rows, diagnoses = [], []
-    for table, comm, choice in zip(tables, comms, choices):
+    for table, comm, choice, noisy in zip(tables, comms, choices, noise):
         for row in table.rows:
             found = _predict(comm, table.op, row.size_bytes, choice, calibration)
             rows.append(FittedRow(table.path, row.line, row.size_bytes, row.time_us,
@@ -228,12 +233,12 @@ def fit_tables(tables: Sequence[Table], cluster: Cluster, choices: Optional[Sequ
         note = diagnose(table, comm, choice)
         if note:
             diagnoses.append(note)
-        noise = spikes(table)
-        if noise:
-            diagnoses.append(f"{table.path}: {len(noise)} row{'s' * (len(noise) > 1)} left out of the fit "
-                             f"({', '.join(_size(r.size_bytes) for r in noise)}): the out-of-place and in-place runs "
+        if noisy:
+            diagnoses.append(f"{table.path}: {len(noisy)} row{'s' * (len(noisy) > 1)} left out of the fit "
+                             f"({', '.join(_size(r.size_bytes) for r in noisy)}): the out-of-place and in-place runs "
                              f"differ by more than {TWIN_RATIO}x, so one of them met something else")
-    return Fit(calibrated, tuple(rows), tuple(fitted), tuple(diagnoses))
+    left_out = tuple((table.path, r.size_bytes) for table, noisy in zip(tables, noise) for r in noisy)
+    return Fit(calibrated, tuple(rows), tuple(fitted), tuple(diagnoses), left_out)
 
 
 def factor_nodes(algorithm: str, n_nodes: int) -> str:

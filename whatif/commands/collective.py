@@ -22,7 +22,7 @@ from typing import Mapping
 import yaml
 
 from whatif.topology import Cluster, TopologyError, collective_cost, parse_size
-from whatif.topology.calibrate import fit_tables, spikes
+from whatif.topology.calibrate import fit_tables
 from whatif.topology.nccl.tuning import OPS, parse_choices
 from whatif.topology.nccl.versions import LATEST, version_text
 from whatif.topology.nccl_tests import bus_factor, read_table
@@ -204,7 +204,7 @@ def run_calibrate(args) -> int:
     choice = parse_choices(args.algorithm, args.protocol)
     sources = ", ".join(str(p) for p in args.files)
     fit = fit_tables(tables, cluster, [choice] * len(tables), source=f"whatif calibrate nccl-tests {sources}")
-    left_out = {(t.path, r.size_bytes) for t in tables for r in spikes(t)}  # named below, with the reason
+    left_out = set(fit.left_out)  # named below, with the reason
     print(f"{'file':<40} {'size':>12} {'measured us':>12} {'fitted us':>10} {'error':>8}  chosen")
     for row in fit.rows:
         mark = "  (left out of the fit)" if (row.table, row.size_bytes) in left_out else ""
