@@ -159,3 +159,45 @@ def test_calibrate_marks_the_rows_it_leaves_out_and_sums_up_the_others(capsys, t
     assert summary.startswith(f"{len(rows) - 1} rows fitted:")
     assert summary.endswith(f"max {errors[-1]:.1f} %")
     assert "1 row left out of the fit (1 MiB)" in out
+
+
+DATA = __import__("pathlib").Path(__file__).resolve().parents[1] / "bench" / "nccl_tests" / "data"
+XE9680 = DATA / "h100_xe9680_ib_2node_16gpu_allreduce_nccl2.26.2_issue309.txt"  # NCCL 2.26.2
+OCI = DATA / "h100_oci_bm.gpu.h100.8_2node_allreduce_nccl2.23.4.txt"  # NCCL 2.23.4
+
+
+def test_calibrate_takes_the_release_the_tables_ran_and_writes_it(capsys, tmp_path, h100):
+    out_path = tmp_path / "c.yaml"
+    code, out, err = run(capsys, "calibrate", "nccl-tests", str(XE9680), "--cluster", str(h100), "--out", str(out_path))
+    assert code == 0, err
+    assert "NCCL 2.26.2, as the tables say they ran it" in out
+    assert str(yaml.safe_load(out_path.read_text())["nccl"]["version"]) == "2.26.2"
+
+
+def test_calibrate_refuses_tables_of_two_releases_unless_told_which_and_warns_of_the_other(capsys, tmp_path, h100):
+    out_path = tmp_path / "c.yaml"
+    code, _, err = run(capsys, "calibrate", "nccl-tests", str(XE9680), str(OCI), "--cluster", str(h100), "--out", str(out_path))
+    assert code == 2 and len(err.strip().splitlines()) == 1 and not out_path.exists()
+    assert "--nccl-version" in err and "2.23.4 in h100_oci" in err and "2.26.2 in h100_xe9680" in err
+    code, _, err = run(capsys, "calibrate", "nccl-tests", str(XE9680), "--cluster", str(h100), "--out", str(out_path),
+                       "--nccl-version", "2.23.4")
+    assert code == 0 and "h100_xe9680_ib_2node_16gpu_allreduce_nccl2.26.2_issue309.txt: ran NCCL 2.26.2, calibrated as NCCL 2.23.4" in err
+    code, _, err = run(capsys, "--strict", "calibrate", "nccl-tests", str(XE9680), "--cluster", str(h100),
+                       "--out", str(tmp_path / "strict.yaml"), "--nccl-version", "2.23.4")
+    assert code == 2 and "--strict" in err
+
+
+def test_calibrate_reads_nccl_tests_json_and_the_algorithm_its_environment_forced(capsys, tmp_path, h100):
+    """A real table as nccl-tests -J writes it (tests/test_nccl_tests_parsing.py's ``_as_json``),
+    run with NCCL_ALGO=Ring: every row is fitted as a ring, without --algorithm."""
+    from test_nccl_tests_parsing import _as_json
+
+    path = tmp_path / "ring.json"
+    path.write_text(_as_json(XE9680.read_text(), env=("NCCL_ALGO=Ring",), version=22602))
+    code, out, err = run(capsys, "calibrate", "nccl-tests", str(path), "--cluster", str(h100), "--out", str(tmp_path / "c.yaml"))
+    assert code == 0, err
+    assert "ring.json: forced to NCCL_ALGO Ring, as its output says" in out
+    chosen = [line.split()[5] for line in out.splitlines() if line.startswith("ring.json ")]
+    assert len(chosen) > 10 and all(c.startswith("ring/") for c in chosen)
+    code, out, _ = run(capsys, "calibrate", "nccl-tests", str(XE9680), "--cluster", str(h100), "--out", str(tmp_path / "d.yaml"))
+    assert any(not line.split()[5].startswith("ring/") for line in out.splitlines() if line.startswith("h100_xe9680"))

@@ -1,5 +1,6 @@
 """Specification of reading nccl-tests output: every real format, and one-line errors."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -7,7 +8,7 @@ import yaml
 
 from whatif.topology import TopologyError
 from whatif.topology.calibrate import disturbed, spikes
-from whatif.topology.nccl_tests import bus_factor, parse_text, read_table
+from whatif.topology.nccl_tests import bus_factor, parse_json, parse_text, read_table
 
 REPO = Path(__file__).resolve().parent.parent
 COLLECTED = REPO / "bench" / "nccl_tests" / "data"
@@ -176,3 +177,91 @@ def test_a_size_slower_than_twice_that_size_in_both_runs_marks_the_run_disturbed
     # slower than the next size only (2x more bytes, 1.4x the time) or within 1.5x: not disturbed
     mild = parse_text(_table([(1048576, 140.0, 139.0), (2097152, 100.0, 101.0)]), "mild.txt")
     assert disturbed(mild) == ""
+
+
+def _as_json(text: str, program: str = "./build/all_reduce_perf", env=(), version: int = 22105, **config) -> str:
+    """``text``'s table as nccl-tests 2.19 writes it with ``-J`` (``src/util.cu``, its version 3
+    layout): args, env, nccl_version, config, one device per process, and results whose halves
+    hold time, alg_bw, bus_bw and nwrong."""
+    import re
+
+    devices = [{"rank": int(m.group(1)), "group": 0, "pid": 40 + int(m.group(1)), "hostname": m.group(2),
+                "device": 0, "device_hex": "0000:18:00", "device_info": m.group(3)}
+               for m in re.finditer(r"#\s*Rank\s+(\d+) Group\s+\d+ Pid\s+\d+ on\s+(\S+) device\s+\d+ \[[^\]]*\] (.*)", text)]
+    results = []
+    for row in parse_text(text, "t_allreduce.txt").rows:
+        results.append({"size": int(row.size_bytes), "count": row.count, "type": row.dtype, "redop": "sum",
+                        "root": "    -1",
+                        "out_of_place": {"time": row.time_us, "alg_bw": row.algbw_gbps, "bus_bw": row.busbw_gbps,
+                                         "nwrong": 0.0},
+                        "in_place": None if row.in_place_us is None else
+                        {"time": row.in_place_us, "alg_bw": 0.0, "bus_bw": 0.0, "nwrong": 0.0},
+                        "actual_iterations": 20, "experiment_name": ""})
+    doc = {"version": 3, "start_time": "2026-11-28 08:00:00", "args": [program, "-b", "8", "-e", "8G", "-J", "r.json"],
+           "env": ["PATH=/usr/bin", *env], "nccl_version": version,
+           "config": {"nthreads": 1, "ngpus": 1, "minimum_bytes": 8, "maximum_bytes": 8 << 30, "step_factor": 2,
+                      "warmup_iters": 5, "iterations": 20, **config},
+           "devices": devices, "results": results, "out_of_bounds": {"count": 0, "okay": "true"},
+           "average_bus_bandwidth": {"bandwidth": 130.7, "okay": "unchecked"}, "end_time": "2026-11-28 08:01:00"}
+    return json.dumps(doc)
+
+
+def test_nccl_tests_json_output_reads_as_the_same_table_as_its_text():
+    text, as_json = parse_text(CURRENT, "h100.txt"), parse_json(_as_json(CURRENT), "h100.json")
+    assert (as_json.op, as_json.n_ranks, as_json.hosts, as_json.gpu) == (text.op, text.n_ranks, text.hosts, text.gpu)
+    assert [(r.size_bytes, r.time_us, r.in_place_us, r.busbw_gbps) for r in as_json.rows] == \
+           [(r.size_bytes, r.time_us, r.in_place_us, r.busbw_gbps) for r in text.rows]
+    assert (as_json.nccl_version, text.nccl_version) == ("2.21.5", "2.21.5")  # 22105, in both
+    assert as_json.algorithm is None and as_json.protocol is None
+
+
+def test_a_json_output_says_its_program_release_and_forced_algorithm(tmp_path):
+    rows = CURRENT.split("# Collective test starting: all_reduce_perf\n")[1]
+    table = parse_json(_as_json(rows, "/opt/nccl-tests/build/all_gather_perf_mpi", ("NCCL_ALGO=Ring", "NCCL_PROTO=Simple"),
+                                22807), "x.json")
+    assert (table.op, table.nccl_version, table.algorithm, table.protocol) == ("all_gather", "2.28.7", "Ring", "Simple")
+    path = tmp_path / "run.json"
+    path.write_text("\n  " + _as_json(CURRENT))
+    assert read_table(path).op == "all_reduce"  # read_table tells JSON from text by its first character
+
+
+@pytest.mark.parametrize(
+    "edit, key, message",
+    [
+        (lambda d: d["results"][1]["out_of_place"].update(time="nan"), "results[1].out_of_place.time", "finite number"),
+        (lambda d: d["results"][2]["out_of_place"].pop("bus_bw"), "results[2].out_of_place.bus_bw", "not a number"),
+        (lambda d: d["results"][0].update(out_of_place=None, in_place=None), "results[0].out_of_place", "missing"),
+        (lambda d: d["results"][0]["out_of_place"].update(time=0.0), "results[0].out_of_place.time", "positive"),
+        (lambda d: d.pop("results"), "results", "not nccl-tests' JSON output"),
+    ],
+)
+def test_a_malformed_json_output_is_a_one_line_error_naming_the_field(edit, key, message):
+    doc = json.loads(_as_json(CURRENT))
+    edit(doc)
+    with pytest.raises(TopologyError) as err:
+        parse_json(json.dumps(doc), "bad.json")
+    assert err.value.key == f"bad.json: {key}" and message in err.value.message and "\n" not in str(err.value)
+    with pytest.raises(TopologyError, match="not valid JSON"):
+        parse_json(_as_json(CURRENT)[:-40], "cut.json")  # a run killed before it closed the file
+
+
+def test_per_iteration_columns_and_row_timestamps_of_newer_nccl_tests_are_read_past():
+    # -I 1 (2.19): four per-iteration columns after each half; -T 1 (2.17): the row's date and time
+    per_iter = ("     1048576        262144     float     sum      -1    87.08   12.04   18.06      0    85.10    99.20"
+                "   101.01     2.10    77.82   13.47   20.21      0    76.90    80.11    84.00     1.50\n")
+    stamped = ("     1048576        262144     float     sum      -1    87.08   12.04   18.06      0    77.82   13.47"
+               "   20.21      0  2026-11-28 08:00:01\n")
+    for line in (per_iter, stamped):
+        (row,) = parse_text("# Collective test starting: all_reduce_perf\n" + line, "t.txt").rows
+        assert (row.time_us, row.busbw_gbps, row.in_place_us) == (87.08, 18.06, 77.82)
+
+
+def test_the_nccl_release_comes_from_nccls_log_line_or_the_header_code():
+    rows = _rows(8)
+    assert parse_text("host:1:1 [0] NCCL INFO NCCL version 2.26.6+cuda12.8\n" + rows, "t_allreduce.txt").nccl_version == "2.26.6"
+    assert parse_text("# nccl-tests version 2.17.6 nccl-headers=22602 nccl-library=22602\n" + rows,
+                      "t_allreduce.txt").nccl_version == "2.26.2"
+    assert parse_text("NCCL version 2.7.8+cuda11.0\n" + rows, "t_allreduce.txt").nccl_version == "2.7.8"
+    assert parse_text(rows, "t_allreduce.txt").nccl_version is None
+    forced = "host:1:1 [0] NCCL INFO NCCL_ALGO set by environment to Tree\n"
+    assert parse_text(forced + rows, "t_allreduce.txt").algorithm == "Tree"

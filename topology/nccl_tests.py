@@ -3,7 +3,13 @@
 A table row is ``size count type [redop [root]] time algbw busbw #wrong`` for the out-of-place
 run, usually followed by the same four for in-place (``src/util.cu``, ``writeBenchmarkLine*``;
 nccl-tests before 2.11 printed no root, before 2.0 no redop, and ``error`` instead of
-``#wrong``). Sizes are bytes, times microseconds, bandwidths GB/s (1e9 bytes/s). We keep the
+``#wrong``). Since 2.17 a run with ``-I 1`` adds four per-iteration columns (``i_min i_max i_p99
+i_cv%``) after each half, and ``-T 1`` ends a row with its date and time; both are read past.
+nccl-tests' JSON output (``-J FILE.json``, 2.17 and later: ``results`` of ``size``, ``count``,
+``type``, ``out_of_place`` and ``in_place`` with ``time``, ``alg_bw``, ``bus_bw``) is read too
+(:func:`parse_json`), and says more than the text: the program, every process's host and GPU,
+the NCCL release, and the environment, so an ``NCCL_ALGO`` or ``NCCL_PROTO`` the run was forced
+to. Sizes are bytes, times microseconds, bandwidths GB/s (1e9 bytes/s). We keep the
 out-of-place time: it is what ``whatif collective`` predicts; the in-place time, where printed,
 is kept beside it as the twin run that says whether a row was disturbed (``calibrate.disturbed``).
 
@@ -14,7 +20,8 @@ host thread drives), MPI's ``[1,0]<stdout>:`` prefixes, NCCL's own log lines. A 
 file with no rows is an error. Errors name the file and line.
 
 Which operation a table is: its header, else ``op`` if given, else its file name
-(``..._allgather_...``). How many ranks: the ratio of bus to algorithm bandwidth in its largest
+(``..._allgather_...``). Which NCCL release ran it: ``NCCL version 2.26.6+cuda12.8`` (NCCL's
+own log line) or the header's ``nccl-library=22602``, where printed. How many ranks: the ratio of bus to algorithm bandwidth in its largest
 row (nccl-tests' own factor, ``2(n-1)/n`` for all-reduce), else the ``Rank`` lines (which
 posted logs often elide); how many hosts: the ``Rank`` lines, when all of them are there.
 Launchers' prefixes (``[1,0]<stdout>:``, ``0: ``) are dropped.
@@ -22,6 +29,7 @@ Launchers' prefixes (``[1,0]<stdout>:``, ``0: ``) are dropped.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass
@@ -38,6 +46,9 @@ _PREFIX = re.compile(r"^((\s*\[[^\]]*\](<std(out|err)>)?:?)|(\s*\d+:\s))+")
 _PROGRAM = re.compile(r"Collective test starting:\s*(\w+?)(_perf)?(_mpi)?\s*$")
 _RANK = re.compile(r"#\s*Rank\s+(\d+).*?\son\s+(\S+)\s+device\s+\d+\s+\[[^\]]*\]\s+(.*)$")
 _THREADS = re.compile(r"nThread\s+(\d+)\s+nGpus\s+(\d+)")
+_VERSION = re.compile(r"NCCL version (\d+\.\d+\.\d+)|nccl-library=(\d+)")
+_FORCED = re.compile(r"(NCCL_ALGO|NCCL_PROTO) set by environment to\s+(\S+)")
+_STAMP = re.compile(r"\d{4}-\d\d-\d\d$"), re.compile(r"\d\d:\d\d:\d\d$")
 _FILE_OPS = (("allreduce", "all_reduce"), ("allgather", "all_gather"), ("reducescatter", "reduce_scatter"),
              ("alltoall", "all_to_all"), ("sendrecv", "send_recv"), ("broadcast", "broadcast"), ("reduce", "reduce"))
 _BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
@@ -74,6 +85,9 @@ class Table:
     hosts: Optional[int] = None
     gpu: str = ""
     gpus_per_thread: int = 1  # the header's nGpus: GPUs one host thread drives (-g)
+    nccl_version: Optional[str] = None  # the NCCL release that ran it, where the output says
+    algorithm: Optional[str] = None  # NCCL_ALGO the run was forced to, where the output says
+    protocol: Optional[str] = None  # NCCL_PROTO likewise
 
 
 def _op_name(text: str) -> Optional[str]:
@@ -101,11 +115,13 @@ def _number(token: str, where: str, what: str) -> float:
 
 def _row(tokens: list, where: str, number: int) -> Row:
     rest = tokens[3:]
+    if len(rest) >= 2 and _STAMP[0].match(rest[-2]) and _STAMP[1].match(rest[-1]):
+        rest = rest[:-2]  # -T 1: the row's date and time
     if rest and rest[0].lower() in REDOPS:
         rest = rest[1:]
-    if len(rest) in (5, 9):
+    if len(rest) in (5, 9, 17):
         rest = rest[1:]  # root
-    if len(rest) not in (4, 8):
+    if len(rest) not in (4, 8, 16):
         raise TopologyError(where, f"a row needs time, algbw, busbw and #wrong after '{' '.join(tokens[:3])}', "
                                    f"got {len(rest)} fields: {' '.join(tokens)}")
     size = _number(tokens[0], where, "size")
@@ -113,8 +129,9 @@ def _row(tokens: list, where: str, number: int) -> Row:
     if time_us <= 0:
         raise TopologyError(where, f"time {rest[0]!r} must be positive")
     in_place = None
-    if len(rest) == 8 and rest[4].upper() != "N/A":
-        in_place = _number(rest[4], where, "in-place time") or None
+    twin = rest[len(rest) // 2] if len(rest) > 4 else "N/A"  # -I 1: each half has 8 columns
+    if twin.upper() != "N/A":
+        in_place = _number(twin, where, "in-place time") or None
     return Row(size, int(_number(tokens[1], where, "count")), tokens[2], time_us,
                _number(rest[1], where, "algbw"), _number(rest[2], where, "busbw"), number, in_place)
 
@@ -146,15 +163,31 @@ def _ranks_from_bandwidth(op: str, rows: list, listed: int = 0) -> Optional[int]
     return max(consistent, key=lambda k: ((k & -k), -abs(bus_factor(op, k) - center)))
 
 
+def _version(match: re.Match) -> str:
+    if match.group(1):
+        return match.group(1)
+    code = int(match.group(2))  # NCCL_VERSION_CODE: 22602 since 2.9, 2708 before
+    return f"{code // 10000}.{code // 100 % 100}.{code % 100}" if code >= 10000 else \
+        f"{code // 1000}.{code // 100 % 10}.{code % 100}"
+
+
 def parse_text(text: str, path: str = "<text>", op: Optional[str] = None) -> Table:
     """The table in nccl-tests output ``text``; errors name ``path`` and the line."""
     header_op, rows, ranks, hosts, gpu, per_thread = None, [], set(), set(), "", 1
+    version, forced = None, {}
     for number, raw in enumerate(text.splitlines(), start=1):
         line = _PREFIX.sub("", raw).strip()
         where = f"{path}:{number}"
         threads = _THREADS.search(line)
         if threads:
             per_thread = max(1, int(threads.group(2)))
+            continue
+        found_version = _VERSION.search(line)
+        if found_version:
+            version = version or _version(found_version)
+        env = _FORCED.search(line)
+        if env:
+            forced[env.group(1)] = env.group(2)
             continue
         program = _PROGRAM.search(line)
         if program:
@@ -177,6 +210,15 @@ def parse_text(text: str, path: str = "<text>", op: Optional[str] = None) -> Tab
             raise TopologyError(where, f"a truncated row: {line!r}")
     if not rows:
         raise TopologyError(path, "no nccl-tests rows (size count type ... time algbw busbw) in it")
+    found = _operation(path, header_op, op)
+    from_bandwidth = _ranks_from_bandwidth(found, rows, max(ranks) + 1 if ranks else 0)
+    n_ranks = from_bandwidth or (len(ranks) if ranks else None)
+    complete = bool(ranks) and len(ranks) == n_ranks  # every Rank line printed, none elided
+    return Table(path, found, _measured(rows, path), n_ranks, len(hosts) if complete else None, gpu, per_thread,
+                 version, forced.get("NCCL_ALGO"), forced.get("NCCL_PROTO"))
+
+
+def _operation(path: str, header_op: Optional[str], op: Optional[str]) -> str:
     given = _op_name(op) if op else None
     if op and given is None:
         raise TopologyError("--op", f"unknown operation {op!r}; known: {', '.join(OPS)}")
@@ -185,19 +227,82 @@ def parse_text(text: str, path: str = "<text>", op: Optional[str] = None) -> Tab
     found = header_op or given or _op_from_file(path)
     if found is None:
         raise TopologyError(path, f"cannot tell which operation it measured; give --op ({', '.join(OPS)})")
-    from_bandwidth = _ranks_from_bandwidth(found, rows, max(ranks) + 1 if ranks else 0)
-    n_ranks = from_bandwidth or (len(ranks) if ranks else None)
-    complete = bool(ranks) and len(ranks) == n_ranks  # every Rank line printed, none elided
+    return found
+
+
+def _measured(rows: list, path: str) -> tuple:
     measured = tuple(r for r in rows if r.size_bytes > 0)
     if not measured:
         raise TopologyError(path, "every row has size 0 (too few elements per rank); nothing was measured")
-    return Table(path, found, measured, n_ranks, len(hosts) if complete else None, gpu, per_thread)
+    return measured
+
+
+def _json_number(value, where: str, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise TopologyError(where, f"{what} {value!r} is not a number")
+    return _number(str(value), where, what)
+
+
+def parse_json(text: str, path: str = "<json>", op: Optional[str] = None) -> Table:
+    """The table in nccl-tests' JSON output ``text`` (``-J``; its ``version`` 3 layout, nccl-tests
+    2.17 to 2.19: ``src/util.cu``'s ``json*`` writers). Errors name ``path`` and the field, as
+    ``results[3].out_of_place.time``. The program (``args[0]``, ``all_reduce_perf``) says the
+    operation; the ranks are the ``devices`` (one per process) times ``config``'s ``nthreads`` x
+    ``ngpus``; ``env`` says whether ``NCCL_ALGO`` or ``NCCL_PROTO`` was forced."""
+    try:
+        doc = json.loads(text)
+    except ValueError as err:
+        raise TopologyError(path, f"not valid JSON ({err})") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("results"), list):
+        raise TopologyError(f"{path}: results", "no results list: not nccl-tests' JSON output (-J)")
+    args = doc.get("args") if isinstance(doc.get("args"), list) else []
+    program = _PROGRAM.search(f"Collective test starting: {Path(str(args[0])).name}") if args else None
+    header_op = _op_name(program.group(1)) if program else None
+    rows = []
+    for i, result in enumerate(doc["results"]):
+        where = f"{path}: results[{i}]"
+        if not isinstance(result, dict):
+            raise TopologyError(where, "expected an object with size, count, type and out_of_place")
+        timed = result.get("out_of_place") or result.get("in_place")
+        if not isinstance(timed, dict):
+            raise TopologyError(f"{where}.out_of_place", "missing: no time for this size")
+        half = "out_of_place" if result.get("out_of_place") else "in_place"
+        clock = "time" if "time" in timed else "cpu_time"
+        time_us = _json_number(timed.get(clock), f"{where}.{half}.{clock}", "time")
+        if time_us <= 0:
+            raise TopologyError(f"{where}.{half}.{clock}", f"time {time_us!r} must be positive")
+        twin = result.get("in_place") if half == "out_of_place" else None
+        in_place = None
+        if isinstance(twin, dict) and twin.get(clock) is not None:
+            in_place = _json_number(twin.get(clock), f"{where}.in_place.{clock}", "in-place time") or None
+        rows.append(Row(_json_number(result.get("size"), f"{where}.size", "size"),
+                        int(_json_number(result.get("count"), f"{where}.count", "count")), str(result.get("type", "")),
+                        time_us, _json_number(timed.get("alg_bw"), f"{where}.{half}.alg_bw", "algbw"),
+                        _json_number(timed.get("bus_bw"), f"{where}.{half}.bus_bw", "busbw"), i, in_place))
+    if not rows:
+        raise TopologyError(f"{path}: results", "empty: nothing was measured")
+    found = _operation(path, header_op, op)
+    config = doc.get("config") if isinstance(doc.get("config"), dict) else {}
+    devices = [d for d in doc.get("devices", []) if isinstance(d, dict)] if isinstance(doc.get("devices"), list) else []
+    per_process = int(config.get("nthreads") or 1) * int(config.get("ngpus") or 1)
+    listed = len(devices) * per_process
+    n_ranks = _ranks_from_bandwidth(found, rows, listed) or listed or None
+    hosts = len({d.get("hostname") for d in devices}) if devices and listed == n_ranks else None
+    env = dict(str(e).partition("=")[::2] for e in doc.get("env", []) if isinstance(e, str))
+    version = None
+    if isinstance(doc.get("nccl_version"), int) and doc["nccl_version"] > 0:
+        version = _version(_VERSION.search(f"nccl-library={doc['nccl_version']}"))
+    gpu = str(devices[0].get("device_info", "")).strip() if devices else ""
+    return Table(path, found, _measured(rows, path), n_ranks, hosts, gpu, int(config.get("ngpus") or 1), version,
+                 env.get("NCCL_ALGO") or None, env.get("NCCL_PROTO") or None)
 
 
 def read_table(path: Union[str, Path], op: Optional[str] = None) -> Table:
-    """The table in the nccl-tests output file ``path``."""
+    """The table in the nccl-tests output file ``path``: its text, or its JSON (``-J``)."""
     try:
         text = Path(path).read_text(encoding="utf-8", errors="replace")
     except OSError as err:
         raise TopologyError(str(path), err.strerror or str(err)) from None
+    if text.lstrip().startswith("{"):
+        return parse_json(text, str(path), op)
     return parse_text(text, str(path), op)

@@ -21,10 +21,11 @@ from typing import Mapping
 
 import yaml
 
+from whatif.collectors.diagnostics import report
 from whatif.topology import Cluster, TopologyError, collective_cost, parse_size
 from whatif.topology.calibrate import fit_tables
 from whatif.topology.nccl.tuning import OPS, parse_choices
-from whatif.topology.nccl.versions import LATEST, version_text
+from whatif.topology.nccl.versions import LATEST, parse_version, version_text
 from whatif.topology.nccl_tests import bus_factor, read_table
 from whatif.topology.yamlfile import read_yaml
 
@@ -59,14 +60,16 @@ def add_parsers(subparsers) -> None:
                             description="Fit per link class and algorithm/protocol the bandwidth efficiency and "
                                         "latency factor the specs cannot know, print each row's error after the fit, "
                                         "and write the calibrated cluster YAML.")
-    tests.add_argument("files", type=Path, nargs="+", help="nccl-tests outputs (any op, size range and scale)")
+    tests.add_argument("files", type=Path, nargs="+", help="nccl-tests outputs, text or JSON (-J), of any op, "
+                                                           "size range and scale")
     tests.add_argument("--cluster", type=Path, required=True, help="the cluster they ran on (YAML, or a scenario)")
     tests.add_argument("--out", type=Path, required=True, help="calibrated cluster YAML to write")
     tests.add_argument("--op", help="the operation, for files whose header and name do not say")
-    tests.add_argument("--algorithm", help="NCCL_ALGO the runs were forced to, if any")
-    tests.add_argument("--protocol", help="NCCL_PROTO the runs were forced to, if any")
-    tests.add_argument("--nccl-version", help="the NCCL release the runs used (e.g. 2.26.2), if the cluster YAML "
-                                              "does not say")
+    tests.add_argument("--algorithm", help="NCCL_ALGO the runs were forced to, if any (default: what each "
+                                           "output says, else none)")
+    tests.add_argument("--protocol", help="NCCL_PROTO the runs were forced to, if any (default: as --algorithm)")
+    tests.add_argument("--nccl-version", help="the NCCL release the runs used (e.g. 2.26.2), if neither the cluster "
+                                              "YAML nor the outputs say")
 
 
 def load_cluster_config(path: Path) -> dict:
@@ -197,13 +200,51 @@ def run_collective(args) -> int:
     return 0
 
 
+def _release(args, config: Mapping, tables: list) -> tuple:
+    """The NCCL release to calibrate as: ``--nccl-version``, else the cluster file's, else the one
+    the tables say they ran (NCCL's ``NCCL version`` log line, nccl-tests' ``nccl-library=`` or
+    its JSON's ``nccl_version``); and the warnings of tables that say another. Tables of two
+    releases with nothing to choose between them are an error: the chooser differs by release."""
+    said = {}
+    for table in tables:
+        if table.nccl_version:
+            said.setdefault(version_text(parse_version(table.nccl_version, table.path)), []).append(table.path)
+    nccl = config.get("nccl")
+    given = args.nccl_version or (nccl.get("version") if isinstance(nccl, Mapping) else None)
+    if given is None:
+        if len(said) > 1:
+            runs = "; ".join(f"{v} in {', '.join(Path(p).name for p in paths)}" for v, paths in sorted(said.items()))
+            raise TopologyError("--nccl-version", f"the tables ran different NCCL releases ({runs}): calibrate each "
+                                                  "release on its own, or name the one to calibrate as")
+        return (next(iter(said)) if said else None), []
+    wanted = version_text(parse_version(given, "--nccl-version" if args.nccl_version else f"{args.cluster}: nccl.version"))
+    return None, [f"{', '.join(Path(p).name for p in paths)}: ran NCCL {v}, calibrated as NCCL {wanted}"
+                  for v, paths in sorted(said.items()) if v != wanted]
+
+
+def _choices(args, tables: list) -> list:
+    """Each table's forced algorithm and protocol: ``--algorithm``/``--protocol`` for every table
+    where given, else what the table's own output says it was forced to (JSON's ``env``, or
+    NCCL's ``NCCL_ALGO set by environment`` log line)."""
+    return [parse_choices(args.algorithm or table.algorithm, args.protocol or table.protocol) for table in tables]
+
+
 def run_calibrate(args) -> int:
-    config = _with_version(load_cluster_config(args.cluster), args.nccl_version)
-    cluster = _cluster(args.cluster, config)
+    config = load_cluster_config(args.cluster)
     tables = [read_table(path, args.op) for path in args.files]
-    choice = parse_choices(args.algorithm, args.protocol)
+    from_tables, mismatches = _release(args, config, tables)
+    config = _with_version(config, args.nccl_version or from_tables)
+    cluster = _cluster(args.cluster, config)
+    for text in mismatches:
+        report(text)
+    if from_tables:
+        print(f"NCCL {from_tables}, as the tables say they ran it")
+    for table in tables:
+        if (table.algorithm and not args.algorithm) or (table.protocol and not args.protocol):
+            forced = ", ".join(f"{k} {v}" for k, v in (("NCCL_ALGO", table.algorithm), ("NCCL_PROTO", table.protocol)) if v)
+            print(f"{Path(table.path).name}: forced to {forced}, as its output says")
     sources = ", ".join(str(p) for p in args.files)
-    fit = fit_tables(tables, cluster, [choice] * len(tables), source=f"whatif calibrate nccl-tests {sources}")
+    fit = fit_tables(tables, cluster, _choices(args, tables), source=f"whatif calibrate nccl-tests {sources}")
     left_out = set(fit.left_out)  # named below, with the reason
     print(f"{'file':<40} {'size':>12} {'measured us':>12} {'fitted us':>10} {'error':>8}  chosen")
     for row in fit.rows:
