@@ -201,3 +201,22 @@ def test_calibrate_reads_nccl_tests_json_and_the_algorithm_its_environment_force
     assert len(chosen) > 10 and all(c.startswith("ring/") for c in chosen)
     code, out, _ = run(capsys, "calibrate", "nccl-tests", str(XE9680), "--cluster", str(h100), "--out", str(tmp_path / "d.yaml"))
     assert any(not line.split()[5].startswith("ring/") for line in out.splitlines() if line.startswith("h100_xe9680"))
+
+
+def test_collective_and_calibrate_draw_their_plots_and_never_write_over_an_input(capsys, tmp_path, h100):
+    png = tmp_path / "busbw.png"
+    code, out, _ = run(capsys, "collective", str(h100), "-b", "8", "-e", "1G", "--plot", str(png))
+    assert code == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "busbw" in out
+    fit_png = tmp_path / "fit.png"
+    code, out, err = run(capsys, "calibrate", "nccl-tests", str(XE9680), "--cluster", str(h100),
+                         "--out", str(tmp_path / "c.yaml"), "--plot", str(fit_png))
+    assert code == 0, err
+    assert fit_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"plot written to {fit_png}" in out
+    before = h100.read_bytes()
+    for argv in (("collective", str(h100), "--plot", str(h100)),
+                 ("calibrate", "nccl-tests", str(XE9680), "--cluster", str(h100), "--out", str(h100)),
+                 ("calibrate", "nccl-tests", str(XE9680), "--cluster", str(h100), "--out", str(tmp_path / "d.yaml"),
+                  "--plot", str(XE9680))):
+        code, _, err = run(capsys, *argv)
+        assert code == 2 and "refusing to overwrite an input file" in err and len(err.strip().splitlines()) == 1
+    assert h100.read_bytes() == before and not (tmp_path / "d.yaml").exists()

@@ -22,6 +22,7 @@ from typing import Mapping
 import yaml
 
 from whatif.collectors.diagnostics import report
+from whatif.commands import refuse_inputs
 from whatif.topology import Cluster, TopologyError, collective_cost, parse_size
 from whatif.topology.calibrate import fit_tables
 from whatif.topology.nccl.tuning import OPS, parse_choices
@@ -54,6 +55,8 @@ def add_parsers(subparsers) -> None:
                                                    "nccl: version, else the newest modelled)")
     collective.add_argument("--json", action="store_true",
                             help="rows of bytes, time_us, algbw_gbps, busbw_gbps (GB/s), algorithm, protocol")
+    collective.add_argument("--plot", type=Path, metavar="OUT.png",
+                            help="bus bandwidth against size, each size marked by NCCL's choice")
     calibrate = subparsers.add_parser("calibrate", help="fit a cluster to measurements")
     what = calibrate.add_subparsers(dest="calibrate_command", required=True)
     tests = what.add_parser("nccl-tests", help="fit the NCCL model to nccl-tests outputs",
@@ -64,6 +67,8 @@ def add_parsers(subparsers) -> None:
                                                            "size range and scale")
     tests.add_argument("--cluster", type=Path, required=True, help="the cluster they ran on (YAML, or a scenario)")
     tests.add_argument("--out", type=Path, required=True, help="calibrated cluster YAML to write")
+    tests.add_argument("--plot", type=Path, metavar="OUT.png",
+                       help="each table's measured bus bandwidth against the calibrated prediction")
     tests.add_argument("--op", help="the operation, for files whose header and name do not say")
     tests.add_argument("--algorithm", help="NCCL_ALGO the runs were forced to, if any (default: what each "
                                            "output says, else none)")
@@ -179,13 +184,19 @@ def run_collective(args) -> int:
         rows.append({"bytes": int(size), "count": int(size) // DTYPES[args.dtype], "time_us": cost.time_us,
                      "algbw_gbps": algbw, "busbw_gbps": algbw * bus_factor(op, n),
                      "algorithm": cost.algorithm, "protocol": cost.protocol, "channels": cost.channels})
-    if args.json:
-        print(json.dumps({"cluster": str(args.cluster), "op": op, "ranks": n, "backend": cluster.backend, "rows": rows}))
-        return 0
     fabric = cluster.fabric.describe() if cluster.fabric is not None else cluster.describe()
     release = ""
     if cluster.fabric is not None and cluster.backend == "nccl":
         release = f", NCCL {version_text(cluster.fabric.calibration.version or LATEST)}"
+    if args.plot is not None:
+        refuse_inputs(args.plot, (args.cluster,))
+        if rows:
+            from whatif.report.collectives import plot_collective
+
+            plot_collective(rows, args.plot, f"{op} on {n} ranks of {fabric}\n({cluster.backend} backend{release})")
+    if args.json:
+        print(json.dumps({"cluster": str(args.cluster), "op": op, "ranks": n, "backend": cluster.backend, "rows": rows}))
+        return 0
     print(f"# whatif collective: {op} on {n} ranks of {fabric} ({cluster.backend} backend{release})")
     print(f"# {'size':>10}  {'count':>12}  {'type':>8}  {'redop':>6}  {'root':>6}  {'time':>8}  {'algbw':>7}  {'busbw':>7}  "
           f"{'algorithm':>10}  {'protocol':>8}")
@@ -230,6 +241,9 @@ def _choices(args, tables: list) -> list:
 
 
 def run_calibrate(args) -> int:
+    for path in (args.out, args.plot):
+        if path is not None:
+            refuse_inputs(path, (args.cluster, *args.files))
     config = load_cluster_config(args.cluster)
     tables = [read_table(path, args.op) for path in args.files]
     from_tables, mismatches = _release(args, config, tables)
@@ -264,8 +278,15 @@ def run_calibrate(args) -> int:
     for note in fit.diagnoses:
         print(note)
     out = {**{k: v for k, v in config.items() if k != "nccl"}, "nccl": fit.cluster.fabric.calibration.as_config()}
-    args.out.write_text(yaml.safe_dump(out, sort_keys=False), encoding="utf-8")
+    from whatif.report.timeline import write_atomically
+
+    write_atomically(args.out, yaml.safe_dump(out, sort_keys=False).encode("utf-8"))
     print(f"written to {args.out}")
+    if args.plot is not None:
+        from whatif.report.collectives import plot_calibration
+
+        plot_calibration(tables, fit.rows, left_out, args.plot)
+        print(f"plot written to {args.plot}")
     return 0
 
 
