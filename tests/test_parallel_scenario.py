@@ -242,3 +242,19 @@ def test_workers_sharing_a_core_share_its_time():
     assert took(shared, work) == pytest.approx(2 * took(alone, work), rel=1e-6)
     assert took(shared, comm) == pytest.approx(took(alone, comm), rel=1e-6)
     assert shared.makespan_us > alone.makespan_us
+
+
+def test_a_trace_without_blocks_is_a_one_line_error_naming_the_scenario_and_what_the_trace_has(
+        capsys, tmp_path, shared_traces):
+    """The 2021 ResNet-50 trace names no modules, only its annotations: sharding it needs units
+    the trace cannot give, and the error says which scenario, which key, and the names there are."""
+    from trace_corpus import RESNET50
+    from whatif.cli import main
+
+    path = tmp_path / "fsdp.yaml"
+    path.write_text(f"trace: {shared_traces / RESNET50}\ncluster: {{machine: dgx_h100, machines: 2}}\n"
+                    "framework: ddp\nparallelism: {zero: 3}\n")
+    assert main(["predict", str(path), "--json"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"whatif: error: {path}: parallelism.units: no repeated blocks found") and "\n" not in err
+    assert "'Optimizer.step#SGD.step'" in err

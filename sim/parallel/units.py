@@ -204,7 +204,11 @@ def _from_names(graph: TaskGraph, regex: re.Pattern) -> Units:
                 task_unit[i] = found.setdefault(per_category[code], len(found))
     on_cpu = ~np.isin(tasks["kind"].to_numpy(), [int(k) for k in GPU_TASK_KINDS])
     if not (task_unit[on_cpu] >= 0).any():
-        raise UnitsError(_not_found("the tasks' module and annotation names", regex))
+        named = [str(c) for c in tasks["layer"].cat.categories if str(c).strip()]
+        hint = (f" (the names it has: {', '.join(repr(n) for n in named[:3])}{', ...' if len(named) > 3 else ''})"
+                if named else " (it records no module or annotation names: capture with "
+                              "torch.profiler.profile(with_modules=True))")
+        raise UnitsError(_not_found("the tasks' module and annotation names", regex) + hint)
     # model order: the order of first appearance in time, not of naming
     first = pd.Series(tasks["measured_start_us"].to_numpy(dtype=float)).groupby(task_unit).min()
     first = first[first.index >= 0].sort_values(kind="stable")
@@ -250,8 +254,8 @@ def _compile(pattern: str) -> re.Pattern:
 
 def _not_found(where: str, regex: Optional[re.Pattern]) -> str:
     tried = f"pattern {regex.pattern!r}" if regex is not None else "numbered blocks (P.0, P.1, ...)"
-    return (f"no repeated blocks found in {where} with {tried}: give parallelism.units, a regular "
-            f"expression naming them (e.g. 'blocks\\.\\d+')")
+    return (f"parallelism.units: no repeated blocks found in {where} with {tried}: give parallelism.units, "
+            f"a regular expression naming them (e.g. 'blocks\\.\\d+')")
 
 
 def _optimizer_phase(graph: TaskGraph, task_phase: np.ndarray) -> None:

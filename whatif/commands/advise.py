@@ -14,8 +14,9 @@ import msgspec
 from whatif.advice import Advice, Option, advise
 from whatif.report.intervals import LEVEL, describe
 from whatif.scenario import Scenario, ScenarioError
+from whatif.sim.parallel.units import UnitsError
 
-from . import MAX_GRID_GPUS, check_grid_size
+from . import MAX_GRID_GPUS, UsageError, check_grid_size
 
 ERRORS = (ScenarioError,)
 
@@ -38,7 +39,10 @@ def run(args: argparse.Namespace) -> int:
     if scenario is not None:
         check_grid_size(args.scenario, scenario, args.yes)
     progress = (lambda text: None) if args.json else (lambda text: print(f"whatif: {text}", file=sys.stderr))
-    advice = advise(args.trace, scenario, args.iteration, progress)
+    try:
+        advice = advise(args.trace, scenario, args.iteration, progress)
+    except UnitsError as err:  # the scenario's parallelism.units, or the trace's lack of blocks
+        raise UsageError(f"{args.scenario or args.trace}: {err}") from None
     if args.json:
         sys.stdout.write(msgspec.json.encode(_as_json(advice)).decode() + "\n")
         return 0

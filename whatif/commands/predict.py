@@ -19,6 +19,7 @@ from whatif.report.plots import plot_scenario
 from whatif.report.tables import json_number, json_records, results_table
 from whatif.report.timeline import TIMELINE_SUFFIX, check_timeline_path, write_atomically, write_timeline
 from whatif.scenario import Scenario, ScenarioError
+from whatif.sim.parallel.units import UnitsError
 from whatif.sweep import EXECUTORS, Sweep, SweepError, available_cores
 
 from . import MAX_GRID_GPUS, UsageError, check_grid_size, refuse_inputs
@@ -67,7 +68,10 @@ def run(args: argparse.Namespace) -> int:
     if args.timeline is not None:  # several configurations: each file is checked once it has a name
         check_timeline_path(args.timeline, protect=inputs, new=len(scenario.points) == 1)
     sweep = Sweep(jobs=args.jobs, executor=args.executor, address=args.address, progress=sys.stderr.isatty())
-    prediction = predict(scenario.request(), sweep)
+    try:
+        prediction = predict(scenario.request(), sweep)
+    except UnitsError as err:  # the scenario's parallelism.units, or the trace's lack of blocks
+        raise UsageError(f"{args.scenario}: {err}") from None
     results = prediction.results
     if args.csv is not None:
         refuse_inputs(args.csv, inputs)
