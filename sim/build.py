@@ -546,6 +546,7 @@ def _operator_table(trace: KinetoTrace, resource_label: np.ndarray) -> pd.DataFr
             "input_types": recorded[1],
             "concrete_inputs": recorded[2],
             "message_bytes": message_bytes,
+            "sequence_nr": ev["sequence_nr"].to_numpy()[rows],
         },
         index=pd.Index(rows, dtype=np.int64),
     )

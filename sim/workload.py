@@ -12,9 +12,10 @@ so ``sim/build.py``, the one place besides ``collectors/`` that reads a trace, c
   the tasks' clock), the recorded inputs as the profiler wrote them (JSON text, or None where it
   recorded none: ``input_dims``, per positional input a tensor's shape, ``[]`` for a scalar, a
   list of shapes for a tensor list; ``input_types``; ``concrete_inputs``, the values of scalar
-  arguments), and ``message_bytes``, the bytes of the collective message a communication
+  arguments), ``message_bytes``, the bytes of the collective message a communication
   operator records (``record_param_comms``' element count times its dtype's size; NaN for the
-  others). The inputs stay text because decoding every one of a large trace's takes longer than
+  others), and ``sequence_nr``, autograd's sequence number (the same on a forward operator and
+  on the ``autograd::engine::evaluate_function`` of its backward; -1 where none). The inputs stay text because decoding every one of a large trace's takes longer than
   building its graph; :func:`decode_inputs` decodes what a pass reads.
 * ``graph.workload``, a :class:`Workload`: where the trace came from, whether it ran on a GPU,
   and what a capture bundle recorded beside it (parameters, when each gradient became ready,
@@ -87,6 +88,7 @@ def empty_operators() -> pd.DataFrame:
             "input_types": np.zeros(0, dtype=object),
             "concrete_inputs": np.zeros(0, dtype=object),
             "message_bytes": np.zeros(0),
+            "sequence_nr": np.zeros(0, dtype=np.int64),
         },
         index=pd.Index(np.zeros(0, dtype=np.int64)),
     )

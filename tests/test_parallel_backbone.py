@@ -9,7 +9,7 @@ from trace_corpus import REPO
 from whatif.sim.graph import GPU_TASK_KINDS
 from whatif.sim.parallel import Parallelism, ParallelismError
 from whatif.sim.parallel.placement import groups, ranks_of
-from whatif.sim.parallel.units import PHASE_BACKWARD, PHASE_FORWARD, UnitsError, find_units
+from whatif.sim.parallel.units import PHASE_BACKWARD, PHASE_FORWARD, UnitsError, find_units, parameters_from_shapes
 from whatif.study import TraceStudy
 from whatif.topology import Cluster
 
@@ -155,14 +155,45 @@ def test_a_pattern_chooses_other_units(transformer):
 
 def test_units_by_name_on_a_shared_gpu_trace(shared_traces):
     graph = TraceStudy.from_trace(shared_traces / VGG13).graph
-    with pytest.raises(UnitsError, match="give parallelism.units"):
-        find_units(graph)
     units = find_units(graph, r"Conv2d_\d+")
     assert units.names == [f"nn.Module: Conv2d_{i}" for i in range(10)]  # VGG-13's ten convolutions
     kernels = np.isin(graph.tasks["kind"].to_numpy(), [int(k) for k in GPU_TASK_KINDS])
-    for unit in range(10):  # each convolution launched its kernels in forward
+    for unit in range(10):  # each convolution launched its kernels in forward, and in backward
         assert (kernels[units.tasks_of(unit, PHASE_FORWARD)]).any()
-    assert (units.table["forward_us"] > 0).all()
+        assert (kernels[units.tasks_of(unit, PHASE_BACKWARD)]).any()
+    assert (units.table["forward_us"] > 0).all() and (units.table["backward_us"] > 0).all()
+
+
+def test_a_plain_traces_repeated_block_is_the_module_class_torch_profiler_names_most_alike(shared_traces):
+    """Without a pattern, VGG-13's trace (torch.profiler's module names, no ``blocks.N``) gives
+    its ten ``Conv2d`` calls, not its two unlike ``Sequential`` containers nor its ``ReLU``s."""
+    graph = TraceStudy.from_trace(shared_traces / VGG13).graph
+    found, given = find_units(graph), find_units(graph, r"Conv2d_\d+")
+    assert found.names == given.names and (found.task_unit == given.task_unit).all()
+    assert "nn\\.Module: Conv2d_" in found.pattern
+
+
+def test_backward_tasks_join_their_forwards_unit_by_autograd_sequence_number(shared_traces):
+    graph = TraceStudy.from_trace(shared_traces / VGG13).graph
+    units = find_units(graph)
+    names = graph.tasks["name"].astype(str).to_numpy()
+    nodes = units.task_phase == PHASE_BACKWARD
+    placed = set(names[nodes & (units.task_unit >= 0) & np.char.startswith(names.astype(str), "autograd::engine")])
+    # each convolution's backward node, and the two AccumulateGrad nodes (weight, bias) after it
+    assert placed == {"autograd::engine::evaluate_function: ConvolutionBackward0",
+                      "autograd::engine::evaluate_function: torch::autograd::AccumulateGrad"}
+    relu = nodes & (names == "autograd::engine::evaluate_function: ReluBackward0")
+    assert (units.task_unit[relu] == -1).all()  # the ReLUs ran outside every Conv2d
+
+
+def test_a_plain_traces_parameters_are_read_off_its_operators_shapes(shared_traces):
+    graph = TraceStudy.from_trace(shared_traces / VGG13).graph
+    units = find_units(graph)
+    params = parameters_from_shapes(graph, units)
+    assert int(params["numel"].sum()) == 133_047_848  # VGG-13 (torchvision): 133.0 M parameters
+    conv0 = params[params["layer"] == "nn.Module: Conv2d_0"]
+    assert sorted(map(tuple, conv0["shape"])) == [(64,), (64, 3, 3, 3)]
+    assert (params["element_size"] * params["numel"]).sum() == pytest.approx(532.2e6, rel=1e-3)  # its gradients'
 
 
 def test_no_units_is_one_line_naming_the_key():

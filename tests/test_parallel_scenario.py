@@ -258,3 +258,34 @@ def test_a_trace_without_blocks_is_a_one_line_error_naming_the_scenario_and_what
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"whatif: error: {path}: parallelism.units: no repeated blocks found") and "\n" not in err
     assert "'Optimizer.step#SGD.step'" in err
+
+
+def test_fsdp_on_a_plain_gpu_trace_is_sized_by_its_operators_weights(capsys, tmp_path, shared_traces):
+    """VGG-13's H100 trace is no capture bundle: its 133 M parameters come from the recorded
+    shapes of its convolutions and linears, so sharding them costs communication (before, the
+    job's collectives had 0 bytes and FSDP predicted perfect scaling)."""
+    import json
+
+    from whatif.cli import main
+
+    path = tmp_path / "vgg.yaml"
+    path.write_text(f"trace: {shared_traces / 'triosim-vgg13-h100' / 'vgg13_bs512_iter41.json.gz'}\n"
+                    "cluster: {machine: dgx_h100, machines: 2}\nframework: ddp\nparallelism: {zero: [0, 3]}\n")
+    assert main(["predict", str(path), "--json"]) == 0
+    rows = {r["parallelism"]: r for r in json.loads(capsys.readouterr().out)["results"]}
+    ddp, fsdp = rows["dp16"], rows["dp16 fsdp"]
+    assert fsdp["comm_ms"] > ddp["comm_ms"] > 0  # two all-gathers and a reduce-scatter of the 532 MB
+    assert fsdp["memory_gb"] < ddp["memory_gb"]
+
+
+def test_a_parallel_job_on_a_trace_without_parameters_or_shapes_is_refused(capsys, tmp_path, shared_traces):
+    from whatif.cli import main
+
+    path = tmp_path / "resnet.yaml"
+    path.write_text(f"trace: {shared_traces / 'hta-ddp-resnet50' / 'v100_1gpu_rank0.json.gz'}\n"
+                    "cluster: {machine: dgx_h100, machines: 2}\nframework: ddp\n"
+                    "parallelism: {zero: 3, units: '## forward ##'}\n")
+    assert main(["predict", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"whatif: error: {path}: parallelism: the trace lists no parameters") and "\n" not in err
+    assert "record_shapes=True" in err

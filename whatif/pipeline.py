@@ -69,7 +69,7 @@ from whatif.sim.graph import GraphError, TaskGraph, TaskKind
 from whatif.sim.parallel import Parallelism
 from whatif.sim.parallel.job import parallelize, simulate_job
 from whatif.sim.parallel.memory import gpu_memory_bytes, memory_per_gpu
-from whatif.sim.parallel.units import Units, UnitsError, find_units, no_units
+from whatif.sim.parallel.units import Units, UnitsError, find_units, no_units, parameters_from_shapes
 from whatif.sim.passes.batch_size import BatchSizeChange, change_batch_size
 from whatif.sim.passes.registry import apply_optimization
 from whatif.sim.passes.recipes import CommunicationChange
@@ -441,8 +441,8 @@ def _configuration(grid: _Grid, config: ClusterConfig) -> tuple[dict, ClusterSch
 def _simulated(grid: _Grid, config: ClusterConfig) -> tuple[dict, ClusterSchedule]:
     par = config.parallelism
     if par is not None and par.families():
-        job = parallelize(grid.without_comm, _units(grid.units, grid.without_comm, par, True), par, config.cluster,
-                          grid.optimizer, grid.gpu_memory_bytes, grid.microbatch)
+        job = parallelize(*_job_graph(grid, par), par, config.cluster, grid.optimizer, grid.gpu_memory_bytes,
+                          grid.microbatch)
         schedule = simulate_job(job, config.cluster)
         run = ClusterSchedule(schedule, job.comm_tasks(), job.rank0(), 0.0, 0.0)
         report = _job_report(schedule, grid.iterations, run.worker0)
@@ -471,6 +471,33 @@ def _spans(grid: _Grid, run: ClusterSchedule) -> IterationSpans:
         known = grid.spans[id(run.worker0)] = (run.worker0, IterationSpans(run.schedule.graph, grid.iterations,
                                                                            run.worker0))
     return known[1]
+
+
+def _job_graph(grid: _Grid, par: Parallelism) -> tuple[TaskGraph, Units]:
+    """The worker graph a parallel job is built from, and its units (once per pattern). Where no
+    bundle lists the parameters, the graph carries those its operators' recorded shapes give
+    (``parameters_from_shapes``), which size the job's collectives and memory; a trace with
+    neither cannot size them and is refused, rather than predicted without communication."""
+    key = ("job", par.units)
+    if key not in grid.units:
+        graph, units = grid.without_comm, _units(grid.units, grid.without_comm, par, True)
+        if not len(graph.workload.parameters):
+            estimated = parameters_from_shapes(graph, units)
+            if not len(estimated):
+                raise UnitsError("parallelism: the trace lists no parameters (a capture bundle: whatif collect) and "
+                                 "records no operator input shapes (torch.profiler's record_shapes=True), so a "
+                                 "parallel job's collectives and memory cannot be sized")
+            weights = float((estimated["numel"] * estimated["element_size"]).sum())
+            traced = grid.gradients.bytes_per_iteration()
+            if traced > 0 and abs(weights - traced) > 0.1 * traced:
+                warn(graph.workload.source or "the trace", 1,
+                     f"its operators' weights come to {weights / 1e6:.1f} MB and its gradients to {traced / 1e6:.1f} MB "
+                     f"({grid.gradients.source}): the parallel job is sized by the weights")
+            graph = TaskGraph(graph.tasks, graph.edges, graph.ops, replace(graph.workload, parameters=estimated),
+                              list(graph.notes))
+            units = find_units(graph, par.units)
+        grid.units[key] = (graph, units)
+    return grid.units[key]
 
 
 def _units(cache: dict, graph: TaskGraph, par: Parallelism, required: bool) -> Units:

@@ -15,9 +15,22 @@ and the activation at its boundary. :func:`find_units` finds them, in this order
    step's whole forward and backward spans.
 2. Without a bundle, the names on the tasks: the ``layer`` and ``context`` columns (module
    annotations, ``record_function`` ranges) searched with ``pattern``, by default
-   :data:`DEFAULT_PATTERN` (``layers.N``, ``blocks.N``, ``h.N``, ``layer.N``). A plain trace
-   records no module around backward operators, so only forward tasks are found this way.
+   :data:`DEFAULT_PATTERN` (``layers.N``, ``blocks.N``, ``h.N``, ``layer.N``), else the
+   modules ``torch.profiler`` names with ``with_modules=True`` (``nn.Module: LlamaDecoderLayer_3``):
+   the class of at least two instances, alike (their forward tasks within a factor of two of each
+   other), whose instances hold the most forward tasks (:func:`_repeated_module_class`). A plain
+   trace records no module around backward operators: a backward task belongs to the unit of the
+   forward operator whose autograd sequence number its ``evaluate_function`` carries (the same
+   number on both, Kineto's ``Sequence number``), and an ``AccumulateGrad`` (which has none) to
+   the unit of the backward node that ran before it on its thread, the one that produced its
+   gradient.
 3. Else a one-line :class:`UnitsError` saying to give ``parallelism.units``.
+
+Without a bundle's parameter record, :func:`parameters_from_shapes` reads the parameters off the
+traced forward operators' recorded inputs (``record_shapes=True``): the weight and bias of
+``aten::linear``, the convolutions, the norms and the embeddings (:data:`WEIGHT_INPUTS`), once per
+operator call of the first step, named under the unit they ran in (or under no unit: the root);
+the pipeline gives a parallel job's graph that record (``with_parameters``).
 
 GPU tasks belong to the unit and phase of the CPU task that launched them. The optimizer's
 tasks (inside ``Optimizer.step``) are phase 3 wherever they are found. A unit's
@@ -45,6 +58,19 @@ DEFAULT_PATTERN = r"(?<![\w])(?:layers|blocks|h|layer)\.\d+(?![\w])"
 PHASE_OTHER, PHASE_FORWARD, PHASE_BACKWARD, PHASE_OPTIMIZER = 0, 1, 2, 3
 TABLE_COLUMNS = ["unit", "name", "param_bytes", "activation_bytes", "forward_us", "backward_us"]
 _OPTIMIZER = re.compile(r"Optimizer\.step#")
+#: How ``torch.profiler`` (``with_modules=True``) names a module's call: class, then instance.
+_KINETO_MODULE = re.compile(r"^nn\.Module: (\w+)_(\d+)$")
+#: The positional inputs of an operator that are parameters (weight, bias), by operator: read
+#: to size a plain trace's parameters (:func:`parameters_from_shapes`).
+WEIGHT_INPUTS = {
+    "aten::linear": (1, 2), "aten::bilinear": (2, 3),
+    "aten::conv1d": (1, 2), "aten::conv2d": (1, 2), "aten::conv3d": (1, 2),
+    "aten::conv_transpose1d": (1, 2), "aten::conv_transpose2d": (1, 2), "aten::conv_transpose3d": (1, 2),
+    "aten::layer_norm": (2, 3), "aten::group_norm": (2, 3), "aten::rms_norm": (2,),
+    "aten::batch_norm": (1, 2), "aten::instance_norm": (1, 2),
+    "aten::embedding": (0,), "aten::embedding_bag": (0,), "aten::prelu": (1,),
+}
+_EVALUATE = "autograd::engine::evaluate_function"
 _STEP = re.compile(r"^(ProfilerStep#\d+)")
 
 
@@ -83,7 +109,15 @@ def find_units(graph: TaskGraph, pattern: Optional[str] = None) -> Units:
     workload = graph.workload
     if len(workload.layers) and len(workload.layer_intervals):
         return _from_bundle(graph, regex)
-    return _from_names(graph, regex if regex is not None else re.compile(DEFAULT_PATTERN))
+    if regex is not None:
+        return _from_names(graph, regex)
+    try:
+        return _from_names(graph, re.compile(DEFAULT_PATTERN))
+    except UnitsError:
+        kineto = _repeated_module_class(graph)
+        if kineto is None:
+            raise
+        return _from_names(graph, kineto)
 
 
 def no_units(graph: TaskGraph) -> Units:
@@ -218,13 +252,15 @@ def _from_names(graph: TaskGraph, regex: re.Pattern) -> Units:
     remap[first.index.to_numpy()] = np.arange(len(order))
     task_unit = np.where(task_unit >= 0, remap[np.maximum(task_unit, 0)], -1)
     context = tasks["context"].astype(str).to_numpy()
-    backward = np.char.find(context.astype(str), "autograd::engine::evaluate_function") >= 0
+    backward = np.char.find(context.astype(str), _EVALUATE) >= 0
     task_phase[on_cpu & (task_unit >= 0)] = PHASE_FORWARD
     task_phase[on_cpu & backward] = PHASE_BACKWARD
+    task_unit[on_cpu & backward] = -1  # a module frame never encloses a backward task's own work
     steps = [(_STEP.match(c).group(1) if _STEP.match(c) else "") for c in context]
     step_names = list(dict.fromkeys(steps))
     task_step[:] = [step_names.index(s) for s in steps]
     task_step[~on_cpu] = -1
+    _backward_by_sequence(graph, task_unit, task_phase, on_cpu)
     _optimizer_phase(graph, task_phase)
     _to_launched(graph, task_unit, task_phase, task_step)
     param_bytes = _param_bytes(graph.workload.parameters, order)
@@ -240,6 +276,119 @@ def _innermost(context: str, regex: re.Pattern) -> Optional[str]:
         if name is not None:
             return name
     return None
+
+
+def _repeated_module_class(graph: TaskGraph) -> Optional[re.Pattern]:
+    """The pattern of the module class whose instances are the model's repeated block, from the
+    names ``torch.profiler`` gives module calls (``nn.Module: LlamaDecoderLayer_3``): of the
+    classes with at least two instances whose CPU tasks (outside backward) are alike, within a
+    factor of two of each other, the one whose instances hold the most of them (a decoder layer
+    holds its linears, norms and attention; two ``Sequential`` containers of unlike size are no
+    repeated block). None where the trace names no modules so."""
+    tasks = graph.tasks
+    on_cpu = ~np.isin(tasks["kind"].to_numpy(), [int(k) for k in GPU_TASK_KINDS])
+    context = tasks["context"]
+    counts = np.bincount(context.cat.codes.to_numpy()[on_cpu] + 1, minlength=len(context.cat.categories) + 1)[1:]
+    per_instance: dict = {}  # class -> instance -> tasks
+    for text, count in zip(context.cat.categories, counts):
+        if not count or _EVALUATE in str(text):
+            continue
+        for frame in dict.fromkeys(str(text).split(" > ")):
+            match = _KINETO_MODULE.match(frame)
+            if match:
+                instances = per_instance.setdefault(match.group(1), {})
+                instances[match.group(2)] = instances.get(match.group(2), 0) + int(count)
+    best, held = None, 0
+    for name, instances in per_instance.items():
+        sizes = list(instances.values())
+        if len(sizes) >= 2 and max(sizes) <= 2 * min(sizes) and sum(sizes) > held:
+            best, held = name, sum(sizes)
+    return re.compile(r"(?<![\w])nn\.Module: " + re.escape(best) + r"_\d+(?![\w])") if best else None
+
+
+def _backward_by_sequence(graph: TaskGraph, task_unit: np.ndarray, task_phase: np.ndarray, on_cpu: np.ndarray) -> None:
+    """Give backward tasks the unit of their forward: each ``evaluate_function`` task carries
+    the autograd sequence number of the forward operator it differentiates; it and the tasks
+    inside it on its thread take that operator's unit. An ``AccumulateGrad`` node (no number)
+    takes the unit of the node before it on its thread, which produced the gradient it adds."""
+    ops = graph.ops
+    if "sequence_nr" not in ops.columns or not len(ops):
+        return
+    tasks = graph.tasks
+    event = tasks["event"].to_numpy().astype(np.int64)
+    rows = ops.index.to_numpy()
+    at = np.clip(np.searchsorted(rows, event), 0, len(rows) - 1)
+    has_op = (event >= 0) & (rows[at] == event)
+    seq = np.where(has_op, ops["sequence_nr"].to_numpy()[at], -1)
+    forward = on_cpu & (task_phase == PHASE_FORWARD) & (task_unit >= 0) & (seq >= 0)
+    unit_of_seq = dict(zip(seq[forward][::-1].tolist(), task_unit[forward][::-1].tolist()))  # the first wins
+    if not unit_of_seq:
+        return
+    names = tasks["name"]
+    node = np.asarray([str(c).startswith(_EVALUATE) for c in names.cat.categories] + [False])[names.cat.codes.to_numpy()]
+    node &= on_cpu & (task_phase == PHASE_BACKWARD)
+    start = tasks["measured_start_us"].to_numpy(dtype=float)
+    # a node's whole span is its operator's (its tasks are the slices between its children's)
+    op_start = np.where(has_op, ops["start_us"].to_numpy(dtype=float)[at], start)
+    op_end = op_start + np.where(has_op, ops["dur_us"].to_numpy(dtype=float)[at], 0.0)
+    resource = tasks["resource"].cat.codes.to_numpy()
+    inside = on_cpu & (task_phase == PHASE_BACKWARD)
+    for thread in np.unique(resource[node]).tolist():
+        mine = np.flatnonzero(inside & (resource == thread))
+        mine = mine[np.argsort(start[mine], kind="stable")]
+        starts = start[mine]
+        unit, seen = -1, set()
+        for i in mine[node[mine]].tolist():
+            if event[i] in seen:  # a later slice of a node already placed
+                continue
+            seen.add(event[i])
+            unit = unit_of_seq.get(int(seq[i]), -1) if seq[i] >= 0 else unit
+            if unit >= 0:
+                lo, hi = np.searchsorted(starts, op_start[i], "left"), np.searchsorted(starts, op_end[i], "right")
+                task_unit[mine[lo:hi]] = unit
+
+
+def parameters_from_shapes(graph: TaskGraph, units: "Units") -> pd.DataFrame:
+    """A parameter record (``sim/workload.py``'s ``PARAMETER_COLUMNS``) read off the traced
+    operators where no bundle lists the parameters: the inputs :data:`WEIGHT_INPUTS` names of
+    every such operator the first step runs outside backward and the optimizer, each call once,
+    named ``UNIT.pN`` under the unit it ran in (``root.pN`` outside every unit). Empty where the
+    trace recorded no shapes. A parameter used twice in a step (tied weights, a block called
+    twice) is counted twice."""
+    from whatif.collectors.kineto import element_bytes
+
+    from ..workload import PARAMETER_COLUMNS, decode_inputs
+
+    tasks, ops = graph.tasks, graph.ops
+    event = tasks["event"].to_numpy().astype(np.int64)
+    names = tasks["name"]
+    wanted = np.asarray([str(c) in WEIGHT_INPUTS for c in names.cat.categories] + [False])[names.cat.codes.to_numpy()]
+    phase = units.task_phase
+    context = tasks["context"]
+    step_names = [m.group(1) if (m := _STEP.match(str(c))) else "" for c in context.cat.categories]
+    step_of = np.asarray(step_names + [""], dtype=object)[context.cat.codes.to_numpy()]
+    chosen = np.flatnonzero(wanted & (event >= 0) & np.isin(phase, [PHASE_OTHER, PHASE_FORWARD]))
+    chosen = chosen[np.isin(event[chosen], ops.index.to_numpy())]
+    chosen = chosen[np.unique(event[chosen], return_index=True)[1]]  # an operator's slices: once
+    if len(chosen):
+        first_step = step_of[chosen[np.argmin(tasks["measured_start_us"].to_numpy(dtype=float)[chosen])]]
+        chosen = chosen[step_of[chosen] == first_step]
+    unit_names = units.names
+    records, counter = [], {}
+    for i in chosen.tolist():
+        row = int(event[i])
+        dims, types = decode_inputs(ops.at[row, "input_dims"]), decode_inputs(ops.at[row, "input_types"])
+        owner = unit_names[units.task_unit[i]] if units.task_unit[i] >= 0 else "root"
+        for position in WEIGHT_INPUTS[str(names.iloc[i])]:
+            shape = dims[position] if position < len(dims) else None
+            if not isinstance(shape, list) or not shape or not all(isinstance(d, int) for d in shape):
+                continue
+            dtype = str(types[position]) if position < len(types) else "float"
+            k = counter[owner] = counter.get(owner, -1) + 1
+            records.append({"name": f"{owner}.p{k}", "layer": owner if owner != "root" else "", "shape": shape,
+                            "numel": int(np.prod(shape)), "dtype": dtype, "element_size": element_bytes(dtype),
+                            "requires_grad": True})
+    return pd.DataFrame(records, columns=PARAMETER_COLUMNS)
 
 
 # -- shared steps ---------------------------------------------------------------------------------
