@@ -245,11 +245,34 @@ class _Builder:
 
     # -- tasks ----------------------------------------------------------------------------------
 
+    def _without_bystanders(self, rows: np.ndarray) -> np.ndarray:
+        """``rows`` less the events of threads that ran nothing but Python frames: no operator,
+        no runtime call, no annotation, so no edge can join them to the rest (a launch, a
+        synchronisation and a flow all start at one of those). Such a thread (the Python
+        tracer's view of tqdm's monitor or a multiprocessing queue's feeder, a frame blocked in
+        ``threading.py: wait`` for the whole trace) delays nothing; kept, its frames would hold
+        every simulated step as long as they lasted, whatever the what-if. Counted in a warning."""
+        codes = self.thread_codes[rows]
+        python = self.kinds[rows] == int(EventKind.PYTHON)
+        threads = np.unique(codes)
+        other = np.unique(codes[~python])
+        idle = np.setdiff1d(threads, other)
+        if not len(idle):
+            return rows
+        gone = np.isin(codes, idle)
+        names = list(dict.fromkeys(self.names[r] for r in rows[gone][:50]))
+        warn(self.trace.path, int(gone.sum()),
+             f"left out {plural(int(gone.sum()), 'Python frame')} of {plural(len(idle), 'thread')} that ran "
+             f"no operator and that nothing waits for ({', '.join(names[:2])}{', ...' if len(names) > 2 else ''}): "
+             "they hold up no step")
+        return rows[~gone]
+
     def _cpu_tasks(self) -> None:
         kinds, ts, end, codes = self.kinds, self.ts, self.end, self.thread_codes
         seg = _Segments(self.names, kinds.tolist(), len(self.name_labels) * len(EventKind))
         label = (self.name_codes * len(EventKind) + kinds).tolist()  # an event's name and kind, one number
         rows = np.flatnonzero(np.isin(kinds, [int(k) for k in CPU_KINDS]))
+        rows = self._without_bystanders(rows)
         priority = np.array([_KIND_PRIORITY.get(k, 2) for k in range(len(EventKind))])[kinds[rows]]
         rows = rows[np.lexsort((priority, -(end[rows] - ts[rows]), ts[rows], codes[rows]))]
         self.cpu_threads = set()
