@@ -203,3 +203,16 @@ def test_no_units_is_one_line_naming_the_key():
     assert "give parallelism.units" in str(err.value) and "\n" not in str(err.value)
     with pytest.raises(UnitsError, match="parallelism.units: .* not a valid regular expression"):
         find_units(graph, "blocks[")
+
+
+def test_a_plain_gpu_traces_units_have_their_boundary_activation_and_forward_around_them(shared_traces):
+    """VGG-13's convolutions are each followed by a ReLU outside every unit: the ReLU is forward
+    work (as a bundle's forward span makes it), and its input, the convolution's output of
+    [512, 64, 224, 224] floats for the first, is the unit's boundary activation."""
+    graph = TraceStudy.from_trace(shared_traces / VGG13).graph
+    units = find_units(graph)
+    assert units.table["activation_bytes"].iat[0] == 512 * 64 * 224 * 224 * 4
+    assert (units.table["activation_bytes"] > 0).all()
+    names = graph.tasks["name"].astype(str).to_numpy()
+    relu = (names == "aten::relu_") | (names == "aten::relu")
+    assert relu.any() and (units.task_phase[relu] == PHASE_FORWARD).all() and (units.task_unit[relu] == -1).all()

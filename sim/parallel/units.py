@@ -261,6 +261,7 @@ def _from_names(graph: TaskGraph, regex: re.Pattern) -> Units:
     task_step[:] = [step_names.index(s) for s in steps]
     task_step[~on_cpu] = -1
     _backward_by_sequence(graph, task_unit, task_phase, on_cpu)
+    _forward_around_units(tasks, task_unit, task_phase, task_step, on_cpu)
     _optimizer_phase(graph, task_phase)
     _to_launched(graph, task_unit, task_phase, task_step)
     param_bytes = _param_bytes(graph.workload.parameters, order)
@@ -346,6 +347,24 @@ def _backward_by_sequence(graph: TaskGraph, task_unit: np.ndarray, task_phase: n
             if unit >= 0:
                 lo, hi = np.searchsorted(starts, op_start[i], "left"), np.searchsorted(starts, op_end[i], "right")
                 task_unit[mine[lo:hi]] = unit
+
+
+def _forward_around_units(tasks: pd.DataFrame, task_unit: np.ndarray, task_phase: np.ndarray, task_step: np.ndarray,
+                          on_cpu: np.ndarray) -> None:
+    """The forward work outside every unit (embeddings, head, loss): as the bundle's path does
+    by its forward spans, a step's CPU tasks on a thread that ran the units' forward, from that
+    thread's first unit task to the step's first backward task, are forward too."""
+    start = tasks["measured_start_us"].to_numpy(dtype=float)
+    resource = tasks["resource"].cat.codes.to_numpy()
+    for step in np.unique(task_step[on_cpu]).tolist():
+        in_step = on_cpu & (task_step == step)
+        backward = in_step & (task_phase == PHASE_BACKWARD)
+        until = start[backward].min() if backward.any() else np.inf
+        units_forward = in_step & (task_unit >= 0) & (task_phase == PHASE_FORWARD)
+        for thread in np.unique(resource[units_forward]).tolist():
+            mine = in_step & (resource == thread) & (task_phase == PHASE_OTHER)
+            lo = start[units_forward & (resource == thread)].min()
+            task_phase[mine & (start >= lo) & (start < until)] = PHASE_FORWARD
 
 
 def parameters_from_shapes(graph: TaskGraph, units: "Units") -> pd.DataFrame:
@@ -455,7 +474,8 @@ def _activation_bytes(graph: TaskGraph, task_unit: np.ndarray, task_phase: np.nd
     event = tasks["event"].to_numpy()
     start = tasks["measured_start_us"].to_numpy(dtype=float)
     resource = tasks["resource"].cat.codes.to_numpy()
-    forward = (task_phase == PHASE_FORWARD) & (event >= 0) & np.isfinite(start)
+    on_cpu = ~np.isin(tasks["kind"].to_numpy(), [int(k) for k in GPU_TASK_KINDS])  # operators: on CPU threads
+    forward = (task_phase == PHASE_FORWARD) & (event >= 0) & np.isfinite(start) & on_cpu
     out = np.zeros(n_units)
     for unit in range(n_units):
         mine = np.flatnonzero(forward & (task_unit == unit))
