@@ -7,10 +7,13 @@ and every framework and policy on the first configuration's cluster. The first c
 the grid is the job as it is (the baseline); without a scenario, the traced job on one worker.
 
 Every option goes through the one pipeline (``whatif/pipeline.py``), on one study of the trace.
-Its gain is in throughput, samples per second against the baseline's: ``speedup_option /
-speedup_baseline - 1`` on a cluster (``speedup`` is a configuration's throughput over one
-worker's, so a configuration of more workers is compared fairly), the iteration times' ratio on
-one worker. A recipe that does not apply to the trace (no batch normalization, no
+Its gain is in throughput, samples per second against the baseline's. On a cluster a
+configuration's ``speedup`` is its throughput over one worker's *of its own prediction*, so the
+throughput is ``speedup / one_worker_ms`` and the gain ``(speedup_option / one_worker_ms_option)
+/ (speedup_baseline / one_worker_ms_baseline) - 1``: an alternative configuration shares the
+baseline's worker (the ratio of speed-ups), a recipe changes it (mixed precision on eight
+workers is compared with the eight workers as they are, not with its own one worker). On one
+worker, the iteration times' ratio. A recipe that does not apply to the trace (no batch normalization, no
 communication) is listed as not applicable with the pass's reason, never left out.
 
 Each option's reason is one line from the baseline's critical paths (``sim/critical_path.py``):
@@ -158,7 +161,7 @@ def _baseline_option(base: Prediction) -> Option:
     row = base.results.iloc[0].to_dict()
     label = next(iter(base.runs))
     return Option(label, "baseline", True, "", float(row["iteration_ms"]), 0.0, *_row_interval(row),
-                  configuration=_plain(row))
+                  configuration={**_plain(row), "one_worker_ms": base.iteration_ms})
 
 
 def _measured(name: str, kind: str, changed: Prediction, baseline: Option) -> Option:
@@ -167,8 +170,8 @@ def _measured(name: str, kind: str, changed: Prediction, baseline: Option) -> Op
         ms = changed.iteration_ms
         return Option(name, kind, True, "", ms, 100.0 * (baseline.predicted_ms / ms - 1), *changed.iteration_interval)
     row = changed.results.iloc[0].to_dict()
-    base_speedup = baseline.configuration["speedup"]
-    gain = 100.0 * (float(row["speedup"]) / base_speedup - 1)
+    base_throughput = baseline.configuration["speedup"] / baseline.configuration["one_worker_ms"]
+    gain = 100.0 * (float(row["speedup"]) / changed.iteration_ms / base_throughput - 1)
     return Option(name, kind, True, "", float(row["iteration_ms"]), gain, *_row_interval(row),
                   configuration=_plain(row))
 

@@ -16,7 +16,7 @@ from typing import Optional
 import numpy as np
 import pandas as pd
 
-from ..graph import GraphError, TaskGraph, TaskKind
+from ..graph import EdgeKind, GraphError, TaskGraph, TaskKind
 from ..passes.optimizations import OPTIMIZER_STEP
 
 _WEIGHT_OPS = re.compile(
@@ -70,9 +70,24 @@ class SyncPoints:
             if found is not None and on_gpu:
                 gpu = np.flatnonzero(self.in_optimizer & np.isin(self.kinds, [int(TaskKind.KERNEL)]))
                 gpu = gpu[self.start[gpu] >= self.start[found]]
+                if not len(gpu):
+                    gpu = self._launched_after(found, it)
                 found = int(gpu[np.argmin(self.start[gpu])]) if len(gpu) else found
             self.cache[key] = found if found is not None else self.first_of_iteration(it + 1)
         return self.cache[key]
+
+    def _launched_after(self, first: int, it: int) -> np.ndarray:
+        """The kernels the training thread launched in iteration ``it`` from ``first`` on: the
+        optimizer's, where no kernel carries the optimizer's annotation (a trace whose
+        ``Optimizer.step`` range closes before the step's Python frames do, as VGG-13's H100
+        trace's does). The stream waits, not the thread: the thread may have launched the step
+        long before the GPU reaches it."""
+        edges = self.worker.edges
+        launch = edges[edges["kind"].to_numpy() == int(EdgeKind.LAUNCH)]
+        src, dst = launch["src"].to_numpy(dtype=np.int64), launch["dst"].to_numpy(dtype=np.int64)
+        ok = self.on_thread[src] & (self.start[src] >= self.start[first]) & self._span(it)[src]
+        ok &= self.kinds[dst] == int(TaskKind.KERNEL)
+        return dst[ok]
 
     def forward_ops(self, it: int) -> np.ndarray:
         """First task of each weight-using operator of iteration ``it``'s forward pass, in order."""
