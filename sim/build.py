@@ -119,7 +119,7 @@ def _cut_thread(seg: _Segments, thread: int, rows: list, ts: list, end: list, la
     stack: list[tuple[float, int, int]] = []  # (end, row, ctx)
     push, pop = stack.append, stack.pop
     cursor = 0.0
-    runtime = int(EventKind.RUNTIME)
+    runtime, python, annotation = int(EventKind.RUNTIME), int(EventKind.PYTHON), int(EventKind.ANNOTATION)
     kinds, labels = seg.kinds, seg.labels
     out_end, out_owner, out_ctx = seg.end.append, seg.owner.append, seg.ctx.append
     ctx_ids, ctx_parent, ctx_event = seg.ctx_ids, seg.ctx_parent, seg.ctx_event  # seg.context, inlined
@@ -139,6 +139,13 @@ def _cut_thread(seg: _Segments, thread: int, rows: list, ts: list, end: list, la
             if s > cursor:
                 out_end(s); out_owner(parent_row); out_ctx(parent_ctx)
                 cursor = s
+            if e > parent_end and kinds[row] == annotation and kinds[parent_row] == python:
+                # a range opened inside Python frames that return before it closes: the tracer's
+                # frames of record_function's enter (``_record_function_enter_new``). They end
+                # where the range begins, and what the range holds nests in it, not in them.
+                while stack and stack[-1][0] < e and kinds[stack[-1][1]] == python:
+                    pop()
+                parent_end, parent_row, parent_ctx = stack[-1] if stack else (float("inf"), -1, -1)
             if e > parent_end:
                 e = parent_end
         else:

@@ -15,6 +15,7 @@ from whatif import GraphError
 from whatif.advice import RECIPES, advise
 from whatif.pipeline import Request, WhatIf, predict
 from whatif.scenario import Scenario
+from whatif.study import TraceStudy
 from whatif.sim.graph import TaskKind
 from whatif.sim.passes.optimizations import OPTIMIZER_STEP
 from whatif.sim.passes.recipes import (BATCH_NORM_BACKWARD, BATCH_NORM_FORWARD, PCIE_BYTES_PER_US, RELU_BACKWARD,
@@ -233,11 +234,20 @@ def test_a_recipe_on_a_cluster_gains_its_throughput_over_the_job_as_it_runs(shar
 
 
 def test_ddp_on_a_gpu_trace_makes_the_optimizers_kernels_wait_not_its_thread(shared_traces):
-    """VGG-13's thread launched Adam's step at 35 ms, long before its GPU got there (349 ms), and
-    its Optimizer.step range holds none of the step's kernels. DDP's reducer makes the stream
-    wait for the all-reduces, so 532 MB over NVLS on 8 H100s (2.4 ms) hides under backward;
-    before, the thread waited too and then launched the step: 375 ms against 351."""
-    _, scenario = _vgg13_on_h100s(shared_traces)
+    """VGG-13's thread launched Adam's step at 35 ms, long before its GPU got there (349 ms).
+    DDP's reducer makes the stream wait for the all-reduces, so 532 MB over NVLS on 8 H100s
+    (2.4 ms) hides under backward; before, the thread waited too and then launched the step:
+    375 ms against 351. Where no kernel carries the Optimizer.step range (as none did here
+    before the range was read whole), the step's first kernel is the first the thread launched
+    from the step's first task on: the same kernel."""
+    from whatif.sim.frameworks.sync_points import SyncPoints
+
+    trace, scenario = _vgg13_on_h100s(shared_traces)
     prediction = predict(scenario.request())
     row = prediction.results.iloc[0]
     assert row["comm_ms"] > 2 and row["iteration_ms"] == pytest.approx(prediction.iteration_ms, rel=2e-3)
+    study = TraceStudy.from_trace(trace)
+    points = SyncPoints(study.graph, study.iterations, "cpu 42741/42741")
+    first_cpu = points.optimizer(0, on_gpu=False)
+    launched = points._launched_after(first_cpu, 0)
+    assert points.optimizer(0, on_gpu=True) == launched[np.argmin(points.start[launched])]

@@ -261,3 +261,20 @@ def test_a_thread_of_python_frames_alone_is_left_out_so_it_holds_up_no_what_if(s
     assert study.replay_report()["error_pct"].abs().max() < 1e-9
     _, report = predicted(study, WhatIf(optimizations=["faster-gpu=2"]))
     assert report["speedup"].iat[0] > 1.8  # its critical path is 346 of 351 ms of GPU time
+
+
+def test_a_range_opened_inside_the_tracers_enter_frame_holds_what_it_spans(shared_traces):
+    """With Python stacks, torch.profiler's Optimizer.step range (27.3 ms in VGG-13's H100 trace)
+    begins inside the tracer's 36 us frame of ``_record_function_enter_new``, which returns long
+    before the range closes. Clipped to that frame, the range held one 19 us gap and none of
+    Adam's work, so nothing could find the optimizer; now the frame ends where the range begins
+    and the step's frames, operators and launches nest in the range."""
+    from whatif.study import TraceStudy
+
+    graph = TraceStudy.from_trace(shared_traces / "triosim-vgg13-h100" / "vgg13_bs512_iter41.json.gz").graph
+    tasks = graph.tasks
+    inside = graph.match(r"Optimizer\.step#Adam\.step")
+    cpu = inside & tasks["resource"].astype(str).str.startswith("cpu").to_numpy()
+    assert tasks["duration_us"].to_numpy()[cpu].sum() == pytest.approx(27324, abs=1)  # the range's own length
+    kernels = inside & (tasks["kind"].to_numpy() == int(TaskKind.KERNEL))
+    assert kernels.sum() > 20  # Adam's multi-tensor kernels, by their launches' context
