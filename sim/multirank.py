@@ -114,14 +114,16 @@ class Job:
         return simulate(graph)
 
     def with_collectives(
-        self, transfer_us: Callable[[pd.Series], float], skew_us: Optional[Callable[[pd.Series], float]] = None
+        self, transfer_us: Callable[[pd.Series], float], skew_us: Optional[Callable[[pd.Series], float]] = None,
+        graph: Optional[TaskGraph] = None,
     ) -> TaskGraph:
-        """A copy of the joined graph with every collective repriced: its completions last
-        ``transfer_us(row)`` (``row``: the collective's row of :attr:`collectives`), and, given
-        ``skew_us``, its rendezvous lasts ``skew_us(row)``: the collective then completes that long
-        after the last of the job's ranks arrived, as if a rank the job does not hold (a straggler
-        known only by how long the others waited for it) arrived then."""
-        graph = self.graph.copy()
+        """A copy of the joined graph (or of ``graph``, one transformed from it that keeps its
+        task ids) with every collective repriced: its completions last ``transfer_us(row)``
+        (``row``: the collective's row of :attr:`collectives`), and, given ``skew_us``, its
+        rendezvous lasts ``skew_us(row)``: the collective then completes that long after the last
+        of the job's ranks arrived, as if a rank the job does not hold (a straggler known only by
+        how long the others waited for it) arrived then."""
+        graph = (graph if graph is not None else self.graph).copy()
         duration = graph.tasks.columns.get_loc("duration_us")
         transfers = _times(self.collectives, transfer_us, "transfer")
         graph.tasks.iloc[self.members["completion"].to_numpy(), duration] = transfers[self.members["collective"].to_numpy()]
@@ -182,11 +184,12 @@ class Job:
         )
 
 
-def transfer_on(cluster: Cluster) -> Callable[[pd.Series], float]:
+def transfer_on(cluster: Cluster, as_traced: bool = True) -> Callable[[pd.Series], float]:
     """The time of a collective (a row of :attr:`Job.collectives`) on ``cluster``, by
     ``topology.collective_cost``: its op and message among its ranks (rank ``k`` on the
-    cluster's GPU ``k``), with the algorithm and protocol its kernel's name says NCCL chose;
-    for :meth:`Job.with_collectives`."""
+    cluster's GPU ``k``), with the algorithm and protocol its kernel's name says NCCL chose
+    (``as_traced``; else the ones NCCL's tuner would choose on ``cluster``, for a job moved to
+    another cluster); for :meth:`Job.with_collectives`."""
 
     def time_us(row: pd.Series) -> float:
         if not np.isfinite(row["nbytes"]):
@@ -194,7 +197,8 @@ def transfer_on(cluster: Cluster) -> Callable[[pd.Series], float]:
         ranks = None if len(row["ranks"]) == cluster.n_gpus else list(row["ranks"])
         return collective_cost(
             cluster, row["op"], float(row["nbytes"]), ranks=ranks,
-            algorithm=row["algorithm"] or None, protocol=row["protocol"] or None,
+            algorithm=(row["algorithm"] or None) if as_traced else None,
+            protocol=(row["protocol"] or None) if as_traced else None,
         ).time_us
 
     return time_us

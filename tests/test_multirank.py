@@ -461,3 +461,40 @@ def test_a_compute_kernel_that_waited_for_a_collective_now_waits_on_it(traces):
     assert (added["kind"] == int(EdgeKind.STREAM_WAIT)).all() and len(added) == 3
     assert (inferred.tasks["kind"].to_numpy()[added["src"].to_numpy()] == int(TaskKind.COMM)).all()
     assert (added["lag_us"] <= 5.0).all(), "2 to 5 us after the collective ended"
+
+
+# -- a job's scenario ------------------------------------------------------------------------------
+
+
+def test_a_scenario_of_a_jobs_folder_predicts_the_job_on_its_cluster(capsys, tmp_path, dlrm):
+    """``trace:`` a folder of per-rank traces: the 8 DLRM ranks on the DGX-1V they ran on, every
+    collective repriced by NCCL's model there: the slowest rank's step stays the traced one (its
+    transfers are 0.1 to 0.2 ms of a 19.9 ms step that waits 11 ms for the last rank to enter)."""
+    path = tmp_path / "dlrm.yaml"
+    path.write_text(f"trace: {DLRM}\ncluster: {{machine: dgx_v100, machines: 1}}\n")
+    status, out, err = run_cli(capsys, "predict", path, "--json")
+    assert status == 0, err
+    doc = json.loads(out)
+    (row,) = doc["results"]
+    assert row["workers"] == 8 and row["framework"] == "as traced" and row["slowest_rank"] == 1
+    assert row["iteration_ms"] == pytest.approx(doc["replay_ms"], rel=0.02) and doc["replay_ms"] == pytest.approx(19.90, abs=0.01)
+    (configuration,) = doc["configurations"]
+    assert [r["rank"] for r in configuration["ranks"]] == list(range(8))
+    listed = tmp_path / "listed.yaml"  # the same job named file by file
+    listed.write_text("trace: [" + ", ".join(str(dlrm_rank(r)) for r in range(8)) + "]\n"
+                      "cluster: {machine: dgx_v100, machines: 1}\n")
+    status, out, _ = run_cli(capsys, "predict", listed, "--json")
+    assert status == 0 and json.loads(out)["results"][0]["iteration_ms"] == pytest.approx(row["iteration_ms"])
+
+
+@pytest.mark.parametrize("cluster, extra, key, message", [
+    ("{machine: dgx_v100, machines: 2}", "", "cluster", "the job has 8 ranks and a configuration 16 GPUs"),
+    ("{machine: dgx_v100, machines: 1}", "framework: ddp\n", "framework", "not for a multi-rank job's traces"),
+])
+def test_a_jobs_scenario_that_cannot_hold_it_is_one_line_naming_the_key(capsys, tmp_path, dlrm, cluster, extra, key,
+                                                                        message):
+    path = tmp_path / "job.yaml"
+    path.write_text(f"trace: {DLRM}\ncluster: {cluster}\n{extra}")
+    status, _, err = run_cli(capsys, "predict", path)
+    errors = [line for line in err.splitlines() if line.startswith("whatif: error:")]  # (the folder's skipped file: a warning)
+    assert status == 2 and len(errors) == 1 and f"{path}: {key}: " in errors[0] and message in errors[0]

@@ -74,6 +74,7 @@ import numpy as np
 
 from whatif.collectors.bundle import is_bundle
 from whatif.collectors.diagnostics import plural, warn
+from whatif.collectors.ranks import is_job
 from whatif.sim.distributed import POLICIES, ClusterConfig, Straggler
 from whatif.sim.frameworks import FRAMEWORKS, FrameworkOptions
 from whatif.sim.graph import GraphError
@@ -145,6 +146,7 @@ class Scenario:
     optimizer: str = "adam"  # the memory count's (parallelism.optimizer)
     gpu_memory: Optional[float] = None  # bytes (parallelism.gpu_memory); None: the fabric GPU's
     microbatch_trace: Optional[Path] = None  # parallelism.pipeline.microbatch_trace
+    job_traces: list = field(default_factory=list)  # a multi-rank job's traces (a folder, or a list): whatif/jobs.py
 
     @classmethod
     def from_file(cls, path) -> "Scenario":
@@ -257,6 +259,30 @@ def _collective(name: str, value) -> Optional[str]:
     return str(value).strip().lower()
 
 
+#: What a scenario of a multi-rank job may say: the job's framework, parallelism and gradients
+#: are in its traces, so the what-ifs are its cluster (each rank on a GPU) and optimizations.
+JOB_KEYS = ("name", "description", "trace", "iteration", "cluster", "optimizations")
+
+
+def _job_traces(name: str, base_dir: Path, doc: dict) -> list:
+    """A multi-rank job's traces, where ``trace`` names several files or a folder that is no
+    capture bundle (``collectors/ranks.py`` reads them); [] for one trace."""
+    value = doc["trace"]
+    paths = [_path(base_dir, v) for v in value] if isinstance(value, list) else [_path(base_dir, value)]
+    if not paths:
+        raise ScenarioError(name, "trace", "an empty list names no trace")
+    if not is_job(paths):
+        return []
+    for i, path in enumerate(paths):
+        if not path.exists():
+            raise ScenarioError(name, f"trace[{i}]" if len(paths) > 1 else "trace", f"no such file: {path}")
+    extra = [key for key in doc if key not in JOB_KEYS]
+    if extra:
+        raise ScenarioError(name, extra[0], "not for a multi-rank job's traces, which hold its framework, "
+                                            f"parallelism and gradients; a job's scenario takes {', '.join(JOB_KEYS)}")
+    return paths
+
+
 def _path(base_dir: Path, value) -> Path:
     given = Path(str(value))
     return given if given.is_absolute() else base_dir / given
@@ -267,10 +293,9 @@ def _parse(doc: Any, base_dir: Path, name: str) -> Scenario:
     for required in ("trace", "cluster"):
         if required not in doc:
             raise ScenarioError(name, required, "missing")
-    trace = _path(base_dir, doc["trace"])
-    if trace.is_dir() and not is_bundle(trace):
-        raise ScenarioError(name, "trace", f"{trace} is a folder but not a trace bundle (no bundle.json)")
-    if not (trace.is_file() or is_bundle(trace)):
+    job = _job_traces(name, base_dir, doc)
+    trace = job[0] if job else _path(base_dir, doc["trace"])
+    if not job and not (trace.is_file() or is_bundle(trace)):
         raise ScenarioError(name, "trace", f"no such file: {trace}")
 
     clusters = _clusters(name, base_dir, doc["cluster"])
@@ -295,6 +320,7 @@ def _parse(doc: Any, base_dir: Path, name: str) -> Scenario:
     scenario = Scenario(
         name=name,
         trace=trace,
+        job_traces=job,
         iteration=None if doc.get("iteration") is None else str(doc["iteration"]),
         points=points,
         collective=_collective(name, doc.get("collective")),

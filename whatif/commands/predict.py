@@ -64,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--jobs {args.jobs}: at least 1")
     if args.address is not None and args.executor != "dask":
         raise UsageError("--address is the Dask scheduler's: give it with --executor dask")
+    if scenario.job_traces:
+        return _run_job(args, scenario)
     inputs = (args.scenario, scenario.trace)
     if args.timeline is not None:  # several configurations: each file is checked once it has a name
         check_timeline_path(args.timeline, protect=inputs, new=len(scenario.points) == 1)
@@ -124,3 +126,31 @@ def _suffixed(path: Path, label: str) -> Path:
     """``out.json.gz`` -> ``out.2x1_10Gbps_horovod_fifo.json.gz``"""
     slug = label.replace(" ", "_").replace("/", "-")
     return path.with_name(f"{path.name[:-len(TIMELINE_SUFFIX)]}.{slug}{TIMELINE_SUFFIX}")
+
+
+def _run_job(args: argparse.Namespace, scenario: Scenario) -> int:
+    """``predict`` of a multi-rank job's scenario (``whatif/jobs.py``): a row per configuration,
+    and with ``--json`` every rank's iterations in each."""
+    from whatif.jobs import job_results_note, predict_job
+    from whatif.report.ranks import job_json
+
+    for option, given in (("--timeline", args.timeline), ("--plot", args.plot), ("--executor", args.executor != "local")):
+        if given:
+            raise UsageError(f"{option}: not for a multi-rank job's scenario yet (its table and --json, --csv are)")
+    prediction = predict_job(scenario)
+    results = prediction.results
+    if args.csv is not None:
+        refuse_inputs(args.csv, (args.scenario, *scenario.job_traces))
+        write_atomically(args.csv, results.to_csv(index=False).encode())
+    if args.json:
+        out = {"scenario": str(args.scenario), "traces": [str(p) for p in scenario.job_traces],
+               "replay_ms": prediction.replay_ms, "results": json_records(results),
+               "configurations": [{"label": label, **job_json(prediction.job, reports, prediction.runs[label])}
+                                  for label, reports in prediction.reports.items()]}
+        sys.stdout.write(msgspec.json.encode(out).decode() + "\n")
+        return 0
+    print(job_results_note(prediction, scenario))
+    print(results_table(results))
+    if args.csv is not None:
+        print(f"CSV written to {args.csv}")
+    return 0
