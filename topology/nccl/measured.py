@@ -49,7 +49,7 @@ from ..units import TopologyError
 
 ARCHS = ("volta", "turing", "ampere", "hopper", "blackwell")
 KINDS = ("ib", "roce", "gib", "efa1", "efa2", "efa3", "efa", "tcpx", "tcpxo", "socket", "slingshot", "ofi")
-LINKS = ("nvlink", "pci")
+LINKS = ("nvlink", "nvls", "pci")
 BOUNDS = {"kernel_us": (0.0, 40.0), "hop_us": (0.0, 200.0), "efficiency": (0.1, 1.5), "link_efficiency": (0.1, 1.5),
           "p2p_efficiency": (0.1, 1.5),
           "host_launch_us": (0.0, 20.0), "host_call_us": (0.0, 5.0)}
