@@ -353,3 +353,20 @@ def test_nvls_has_its_own_nvlink_efficiency_apart_from_the_rings():
     rows = [dataclasses.replace(r, measured_us=float(t)) for r, t in zip(rows, predict_rows(rows, truth))]
     found = fit(rows, fit_efficiency=True)
     assert found.local_efficiency("nvls") == pytest.approx(0.7, rel=0.01) and found.local_efficiency("nvlink") == 1.0
+
+
+def test_the_kernel_start_keeps_its_prior_where_every_latency_row_crosses_as_many_hops():
+    # one two-node table: every latency-bound row crosses 2 hops, so kernel + 2 x hop is all it
+    # says; the kernel keeps the prior and the hop takes the rest. A one-node row tells them apart.
+    truth = Measured(kernel_us=(("blackwell", 9.0),), hop_us=(("ib", 3.0),))
+    prior = Measured(kernel_us=(("blackwell", 5.0),), hop_us=(("ib", 1.0),))
+    rows = [Row("two", "blackwell", 0.0, latency, 2, "ib", 0.01, 0.01, False, "sum", 1, 1, "ring")
+            for latency in (10.0, 12.0, 14.0, 16.0)]
+    rows = [dataclasses.replace(r, measured_us=float(t)) for r, t in zip(rows, predict_rows(rows, truth))]
+    found = fit(rows, prior=prior)
+    assert found.kernel("blackwell") == 5.0
+    assert found.kernel("blackwell") + 2 * found.hop("ib") == pytest.approx(9.0 + 2 * 3.0, rel=0.01)
+    one = [dataclasses.replace(r, table="one", hops=0) for r in rows]
+    one = [dataclasses.replace(r, measured_us=float(t)) for r, t in zip(one, predict_rows(one, truth))]
+    both = fit(rows + one, prior=prior)
+    assert both.kernel("blackwell") == pytest.approx(9.0, rel=0.02) and both.hop("ib") == pytest.approx(3.0, rel=0.05)
