@@ -14,8 +14,9 @@ and most of its constants, but not all of them:
   (not estimated from the public tables, see :func:`fit`; 1 unless set).
 * ``link_efficiency[link]``: the same for what crosses no network, by link class (``nvlink``,
   ``pci``): the share of the NVLink or PCIe rate NCCL's kernels reach on this machine (clocks,
-  NVLink generation's real rate, ACS); fitted only from a cluster's own tables, like
-  ``efficiency``. With the kernel start and the per-hop latency these are physical constants of
+  NVLink generation's real rate, ACS); ``nvls`` for what NVLS and NVLS tree move through the
+  NVSwitch's multicast and reduction, a rate of its own (``model.local_link``); fitted only from
+  a cluster's own tables, like ``efficiency``. With the kernel start and the per-hop latency these are physical constants of
   a machine and its NICs, the same at every scale, so a calibration at one scale carries to
   another (``whatif calibrate nccl-tests``).
 * ``p2p_efficiency``: the same for point-to-point traffic between nodes (all-to-all), whose
