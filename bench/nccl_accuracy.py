@@ -3,6 +3,7 @@
     .venv/bin/python bench/nccl_accuracy.py [FOLDER]        # FOLDER defaults to bench/nccl_tests
     .venv/bin/python bench/nccl_accuracy.py --rows TABLE    # one table row by row
     .venv/bin/python bench/nccl_accuracy.py --json
+    .venv/bin/python bench/nccl_accuracy.py --markdown      # the cross-scale table docs/communication.md quotes
     .venv/bin/python bench/nccl_accuracy.py --write-measured  # refit presets/measured.yaml
 
 FOLDER holds ``data/*.txt`` (nccl-tests outputs) and ``tables.yaml`` (each table's cluster as
@@ -356,12 +357,33 @@ def summary(results: list, key: str = "median_pct") -> str:
             f"{statistics.median(large):.1f} %, {sum(x <= 5 for x in large)} of {len(large)} tables within 5 %")
 
 
+def markdown(spec: list, held: list, crossed: list) -> str:
+    """The cross-scale table of docs/communication.md (one line a series: every pair's median and
+    max |error|) and the three figures it quotes, from this code's results."""
+    lines = ["| series | calibrated on -> predicted: median % (max %) |", "|---|---|"]
+    series: dict = {}
+    for r in crossed:
+        on = r["calibrated_on"].split()[0]
+        series.setdefault(r["series"], []).append(f"{on} -> {r['ranks']}: {r['median_pct']:.1f} ({r['max_pct']:.0f})")
+    lines += [f"| {name} | {'; '.join(pairs)} |" for name, pairs in series.items()]
+    healthy_spec = [s for s in spec if s["healthy"]]
+    healthy_held = [h for s, h in zip(spec, held) if s["healthy"]]
+    meds = [r["median_pct"] for r in crossed]
+    lines += ["", f"cross-scale: median of medians {statistics.median(meds):.1f} % over {len(meds)} predictions, "
+              f"{sum(x <= 5 for x in meds)} within 5 %; {len(healthy_spec)} healthy tables: spec-only "
+              f"{statistics.median(r['median_pct'] for r in healthy_spec):.1f} %, held-out "
+              f"{statistics.median(r['median_pct'] for r in healthy_held):.1f} %"]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folder", nargs="?", type=Path, default=REPO / "bench" / "nccl_tests")
     parser.add_argument("--rows", metavar="TABLE", help="print one table's rows")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--no-cross-scale", action="store_true")
+    parser.add_argument("--markdown", action="store_true",
+                        help="print the cross-scale table and figures as docs/communication.md quotes them")
     parser.add_argument("--write-measured", action="store_true",
                         help="fit the measured constants to every healthy table and write presets/measured.yaml")
     args = parser.parse_args(argv)
@@ -385,6 +407,9 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps({"spec_only": spec, "held_out": held, "cross_scale": crossed,
                           "constants": {k: v.as_config() for k, v in constants.items()}}))
+        return 0
+    if args.markdown:
+        print(markdown(spec, held, crossed))
         return 0
     if args.rows:
         for title, results in (("spec-only", spec), ("held-out", held), ("cross-scale", crossed)):

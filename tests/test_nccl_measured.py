@@ -122,8 +122,8 @@ def test_link_efficiency_slows_only_what_crosses_no_network():
     nvlink = {"link_efficiency": {"nvlink": 0.5}}
     one, slow = cluster(), cluster(measured=nvlink)
     size = 1 << 30
-    fast_ring = predict(Comm.of(one.fabric), "all_reduce", size, calibration=one.fabric.calibration)
-    slow_ring = predict(Comm.of(slow.fabric), "all_reduce", size, calibration=slow.fabric.calibration)
+    fast_ring = predict(Comm.of(one.fabric), "all_reduce", size, {"ring"}, calibration=one.fabric.calibration)
+    slow_ring = predict(Comm.of(slow.fabric), "all_reduce", size, {"ring"}, calibration=slow.fabric.calibration)
     assert slow_ring.latency_us == pytest.approx(fast_ring.latency_us)
     assert slow_ring.transfer_us == pytest.approx(2 * fast_ring.transfer_us)  # T = L + S / (0.5 B)
     ring = dict(algorithm="ring", protocol="simple")  # two nodes, a ring: every byte waits for the NICs
@@ -173,12 +173,12 @@ def test_a_calibration_at_one_scale_carries_its_physical_constants_to_another():
     from whatif.topology.calibrate import fit_tables
 
     measured = {"kernel_us": {"hopper": 6.0}, "hop_us": {"ib": 9.0}, "efficiency": {"ib": 0.6},
-                "link_efficiency": {"nvlink": 0.8}}
+                "link_efficiency": {"nvlink": 0.8, "nvls": 0.8}}
     truth = cluster(machines=8, measured=measured)
     tables = [_table(truth, 1, "one_node.txt"), _table(truth, 2, "two_nodes.txt")]
     found = fit_tables(tables, cluster(machines=8), per_algorithm=False).cluster
     constants = found.fabric.calibration.constants
-    assert constants.local_efficiency("nvlink") == pytest.approx(0.8, rel=0.02)
+    assert constants.local_efficiency("nvls") == pytest.approx(0.8, rel=0.02)
     assert constants.net_efficiency("ib") == pytest.approx(0.6, rel=0.05)
     assert constants.kernel("hopper") == pytest.approx(6.0, abs=0.5) and constants.hop("ib") == pytest.approx(9.0, abs=1)
     eight = _table(truth, 8, "eight_nodes.txt")  # never seen: predicted from the constants alone
@@ -266,14 +266,14 @@ def test_nvlinks_rate_is_not_fitted_where_all_to_all_hides_it_behind_the_network
 def test_an_algorithm_no_table_ran_takes_the_constants_and_no_other_algorithms_factor():
     from whatif.topology.calibrate import fit_tables
 
-    # one DGX H100's tables, slowed: the NVLink rate is a constant the ring and NVLS rows fit; a
+    # one DGX H100's tables, slowed: NVLS's NVLink rate is a constant its rows fit; a
     # tree, which no table ran, gets it and no (algorithm, protocol) factor of theirs
-    truth = cluster(machines=1, measured={"kernel_us": {"hopper": 6.0}, "link_efficiency": {"nvlink": 0.8}})
+    truth = cluster(machines=1, measured={"kernel_us": {"hopper": 6.0}, "link_efficiency": {"nvls": 0.8}})
     found = fit_tables([_table(truth, 1, "one_node.txt")], cluster(machines=2)).cluster
     calibration = found.fabric.calibration
     assert all(row[1] != "*" for row in calibration.factors)
     assert calibration.factors_for("nvlink", "tree", "simple") == (1.0, 1.0)
-    assert calibration.constants.local_efficiency("nvlink") == pytest.approx(0.8, rel=0.02)
+    assert calibration.constants.local_efficiency("nvls") == pytest.approx(0.8, rel=0.02)
 
 
 def test_rows_faster_than_the_host_estimate_are_the_gpus_and_inform_the_fit():
@@ -330,3 +330,43 @@ def test_a_row_one_of_its_two_runs_contradicts_is_left_out_of_the_fit():
     for constants in (clean.cluster.fabric.calibration.constants, noisy.cluster.fabric.calibration.constants):
         assert constants.kernel("hopper") + 2 * constants.hop("ib") == pytest.approx(6.0 + 2 * 9.0, rel=0.05)
     assert any("1 row left out of the fit (128 B)" in note for note in noisy.diagnoses)
+
+
+def test_nvls_has_its_own_nvlink_efficiency_apart_from_the_rings():
+    # NVLS reduces in the switch (NVLink SHARP), rings copy GPU to GPU: a rate measured on one
+    # neither slows nor speeds the other, and a calibration fits each from its own rows
+    size = 1 << 30
+    plain = cluster()
+    slow_nvls, slow_ring = cluster(measured={"link_efficiency": {"nvls": 0.5}}), cluster(
+        measured={"link_efficiency": {"nvlink": 0.5}})
+
+    def transfer(c, algorithm):
+        return predict(Comm.of(c.fabric), "all_reduce", size, {algorithm}, {"simple"},
+                       c.fabric.calibration).transfer_us
+
+    assert transfer(slow_nvls, "nvls") == pytest.approx(2 * transfer(plain, "nvls"), rel=0.05)
+    assert transfer(slow_nvls, "ring") == pytest.approx(transfer(plain, "ring"))
+    assert transfer(slow_ring, "nvls") == pytest.approx(transfer(plain, "nvls"))
+    truth = Measured(link_efficiency=(("nvls", 0.7),))
+    rows = [Row("nvls", "hopper", 0.0, 10.0, 0, "ib", local, 0.0, False, "sum", 1, 1, "nvls", "nvls")
+            for local in (1000.0, 2000.0, 4000.0)]
+    rows = [dataclasses.replace(r, measured_us=float(t)) for r, t in zip(rows, predict_rows(rows, truth))]
+    found = fit(rows, fit_efficiency=True)
+    assert found.local_efficiency("nvls") == pytest.approx(0.7, rel=0.01) and found.local_efficiency("nvlink") == 1.0
+
+
+def test_the_kernel_start_keeps_its_prior_where_every_latency_row_crosses_as_many_hops():
+    # one two-node table: every latency-bound row crosses 2 hops, so kernel + 2 x hop is all it
+    # says; the kernel keeps the prior and the hop takes the rest. A one-node row tells them apart.
+    truth = Measured(kernel_us=(("blackwell", 9.0),), hop_us=(("ib", 3.0),))
+    prior = Measured(kernel_us=(("blackwell", 5.0),), hop_us=(("ib", 1.0),))
+    rows = [Row("two", "blackwell", 0.0, latency, 2, "ib", 0.01, 0.01, False, "sum", 1, 1, "ring")
+            for latency in (10.0, 12.0, 14.0, 16.0)]
+    rows = [dataclasses.replace(r, measured_us=float(t)) for r, t in zip(rows, predict_rows(rows, truth))]
+    found = fit(rows, prior=prior)
+    assert found.kernel("blackwell") == 5.0
+    assert found.kernel("blackwell") + 2 * found.hop("ib") == pytest.approx(9.0 + 2 * 3.0, rel=0.01)
+    one = [dataclasses.replace(r, table="one", hops=0) for r in rows]
+    one = [dataclasses.replace(r, measured_us=float(t)) for r, t in zip(one, predict_rows(one, truth))]
+    both = fit(rows + one, prior=prior)
+    assert both.kernel("blackwell") == pytest.approx(9.0, rel=0.02) and both.hop("ib") == pytest.approx(3.0, rel=0.05)

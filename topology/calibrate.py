@@ -61,7 +61,7 @@ from .nccl.measured import SPEC, Measured
 from .nccl.measured import fit as fit_measured
 from .nccl.measured import Row as MeasuredRow
 from .nccl.graphs import Comm
-from .nccl.model import predict
+from .nccl.model import local_link, predict
 from .nccl_tests import Table, bus_factor
 from .units import TopologyError, as_gbps, as_gigabytes_per_s
 
@@ -152,7 +152,7 @@ def decompose(table: Table, comm: Comm, choice: tuple = (None, None)) -> list:
         rows.append(MeasuredRow(table.path, comm.arch, row.time_us, found.base_latency_us, found.hops, found.kind,
                                 found.local_us, found.net_us, table.op in ("all_to_all", "send_recv"), found.combine,
                                 table.gpus_per_thread, calls_per_gpu(table.op, n), found.option.algorithm,
-                                comm.link_intra, found.ceiling_us))
+                                local_link(comm, found.option.algorithm), found.ceiling_us))
     return rows
 
 

@@ -14,8 +14,9 @@ and most of its constants, but not all of them:
   (not estimated from the public tables, see :func:`fit`; 1 unless set).
 * ``link_efficiency[link]``: the same for what crosses no network, by link class (``nvlink``,
   ``pci``): the share of the NVLink or PCIe rate NCCL's kernels reach on this machine (clocks,
-  NVLink generation's real rate, ACS); fitted only from a cluster's own tables, like
-  ``efficiency``. With the kernel start and the per-hop latency these are physical constants of
+  NVLink generation's real rate, ACS); ``nvls`` for what NVLS and NVLS tree move through the
+  NVSwitch's multicast and reduction, a rate of its own (``model.local_link``); fitted only from
+  a cluster's own tables, like ``efficiency``. With the kernel start and the per-hop latency these are physical constants of
   a machine and its NICs, the same at every scale, so a calibration at one scale carries to
   another (``whatif calibrate nccl-tests``).
 * ``p2p_efficiency``: the same for point-to-point traffic between nodes (all-to-all), whose
@@ -49,7 +50,7 @@ from ..units import TopologyError
 
 ARCHS = ("volta", "turing", "ampere", "hopper", "blackwell")
 KINDS = ("ib", "roce", "gib", "efa1", "efa2", "efa3", "efa", "tcpx", "tcpxo", "socket", "slingshot", "ofi")
-LINKS = ("nvlink", "pci")
+LINKS = ("nvlink", "nvls", "pci")
 BOUNDS = {"kernel_us": (0.0, 40.0), "hop_us": (0.0, 200.0), "efficiency": (0.1, 1.5), "link_efficiency": (0.1, 1.5),
           "p2p_efficiency": (0.1, 1.5),
           "host_launch_us": (0.0, 20.0), "host_call_us": (0.0, 5.0)}
@@ -253,6 +254,19 @@ def _merged(fitted: Sequence[tuple], prior: tuple) -> tuple:
     return tuple(fitted) + tuple((k, v) for k, v in prior if k not in keys)
 
 
+def _kernel_told_apart(rows: Sequence[Row], arch: str) -> bool:
+    """Whether ``rows`` tell a GPU generation's kernel start apart from the network hops: some
+    latency-bound row of it crosses no network, or its latency-bound rows cross different
+    numbers of hops. Where every one crosses the same number (one two-node table: its rings
+    and trees alike), ``kernel + hops x hop`` is all they say, and how it splits is the
+    least squares' whim: a 16-GPU B200 table put 1.9 us more on the kernel and 4.4 us more on
+    the hop than the public estimates, and the kernel then made its own 8-GPU node 10 %
+    slow. There the kernel keeps its prior (the public estimate, fitted on tables of many
+    node counts) and the hop takes what is left."""
+    hops = {r.hops for r in rows if r.arch == arch and _regime(r) == "latency"}
+    return 0 in hops or len(hops) > 1
+
+
 def fit(rows: Sequence[Row], source: str = "", fit_efficiency: bool = False, prior: Measured = SPEC) -> Measured:
     """The constants that best explain ``rows`` (least squares on log time, every table weighted
     equally, a soft-L1 loss so that a few odd rows do not steer it). Only constants some row
@@ -276,7 +290,7 @@ def fit(rows: Sequence[Row], source: str = "", fit_efficiency: bool = False, pri
     if not rows:
         return prior
     kinds, archs = sorted({r.kind for r in rows}), sorted({r.arch for r in rows})
-    kernel_archs = [a for a in archs if any(r.arch == a and _regime(r) == "latency" for r in rows)]
+    kernel_archs = [a for a in archs if _kernel_told_apart(rows, a)]
     hop_kinds = [k for k in kinds if any(r.kind == k and r.hops > 0 and _regime(r) == "latency" for r in rows)]
     eff_kinds = [k for k in kinds if fit_efficiency and any(
         r.kind == k and not r.p2p and r.net_us >= SHARE * (r.local_us + r.net_us + r.ceiling_us)

@@ -714,6 +714,24 @@ def net_hops(comm: Comm, option: Option) -> float:
     return 1.0  # nvls, collnet: one trip through the switch
 
 
+def local_link(comm: Comm, algorithm: str) -> str:
+    """The link class whose measured efficiency (``measured.link_efficiency``) the part of
+    ``algorithm``'s time inside a node runs at: ``nvls`` for NVLS and NVLS tree on NVLink, the
+    node's own link class (``nvlink``, ``pci``) otherwise.
+
+    NVLS moves its bytes inside a node through the NVSwitch's multicast and in-switch reduction
+    (``multimem.ld_reduce`` / ``multimem.st``, NVLink SHARP), not through the copy loops of ring
+    and tree kernels from one GPU's buffer into another's: NCCL prices it apart, at
+    ``nvlsEfficiency`` of the NVLink rate since 2.28 (``tuning.cc``), where a ring gets the
+    search's per-channel speed. What one of them achieves on a machine says nothing of the
+    other, so a calibration keeps them apart: an 8-GPU table that ran NVLS informs no ring's
+    NVLink rate, and a two-rack NVLS tree (whose NVLink share carried the whole misfit of its
+    MNNVL pipeline, 0.75) no longer slows the 4-GPU ring of the same GB300 rack by 20 %."""
+    if algorithm in ("nvls", "nvls_tree") and comm.link_intra == "nvlink":
+        return "nvls"
+    return comm.link_intra
+
+
 def predict(comm: Comm, op: str, nbytes: float, algorithms=None, protocols=None, calibration=None) -> Predicted:
     """NCCL's choice for ``nbytes``, timed as ``L' + S / B'`` (see the module docstring).
 
@@ -745,7 +763,7 @@ def predict(comm: Comm, op: str, nbytes: float, algorithms=None, protocols=None,
     share = min(network_share(comm, option, used), links)
     local, net, ceiling = transfer * (links - share), transfer * share, transfer * (1.0 - links)
     measured_latency = latency + measured.kernel(comm.arch) + hops * measured.hop(nic.kind, nic.transport)
-    measured_transfer = local / measured.local_efficiency(comm.link_intra) + net / measured.net_efficiency(
+    measured_transfer = local / measured.local_efficiency(local_link(comm, option.algorithm)) + net / measured.net_efficiency(
         nic.kind, nic.transport) + ceiling
     return Predicted(chosen, measured_latency * latency_factor, measured_transfer / efficiency, used,
                      hops, nic.kind, local, net, "sum", latency, ceiling)
