@@ -259,11 +259,11 @@ class _Builder:
         tracer's view of tqdm's monitor or a multiprocessing queue's feeder, a frame blocked in
         ``threading.py: wait`` for the whole trace) delays nothing; kept, its frames would hold
         every simulated step as long as they lasted, whatever the what-if. Counted in a warning."""
-        codes = self.thread_codes[rows]
+        codes = self.thread_codes[rows].astype(np.int64)
         python = self.kinds[rows] == int(EventKind.PYTHON)
-        threads = np.unique(codes)
-        other = np.unique(codes[~python])
-        idle = np.setdiff1d(threads, other)
+        n = len(self.thread_labels) + 1
+        idle = np.flatnonzero((np.bincount(codes + 1, minlength=n) > 0)
+                              & (np.bincount(codes[~python] + 1, minlength=n) == 0)) - 1
         if not len(idle):
             return rows
         gone = np.isin(codes, idle)
