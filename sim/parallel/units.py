@@ -30,7 +30,7 @@ Without a bundle's parameter record, :func:`parameters_from_shapes` reads the pa
 traced forward operators' recorded inputs (``record_shapes=True``): the weight and bias of
 ``aten::linear``, the convolutions, the norms and the embeddings (:data:`WEIGHT_INPUTS`), once per
 operator call of the first step, named under the unit they ran in (or under no unit: the root);
-the pipeline gives a parallel job's graph that record (``with_parameters``).
+the pipeline gives a parallel job's graph that record (``whatif/pipeline.py``'s ``_job_graph``).
 
 GPU tasks belong to the unit and phase of the CPU task that launched them. The optimizer's
 tasks (inside ``Optimizer.step``) are phase 3 wherever they are found. A unit's
@@ -256,9 +256,7 @@ def _from_names(graph: TaskGraph, regex: re.Pattern) -> Units:
     task_phase[on_cpu & (task_unit >= 0)] = PHASE_FORWARD
     task_phase[on_cpu & backward] = PHASE_BACKWARD
     task_unit[on_cpu & backward] = -1  # a module frame never encloses a backward task's own work
-    steps = [(_STEP.match(c).group(1) if _STEP.match(c) else "") for c in context]
-    step_names = list(dict.fromkeys(steps))
-    task_step[:] = [step_names.index(s) for s in steps]
+    task_step[:] = pd.factorize(_step_of(tasks))[0]  # steps numbered in order of first appearance
     task_step[~on_cpu] = -1
     _backward_by_sequence(graph, task_unit, task_phase, on_cpu)
     _forward_around_units(tasks, task_unit, task_phase, task_step, on_cpu)
@@ -277,6 +275,14 @@ def _innermost(context: str, regex: re.Pattern) -> Optional[str]:
         if name is not None:
             return name
     return None
+
+
+def _step_of(tasks: pd.DataFrame) -> np.ndarray:
+    """Each task's profiler step (``ProfilerStep#N``, the outermost frame of its context), ""
+    where it is in none; read once per distinct context."""
+    context = tasks["context"]
+    names = [m.group(1) if (m := _STEP.match(str(c))) else "" for c in context.cat.categories]
+    return np.asarray(names + [""], dtype=object)[context.cat.codes.to_numpy()]
 
 
 def _repeated_module_class(graph: TaskGraph) -> Optional[re.Pattern]:
@@ -383,9 +389,7 @@ def parameters_from_shapes(graph: TaskGraph, units: "Units") -> pd.DataFrame:
     names = tasks["name"]
     wanted = np.asarray([str(c) in WEIGHT_INPUTS for c in names.cat.categories] + [False])[names.cat.codes.to_numpy()]
     phase = units.task_phase
-    context = tasks["context"]
-    step_names = [m.group(1) if (m := _STEP.match(str(c))) else "" for c in context.cat.categories]
-    step_of = np.asarray(step_names + [""], dtype=object)[context.cat.codes.to_numpy()]
+    step_of = _step_of(tasks)
     chosen = np.flatnonzero(wanted & (event >= 0) & np.isin(phase, [PHASE_OTHER, PHASE_FORWARD]))
     chosen = chosen[np.isin(event[chosen], ops.index.to_numpy())]
     chosen = chosen[np.unique(event[chosen], return_index=True)[1]]  # an operator's slices: once

@@ -22,13 +22,14 @@ from typing import Mapping
 import yaml
 
 from whatif.collectors.diagnostics import report
-from whatif.commands import refuse_inputs
 from whatif.topology import Cluster, TopologyError, collective_cost, parse_size
 from whatif.topology.calibrate import fit_tables
 from whatif.topology.nccl.tuning import OPS, parse_choices
 from whatif.topology.nccl.versions import LATEST, parse_version, version_text
 from whatif.topology.nccl_tests import bus_factor, read_table
 from whatif.topology.yamlfile import read_yaml
+
+from . import refuse_inputs
 
 DTYPES = {"int8": 1, "uint8": 1, "half": 2, "bfloat16": 2, "float": 4, "int32": 4, "double": 8, "int64": 8}
 REDOP = {"all_reduce": "sum", "reduce_scatter": "sum", "reduce": "sum"}
