@@ -20,7 +20,8 @@ from whatif import TraceStudy
 from whatif.report.iterations import iteration_report
 from whatif.sim.engine import simulate
 from whatif.sim.graph import GPU_TASK_KINDS, EdgeKind, TaskKind
-from whatif.sim.parallel import PASSES, Parallelism
+from whatif.sim.frameworks.copies import pass_rate_bytes_per_us
+from whatif.sim.parallel import PASSES, Parallelism, ParallelismError
 from whatif.sim.parallel.fsdp import ShardedDataParallel, apply_fsdp
 from whatif.sim.parallel.units import TABLE_COLUMNS, PHASE_BACKWARD, PHASE_FORWARD, PHASE_OPTIMIZER, Units, find_units
 from whatif.topology import Cluster, Link
@@ -111,6 +112,15 @@ def test_on_a_cpu_trace_fsdp2s_collectives_are_comm_tasks_on_the_thread_that_wai
     assert tasks["name"].astype(str).str.contains("all_gather data|reduce_scatter data").all()
 
 
+def gather_copies_ms(study, note) -> np.ndarray:
+    """FSDP2's copies around each iteration's all-gathers on a CPU worker: the shard in, the
+    unit out, at the rate the trace's optimizer updates memory."""
+    rate = pass_rate_bytes_per_us(study.graph)
+    gathers = note.collectives[note.collectives["op"] == "all_gather"]
+    per = gathers.groupby("iteration")["nbytes"].sum().to_numpy()
+    return per * (1 + 1 / len(RANKS)) / rate / 1e3
+
+
 def test_with_infinitely_fast_links_the_step_loses_only_the_optimizers_shards(study, units):
     base = predicted_ms(study, study.graph)
     out, note = sharded(study, units, 3)
@@ -124,8 +134,55 @@ def test_with_infinitely_fast_links_the_step_loses_only_the_optimizers_shards(st
         inside = optimizer & (kind != int(TaskKind.WAIT)) & (start >= it.start_us) & (start < it.end_us)
         saved.append(duration[inside].sum() * (d - 1) / d / 1e3)
     assert min(saved) > 0
-    np.testing.assert_allclose(predicted_ms(study, out), base - np.array(saved), rtol=1e-6, atol=1e-3)
+    copies = gather_copies_ms(study, note)
+    assert (copies > 0).all()
+    np.testing.assert_allclose(predicted_ms(study, out), base - np.array(saved) + copies, rtol=1e-6, atol=1e-3)
     assert note.optimizer_scale == 1 / d
+    assert note.host_us == pytest.approx(copies.sum() * 1e3)
+
+
+def test_on_a_cpu_trace_fsdp2s_copies_follow_each_gather_and_the_unit_waits_for_them(study, units):
+    out, note = sharded(study, units, 3, SLOW)
+    rate = pass_rate_bytes_per_us(study.graph)
+    tasks = out.tasks
+    copies = np.flatnonzero(tasks["name"].astype(str).str.startswith("FSDP2 all-gather copies").to_numpy())
+    gathers = note.collectives[note.collectives["op"] == "all_gather"]
+    assert len(copies) == len(gathers) > 0
+    assert (tasks["kind"].to_numpy()[copies] == int(TaskKind.CPU)).all()
+    schedule = simulate(out)
+    edges = out.edges
+    for row in gathers.itertuples():
+        after = edges.loc[edges["src"] == row.task, "dst"].to_numpy()
+        copy = np.intersect1d(after, copies)
+        assert len(copy) == 1, "one copy task follows each all-gather"
+        copy = int(copy[0])
+        assert tasks.at[copy, "duration_us"] == pytest.approx(row.nbytes * (1 + 1 / len(RANKS)) / rate)
+        assert tasks.at[copy, "resource"] == tasks.at[row.task, "resource"]
+        assert schedule.start_us[copy] >= schedule.end_us[row.task] - 1e-6
+        if row.unit >= 0:  # the unit's own tasks of that phase start after its parameters are copied out
+            phase = PHASE_FORWARD if row.phase == "forward" else PHASE_BACKWARD
+            start = study.graph.tasks["measured_start_us"].to_numpy()
+            it = study.iterations.iloc[row.iteration]
+            own = np.flatnonzero((units.task_unit == row.unit) & (units.task_phase == phase)
+                                 & (start >= it.start_us) & (start < it.end_us))
+            assert schedule.start_us[own].min() >= schedule.end_us[copy] - 1e-6
+
+
+def test_fsdp2s_host_time_per_unit_lengthens_each_step_by_its_units(study, units):
+    """``fsdp_dispatch``: forward, backward and step time per unit (the blocks and the root) on
+    the host; with infinitely fast links each steady step grows by their sum times five."""
+    base_out, base_note = sharded(study, units, 3)
+    per_unit = (2000.0, 4000.0, 1500.0)
+    par = Parallelism(data=len(RANKS), zero=3, fsdp_dispatch=per_unit)
+    out = apply_fsdp(study.graph, units, par, FAST, {"data": RANKS})
+    note = out.last_note(ShardedDataParallel)
+    grown = predicted_ms(study, out) - predicted_ms(study, base_out)
+    steady = slice(1, -1)
+    np.testing.assert_allclose(grown[steady], sum(per_unit) * (BLOCKS + 1) / 1e3, rtol=1e-6)
+    assert note.host_us - base_note.host_us == pytest.approx(sum(per_unit) * (BLOCKS + 1) * len(study.iterations))
+    assert "FSDP2's host time added" in note.describe()
+    with pytest.raises(ParallelismError, match="fsdp_dispatch"):
+        Parallelism(data=2, zero=2, fsdp_dispatch=per_unit)
 
 
 def test_on_a_slow_link_the_step_grows_and_each_unit_waits_for_its_gather(study, units):

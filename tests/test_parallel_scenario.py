@@ -81,6 +81,15 @@ def test_tensor_dispatch_is_three_durations_per_pair_zero_where_left_out(tensor_
     assert _scenario({"tensor": 2}, gpus=2).points[0].parallelism.tensor_dispatch == (0.0, 0.0, 0.0)
 
 
+def test_fsdp_dispatch_is_three_durations_per_unit_and_needs_fsdp():
+    scenario = _scenario({"fsdp": True, "fsdp_dispatch": {"forward": "2.1ms", "step": "1.5ms"}})
+    assert [p.parallelism.fsdp_dispatch for p in scenario.points] == [(2100.0, 0.0, 1500.0)]
+    with pytest.raises(ScenarioError, match=r"parallelism.fsdp_dispatch.backward"):
+        _scenario({"fsdp": True, "fsdp_dispatch": {"backward": "-1ms"}})
+    with pytest.raises(ScenarioError, match=r"parallelism.fsdp_dispatch: .*needs fsdp \(zero 3\), not zero 1"):
+        _scenario({"zero": 1, "fsdp_dispatch": {"forward": "1ms"}})
+
+
 def test_list_valued_keys_make_a_grid_only_as_lists_of_lists():
     one = _scenario({"placement": ["data", "tensor", "pipeline"], "recompute": "full"})
     assert [p.parallelism.placement for p in one.points] == [("data", "tensor", "pipeline")]

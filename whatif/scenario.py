@@ -96,9 +96,9 @@ _TOP_KEYS = (
 #: What a scenario's cluster block leaves out: one machine of one GPU.
 _CLUSTER_DEFAULTS = {"machines": 1, "gpus_per_machine": 1}
 _GRID_KEYS = ("cluster", "framework", "policy", "parallelism")
-_PARALLELISM_KEYS = ("data", "fsdp", "zero", "reshard_after_forward", "tensor", "sequence_parallel",
-                     "sequence_parallel_grads", "tensor_dispatch", "pipeline", "expert", "recompute", "placement", "units",
-                     "optimizer", "gpu_memory")
+_PARALLELISM_KEYS = ("data", "fsdp", "zero", "reshard_after_forward", "fsdp_dispatch", "tensor", "sequence_parallel",
+                     "sequence_parallel_grads", "tensor_dispatch", "pipeline", "expert", "recompute", "placement",
+                     "units", "optimizer", "gpu_memory")
 _PIPELINE_KEYS = ("stages", "microbatches", "schedule", "virtual_stages", "partition", "microbatch_trace")
 #: parallelism keys that take a list as one value: a grid over them is a list of lists
 _LIST_VALUED = ("placement", "pipeline.partition")
@@ -606,8 +606,9 @@ def _parallelism_kwargs(name: str, point: dict) -> dict:
             raise ScenarioError(name, "parallelism.fsdp", f"fsdp is zero 3; zero: {kwargs['zero']} says otherwise")
         if fsdp:
             kwargs["zero"] = 3
-    if "tensor_dispatch" in kwargs:
-        kwargs["tensor_dispatch"] = _tensor_dispatch(name, kwargs["tensor_dispatch"])
+    for key in ("tensor_dispatch", "fsdp_dispatch"):
+        if key in kwargs:
+            kwargs[key] = _dispatch(name, kwargs[key], f"parallelism.{key}")
     for key in ("schedule", "recompute", "partition", "sequence_parallel_grads"):
         if isinstance(kwargs.get(key), str):
             kwargs[key] = kwargs[key].strip().lower()
@@ -619,10 +620,10 @@ def _parallelism_kwargs(name: str, point: dict) -> dict:
     return kwargs
 
 
-def _tensor_dispatch(name: str, value: Any) -> tuple:
-    """``parallelism.tensor_dispatch: {forward: 2ms, backward: 4ms, step: 500us}`` (each key
-    optional, 0 where left out) as ``Parallelism.tensor_dispatch``: microseconds per pair."""
-    key = "parallelism.tensor_dispatch"
+def _dispatch(name: str, value: Any, key: str) -> tuple:
+    """``parallelism.tensor_dispatch`` or ``fsdp_dispatch``: ``{forward: 2ms, backward: 4ms, step:
+    500us}`` (each key optional, 0 where left out) as :class:`Parallelism`'s tuple of
+    microseconds (per column/row pair, per FSDP unit)."""
     if not isinstance(value, dict):
         raise ScenarioError(name, key, f"expected {{forward: DURATION, backward: DURATION, step: DURATION}}, got {value!r}")
     _check_keys(name, value, ("forward", "backward", "step"), key)

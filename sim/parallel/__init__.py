@@ -76,6 +76,7 @@ class Parallelism:
     sequence_parallel: bool = False
     sequence_parallel_grads: str = "coalesced"
     tensor_dispatch: tuple = (0.0, 0.0, 0.0)  # host us per column/row pair: forward, backward, step
+    fsdp_dispatch: tuple = (0.0, 0.0, 0.0)  # FSDP2's host us per unit: forward, backward, step
     microbatches: int = 1
     schedule: str = "1f1b"
     virtual_stages: int = 1
@@ -120,11 +121,15 @@ class Parallelism:
             raise ParallelismError("parallelism.sequence_parallel_grads",
                                    f"unknown value {self.sequence_parallel_grads!r} "
                                    f"(choose from {', '.join(SEQUENCE_PARALLEL_GRADS)})")
-        dispatch = self.tensor_dispatch
-        if not (isinstance(dispatch, tuple) and len(dispatch) == 3
-                and all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < float("inf") for v in dispatch)):
-            raise ParallelismError("parallelism.tensor_dispatch",
-                                   f"expected three durations >= 0 (forward, backward, step), got {dispatch!r}")
+        for key in ("tensor_dispatch", "fsdp_dispatch"):
+            dispatch = getattr(self, key)
+            if not (isinstance(dispatch, tuple) and len(dispatch) == 3
+                    and all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < float("inf")
+                            for v in dispatch)):
+                raise ParallelismError(f"parallelism.{key}",
+                                       f"expected three durations >= 0 (forward, backward, step), got {dispatch!r}")
+        if any(self.fsdp_dispatch) and self.zero != 3:
+            raise ParallelismError("parallelism.fsdp_dispatch", f"FSDP2's host time needs fsdp (zero 3), not zero {self.zero}")
         if self.sequence_parallel and self.tensor == 1:
             raise ParallelismError("parallelism.sequence_parallel", "sequence parallelism needs tensor > 1")
         partition = self.partition

@@ -43,6 +43,26 @@ prefetch), a unit's backward all-gather in the pre-backward hook of the unit bef
 backward order (the implicit prefetch, still blocking), each reduce-scatter right after its
 unit's backward; a step is its compute plus every collective, end to end.
 
+**FSDP2's own work on the host.** Two parts a plain trace does not hold, on CPU workers both on
+the thread that issues the collectives:
+
+* *The copies around each all-gather* (measured in a profile of the lab's two-rank FSDP2 run:
+  ``fsdp::all_gather_copy_in`` of the rank's shard into the gather's input, then
+  ``fsdp::split_with_sizes_copy`` of the gathered unit into its parameters): a CPU task after
+  each all-gather of ``nbytes / d + nbytes``, priced at the rate the trace's optimizer updates
+  memory (``frameworks/copies.py``'s rule for DDP's and Horovod's copies, an upper bound: the
+  profile ran them at 3 to 7 GB/s where that rate is 10), which the unit's tasks wait for. On a
+  GPU they are kernels at the memory's bandwidth, microseconds a megabyte, and are left out.
+* *The library's dispatch* (``fsdp_dispatch``, per unit, the root counted as one: forward,
+  backward, step), which a world of one shows: FSDP2's pre- and post-hooks in Python, its
+  gradients packed for the reduce-scatter (``fsdp::chunk_cat``) and copied into the sharded
+  gradients, each sharded parameter's update. Where given, each unit's first CPU task of
+  forward (the root's: the iteration's first) is longer by ``forward``, its last CPU task of
+  backward (the root's: the iteration's last) by ``backward``, and each iteration's first CPU
+  optimizer task by ``step`` times the units. ``lab/parallel.py``'s ``measure_fsdp_dispatch``
+  measures it: the model under ``fully_shard`` in a world of one (which gathers nothing)
+  against the plain model, alternating, each phase's median difference over the units.
+
 For ``zero = 1`` and ``2`` (DeepSpeed's stages, gradients bucketed as the units): each unit's
 gradients are all-reduced (1: each rank then keeps its shard) or reduce-scattered (2) after its
 backward, the root's after the iteration's backward, on ``network data: all_reduce`` or
@@ -73,11 +93,14 @@ forward only) has its gradients reduced with the root's. Under tensor parallelis
 and gathers 1/tensor of each unit's parameters and the whole root (embeddings and head
 replicated, as ``examples/parallel.py`` runs them); the units' table is the whole model's.
 
-Not modelled: FSDP2's copy-in and copy-out kernels around each collective, the padding of
-shards to a multiple of d, a mixed-precision reduce dtype, the all-gather and reduce-scatter
-queues sharing links with other dimensions' collectives (a data group's share of the NIC is
-its own, as if the other dimensions were idle), and FSDP2's
-memory rate limit beyond the one-unit prefetch; and, on CPU workers whose cores drive the link
+Not modelled: FSDP2's copy kernels on a GPU, the Gloo reduce-scatter's copy of its input
+(about 13 ms for the lab's 17 MB root on one core; the calibration's reduce-scatter holds it
+where it times the call), the ranks' skew at each blocking collective (the rank that arrives
+first waits for the other: the lab's root all-gather took 111 ms on one rank and 88 on the
+other in one step at 1000 Mbps), the padding of shards to a multiple of d, a mixed-precision
+reduce dtype, the all-gather and reduce-scatter queues sharing links with other dimensions'
+collectives (a data group's share of the NIC is its own, as if the other dimensions were
+idle), and FSDP2's memory rate limit beyond the one-unit prefetch; and, on CPU workers whose cores drive the link
 (Gloo), the CPU time the collectives take from compute (``sim/cpu_contention.py`` models it for
 the data-parallel frameworks, not here).
 """
@@ -93,6 +116,7 @@ import pandas as pd
 
 from whatif.topology import collective_cost
 
+from ..frameworks.copies import pass_rate_bytes_per_us
 from ..graph import EdgeKind, GraphError, TaskGraph, TaskKind, concat_tasks
 from . import PASSES, Parallelism
 from .units import PHASE_BACKWARD as BACKWARD
@@ -120,6 +144,7 @@ class ShardedDataParallel:
     optimizer_scale: float
     collectives: pd.DataFrame
     waits: dict  # the zero-length tasks that wait for a collective where the step does: id -> the task it follows
+    host_us: float = 0.0  # FSDP2's host time added over all iterations: its copies and hooks (fsdp_dispatch)
 
     def units_after(self, units: Units, graph: TaskGraph) -> Units:
         """``units`` (found on the graph the pass was given) for the pass's output ``graph``:
@@ -152,8 +177,9 @@ class ShardedDataParallel:
         reshard = ""
         if self.zero == 3:
             reshard = ", resharded after forward" if self.reshard_after_forward else ", kept after forward"
+        host = f"; FSDP2's host time added: {self.host_us / 1e3:.3g} ms" if self.host_us else ""
         return (f"{name} over {self.ranks} ranks{reshard}: per iteration {', '.join(parts) or 'no collectives'}; "
-                f"optimizer on 1/{self.ranks} of the parameters (its tasks x {self.optimizer_scale:.3g})")
+                f"optimizer on 1/{self.ranks} of the parameters (its tasks x {self.optimizer_scale:.3g}){host}")
 
 
 def apply_fsdp(graph: TaskGraph, units: Units, par: Parallelism, cluster, ranks_of: dict) -> TaskGraph:
@@ -193,9 +219,44 @@ def apply_fsdp(graph: TaskGraph, units: Units, par: Parallelism, cluster, ranks_
                                                                 [int(TaskKind.WAIT), int(TaskKind.COMM)]))
     share = 1.0 / d if zero else 1.0  # DDP keeps the whole optimizer step on every rank
     out.scale(optimizer, share)
+    plan.zero, plan.ranks = zero, d
+    plan.copy_rate = pass_rate_bytes_per_us(graph) if plan.on_cpu else None
+    if zero == 3:
+        plan.host_us += _add_dispatch(out, plan, nbytes, par.fsdp_dispatch)
     table, waits = plan.insert(out, price)
-    out.notes.append(ShardedDataParallel(zero, d, bool(reshard_after_forward), share, table, waits))
+    out.notes.append(ShardedDataParallel(zero, d, bool(reshard_after_forward), share, table, waits, plan.host_us))
     return out
+
+
+def _add_dispatch(graph: TaskGraph, plan: "_Plan", nbytes: dict, per_unit: tuple) -> float:
+    """Lengthen the host tasks where FSDP2's hooks run by its host time per unit (``per_unit``:
+    forward, backward and step microseconds; see the module's docstring): each unit's first CPU
+    task of forward (the root's: the iteration's first), its last CPU task of backward (the
+    root's: the iteration's last), and each iteration's first CPU optimizer task by ``step``
+    times the units. Returns the time added in all."""
+    fwd_us, bwd_us, step_us = per_unit
+    if not (fwd_us or bwd_us or step_us):
+        return 0.0
+    extra = np.zeros(len(graph.tasks))
+    units = list(plan.units) + ([ROOT] if nbytes.get(ROOT, 0.0) > 0 else [])
+    for it in range(int(plan.cpu_iteration.max()) + 1):
+        in_it = plan.cpu & (plan.cpu_iteration == it)
+        for phase, us, pick in ((FORWARD, fwd_us, plan.first), (BACKWARD, bwd_us, plan.last)):
+            whole = np.flatnonzero(in_it & (plan.phase == phase))
+            for unit in units:
+                own = whole if unit == ROOT else whole[plan.unit_of[whole] == unit]
+                t = pick(own if len(own) else whole)
+                if t is not None and us:
+                    extra[t] += us
+        optimizer = np.flatnonzero(in_it & (plan.phase == OPTIMIZER))
+        t = plan.first(optimizer) if len(optimizer) else plan.last(np.flatnonzero(in_it & (plan.phase == BACKWARD)))
+        if t is not None and step_us:
+            extra[t] += step_us * len(units)
+    if not extra.any():
+        return 0.0
+    col = graph.tasks.columns.get_loc("duration_us")
+    graph.tasks.iloc[:, col] = graph.tasks["duration_us"].to_numpy(dtype=float) + extra
+    return float(extra.sum())
 
 
 def _unit_bytes(graph: TaskGraph, table: pd.DataFrame, tensor: int) -> dict:
@@ -251,6 +312,8 @@ class _Plan:
             self.previous[seq[1:]] = seq[:-1]
         self.units = sorted({int(u) for u in unit_of[self.compute] if u >= 0})
         self.collectives: list[_Collective] = []
+        self.zero, self.ranks, self.copy_rate = 0, 1, None  # set by apply_fsdp
+        self.host_us = 0.0  # FSDP2's host time added (copies, and the library's dispatch)
         if not self.compute.any():
             raise GraphError("no task of the graph is in a forward, backward or optimizer phase: nothing to shard")
 
@@ -425,7 +488,7 @@ class _Plan:
         in the pre-backward hook of the one before it, a unit's reduce-scatter in its
         post-backward hook; nothing overlaps the compute. A collective issued before the
         thread's first task stays on its queue."""
-        base = len(graph.tasks)
+        next_id = len(graph.tasks)
         tail: dict = {}
         table = []
         pending, pending_edges = [], []  # the inserts after a task, made together (graph.insert_many)
@@ -440,22 +503,43 @@ class _Plan:
             name = f"{c.op} {GROUP} {c.nbytes / 1e6:.3f} MB {unit} {_PHASES[c.phase]}"
             anchor = c.after[0] if c.after else None
             waits = [(int(w), 0.0, int(EdgeKind.USER)) for w in c.waiters]
+            copy_us = self.copies_us(c)
             if anchor is None:
                 flush()
                 tid = len(graph.tasks)
                 on_queue = graph.tasks["order_key"][graph.tasks["resource"].astype(str) == c.queue]
                 _append(graph, [_row(c, cost.time_us, float(on_queue.max()) + 1.0 if len(on_queue) else 0.0, graph.tasks)])
                 graph.add_edges([(tid,) + w for w in waits])
+                next_id = len(graph.tasks)
             else:
-                tid = base + len(table)  # the id insert_many gives it
+                tid = next_id  # the id insert_many gives it
                 pending.append((tail.get(anchor, anchor), name, cost.time_us, TaskKind.COMM))
-                pending_edges.append([(tid,) + w for w in waits])
-                tail[anchor] = tid
+                next_id += 1
+                if copy_us > 0:  # FSDP2's copies out of the gathered buffer, on the thread, before the unit runs
+                    pending_edges.append([])
+                    pending.append((tid, f"FSDP2 all-gather copies {c.nbytes / 1e6:.3f} MB {unit} {_PHASES[c.phase]}",
+                                    copy_us, TaskKind.CPU))
+                    self.host_us += copy_us
+                    tail[anchor] = next_id
+                    next_id += 1
+                else:
+                    tail[anchor] = tid
+                pending_edges.append([(tail[anchor],) + w for w in waits])
             table.append((tid, c.iteration, c.unit, _PHASES[c.phase], c.op, c.nbytes, GROUP, cost.time_us,
                           cost.algorithm, cost.protocol))
         flush()
-        assert base + len(table) == len(graph.tasks)
+        assert next_id == len(graph.tasks)
         return pd.DataFrame(table, columns=COLLECTIVE_COLUMNS), {}
+
+    def copies_us(self, c: _Collective) -> float:
+        """FSDP2's copies around all-gather ``c`` on a CPU worker: its shard copied into the
+        gather's input (``fsdp::all_gather_copy_in``: ``nbytes / d``) and the gathered unit out
+        into the parameters (``fsdp::split_with_sizes_copy``: ``nbytes``), at the host's copy
+        rate (``copy_rate``, bytes per microsecond); 0 for other collectives, on a GPU trace
+        (kernels, microseconds a megabyte) or without a rate."""
+        if c.op != "all_gather" or not self.copy_rate or self.zero != 3:
+            return 0.0
+        return (c.nbytes / self.ranks + c.nbytes) / self.copy_rate
 
 
 def _append(graph: TaskGraph, rows: list) -> None:
