@@ -5,7 +5,8 @@ one-rank capture (the rank's batch), the lab's machines and workers on the links
 its bandwidth (``lab/validate.py``'s ``links``, kept in ``work``), DDP as the framework and the
 setting's ``parallelism:`` block, with a pipeline's microbatch capture as its
 ``microbatch_trace`` (a user profiles one microbatch too), a tensor-parallel setting's measured
-library cost (``lab.parallel.measure_tensor_dispatch``) as its ``tensor_dispatch``, and returns the predicted steady
+library cost (``lab.parallel.measure_tensor_dispatch``) as its ``tensor_dispatch``, an FSDP
+setting's (``measure_fsdp_dispatch``) as its ``fsdp_dispatch``, and returns the predicted steady
 iteration in milliseconds. Where the lab runs a machine's workers on fewer cores than workers
 (``lab/cluster.py``'s ``pin``: 2 machines x 2 workers on a 2-core box), the cluster says so
 (``cores_per_machine``).
@@ -40,6 +41,8 @@ def scenario(setting: ParallelSetting, captures: dict, work: Path, links_file: O
         parallelism["pipeline"] = {**parallelism["pipeline"], "microbatch_trace": str(captures["microbatch"])}
     if "tensor_dispatch" in captures and parallelism.get("tensor", 1) > 1:
         parallelism["tensor_dispatch"] = tensor_dispatch_block(captures["tensor_dispatch"])
+    if "fsdp_dispatch" in captures and parallelism.get("fsdp"):
+        parallelism["fsdp_dispatch"] = tensor_dispatch_block(captures["fsdp_dispatch"])
     cluster = {"machines": setting.machines, "gpus_per_machine": setting.gpus_per_machine,
                "links": str(links_file or links(bandwidth, work))}
     cores = len({core for rank in range(setting.gpus_per_machine) for core in pin(setting.spec(), rank, box_cores())})

@@ -8,7 +8,8 @@ and keep the median run, and, with ``--predictor MODULE:FUNCTION``, predict it
 (``lab.parallel.Predictor``: ``f(setting, captures, work) -> ms``); without one ``predicted_ms``
 stays empty, for a predictor to fill later from the kept captures (``--repredict``, which runs
 the lab only to measure a tensor-parallel point's library cost where its record lacks it:
-``lab.parallel.measure_tensor_dispatch``, once per model, batch and sequence parallelism).
+``lab.parallel.measure_tensor_dispatch``, once per model, batch and sequence parallelism, and an
+FSDP point's: ``measure_fsdp_dispatch``, once per model and batch).
 
 Writes ``parallel_validation.csv`` and ``parallel_validation.json`` under ``--out`` (default
 ``bench/out/parallel_validation``), rewritten as each setting finishes (``--resume`` goes on from
@@ -34,8 +35,8 @@ from pathlib import Path
 
 from measured_code import code_version
 from whatif.lab.parallel import (
-    TENSOR_FAMILIES, VARIANTS, as_record, default_settings, measure_tensor_dispatch, point_of_record, predict_point,
-    run_campaign, write_campaign,
+    FSDP_FAMILIES, TENSOR_FAMILIES, VARIANTS, as_record, default_settings, measure_fsdp_dispatch,
+    measure_tensor_dispatch, point_of_record, predict_point, run_campaign, write_campaign,
 )
 
 
@@ -58,6 +59,8 @@ def repredict(out: Path, predictor) -> list:
         s = point.setting
         if point.status == "ok" and s.family in TENSOR_FAMILIES and "tensor_dispatch" not in point.captures:
             point.captures["tensor_dispatch"] = str(measure_tensor_dispatch(s.model, s.batch_size, s.sequence_parallel, work))
+        if point.status == "ok" and s.family in FSDP_FAMILIES and "fsdp_dispatch" not in point.captures:
+            point.captures["fsdp_dispatch"] = str(measure_fsdp_dispatch(s.model, s.batch_size, work))
         if point.status == "ok":
             predict_point(point, predictor, work)
     write_campaign(out, [as_record(p) for p in points])

@@ -142,11 +142,13 @@ class FSDPWorker(DistributedWorker):
 
     def prepare(self, model, optimizer):
         shard_fully(model, cpu_mesh((self.size,), ("data",)))
+        self.units = len(blocks_of(model)) + 1  # the blocks, and the root
         return model, same_optimizer(optimizer, model.parameters())
 
     def settings(self) -> dict:
         settings = super().settings()
         settings["parallelism"]["fsdp"] = FSDP_SETTINGS
+        settings["parallelism"]["fsdp_units"] = getattr(self, "units", 0)
         return settings
 
 

@@ -202,6 +202,8 @@ def run_setting(setting: ParallelSetting, work: Path, repeats: int = 3, steps: i
     if setting.family in TENSOR_FAMILIES:
         bundles["tensor_dispatch"] = measure_tensor_dispatch(setting.model, setting.batch_size,
                                                              setting.sequence_parallel, work)
+    if setting.family in FSDP_FAMILIES:
+        bundles["fsdp_dispatch"] = measure_fsdp_dispatch(setting.model, setting.batch_size, work)
     run_dir = work / "parallel_runs" / run_name(setting)
     reports = [
         measure(setting.model, setting.spec(), setting.family, run_dir / f"run{r}", steps=steps, warmup=warmup,
@@ -229,7 +231,9 @@ def run_setting(setting: ParallelSetting, work: Path, repeats: int = 3, steps: i
 
 
 TENSOR_FAMILIES = ("tp", "fsdp+tp")
+FSDP_FAMILIES = ("fsdp", "fsdp+tp")
 DISPATCH_RUNS, DISPATCH_STEPS, DISPATCH_WARMUP = 3, 10, 3
+FSDP_DISPATCH_RUNS = 5  # FSDP2's is a sixth of DTensor's per step, and the box drifts as much
 
 
 def tensor_dispatch_path(model: str, batch_size: int, sequence_parallel: bool, work: Path) -> Path:
@@ -251,35 +255,69 @@ def measure_tensor_dispatch(model: str, batch_size: int, sequence_parallel: bool
     the runs, divided by the plan's pairs (``tensor_pairs`` in the run's report), is
     ``forward_us``, ``backward_us`` and ``step_us`` (never below 0)."""
     path = tensor_dispatch_path(model, batch_size, sequence_parallel, work)
-    if path.exists():
-        return path
+    if not path.exists():
+        options = ["--sequence-parallel"] if sequence_parallel else []
+        _measure_dispatch(model, batch_size, path, "tp", "tensor_pairs", options, runs, steps, warmup)
+    return path
+
+
+def _measure_dispatch(model: str, batch_size: int, path: Path, framework: str, count_key: str, options: list,
+                      runs: int, steps: int, warmup: int) -> None:
+    """Plain runs and ``framework``'s in a world of one, alternating, ``runs`` each (one worker
+    on one core); each phase's median difference over the runs, divided by the count the
+    framework's report gives as ``count_key``, in microseconds, written to ``path`` with the
+    runs' phases."""
     spec = LabSpec(1, 1, LOOPBACK_MBPS)
-    options = ["--sequence-parallel"] if sequence_parallel else []
-    plain, tensor, pairs = [], [], 0
+    phases: dict = {"single": [], framework: []}
+    count = 0
     for r in range(runs):
-        for framework, into in (("single", plain), ("tp", tensor)):
-            progress(f"tensor dispatch of {model}: {framework}, run {r + 1} of {runs}")
-            out = path.parent / path.stem / f"{framework}_run{r}"
+        for which in ("single", framework):
+            progress(f"{framework} dispatch of {model}: {which}, run {r + 1} of {runs}")
+            out = path.parent / path.stem / f"{which}_run{r}"
             argv = [sys.executable, str(_examples() / "run_distributed.py"), "--model", model,
-                    "--framework", framework, "--steps", str(steps), "--warmup", str(warmup), "--threads", "1",
-                    "--batch-size", str(batch_size), "--json", str(out / "report.json")] + (options if framework == "tp" else [])
+                    "--framework", which, "--steps", str(steps), "--warmup", str(warmup), "--threads", "1",
+                    "--batch-size", str(batch_size), "--json", str(out / "report.json")] + (options if which != "single" else [])
             out.mkdir(parents=True, exist_ok=True)
-            result = run_job(spec, "ddp" if framework == "single" else framework, argv, out, timeout_s=900)
+            result = run_job(spec, "ddp" if which == "single" else which, argv, out, timeout_s=900)
             if any(result.exit_codes):
-                raise LabError(f"the tensor dispatch run failed (exit codes {result.exit_codes}); logs in {out}")
+                raise LabError(f"the {framework} dispatch run failed (exit codes {result.exit_codes}); logs in {out}")
             report = json.loads((out / "report.json").read_text())
-            into.append(report["workers"][0]["phase_wall_ms"])
-            pairs = report.get("parallelism", {}).get("tensor_pairs", pairs)
-    if not pairs:
-        raise LabError(f"the tensor-parallel run of {model} reported no column/row pairs")
-    per_pair = {f"{phase}_us": max(statistics.median(t[phase] - p[phase] for p, t in zip(plain, tensor)), 0.0) * 1e3 / pairs
-                for phase in ("forward", "backward", "step")}
-    path.write_text(json.dumps({**per_pair, "pairs": pairs, "plain_phase_ms": plain, "tensor_phase_ms": tensor}, indent=1) + "\n")
+            phases[which].append(report["workers"][0]["phase_wall_ms"])
+            count = report.get("parallelism", {}).get(count_key, count)
+    if not count:
+        raise LabError(f"the {framework} run of {model} reported no {count_key}")
+    plain, parallel = phases["single"], phases[framework]
+    per = {f"{phase}_us": max(statistics.median(t[phase] - p[phase] for p, t in zip(plain, parallel)), 0.0) * 1e3 / count
+           for phase in ("forward", "backward", "step")}
+    path.write_text(json.dumps({**per, count_key: count, "plain_phase_ms": plain, f"{framework}_phase_ms": parallel},
+                               indent=1) + "\n")
+
+
+def fsdp_dispatch_path(model: str, batch_size: int, work: Path) -> Path:
+    return work / "fsdp_dispatch" / f"{model}_batch{batch_size}.json"
+
+
+def measure_fsdp_dispatch(model: str, batch_size: int, work: Path, runs: int = FSDP_DISPATCH_RUNS,
+                          steps: int = DISPATCH_STEPS, warmup: int = DISPATCH_WARMUP) -> Path:
+    """The host time FSDP2 adds per unit, in forward, backward and the optimizer step, kept in
+    ``work`` (measured once; the path of its JSON), as :func:`measure_tensor_dispatch` measures
+    DTensor's: ``model`` at ``batch_size`` on one core, plain (``--framework single``) and under
+    ``fully_shard`` in a world of one (``--framework fsdp``: every block a unit, then the root;
+    no collective, FSDP2 gathers nothing for one rank), alternating, ``runs`` times each; each
+    phase's median difference over the units (``fsdp_units`` in the run's report) is
+    ``forward_us``, ``backward_us`` and ``step_us`` (never below 0). It holds FSDP2's hooks, its
+    gradients packed for the reduce-scatter (``fsdp::chunk_cat``) and copied into the sharded
+    gradients, and the sharded parameters' update; the copies around an all-gather, which a
+    world of one does not make, are the pass's to price (``sim/parallel/fsdp.py``)."""
+    path = fsdp_dispatch_path(model, batch_size, work)
+    if not path.exists():
+        _measure_dispatch(model, batch_size, path, "fsdp", "fsdp_units", [], runs, steps, warmup)
     return path
 
 
 def tensor_dispatch_block(path: Path) -> dict:
-    """``measure_tensor_dispatch``'s JSON as the scenario's ``parallelism.tensor_dispatch``."""
+    """``measure_tensor_dispatch``'s (or ``measure_fsdp_dispatch``'s) JSON as the scenario's
+    ``parallelism.tensor_dispatch`` (``fsdp_dispatch``)."""
     measured = json.loads(Path(path).read_text())
     return {phase: f"{measured[f'{phase}_us']:.1f}us" for phase in ("forward", "backward", "step")}
 

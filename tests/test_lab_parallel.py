@@ -213,6 +213,41 @@ def examples():
         sys.path.remove(str(EXAMPLES))
 
 
+def test_fsdp2s_dispatch_is_the_median_phase_difference_over_its_units(tmp_path, monkeypatch):
+    """Plain runs and FSDP2 in a world of one alternate, five each; each phase's median
+    difference over the units the run reports is FSDP2's host time per unit, measured once."""
+    from whatif.lab import parallel
+
+    plain = [{"forward": 60.0, "backward": 120.0, "step": 10.0}, {"forward": 70.0, "backward": 135.0, "step": 13.0},
+             {"forward": 62.0, "backward": 122.0, "step": 10.0}, {"forward": 67.0, "backward": 126.0, "step": 11.0},
+             {"forward": 63.0, "backward": 119.0, "step": 10.0}]
+    sharded = [{"forward": 80.0, "backward": 166.0, "step": 19.0}, {"forward": 67.0, "backward": 141.0, "step": 17.0},
+               {"forward": 79.0, "backward": 162.0, "step": 18.0}, {"forward": 70.0, "backward": 145.0, "step": 17.0},
+               {"forward": 63.0, "backward": 140.0, "step": 15.0}]
+    runs = []
+
+    def fake_job(spec, framework, argv, out, timeout_s):
+        which = argv[argv.index("--framework") + 1]
+        runs.append((which, spec.workers, framework))
+        phases = (plain if which == "single" else sharded)[sum(1 for r in runs if r[0] == which) - 1]
+        report = {"workers": [{"phase_wall_ms": phases}]}
+        if which == "fsdp":
+            report["parallelism"] = {"fsdp_units": 5}
+        (out / "report.json").write_text(json.dumps(report))
+        return parallel_job_result()
+
+    monkeypatch.setattr(parallel, "run_job", fake_job)
+    path = parallel.measure_fsdp_dispatch("transformer", 8, tmp_path)
+    measured = json.loads(path.read_text())
+    assert [r[0] for r in runs] == ["single", "fsdp"] * 5 and {r[1] for r in runs} == {1}
+    assert [r[2] for r in runs if r[0] == "fsdp"] == ["fsdp"] * 5  # FSDP2's own rendezvous
+    assert measured["forward_us"] == pytest.approx(3e3 / 5)  # median of 20, -3, 17, 3, 0 ms
+    assert measured["backward_us"] == pytest.approx(21e3 / 5)  # of 46, 6, 40, 19, 21
+    assert measured["step_us"] == pytest.approx(6e3 / 5)  # of 9, 4, 8, 6, 5
+    assert parallel.tensor_dispatch_block(path) == {"forward": "600.0us", "backward": "4200.0us", "step": "1200.0us"}
+    assert parallel.measure_fsdp_dispatch("transformer", 8, tmp_path) == path and len(runs) == 10  # kept
+
+
 def whole_model_bytes(examples, model: str, experts_only: bool = False) -> int:
     import torch
 
@@ -262,6 +297,9 @@ def test_a_parallel_run_computes_what_one_worker_computes(variant, examples, tmp
         assert held == [whole - experts + experts // setting.world] * setting.world
     else:  # tensor parallel blocks: every rank holds less than the whole, and FSDP+TP less again
         assert all(h < whole for h in held) and len(set(held)) == 1
+    if setting.family == "fsdp":  # what measure_fsdp_dispatch divides by: the blocks, then the root
+        built, _ = examples[setting.model].build()
+        assert report["parallelism"]["fsdp_units"] == len(parallel.blocks_of(built)) + 1
     if setting.family == "pp":
         last = workers[-1]["losses"]
         assert all(math.isnan(x) for x in workers[0]["losses"]) and not any(math.isnan(x) for x in last)
