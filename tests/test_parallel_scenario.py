@@ -90,6 +90,15 @@ def test_fsdp_dispatch_is_three_durations_per_unit_and_needs_fsdp():
         _scenario({"zero": 1, "fsdp_dispatch": {"forward": "1ms"}})
 
 
+def test_the_what_ifs_change_a_pipelines_microbatch_trace_as_they_change_the_trace():
+    """A pipeline's stages take their time from the microbatch trace: a host twice as fast must
+    shorten them too, not only the whole-batch trace (the CPU bundle: its step is CPU work)."""
+    block = {"pipeline": {"stages": 2, "microbatches": 2, "microbatch_trace": str(TRANSFORMER)}}
+    plain = predict(_scenario(block, gpus=2).request()).results["iteration_ms"].iloc[0]
+    faster = predict(_scenario(block, gpus=2, optimizations=["faster-cpu=2"]).request()).results["iteration_ms"].iloc[0]
+    assert 1.7 < plain / faster <= 2.0 + 1e-9, (plain, faster)
+
+
 def test_list_valued_keys_make_a_grid_only_as_lists_of_lists():
     one = _scenario({"placement": ["data", "tensor", "pipeline"], "recompute": "full"})
     assert [p.parallelism.placement for p in one.points] == [("data", "tensor", "pipeline")]

@@ -143,6 +143,28 @@ def test_a_faster_gpu_speeds_up_gpu_work_but_not_communication_or_cpu(traces):
     np.testing.assert_array_equal(after[~gpu], before[~gpu])
 
 
+def test_a_faster_cpu_speeds_up_the_threads_work_but_not_waits_gpu_or_communication(traces):
+    graph = traces.study(A100_DDP2).graph
+    faster = WhatIf(optimizations=["faster-cpu=4"]).apply(graph)
+    kinds = graph.tasks["kind"].to_numpy()
+    before, after = graph.tasks["duration_us"].to_numpy(), faster.tasks["duration_us"].to_numpy()
+    cpu = np.isin(kinds, [int(TaskKind.CPU), int(TaskKind.RUNTIME), int(TaskKind.GAP)])
+    assert cpu.any() and (~cpu).any()
+    np.testing.assert_allclose(after[cpu], before[cpu] / 4)
+    np.testing.assert_array_equal(after[~cpu], before[~cpu])
+
+
+def test_a_faster_cpu_never_ends_an_iteration_later_and_shortens_a_cpu_workers_step(traces, kineto_trace):
+    """On a GPU trace an iteration may hold more GPU work once the host runs ahead (a step's
+    kernels launched earlier run inside it), so it is the iterations' ends that never move later."""
+    study = traces.study(kineto_trace)
+    schedule, _ = predicted(study, WhatIf(optimizations=["faster-cpu=1.5"]))
+    assert (iteration_ends_us(schedule, study.iterations) <= iteration_ends_us(study.replay, study.iterations) + TOLERANCE_US).all()
+    study = traces.study(BUNDLED)  # a CPU worker: its step is its threads' work
+    _, report = assert_never_slower(study, WhatIf(optimizations=["faster-cpu=2"]))
+    assert (report["speedup"] > 1.8).all(), report.to_string()
+
+
 def test_a_twice_as_fast_gpu_nearly_halves_a_gpu_bound_step(traces):
     """The single-V100 ResNet-50 run is GPU-bound: in its steady steps (#103 to #105) the GPU is
     busy 94.5 of 95.7 ms, while the CPU threads do only about 10.5 ms (main thread) and 14 to

@@ -340,7 +340,8 @@ def _study(request: Request) -> TraceStudy:
 
 def _microbatch_graph(request: Request) -> Optional[TaskGraph]:
     """The microbatch trace's graph, read as the trace is (its profiler overhead removed where its
-    bundle timed plain steps), without its own communication; None without one."""
+    bundle timed plain steps) and changed by the request's what-ifs as the trace is, without its
+    own communication; None without one."""
     if request.microbatch_trace is None:
         return None
     study = TraceStudy.from_trace(request.microbatch_trace, request.iteration)
@@ -348,6 +349,8 @@ def _microbatch_graph(request: Request) -> Optional[TaskGraph]:
     unprofiled_ms = graph.workload.unprofiled_step_ms
     if request.remove_profiler_overhead and unprofiled_ms is not None and len(unprofiled_ms):
         graph = remove_profiler_overhead(graph, study.iterations, unprofiled_ms)
+    if request.what_if.changes_anything:
+        graph = request.what_if.apply(graph)
     graph = graph.copy()
     graph.remove(graph.select(kinds=[TaskKind.COMM]))
     return graph

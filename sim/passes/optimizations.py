@@ -13,7 +13,7 @@ import re
 import numpy as np
 import pandas as pd
 
-from ..graph import GPU_TASK_KINDS, EdgeKind, GraphError, TaskGraph, TaskKind
+from ..graph import CPU_WORK_KINDS, GPU_TASK_KINDS, EdgeKind, GraphError, TaskGraph, TaskKind
 
 #: Kernels that run on Tensor Cores under mixed precision: GEMMs and convolutions (cuDNN, CUTLASS,
 #: cuBLAS naming), including the data- and weight-gradient convolutions of the backward pass.
@@ -100,6 +100,19 @@ def faster_gpu(graph: TaskGraph, speedup: float = 2.0) -> TaskGraph:
     graph = graph.copy()
     gpu = graph.select(kinds=[k for k in GPU_TASK_KINDS if k != TaskKind.COMM])
     graph.scale(gpu, 1.0 / speedup)
+    return graph
+
+
+def faster_cpu(graph: TaskGraph, speedup: float = 2.0) -> TaskGraph:
+    """A host CPU ``speedup`` times faster (Daydream's scale primitive on the threads' work):
+    every operator's self time, runtime call and untraced gap on a CPU thread takes 1/speedup
+    as long. Waits keep theirs (a thread idle until another signals it is as fast as what it
+    waits for), and so do communication and the GPU's tasks. On a CPU worker's trace this is
+    the whole compute; on a GPU trace, the launch work that keeps the GPU fed."""
+    if speedup <= 0:
+        raise GraphError(f"faster CPU: speed-up must be positive, got {speedup}")
+    graph = graph.copy()
+    graph.scale(graph.select(kinds=[TaskKind(k) for k in CPU_WORK_KINDS]), 1.0 / speedup)
     return graph
 
 

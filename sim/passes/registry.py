@@ -10,7 +10,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from ..graph import GraphError, TaskGraph
-from .optimizations import automatic_mixed_precision, faster_gpu, fused_optimizer, no_data_loading
+from .optimizations import automatic_mixed_precision, faster_cpu, faster_gpu, fused_optimizer, no_data_loading
 from .recipes import (blueconnect, gist_encoding, gradient_compression, metaflow_fusion, restructured_batch_norm,
                       vdnn_offload)
 
@@ -18,6 +18,7 @@ OPTIMIZATIONS: dict[str, Callable] = {
     "amp": automatic_mixed_precision,
     "fused-optimizer": fused_optimizer,
     "faster-gpu": faster_gpu,
+    "faster-cpu": faster_cpu,
     "no-dataloader": no_data_loading,
     "restructure-bn": restructured_batch_norm,
     "gradient-compression": gradient_compression,
@@ -27,7 +28,8 @@ OPTIMIZATIONS: dict[str, Callable] = {
     "blueconnect": blueconnect,
 }
 #: the optimizations that take a value (``NAME=VALUE``), what it is, and its least value
-VALUED = {"faster-gpu": ("speed-up", 0.0), "gradient-compression": ("compression ratio", 1.0)}
+VALUED = {"faster-gpu": ("speed-up", 0.0), "faster-cpu": ("speed-up", 0.0),
+          "gradient-compression": ("compression ratio", 1.0)}
 
 
 def optimization_name(spec: str) -> str:
