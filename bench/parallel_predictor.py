@@ -27,14 +27,17 @@ from whatif.pipeline import predict as run_pipeline
 from whatif.scenario import Scenario
 
 
-def predict(setting: ParallelSetting, captures: dict, work: Path) -> float:
-    prediction = run_pipeline(scenario(setting, captures, work).request())
+def predict(setting: ParallelSetting, captures: dict, work: Path, cpu_speed: float = 1.0) -> float:
+    prediction = run_pipeline(scenario(setting, captures, work, cpu_speed=cpu_speed).request())
     return float(prediction.results["iteration_ms"].iloc[0])
 
 
-def scenario(setting: ParallelSetting, captures: dict, work: Path, links_file: Optional[Path] = None) -> Scenario:
+def scenario(setting: ParallelSetting, captures: dict, work: Path, links_file: Optional[Path] = None,
+             cpu_speed: float = 1.0) -> Scenario:
     """The scenario a user would write for ``setting``, on ``links_file`` (default: the lab's
-    calibration at its bandwidth, kept in ``work``)."""
+    calibration at its bandwidth, kept in ``work``); with ``cpu_speed`` other than 1, its host
+    that much faster than at the capture (``optimizations: [faster-cpu=...]``: the lab's drift
+    between the capture and the runs, ``lab.parallel.anchor_step``)."""
     bandwidth = LOOPBACK_MBPS if setting.bandwidth_mbps is None else setting.bandwidth_mbps
     parallelism = setting.parallelism()
     if "microbatch" in captures and isinstance(parallelism.get("pipeline"), dict):
@@ -54,4 +57,6 @@ def scenario(setting: ParallelSetting, captures: dict, work: Path, links_file: O
         "framework": "ddp",
         "parallelism": parallelism,
     }
+    if cpu_speed != 1.0:
+        doc["optimizations"] = [f"faster-cpu={cpu_speed:.6g}"]
     return Scenario.from_dict(doc, base_dir=work)

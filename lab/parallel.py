@@ -62,8 +62,9 @@ VARIANTS = {
 FOUR_RANKS = ("fsdp+tp",)
 LOOPBACK_MBPS = 1000.0  # the NIC rate of a one-machine setting, whose workers talk over loopback
 #: what a predictor is called with: the setting, the captures ("step", and "microbatch" for a
-#: pipeline) and the work folder (where ``validate.links(bandwidth, work)`` keeps calibrations);
-#: it returns the predicted iteration in milliseconds
+#: pipeline) and the work folder (where ``validate.links(bandwidth, work)`` keeps calibrations),
+#: and ``cpu_speed`` (keyword, default 1: the host's CPU work ``cpu_speed`` times faster than
+#: captured); it returns the predicted iteration in milliseconds
 Predictor = Callable[["ParallelSetting", dict, Path], float]
 
 
@@ -185,6 +186,12 @@ class ParallelPoint:
     predicted_ms: Optional[float] = None
     error_pct: Optional[float] = None
     prediction_error: Optional[str] = None  # what the predictor raised
+    #: the box's speed at the runs: a plain one-worker step (one core, the capture's batch)
+    #: measured after each run (see :func:`run_setting`)
+    anchor_ms: list = field(default_factory=list)
+    #: the prediction with the capture's CPU time scaled to the anchors' speed (faster-cpu)
+    anchored_ms: Optional[float] = None
+    anchored_error_pct: Optional[float] = None
     steps: int = 0
     warmup: int = 0
 
@@ -205,11 +212,12 @@ def run_setting(setting: ParallelSetting, work: Path, repeats: int = 3, steps: i
     if setting.family in FSDP_FAMILIES:
         bundles["fsdp_dispatch"] = measure_fsdp_dispatch(setting.model, setting.batch_size, work)
     run_dir = work / "parallel_runs" / run_name(setting)
-    reports = [
-        measure(setting.model, setting.spec(), setting.family, run_dir / f"run{r}", steps=steps, warmup=warmup,
-                batch_size=setting.batch_size, allocator=allocator, options=setting.options())
-        for r in range(repeats)
-    ]
+    reports, anchors = [], []
+    for r in range(repeats):
+        reports.append(measure(setting.model, setting.spec(), setting.family, run_dir / f"run{r}", steps=steps,
+                               warmup=warmup, batch_size=setting.batch_size, allocator=allocator,
+                               options=setting.options()))
+        anchors.append(anchor_step(setting.model, setting.batch_size, run_dir / f"anchor{r}", steps, warmup))
     _check_degrees(setting, reports[0])
     runs = [float(report["median_ms"]) for report in reports]
     measured = statistics.median(runs)
@@ -223,11 +231,27 @@ def run_setting(setting: ParallelSetting, work: Path, repeats: int = 3, steps: i
         [w["phase_wall_ms"] for w in workers],
         [float(w["other_threads_cpu_ms_per_step"]) for w in workers],
         [int(w["parameter_bytes"]) for w in workers],
-        {kind: str(path) for kind, path in bundles.items()}, plain, steps=steps, warmup=warmup,
+        {kind: str(path) for kind, path in bundles.items()}, plain, steps=steps, warmup=warmup, anchor_ms=anchors,
     )
     if predictor is not None:
         predict_point(point, predictor, work)
     return point
+
+
+def anchor_step(model: str, batch_size: int, out: Path, steps: int, warmup: int) -> float:
+    """One worker's plain step (``examples/run_distributed.py --framework single``, one core,
+    ``batch_size``): the box's speed when a setting runs. The box is a virtual machine whose
+    speed drifts by 10 to 20 % over minutes (one capture's processes ran their plain steps at
+    201 to 215 ms where plain runs half an hour later took 177 to 195), so each run is followed
+    by one of these, which :func:`predict_point` holds against the capture's plain step."""
+    argv = [sys.executable, str(_examples() / "run_distributed.py"), "--model", model, "--framework", "single",
+            "--steps", str(steps), "--warmup", str(warmup), "--threads", "1", "--batch-size", str(batch_size),
+            "--json", str(out / "report.json")]
+    out.mkdir(parents=True, exist_ok=True)
+    result = run_job(LabSpec(1, 1, LOOPBACK_MBPS), "ddp", argv, out, timeout_s=900)
+    if any(result.exit_codes):
+        raise LabError(f"the anchor run failed (exit codes {result.exit_codes}); logs in {out}")
+    return float(json.loads((out / "report.json").read_text())["workers"][0]["median_ms"])
 
 
 TENSOR_FAMILIES = ("tp", "fsdp+tp")
@@ -334,6 +358,18 @@ def predict_point(point: ParallelPoint, predictor: Predictor, work: Path) -> Non
         return
     point.predicted_ms = predicted
     point.error_pct = 100.0 * (predicted - point.measured_ms) / point.measured_ms
+    point.anchored_ms = point.anchored_error_pct = None
+    plain = point.capture_plain_ms.get("step")
+    if point.anchor_ms and plain:
+        speed = plain / statistics.median(point.anchor_ms)  # > 1: the box ran faster than at the capture
+        try:
+            anchored = float(predictor(point.setting, {k: Path(v) for k, v in point.captures.items()}, work,
+                                       cpu_speed=speed))
+        except Exception as err:  # noqa: BLE001 - kept in the record, one line
+            point.prediction_error = f"anchored: {type(err).__name__}: {err}"
+            return
+        point.anchored_ms = anchored
+        point.anchored_error_pct = 100.0 * (anchored - point.measured_ms) / point.measured_ms
 
 
 def run_name(setting: ParallelSetting) -> str:
@@ -372,6 +408,7 @@ COLUMNS = [
     "status", "measured_ms", "predicted_ms", "error_pct", "runs_ms", "spread_pct", "iteration_iqr_pct",
     "workers_ms", "cores", "other_threads_cpu_ms", "capture_step_plain_ms", "capture_microbatch_plain_ms",
     "capture_step", "capture_microbatch", "steps", "warmup", "prediction_error",
+    "anchor_ms", "anchored_ms", "anchored_error_pct",
 ]
 
 
@@ -394,7 +431,8 @@ def csv_row(point: ParallelPoint) -> dict:
         "sequence_parallel": s.sequence_parallel, "microbatches": s.microbatches if s.family == "pp" else None,
         "schedule": s.schedule if s.family == "pp" else None, "status": point.status,
         "predicted_ms": point.predicted_ms, "error_pct": point.error_pct, "prediction_error": point.prediction_error,
-        "steps": point.steps, "warmup": point.warmup,
+        "steps": point.steps, "warmup": point.warmup, "anchored_ms": point.anchored_ms,
+        "anchored_error_pct": point.anchored_error_pct,
     }
     if point.status == "ok":
         row.update(
@@ -405,6 +443,7 @@ def csv_row(point: ParallelPoint) -> dict:
             capture_step_plain_ms=point.capture_plain_ms.get("step"),
             capture_microbatch_plain_ms=point.capture_plain_ms.get("microbatch"),
             capture_step=point.captures.get("step"), capture_microbatch=point.captures.get("microbatch"),
+            anchor_ms=joined(point.anchor_ms),
         )
     return {c: ("" if row.get(c) is None else row[c]) for c in COLUMNS}
 

@@ -105,6 +105,34 @@ def test_a_predictor_fills_the_prediction_and_what_it_raises_is_kept(tmp_path):
     assert csv_row(point_of_record(back)) == csv_row(point)
 
 
+def test_with_anchor_runs_the_point_is_predicted_again_at_the_boxs_speed_then(tmp_path):
+    """The capture ran its plain step at 213 ms; the anchors after the runs at 190, 200 and 180:
+    the box ran 213 / 190 times faster, and the predictor is asked for that host speed too."""
+    setting = ParallelSetting("tp", "transformer", 2, 1, 200.0)
+    point = ParallelPoint(setting, "ok", measured_ms=200.0, runs_ms=[200.0], spread_pct=0.0, iteration_iqr_pct=1.0,
+                          captures={"step": "a"}, capture_plain_ms={"step": 213.0}, anchor_ms=[190.0, 200.0, 180.0])
+    asked = []
+
+    def predictor(s, captures, work, cpu_speed=1.0):
+        asked.append(cpu_speed)
+        return 220.0 / cpu_speed
+
+    predict_point(point, predictor, tmp_path)
+    assert asked == [1.0, pytest.approx(213.0 / 190.0)]
+    assert (point.predicted_ms, point.error_pct) == (220.0, pytest.approx(10.0))
+    assert point.anchored_ms == pytest.approx(220.0 * 190.0 / 213.0)
+    assert point.anchored_error_pct == pytest.approx(100 * (220.0 * 190.0 / 213.0 - 200.0) / 200.0)
+    row = csv_row(point)
+    assert row["anchor_ms"] == "190.00;200.00;180.00" and row["anchored_ms"] == point.anchored_ms
+    write_campaign(tmp_path, [as_record(point)])
+    (back,) = json.loads((tmp_path / "parallel_validation.json").read_text())["points"]
+    assert csv_row(point_of_record(back)) == row
+    # a record from before the anchors: predicted as it was, nothing anchored
+    older = ParallelPoint(setting, "ok", measured_ms=200.0, captures={"step": "a"}, capture_plain_ms={"step": 213.0})
+    predict_point(older, predictor, tmp_path)
+    assert older.anchored_ms is None and older.predicted_ms == 220.0
+
+
 def test_the_tensor_dispatch_is_the_median_phase_difference_over_the_plans_pairs(tmp_path, monkeypatch):
     """Plain and one-rank tensor-parallel runs alternate; each phase's median difference over
     the pairs the run reports is the host time per pair, never below 0, measured once."""
