@@ -220,3 +220,15 @@ def test_collective_and_calibrate_draw_their_plots_and_never_write_over_an_input
         code, _, err = run(capsys, *argv)
         assert code == 2 and "refusing to overwrite an input file" in err and len(err.strip().splitlines()) == 1
     assert h100.read_bytes() == before and not (tmp_path / "d.yaml").exists()
+
+
+def test_sizes_that_all_round_to_nothing_are_one_line_not_an_empty_table_or_a_missing_plot(capsys, tmp_path, h100):
+    """nccl-tests sizes an all-gather in whole 16-byte shares per rank: on the 16 GPUs of the
+    cluster, 8 to 128 bytes are no share at all. The user hears so, and no plot is promised."""
+    png = tmp_path / "none.png"
+    code, out, err = run(capsys, "collective", str(h100), "--op", "all_gather", "-b", "8", "-e", "128", "--plot", str(png))
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, (out, err)
+    assert "--max-bytes" in err and "rounds to 0 bytes for all_gather on 16 ranks" in err and "16-byte shares" in err
+    assert not png.exists()
+    code, out, err = run(capsys, "collective", str(h100), "--op", "all_gather", "-b", "8", "-e", "1K")
+    assert code == 0 and "all_gather" in out

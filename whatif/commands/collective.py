@@ -185,16 +185,20 @@ def run_collective(args) -> int:
         rows.append({"bytes": int(size), "count": int(size) // DTYPES[args.dtype], "time_us": cost.time_us,
                      "algbw_gbps": algbw, "busbw_gbps": algbw * bus_factor(op, n),
                      "algorithm": cost.algorithm, "protocol": cost.protocol, "channels": cost.channels})
+    if not rows:  # every size rounded down to nothing: nccl-tests would print no row either
+        shares = ", in whole 16-byte shares per rank" if op in ("all_gather", "reduce_scatter", "all_to_all") else ""
+        raise TopologyError("--max-bytes", f"every size up to {args.max_bytes} rounds to 0 bytes for {op} on {n} ranks "
+                                           f"(whole {DTYPES[args.dtype]}-byte elements{shares}): nothing to print or "
+                                           f"plot; take larger sizes")
     fabric = cluster.fabric.describe() if cluster.fabric is not None else cluster.describe()
     release = ""
     if cluster.fabric is not None and cluster.backend == "nccl":
         release = f", NCCL {version_text(cluster.fabric.calibration.version or LATEST)}"
     if args.plot is not None:
         refuse_inputs(args.plot, (args.cluster,))
-        if rows:
-            from whatif.report.collectives import plot_collective
+        from whatif.report.collectives import plot_collective
 
-            plot_collective(rows, args.plot, f"{op} on {n} ranks of {fabric}\n({cluster.backend} backend{release})")
+        plot_collective(rows, args.plot, f"{op} on {n} ranks of {fabric}\n({cluster.backend} backend{release})")
     if args.json:
         print(json.dumps({"cluster": str(args.cluster), "op": op, "ranks": n, "backend": cluster.backend, "rows": rows}))
         return 0
