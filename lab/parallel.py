@@ -244,14 +244,8 @@ def anchor_step(model: str, batch_size: int, out: Path, steps: int, warmup: int)
     speed drifts by 10 to 20 % over minutes (one capture's processes ran their plain steps at
     201 to 215 ms where plain runs half an hour later took 177 to 195), so each run is followed
     by one of these, which :func:`predict_point` holds against the capture's plain step."""
-    argv = [sys.executable, str(_examples() / "run_distributed.py"), "--model", model, "--framework", "single",
-            "--steps", str(steps), "--warmup", str(warmup), "--threads", "1", "--batch-size", str(batch_size),
-            "--json", str(out / "report.json")]
-    out.mkdir(parents=True, exist_ok=True)
-    result = run_job(LabSpec(1, 1, LOOPBACK_MBPS), "ddp", argv, out, timeout_s=900)
-    if any(result.exit_codes):
-        raise LabError(f"the anchor run failed (exit codes {result.exit_codes}); logs in {out}")
-    return float(json.loads((out / "report.json").read_text())["workers"][0]["median_ms"])
+    report = measure(model, LabSpec(1, 1, LOOPBACK_MBPS), "ddp", out, steps=steps, warmup=warmup, batch_size=batch_size)
+    return float(report["workers"][0]["median_ms"])
 
 
 TENSOR_FAMILIES = ("tp", "fsdp+tp")
@@ -350,26 +344,28 @@ def predict_point(point: ParallelPoint, predictor: Predictor, work: Path) -> Non
     """Fill ``point``'s prediction from ``predictor``; what it raises is kept in ``prediction_error``
     (a campaign goes on to the next setting), its last line and where it was raised."""
     point.predicted_ms = point.error_pct = point.prediction_error = None
+    point.anchored_ms = point.anchored_error_pct = None
+    captures = {k: Path(v) for k, v in point.captures.items()}
+
+    def error_pct(ms: float) -> float:
+        return 100.0 * (ms - point.measured_ms) / point.measured_ms
+
     try:
-        predicted = float(predictor(point.setting, {k: Path(v) for k, v in point.captures.items()}, work))
+        predicted = float(predictor(point.setting, captures, work))
     except Exception as err:  # noqa: BLE001 - kept in the record, one line
         where = traceback.extract_tb(err.__traceback__)[-1]
         point.prediction_error = f"{type(err).__name__}: {err} ({Path(where.filename).name}:{where.lineno})"
         return
-    point.predicted_ms = predicted
-    point.error_pct = 100.0 * (predicted - point.measured_ms) / point.measured_ms
-    point.anchored_ms = point.anchored_error_pct = None
+    point.predicted_ms, point.error_pct = predicted, error_pct(predicted)
     plain = point.capture_plain_ms.get("step")
     if point.anchor_ms and plain:
         speed = plain / statistics.median(point.anchor_ms)  # > 1: the box ran faster than at the capture
         try:
-            anchored = float(predictor(point.setting, {k: Path(v) for k, v in point.captures.items()}, work,
-                                       cpu_speed=speed))
+            anchored = float(predictor(point.setting, captures, work, cpu_speed=speed))
         except Exception as err:  # noqa: BLE001 - kept in the record, one line
             point.prediction_error = f"anchored: {type(err).__name__}: {err}"
             return
-        point.anchored_ms = anchored
-        point.anchored_error_pct = 100.0 * (anchored - point.measured_ms) / point.measured_ms
+        point.anchored_ms, point.anchored_error_pct = anchored, error_pct(anchored)
 
 
 def run_name(setting: ParallelSetting) -> str:
