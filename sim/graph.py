@@ -136,6 +136,15 @@ class TaskGraph:
         col = self.tasks.columns.get_loc("duration_us")
         self.tasks.iloc[np.asarray(task_ids, dtype=np.int64), col] *= factors
 
+    def lengthen(self, extra_us: np.ndarray) -> None:
+        """Add ``extra_us`` (one non-negative duration per task) to the tasks' durations: the
+        host time a library adds where the trace's tasks run it."""
+        extra = np.asarray(extra_us, dtype=float)
+        if extra.shape != (len(self.tasks),) or not (np.isfinite(extra).all() and (extra >= 0).all()):
+            raise GraphError(f"lengthen: expected {len(self.tasks)} durations >= 0, got shape {extra.shape}")
+        col = self.tasks.columns.get_loc("duration_us")
+        self.tasks.iloc[:, col] = self.tasks["duration_us"].to_numpy(dtype=float) + extra
+
     def insert(
         self,
         after: int,

@@ -108,7 +108,7 @@ the data-parallel frameworks, not here).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Optional
 
 import numpy as np
@@ -198,7 +198,7 @@ def apply_fsdp(graph: TaskGraph, units: Units, par: Parallelism, cluster, ranks_
     phase = np.asarray(units.task_phase, dtype=np.int64)
     if len(unit_of) != len(graph.tasks) or len(phase) != len(graph.tasks):
         raise GraphError("the units were found on another graph: run find_units on the graph given to apply_fsdp")
-    plan = _Plan(graph, unit_of, phase)
+    plan = _Plan(graph, unit_of, phase, d)
     nbytes = _unit_bytes(graph, units.table, par.tensor)
     if zero == 3:
         plan.fully_sharded(nbytes, reshard_after_forward)
@@ -219,8 +219,6 @@ def apply_fsdp(graph: TaskGraph, units: Units, par: Parallelism, cluster, ranks_
                                                                 [int(TaskKind.WAIT), int(TaskKind.COMM)]))
     share = 1.0 / d if zero else 1.0  # DDP keeps the whole optimizer step on every rank
     out.scale(optimizer, share)
-    plan.zero, plan.ranks = zero, d
-    plan.copy_rate = pass_rate_bytes_per_us(graph) if plan.on_cpu else None
     if zero == 3:
         plan.host_us += _add_dispatch(out, plan, nbytes, par.fsdp_dispatch)
     table, waits = plan.insert(out, price)
@@ -254,8 +252,7 @@ def _add_dispatch(graph: TaskGraph, plan: "_Plan", nbytes: dict, per_unit: tuple
             extra[t] += step_us * len(units)
     if not extra.any():
         return 0.0
-    col = graph.tasks.columns.get_loc("duration_us")
-    graph.tasks.iloc[:, col] = graph.tasks["duration_us"].to_numpy(dtype=float) + extra
+    graph.lengthen(extra)
     return float(extra.sum())
 
 
@@ -292,7 +289,8 @@ class _Plan:
     """The collectives of every iteration, where they are issued and what waits for them, found
     on the compute tasks of the unmodified graph."""
 
-    def __init__(self, graph: TaskGraph, unit_of: np.ndarray, phase: np.ndarray):
+    def __init__(self, graph: TaskGraph, unit_of: np.ndarray, phase: np.ndarray, ranks: int):
+        self.graph, self.ranks = graph, ranks
         tasks = graph.tasks
         kind = tasks["kind"].to_numpy()
         resource = tasks["resource"].astype(str).to_numpy().astype(str)
@@ -312,7 +310,6 @@ class _Plan:
             self.previous[seq[1:]] = seq[:-1]
         self.units = sorted({int(u) for u in unit_of[self.compute] if u >= 0})
         self.collectives: list[_Collective] = []
-        self.zero, self.ranks, self.copy_rate = 0, 1, None  # set by apply_fsdp
         self.host_us = 0.0  # FSDP2's host time added (copies, and the library's dispatch)
         if not self.compute.any():
             raise GraphError("no task of the graph is in a forward, backward or optimizer phase: nothing to shard")
@@ -531,13 +528,19 @@ class _Plan:
         assert next_id == len(graph.tasks)
         return pd.DataFrame(table, columns=COLLECTIVE_COLUMNS), {}
 
+    @cached_property
+    def copy_rate(self) -> Optional[float]:
+        """The host's copy rate, bytes per microsecond: the trace's optimizer's
+        (``frameworks/copies.py``); None on a GPU trace or without one."""
+        return pass_rate_bytes_per_us(self.graph)
+
     def copies_us(self, c: _Collective) -> float:
-        """FSDP2's copies around all-gather ``c`` on a CPU worker: its shard copied into the
-        gather's input (``fsdp::all_gather_copy_in``: ``nbytes / d``) and the gathered unit out
-        into the parameters (``fsdp::split_with_sizes_copy``: ``nbytes``), at the host's copy
-        rate (``copy_rate``, bytes per microsecond); 0 for other collectives, on a GPU trace
-        (kernels, microseconds a megabyte) or without a rate."""
-        if c.op != "all_gather" or not self.copy_rate or self.zero != 3:
+        """FSDP2's copies around all-gather ``c`` on a CPU worker (the thread that issues it;
+        only FSDP2 blocks one): its shard copied into the gather's input
+        (``fsdp::all_gather_copy_in``: ``nbytes / d``) and the gathered unit out into the
+        parameters (``fsdp::split_with_sizes_copy``: ``nbytes``), at :attr:`copy_rate`; 0 for
+        other collectives or without a rate."""
+        if c.op != "all_gather" or not self.copy_rate:
             return 0.0
         return (c.nbytes / self.ranks + c.nbytes) / self.copy_rate
 

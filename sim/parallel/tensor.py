@@ -494,8 +494,7 @@ def _add_dispatch(graph: TaskGraph, calls: Calls, units: Units, forward: dict, b
                                    & (units.task_phase == PHASE_OPTIMIZER) & ~calls.gpu[:n])
         if len(optimizer):
             extra[int(optimizer[np.argmin(start[optimizer])])] += step_us * pairs
-    col = graph.tasks.columns.get_loc("duration_us")
-    graph.tasks.iloc[:, col] = graph.tasks["duration_us"].to_numpy(dtype=float) + extra
+    graph.lengthen(extra)
     return float(extra.sum())
 
 
