@@ -142,28 +142,35 @@ def test_the_tensor_dispatch_is_the_median_phase_difference_over_the_plans_pairs
              {"forward": 58.0, "backward": 115.0, "step": 11.0}]
     tensor = [{"forward": 84.0, "backward": 158.0, "step": 9.0}, {"forward": 77.0, "backward": 150.0, "step": 8.0},
               {"forward": 90.0, "backward": 157.0, "step": 10.5}]
-    runs = []
-
-    def fake_job(spec, framework, argv, out, timeout_s):
-        which = argv[argv.index("--framework") + 1]
-        runs.append((which, spec.workers, "--sequence-parallel" in argv))
-        phases = (plain if which == "single" else tensor)[sum(1 for r in runs if r[0] == which) - 1]
-        report = {"workers": [{"phase_wall_ms": phases}]}
-        if which == "tp":
-            report["parallelism"] = {"tensor_pairs": 8}
-        (out / "report.json").write_text(json.dumps(report))
-        return parallel_job_result()
-
-    monkeypatch.setattr(parallel, "run_job", fake_job)
+    runs = fake_dispatch_runs(monkeypatch, parallel, {"single": plain, "tp": tensor}, {"tp": {"tensor_pairs": 8}})
     path = parallel.measure_tensor_dispatch("transformer", 8, True, tmp_path)
     measured = json.loads(path.read_text())
     assert [r[0] for r in runs] == ["single", "tp"] * 3 and {r[1] for r in runs} == {1}
-    assert [r[2] for r in runs if r[0] == "tp"] == [True] * 3  # the plan of the setting's family
+    assert [r[3] for r in runs if r[0] == "tp"] == [True] * 3  # the plan of the setting's family
     assert measured["forward_us"] == pytest.approx(24e3 / 8)  # medians of 24, 22, 32 ms
     assert measured["backward_us"] == pytest.approx(40e3 / 8)  # of 38, 40, 42
     assert measured["step_us"] == 0.0  # -1, -1, -0.5: the library made the step no slower
     assert parallel.tensor_dispatch_block(path) == {"forward": "3000.0us", "backward": "5000.0us", "step": "0.0us"}
     assert parallel.measure_tensor_dispatch("transformer", 8, True, tmp_path) == path and len(runs) == 6  # kept
+
+
+def fake_dispatch_runs(monkeypatch, parallel, phases: dict, parallelism: dict) -> list:
+    """``parallel.run_job`` replaced by runs that report ``phases[framework]`` in turn (and
+    ``parallelism[framework]``, where given); returns the runs made: (the run's ``--framework``,
+    its workers, the job's framework, whether it asked for sequence parallelism)."""
+    runs = []
+
+    def fake_job(spec, framework, argv, out, timeout_s):
+        which = argv[argv.index("--framework") + 1]
+        runs.append((which, spec.workers, framework, "--sequence-parallel" in argv))
+        report = {"workers": [{"phase_wall_ms": phases[which][sum(1 for r in runs if r[0] == which) - 1]}]}
+        if which in parallelism:
+            report["parallelism"] = parallelism[which]
+        (out / "report.json").write_text(json.dumps(report))
+        return parallel_job_result()
+
+    monkeypatch.setattr(parallel, "run_job", fake_job)
+    return runs
 
 
 def parallel_job_result():
@@ -252,19 +259,7 @@ def test_fsdp2s_dispatch_is_the_median_phase_difference_over_its_units(tmp_path,
     sharded = [{"forward": 80.0, "backward": 166.0, "step": 19.0}, {"forward": 67.0, "backward": 141.0, "step": 17.0},
                {"forward": 79.0, "backward": 162.0, "step": 18.0}, {"forward": 70.0, "backward": 145.0, "step": 17.0},
                {"forward": 63.0, "backward": 140.0, "step": 15.0}]
-    runs = []
-
-    def fake_job(spec, framework, argv, out, timeout_s):
-        which = argv[argv.index("--framework") + 1]
-        runs.append((which, spec.workers, framework))
-        phases = (plain if which == "single" else sharded)[sum(1 for r in runs if r[0] == which) - 1]
-        report = {"workers": [{"phase_wall_ms": phases}]}
-        if which == "fsdp":
-            report["parallelism"] = {"fsdp_units": 5}
-        (out / "report.json").write_text(json.dumps(report))
-        return parallel_job_result()
-
-    monkeypatch.setattr(parallel, "run_job", fake_job)
+    runs = fake_dispatch_runs(monkeypatch, parallel, {"single": plain, "fsdp": sharded}, {"fsdp": {"fsdp_units": 5}})
     path = parallel.measure_fsdp_dispatch("transformer", 8, tmp_path)
     measured = json.loads(path.read_text())
     assert [r[0] for r in runs] == ["single", "fsdp"] * 5 and {r[1] for r in runs} == {1}

@@ -133,25 +133,18 @@ def test_a_faster_gpu_never_predicts_a_slower_iteration(traces, kineto_trace):
     assert_never_slower(traces.study(kineto_trace), WhatIf(optimizations=["faster-gpu=2"]))
 
 
-def test_a_faster_gpu_speeds_up_gpu_work_but_not_communication_or_cpu(traces):
+@pytest.mark.parametrize("option, kinds", [
+    ("faster-gpu=4", (TaskKind.KERNEL, TaskKind.MEMCPY, TaskKind.MEMSET)),  # not communication, not the CPU
+    ("faster-cpu=4", (TaskKind.CPU, TaskKind.RUNTIME, TaskKind.GAP)),  # not waits, the GPU or communication
+])
+def test_a_faster_gpu_or_cpu_speeds_up_its_own_work_and_nothing_else(traces, option, kinds):
     graph = traces.study(A100_DDP2).graph
-    faster = WhatIf(optimizations=["faster-gpu=4"]).apply(graph)
-    kinds = graph.tasks["kind"].to_numpy()
+    faster = WhatIf(optimizations=[option]).apply(graph)
     before, after = graph.tasks["duration_us"].to_numpy(), faster.tasks["duration_us"].to_numpy()
-    gpu = np.isin(kinds, [int(TaskKind.KERNEL), int(TaskKind.MEMCPY), int(TaskKind.MEMSET)])
-    np.testing.assert_allclose(after[gpu], before[gpu] / 4)
-    np.testing.assert_array_equal(after[~gpu], before[~gpu])
-
-
-def test_a_faster_cpu_speeds_up_the_threads_work_but_not_waits_gpu_or_communication(traces):
-    graph = traces.study(A100_DDP2).graph
-    faster = WhatIf(optimizations=["faster-cpu=4"]).apply(graph)
-    kinds = graph.tasks["kind"].to_numpy()
-    before, after = graph.tasks["duration_us"].to_numpy(), faster.tasks["duration_us"].to_numpy()
-    cpu = np.isin(kinds, [int(TaskKind.CPU), int(TaskKind.RUNTIME), int(TaskKind.GAP)])
-    assert cpu.any() and (~cpu).any()
-    np.testing.assert_allclose(after[cpu], before[cpu] / 4)
-    np.testing.assert_array_equal(after[~cpu], before[~cpu])
+    own = np.isin(graph.tasks["kind"].to_numpy(), [int(k) for k in kinds])
+    assert own.any() and (~own).any()
+    np.testing.assert_allclose(after[own], before[own] / 4)
+    np.testing.assert_array_equal(after[~own], before[~own])
 
 
 def test_a_faster_cpu_never_ends_an_iteration_later_and_shortens_a_cpu_workers_step(traces, kineto_trace):
