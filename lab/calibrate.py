@@ -26,7 +26,11 @@ way (``topology/collectives.py``): a last pair of jobs times ``all_gather_into_t
 across machines and inside one (``lab/probes/collectives.py``), and fits each op's latency and
 efficiency (on loopback its bandwidth) through the op's own closed form (:func:`fit_collectives`):
 the links' ``collectives`` entries (``topology.Link``), which price those ops and leave the
-all-reduce, and every prediction made from it, as they were.
+all-reduce, and every prediction made from it, as they were. Another pair times small all-reduces
+(1 kB to 1 MB), each in a burst of 24 as a step issues them (``lab/probes/small_allreduce.py``):
+the links' ``floor``, the least time an all-reduce takes however small (:func:`fit_floor`),
+which the line through the large sizes misses across machines (2.6 to 3.0 ms against 0.5 to
+1.0). ``--floor-into`` measures it into a links file calibrated before it (:func:`add_floor`).
 
 Every probe job runs ``runs`` times (default ``RUNS``) and each of its figures is the median of
 the runs; the links each run alone gives are kept too, under ``runs`` (``calibrations_of_runs``),
@@ -61,6 +65,9 @@ from .cluster import LabError, LabSpec, check_can_run, progress, run_job
 SIZES_BYTES = (64e3, 256e3, 1e6, 4e6, 16e6, 32e6, 64e6)  # up to Horovod's fusion buffer
 COLLECTIVE_SIZES_BYTES = (64e3, 256e3, 1e6, 4e6, 16e6)  # an FSDP unit's parameters, a pipeline's activations
 RUNS = 3
+#: The small all-reduces whose time is the host's alone (``lab/probes/small_allreduce.py``): the
+#: floor is the median of their times each in a burst (``fit_floor``)
+FLOOR_MAX_BYTES = 16384
 
 
 def median_of_runs(runs: list) -> dict:
@@ -135,6 +142,61 @@ def measure_collectives(spec: LabSpec, out_dir: Path, sizes=COLLECTIVE_SIZES_BYT
     return run_probe(spec, "ddp", argv, out_dir, "collectives.json", runs, "the collectives probe", 600)
 
 
+def measure_floor(spec: LabSpec, out_dir: Path, runs: int = RUNS) -> dict:
+    argv = [sys.executable, "-m", "whatif.lab.probes.small_allreduce"]
+    return run_probe(spec, "ddp", argv, out_dir, "small_allreduce.json", runs, "the small all-reduce probe", 600)
+
+
+def fit_floor(measured: dict) -> str:
+    """The all-reduce's floor on a link (YAML, ``topology.Link.floors_us``): the median of the
+    small all-reduces' times (up to :data:`FLOOR_MAX_BYTES`), each timed in a burst as a step
+    issues them. One at a time they take either about 0.45 or about 3.9 ms on the lab's box, so
+    the burst, the mean of many, is what a step of many pays."""
+    burst = [t for size, t in zip(measured["sizes_bytes"], measured["burst"]) if size <= FLOOR_MAX_BYTES]
+    if not burst:
+        raise LabError(f"the small all-reduce probe timed no size up to {FLOOR_MAX_BYTES} bytes")
+    return f"{float(np.median(burst)) * 1e6:.1f}us"
+
+
+def add_floor(links_yaml: Path, bandwidth_mbit: float, work_dir: Path = None, runs: int = RUNS) -> dict:
+    """Measure the all-reduce's floor across two machines and inside one into an existing
+    topology YAML (each link's ``floor``, in every run's calibration too), keeping the rest; the
+    file is replaced only once the measurement is done."""
+    doc = _calibrated(links_yaml)
+    specs = {"across_machines": LabSpec(2, 1, bandwidth_mbit), "inside_a_machine": LabSpec(1, 2, bandwidth_mbit)}
+    for spec in specs.values():
+        check_can_run(spec)
+    work_dir = Path(work_dir or tempfile.mkdtemp(prefix="whatif-calibrate-"))
+    for where, spec in specs.items():
+        record = measure_floor(spec, work_dir / f"small_allreduce_{where}", runs)
+        link = _LINK_OF[where]
+        for target in [doc] + [run for run in doc.get("runs", []) if isinstance(run, dict) and link in run]:
+            target[link]["floor"] = fit_floor(record)
+        doc.setdefault("measured", {}).setdefault(where, {})["small_allreduce"] = record
+    _replace(links_yaml, doc)
+    return doc
+
+
+_LINK_OF = {"across_machines": "inter_node", "inside_a_machine": "intra_node"}
+
+
+def _calibrated(links_yaml: Path) -> dict:
+    """A calibrated topology YAML's document (one with both links), or a one-line error."""
+    try:
+        doc = read_yaml(links_yaml)
+    except TopologyError as err:
+        raise LabError(f"{links_yaml}: cannot read it as a topology YAML ({err.message})") from None
+    if not isinstance(doc, dict) or not {"intra_node", "inter_node"} <= set(doc):
+        raise LabError(f"{links_yaml}: has no intra_node and inter_node links; write one with whatif lab calibrate --out")
+    return doc
+
+
+def _replace(links_yaml: Path, doc: dict) -> None:
+    written = links_yaml.with_name(links_yaml.name + ".new")
+    written.write_text(yaml.safe_dump(doc, sort_keys=False))
+    written.replace(links_yaml)
+
+
 def op_shape(op: str, machines: int, gpus: int) -> tuple[float, float]:
     """``(steps, per_byte)`` of ``op``'s closed form on ``machines x gpus`` workers over one kind
     of link (``topology.collectives``): its time is ``steps L + per_byte S / (e B)``."""
@@ -196,20 +258,13 @@ def fit_shared_memory(measured: dict) -> dict:
 def add_shared_memory(links_yaml: Path, bandwidth_mbit: float, work_dir: Path = None, runs: int = RUNS) -> dict:
     """Measure the lab's shared memory into an existing topology YAML, keeping the rest of it;
     the file is replaced only once the measurement is done."""
-    try:
-        doc = read_yaml(links_yaml)
-    except TopologyError as err:
-        raise LabError(f"{links_yaml}: cannot read it as a topology YAML ({err.message})") from None
-    if not isinstance(doc, dict) or not {"intra_node", "inter_node"} <= set(doc):
-        raise LabError(f"{links_yaml}: has no intra_node and inter_node links; write one with whatif lab calibrate --out")
+    doc = _calibrated(links_yaml)
     check_can_run(LabSpec(1, 2, bandwidth_mbit))
     work_dir = Path(work_dir or tempfile.mkdtemp(prefix="whatif-calibrate-"))
     measured = measure_shared_memory(LabSpec(1, 2, bandwidth_mbit), work_dir / "shared_memory", runs)
     doc["shared_memory"] = fit_shared_memory(measured)
     doc.setdefault("measured", {})["shared_memory"] = measured
-    written = links_yaml.with_name(links_yaml.name + ".new")
-    written.write_text(yaml.safe_dump(doc, sort_keys=False))
-    written.replace(links_yaml)
+    _replace(links_yaml, doc)
     return doc
 
 
@@ -228,9 +283,12 @@ def calibrate(bandwidth_mbit: float, out_yaml: Path, work_dir: Path = None, horo
                                                                    horovod_cycle_ms, runs)
     shared = measure_shared_memory(specs["inside_a_machine"], work_dir / "shared_memory", runs)
     ops = {where: measure_collectives(spec, work_dir / f"collectives_{where}", runs=runs) for where, spec in specs.items()}
+    for where, spec in specs.items():
+        measured[where]["small_allreduce"] = measure_floor(spec, work_dir / f"small_allreduce_{where}", runs)
     doc = fit_links(bandwidth_mbit, measured, shared, ops)
+    floors = {where: probe["small_allreduce"] for where, probe in measured.items()}
     doc["runs"] = [{k: v for k, v in run.items() if k != "measured"}
-                   for run in calibrations_of_runs(work_dir, bandwidth_mbit, ops)]
+                   for run in calibrations_of_runs(work_dir, bandwidth_mbit, ops, floors)]
     out_yaml.write_text(yaml.safe_dump(doc, sort_keys=False))
     progress(f"calibration at {bandwidth_mbit:g} Mbps done: {out_yaml}")
     return doc
@@ -239,8 +297,9 @@ def calibrate(bandwidth_mbit: float, out_yaml: Path, work_dir: Path = None, horo
 def fit_links(bandwidth_mbit: float, measured: dict, shared: dict, ops: Optional[dict] = None) -> dict:
     """The topology YAML's document from the probes' figures: ``measured`` by where
     (``across_machines``, ``inside_a_machine``: the all-reduce probe's record, with its Horovod
-    loop's under ``horovod_loop`` where it was measured), the shared-memory probe's, and where
-    given the collectives probe's by where (``ops``: each link's ``collectives``)."""
+    loop's under ``horovod_loop`` where it was measured, and the small all-reduce probe's under
+    ``small_allreduce``: the link's ``floor``), the shared-memory probe's, and where given the
+    collectives probe's by where (``ops``: each link's ``collectives``)."""
     contention = {where: fit_contention(probe) for where, probe in measured.items()}
     for where, probe in measured.items():
         if "horovod_loop" in probe:
@@ -257,6 +316,7 @@ def fit_links(bandwidth_mbit: float, measured: dict, shared: dict, ops: Optional
             "latency": f"{max(intercept, 0) / 2 * 1e6:.1f}us",
             "efficiency": 1.0,
             "cpu_contention": contention["inside_a_machine"],
+            **({"floor": fit_floor(inside["small_allreduce"])} if "small_allreduce" in inside else {}),
             **({"collectives": fit_collectives(ops["inside_a_machine"], 1, 2, None)} if ops else {}),
         },
         "inter_node": {
@@ -264,6 +324,7 @@ def fit_links(bandwidth_mbit: float, measured: dict, shared: dict, ops: Optional
             "latency": f"{nic['latency_us']:.1f}us",
             "efficiency": round(nic["efficiency"], 4),
             "cpu_contention": contention["across_machines"],
+            **({"floor": fit_floor(across["small_allreduce"])} if "small_allreduce" in across else {}),
             **({"collectives": fit_collectives(ops["across_machines"], 2, 1, bandwidth_mbit * 1e6 / 8)} if ops else {}),
         },
         "shared_memory": fit_shared_memory(shared),
@@ -272,13 +333,15 @@ def fit_links(bandwidth_mbit: float, measured: dict, shared: dict, ops: Optional
     return doc
 
 
-def calibrations_of_runs(work_dir: Path, bandwidth_mbit: float, ops: Optional[dict] = None) -> list[dict]:
+def calibrations_of_runs(work_dir: Path, bandwidth_mbit: float, ops: Optional[dict] = None,
+                         floors: Optional[dict] = None) -> list[dict]:
     """One topology document per run of the probes kept in ``work_dir`` (``calibrate``'s
     folder: ``across``, ``inside``, ``horovod_loop_WHERE`` and ``shared_memory``, each with its
     ``runN`` folders): the calibration each run alone gives, whose spread is the calibration's
     (``whatif predict`` widens its interval by it, ``report/intervals.py``). Empty where the
     folder does not hold every probe's runs. The collectives probe's figures (``ops``, their
-    medians over the runs) are the same in every run's document."""
+    medians over the runs) and the small all-reduce probe's (``floors``, by where) are the same
+    in every run's document."""
     work_dir = Path(work_dir)
     probes = {"across_machines": ("across", "allreduce.json"), "inside_a_machine": ("inside", "allreduce.json")}
     runs = sorted(p.name for p in (work_dir / "across").glob("run*") if (p / "allreduce.json").exists())
@@ -291,6 +354,8 @@ def calibrations_of_runs(work_dir: Path, bandwidth_mbit: float, ops: Optional[di
                 loop = work_dir / f"horovod_loop_{where}" / run / "horovod_loop.json"
                 if loop.exists():
                     measured[where]["horovod_loop"] = json.loads(loop.read_text())
+                if floors and where in floors:
+                    measured[where]["small_allreduce"] = floors[where]
             shared = json.loads((work_dir / "shared_memory" / run / "shared_memory.json").read_text())
         except (OSError, json.JSONDecodeError):
             return []

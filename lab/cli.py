@@ -16,7 +16,7 @@ import msgspec
 from whatif.report.intervals import describe
 from whatif.topology import as_gbps, parse_bandwidth, parse_latency
 
-from .calibrate import add_shared_memory, calibrate
+from .calibrate import add_floor, add_shared_memory, calibrate
 from .cluster import FRAMEWORKS, PREFIX, STATE_DIR, LabError, LabSpec, clean, run_job
 from .validate import as_record
 from .validate import validate as validate_point
@@ -45,6 +45,8 @@ def add_parsers(sub) -> None:
     lab_cal.add_argument("--horovod-cycle", default="5ms", help="Horovod's cycle time to measure its loop at (default: 5ms)")
     lab_cal.add_argument("--shared-memory-into", type=Path, metavar="YAML",
                          help="measure only the workers' shared memory, into this existing topology YAML")
+    lab_cal.add_argument("--floor-into", type=Path, metavar="YAML",
+                         help="measure only the all-reduce's floor (its small sizes), into this existing topology YAML")
     clean_help = f"remove the namespaces, veths and /etc/netns entries ({PREFIX}<pid>...) of labs whose process is gone"
     lab_sub.add_parser(
         "clean", help=clean_help,
@@ -86,10 +88,16 @@ def run_lab(args: argparse.Namespace) -> int:
         bandwidth_mbit = as_gbps(parse_bandwidth(args.bandwidth, "--bandwidth")) * 1e3
         if args.shared_memory_into is not None:
             return _calibrate_shared_memory(args.shared_memory_into, bandwidth_mbit)
+        if args.floor_into is not None:
+            doc = add_floor(args.floor_into, bandwidth_mbit)
+            print(f"all-reduce floor: {doc['inter_node']['floor']} across machines, {doc['intra_node']['floor']} inside one")
+            print(f"added to {args.floor_into}")
+            return 0
         doc = calibrate(bandwidth_mbit, args.out, horovod_cycle_ms=parse_latency(args.horovod_cycle, "--horovod-cycle") / 1e3)
         nic, intra = doc["inter_node"], doc["intra_node"]
         print(f"NIC at {nic['bandwidth']}: latency {nic['latency']}, efficiency {nic['efficiency']}")
         print(f"inside a machine: {intra['bandwidth']}, latency {intra['latency']}")
+        print(f"all-reduce floor: {nic['floor']} across machines, {intra['floor']} inside one")
         if "horovod_loop" in nic["cpu_contention"]:
             loops = nic["cpu_contention"]["horovod_loop"], intra["cpu_contention"]["horovod_loop"]
             print(f"Horovod's loop per {args.horovod_cycle} cycle: {loops[0]} across machines, {loops[1]} inside one")

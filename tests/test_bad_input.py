@@ -192,12 +192,13 @@ def test_a_what_if_that_removes_every_task_is_an_error_not_an_empty_table(good_t
     assert out == ""
 
 
+@pytest.mark.parametrize("option", ["--shared-memory-into", "--floor-into"])
 @pytest.mark.parametrize("content", [None, b"machines: 2\n", b"intra_node: [\n"])
-def test_a_topology_to_add_shared_memory_to_must_be_a_calibrated_one(tmp_path, capsys, content):
+def test_a_topology_to_add_a_measurement_to_must_be_a_calibrated_one(tmp_path, capsys, content, option):
     path = tmp_path / "links.yaml"
     if content is not None:
         path.write_bytes(content)
-    status, out, err = run_cli(capsys, ["lab", "calibrate", "--shared-memory-into", path])
+    status, out, err = run_cli(capsys, ["lab", "calibrate", option, path])
     assert_one_line_error(status, err, path)
     assert out == ""
     assert (path.read_bytes() if path.exists() else None) == content

@@ -9,13 +9,17 @@ probe times through each op's own closed form, so the topology gives back the ti
 
 from __future__ import annotations
 
+from dataclasses import replace
+from pathlib import Path
+
 import numpy as np
 import pytest
 
-from whatif.lab.calibrate import fit_collectives, median_of_runs, op_shape
+from whatif.lab.calibrate import fit_collectives, fit_floor, median_of_runs, op_shape
 from whatif.topology import Cluster, Link, TopologyError, collective_cost, collective_plan
 from whatif.topology.cluster import CALIBRATED_OPS
 from whatif.topology.collectives import allreduce_time_us
+from whatif.topology.yamlfile import read_yaml
 from whatif.sim.parallel.pipeline import one_way
 
 NIC = {"bandwidth": "200Mbps", "latency": "70us", "efficiency": 0.94}
@@ -134,3 +138,77 @@ def test_probe_runs_combine_by_the_median_of_each_size():
     combined = median_of_runs(runs)
     assert combined["all_gather"] == [2.0, 5.0] and combined["sizes_bytes"] == [1, 2]
     assert np.isfinite(combined["all_gather"]).all()
+
+
+# -- the all-reduce's floor (``Link.floors_us``) -------------------------------------------------
+
+FLOOR_RECORD = Path(__file__).resolve().parents[1] / "docs" / "validation" / "parallel" / "2026-11-28_floor"
+
+
+def test_a_links_floor_holds_small_all_reduces_up_and_leaves_large_ones_to_the_line():
+    floored = lab(2, 1, nic=dict(NIC, floor="2.5ms"))
+    plain = lab(2, 1)
+    for size in (1e3, 16e3):
+        assert plain.inter_node.floor_us("all_reduce") == 0.0 and collective_cost(plain, "all_reduce", size).time_us < 2500
+        assert collective_cost(floored, "all_reduce", size).time_us == pytest.approx(2500.0)
+    large = 16e6
+    assert collective_cost(floored, "all_reduce", large).time_us == collective_cost(plain, "all_reduce", large).time_us > 2500
+    # the floor is the all-reduce's: the other ops, the reduce-scatter (Gloo's all-reduce inside) too, keep theirs
+    for op in ("all_gather", "send_recv", "all_to_all", "reduce_scatter"):
+        assert collective_cost(floored, op, 1e3).time_us == collective_cost(plain, op, 1e3).time_us
+    # one worker sends nothing, floor or not
+    assert collective_cost(lab(1, 1, nic=dict(NIC, floor="2.5ms")), "all_reduce", 1e3).time_us == 0.0
+
+
+def test_an_ops_floor_is_its_own_and_a_one_way_send_brings_its_floor_to_the_pipeline():
+    nic = dict(NIC, floor="2.5ms", collectives={"all_gather": {"floor": "1ms"}, "send": {"latency": "20us", "floor": "300us"}})
+    cluster = lab(2, 1, nic=nic)
+    assert collective_cost(cluster, "all_gather", 1e3).time_us == pytest.approx(1000.0)
+    assert collective_cost(cluster, "send_recv", 1e3).time_us < 300  # the exchange has no floor of its own
+    assert collective_cost(one_way(cluster), "send_recv", 1e3).time_us == pytest.approx(300.0)
+    assert collective_cost(one_way(cluster), "all_reduce", 1e3).time_us == pytest.approx(2500.0)
+
+
+@pytest.mark.parametrize("where, value", [("floor", "-1ms"), ("floor", "soon"), ("collectives.all_gather.floor", "-2us")])
+def test_a_bad_floor_is_refused_naming_its_key(where, value):
+    nic = dict(NIC, floor=value) if where == "floor" else dict(NIC, collectives={"all_gather": {"floor": value}})
+    with pytest.raises(TopologyError) as err:
+        Link.from_config(nic, "inter_node")
+    assert err.value.key == f"inter_node.{where}"
+
+
+@pytest.mark.parametrize("links", ["links_1000mbps.yaml", "links_200mbps.yaml"])
+def test_the_floor_fitted_to_a_real_probe_gives_back_its_small_and_large_all_reduces(links):
+    """The small all-reduce probe's record of a real calibration (the lab's box, 2026-11-28):
+    across machines, the links it was written into price a 1 kB all-reduce inside the probe's
+    quartiles for 1 kB in a burst, where the line alone falls below them, and a 1 MB one within
+    15 % of the probe's. On loopback the line's own price of 1 kB lies above the floor, which
+    then changes nothing."""
+    doc = read_yaml(FLOOR_RECORD / links)
+    for where, kind in (("across_machines", "inter_node"), ("inside_a_machine", "intra_node")):
+        assert doc[kind]["floor"] == fit_floor(doc["measured"][where]["small_allreduce"])
+    record = doc["measured"]["across_machines"]["small_allreduce"]
+    nic, loopback = Link.from_config(doc["inter_node"], "inter_node"), Link.from_config(doc["intra_node"], "intra_node")
+    across, inside = Cluster(2, 1, loopback, nic), Cluster(1, 2, loopback, nic)
+    q1, q3 = record["burst_q1"][0] * 1e6, record["burst_q3"][0] * 1e6
+    smallest, largest = record["sizes_bytes"][0], record["sizes_bytes"][-1]
+    assert q1 <= collective_cost(across, "all_reduce", smallest).time_us <= q3
+    unfloored = Cluster(2, 1, loopback, replace(nic, floors_us=()))
+    assert collective_cost(unfloored, "all_reduce", smallest).time_us < q1
+    assert collective_cost(across, "all_reduce", largest).time_us == pytest.approx(record["burst"][-1] * 1e6, rel=0.15)
+    line = Cluster(1, 2, replace(loopback, floors_us=()), nic)
+    assert collective_cost(inside, "all_reduce", smallest).time_us == collective_cost(line, "all_reduce", smallest).time_us
+
+
+def test_a_calibration_with_the_small_all_reduce_probe_writes_each_links_floor():
+    from whatif.lab.calibrate import fit_links
+
+    doc = read_yaml(FLOOR_RECORD / "links_1000mbps.yaml")
+    measured = dict(doc["measured"])
+    shared, ops = measured.pop("shared_memory"), measured.pop("collectives")
+    fitted = fit_links(1000.0, measured, shared, ops)
+    assert fitted["inter_node"] == doc["inter_node"] and fitted["intra_node"] == doc["intra_node"]
+    assert fitted["inter_node"]["floor"] == doc["inter_node"]["floor"] == "3000.5us"
+    assert fitted["intra_node"]["floor"] == doc["intra_node"]["floor"]
+    without = {where: {k: v for k, v in probe.items() if k != "small_allreduce"} for where, probe in measured.items()}
+    assert "floor" not in fit_links(1000.0, without, shared, ops)["inter_node"]

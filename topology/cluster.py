@@ -60,7 +60,7 @@ from .units import (
 LINK_KINDS = ("inter_node", "intra_node")
 _LOOP = "_loop"
 _FRAMEWORK_LOOP = re.compile(r"[a-z][a-z0-9]*_loop")  # a framework's background loop: horovod_loop
-_LINK_KEYS = ("preset", "bandwidth", "latency", "efficiency", "cpu_contention", "collectives", "note")
+_LINK_KEYS = ("preset", "bandwidth", "latency", "efficiency", "floor", "cpu_contention", "collectives", "note")
 #: The Gloo ops a link may carry calibrated figures of its own for (``Link.collectives``).
 #: ``send_recv``: two ranks send to each other at once (the op's ring step); ``send``: one rank
 #: sends and its peer receives, nothing the other way (a pipeline's activation or gradient),
@@ -125,6 +125,16 @@ class Link:
     ``whatif lab calibrate`` times each op Gloo runs, ``lab/probes/collectives.py``). The link's
     own figures (the all-reduce's, as calibrated) price every op without an entry:
     :meth:`for_op`.
+
+    ``floors_us`` holds, by op, the least time one collective of that op takes on this link
+    however small (YAML: ``floor: 2.4ms`` on the link for the all-reduce, whose figures the
+    link's own are, and ``floor:`` in an op's ``collectives`` entry for that op; none by default,
+    and an op's entry does not inherit the link's). Gloo's all-reduce of 1 to 64 kB between two
+    of the lab's CPU workers took 2.2 to 3.0 ms each in a burst across machines at 200 and 1000
+    Mbps (``lab/probes/small_allreduce.py``), where the latency fitted over 64 kB to 64 MB gives
+    0.5 to 1.5 ms: the host's cost of a collective, not the wire's, which a line through the
+    large sizes cannot hold. A collective's time is the larger of its closed form and its floor
+    (:meth:`floor_us`; ``cost.py``).
     """
 
     bandwidth_bytes_per_us: float
@@ -135,6 +145,7 @@ class Link:
     compute_slowdown: float = 1.0
     framework_loops_us: tuple = ()  # ((framework name, us per cycle), ...)
     collectives: tuple = ()  # ((op, bandwidth_bytes_per_us, latency_us, efficiency), ...)
+    floors_us: tuple = ()  # ((op, least time of one collective, us), ...): "all_reduce" or a CALIBRATED_OPS op
 
     def __post_init__(self):
         if not (np.isfinite(self.bandwidth_bytes_per_us) and self.bandwidth_bytes_per_us > 0):
@@ -157,6 +168,11 @@ class Link:
             if op not in CALIBRATED_OPS:
                 raise TopologyError(f"collectives.{op}", f"unknown op; known: {', '.join(CALIBRATED_OPS)}")
             Link(*figures)  # checked as a link of its own
+        for op, floor in self.floors_us:
+            if op != "all_reduce" and op not in CALIBRATED_OPS:
+                raise TopologyError(f"collectives.{op}.floor", f"unknown op; known: all_reduce, {', '.join(CALIBRATED_OPS)}")
+            if not (np.isfinite(floor) and floor >= 0):
+                raise TopologyError("floor" if op == "all_reduce" else f"collectives.{op}.floor", f"must not be negative, got {floor}")
 
     def for_op(self, op: str) -> "Link":
         """The link as ``op`` sees it: its calibrated figures for that op, if any, else itself."""
@@ -165,6 +181,10 @@ class Link:
                 return replace(self, bandwidth_bytes_per_us=bandwidth, latency_us=latency, efficiency=efficiency,
                                collectives=())
         return self
+
+    def floor_us(self, op: str) -> float:
+        """The least time one ``op`` takes on this link (0: no floor measured)."""
+        return dict(self.floors_us).get(op, 0.0)
 
     @property
     def _comm_factors(self) -> tuple[np.ndarray, np.ndarray]:
@@ -237,28 +257,36 @@ class Link:
             name=(f"{base.name}*" if overridden else base.name) if base is not None else "",
             **_cpu_contention(value.get("cpu_contention"), _join(key, "cpu_contention")),
         )
-        return replace(link, collectives=_collectives(link, value.get("collectives"), _join(key, "collectives")))
+        collectives, floors = _collectives(link, value.get("collectives"), _join(key, "collectives"))
+        if "floor" in value:
+            floors = (("all_reduce", parse_latency(value["floor"], _join(key, "floor"))),) + floors
+        elif base is not None:
+            floors = base.floors_us + floors
+        return replace(link, collectives=collectives, floors_us=floors)
 
 
 def _collectives(link: Link, value: Any, key: str) -> tuple:
-    """``{OP: {bandwidth, latency, efficiency}, ...}`` as ``Link.collectives``: each op's figures,
-    the link's own where the entry leaves one out (absent: none)."""
+    """``{OP: {bandwidth, latency, efficiency, floor}, ...}`` as ``Link.collectives`` (each op's
+    figures, the link's own where the entry leaves one out) and the ops' floors, ``Link.floors_us``
+    (absent: none)."""
     if value is None:
-        return ()
+        return (), ()
     if not isinstance(value, Mapping):
         raise TopologyError(key, f"expected {{OP: {{latency: ..., efficiency: ...}}}}, got {value!r}")
     _check_keys(value, CALIBRATED_OPS, key)
-    out = []
+    out, floors = [], []
     for op, entry in value.items():
         where = _join(key, op)
         if not isinstance(entry, Mapping):
             raise TopologyError(where, f"expected {{bandwidth, latency, efficiency}}, got {entry!r}")
-        _check_keys(entry, ("bandwidth", "latency", "efficiency"), where)
+        _check_keys(entry, ("bandwidth", "latency", "efficiency", "floor"), where)
+        if "floor" in entry:
+            floors.append((op, parse_latency(entry["floor"], _join(where, "floor"))))
         out.append((op,
                     parse_bandwidth(entry["bandwidth"], _join(where, "bandwidth")) if "bandwidth" in entry else link.bandwidth_bytes_per_us,
                     parse_latency(entry["latency"], _join(where, "latency")) if "latency" in entry else link.latency_us,
                     parse_fraction(entry["efficiency"], _join(where, "efficiency")) if "efficiency" in entry else link.efficiency))
-    return tuple(out)
+    return tuple(out), tuple(floors)
 
 
 def _cpu_contention(value: Any, key: str) -> dict:

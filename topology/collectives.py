@@ -113,7 +113,7 @@ def _step_time_us(link: Link, nbytes: float) -> float:
     return link.latency_us + nbytes / link.effective_bandwidth_bytes_per_us
 
 
-def _links_used(cluster: Cluster) -> list:
+def links_used(cluster: Cluster) -> list:
     """The links a ring over every GPU, machine by machine, crosses."""
     return ([cluster.intra_node] if cluster.gpus_per_machine > 1 else []) + ([cluster.inter_node] if cluster.machines > 1 else [])
 
@@ -137,7 +137,7 @@ def ring_allreduce_time_us(cluster: Cluster, size_bytes: float) -> float:
     n = cluster.n_gpus
     if n == 1:
         return 0.0
-    return 2 * (n - 1) * max(_step_time_us(link, size / n) for link in _links_used(cluster))
+    return 2 * (n - 1) * max(_step_time_us(link, size / n) for link in links_used(cluster))
 
 
 # -- hierarchical --------------------------------------------------------------------------------
@@ -256,7 +256,7 @@ def gloo_time_us(cluster: Cluster, op: str, size_bytes: float) -> float:
     n, g = cluster.n_gpus, cluster.gpus_per_machine
     if n == 1:
         return 0.0
-    links = [link.for_op(op) for link in _links_used(cluster)]
+    links = [link.for_op(op) for link in links_used(cluster)]
     if op in ("all_gather", "reduce_scatter"):
         steps = 2 * (n - 1) if op == "reduce_scatter" else n - 1  # reduce-scatter: Gloo's all-reduce
         return steps * max(_step_time_us(link, size / n) for link in links)

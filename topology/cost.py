@@ -27,7 +27,10 @@ links alone):
   All-reduce by ``ring`` (the default) or ``hierarchical``; the other ops by Gloo's schedules
   (``ring`` all-gather, ``ring_allreduce`` reduce-scatter, as ``ProcessGroupGloo`` runs it,
   ``direct`` broadcast, reduce and all-to-all, ``p2p`` send/recv), each on the links' figures
-  for that op where they were calibrated (``Link.for_op``). One protocol, ``tcp``, and one channel.
+  for that op where they were calibrated (``Link.for_op``), and never less than a floor the
+  links carry for it (``Link.floors_us``: the host's cost of one small collective, which the
+  plans, timed on the shared network for parameter servers alone, leave out). One protocol,
+  ``tcp``, and one channel.
 * a parameter server's ``push`` (every GPU sends its shard to each server) and ``pull`` (each
   server sends the updated shard back), on either backend: each is one of the two steps of
   ``collectives.plan_parameter_server`` and half its closed form (the two steps, one each way,
@@ -61,6 +64,7 @@ from .collectives import (
     GLOO_OPS,
     allreduce_time_us,
     gloo_time_us,
+    links_used,
     parameter_server_time_us,
     plan_allreduce,
     plan_gloo,
@@ -183,6 +187,8 @@ def _gloo_cost(cluster: Cluster, op: str, nbytes: float, ranks, algorithm, proto
     _named(protocol, (GLOO_PROTOCOL,), "protocol", "the gloo backend has one protocol,")
     sub, _ = _sub_cluster(cluster, ranks)
     time_us = allreduce_time_us(sub, nbytes, name) if op == "all_reduce" else gloo_time_us(sub, op, nbytes)
+    if sub.n_gpus > 1:  # no less than the floor of the links it crosses (``Link.floors_us``)
+        time_us = max([time_us] + [link.floor_us(op) for link in links_used(sub)])
     return CollectiveCost(op, nbytes, time_us, name, GLOO_PROTOCOL, 1)
 
 

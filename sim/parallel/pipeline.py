@@ -320,7 +320,9 @@ def one_way(cluster):
         if "send" not in figures:
             return link
         kept = tuple(entry for entry in link.collectives if entry[0] not in ("send", "send_recv"))
-        return dataclasses.replace(link, collectives=kept + (("send_recv", *figures["send"]),))
+        floors = tuple(entry for entry in link.floors_us if entry[0] != "send_recv")
+        floors += tuple(("send_recv", floor) for op, floor in link.floors_us if op == "send")
+        return dataclasses.replace(link, collectives=kept + (("send_recv", *figures["send"]),), floors_us=floors)
 
     if getattr(cluster, "fabric", None) is not None:  # NCCL's own model of a point-to-point send
         return cluster
