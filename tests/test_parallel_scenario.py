@@ -17,7 +17,8 @@ from whatif.sim.parallel.units import PHASE_FORWARD, find_units
 from whatif.study import TraceStudy
 from whatif.topology import Cluster, collective_cost
 
-TRANSFORMER = REPO / "data" / "transformer_cpu.bundle"
+TRANSFORMER = REPO / "data" / "transformer_cpu.bundle"  # batch 8
+TRANSFORMER_MICRO = REPO / "data" / "transformer_cpu_batch2.bundle"  # the same model at batch 2: a microbatch of 8 in 4
 LINKS = {"intra_node": {"bandwidth": "1.5GB/s", "latency": "340us", "efficiency": 0.8},
          "inter_node": {"bandwidth": "100Mbps", "latency": "960us", "efficiency": 0.94}}
 
@@ -92,11 +93,34 @@ def test_fsdp_dispatch_is_three_durations_per_unit_and_needs_fsdp():
 
 def test_the_what_ifs_change_a_pipelines_microbatch_trace_as_they_change_the_trace():
     """A pipeline's stages take their time from the microbatch trace: a host twice as fast must
-    shorten them too, not only the whole-batch trace (the CPU bundle: its step is CPU work)."""
-    block = {"pipeline": {"stages": 2, "microbatches": 2, "microbatch_trace": str(TRANSFORMER)}}
+    shorten them too, not only the whole-batch trace (the CPU bundles: their step is CPU work)."""
+    block = {"pipeline": {"stages": 2, "microbatches": 4, "microbatch_trace": str(TRANSFORMER_MICRO)}}
     plain = predict(_scenario(block, gpus=2).request()).results["iteration_ms"].iloc[0]
     faster = predict(_scenario(block, gpus=2, optimizations=["faster-cpu=2"]).request()).results["iteration_ms"].iloc[0]
     assert 1.7 < plain / faster <= 2.0 + 1e-9, (plain, faster)
+
+
+def test_a_microbatch_trace_of_another_batch_than_the_microbatch_is_not_taken_for_it():
+    """The batch-8 bundle is not the microbatch of batch 8 in 2: the pipeline is built as
+    without it, and a warning says so. The batch-2 bundle is the microbatch of 8 in 4: used."""
+    from whatif.collectors.diagnostics import Diagnostics, collecting
+    from whatif.sim.parallel.pipeline import PipelineSchedule
+
+    def step(pipeline, trace=None):
+        block = {"pipeline": {"stages": 2, **pipeline, **({"microbatch_trace": str(trace)} if trace else {})}}
+        with collecting(Diagnostics()) as diagnostics:
+            prediction = predict(_scenario(block, gpus=2).request())
+        note = next(iter(prediction.runs.values())).schedule.graph.last_note(PipelineSchedule)
+        return prediction.results["iteration_ms"].iloc[0], note.scaling, diagnostics.messages
+
+    mismatched, scaling, warned = step({"microbatches": 2}, TRANSFORMER)
+    assert (mismatched, scaling) == step({"microbatches": 2})[:2] and scaling.startswith("linear in the batch")
+    assert warned == [f"parallelism.pipeline.microbatch_trace {TRANSFORMER}: traced at batch 8, which is not the "
+                      "microbatch of batch 8 in 2 microbatches: those configurations scale the traced units to "
+                      "their microbatch instead"]
+    matched, scaling, warned = step({"microbatches": 4}, TRANSFORMER_MICRO)
+    assert warned == [] and scaling.startswith("from the microbatch trace")
+    assert matched != step({"microbatches": 4})[0]
 
 
 def test_list_valued_keys_make_a_grid_only_as_lists_of_lists():
@@ -218,23 +242,25 @@ def test_the_plot_splits_exposed_communication_by_dimension(tmp_path):
 
 
 def test_a_microbatch_trace_prices_the_pipeline_microbatches():
-    """``parallelism.pipeline.microbatch_trace`` reaches the pipeline pass: with the batch's own
-    trace as the microbatch's, a microbatch costs what the batch did, so the step is longer than
-    with the linear rule's quarter, and the pass says which rule it used."""
+    """``parallelism.pipeline.microbatch_trace`` reaches the pipeline pass: with a trace of the
+    microbatch (batch 2 of 8), a microbatch costs what it measured there, not the linear rule's
+    quarter of the batch's, and the pass says which rule it used. (Which is longer depends on
+    the box's speed at the two captures as much as on the fixed per-operator costs: the batch-8
+    bundle's steps ran 298 to 637 ms on a busy box, the batch-2 one's 70 to 79 on a quiet one.)"""
     from whatif.sim.parallel.pipeline import PipelineSchedule
 
     block = {"pipeline": {"stages": 2, "microbatches": 4, "schedule": "gpipe"}}
     linear = _scenario(block, gpus=2)
-    measured = _scenario({"pipeline": {**block["pipeline"], "microbatch_trace": str(TRANSFORMER)}}, gpus=2)
-    assert linear.microbatch_trace is None and measured.microbatch_trace == TRANSFORMER
-    assert measured.request().microbatch_trace == TRANSFORMER
+    measured = _scenario({"pipeline": {**block["pipeline"], "microbatch_trace": str(TRANSFORMER_MICRO)}}, gpus=2)
+    assert linear.microbatch_trace is None and measured.microbatch_trace == TRANSFORMER_MICRO
+    assert measured.request().microbatch_trace == TRANSFORMER_MICRO
     steps = {}
     for name, scenario in (("linear", linear), ("measured", measured)):
         prediction = predict(scenario.request())
         steps[name] = float(prediction.results["iteration_ms"].iloc[0])
         note = next(iter(prediction.runs.values())).schedule.graph.last_note(PipelineSchedule)
         assert note.scaling.startswith("from the microbatch trace" if name == "measured" else "linear in the batch")
-    assert steps["measured"] > 1.5 * steps["linear"]
+    assert abs(steps["measured"] - steps["linear"]) > 0.05 * steps["linear"]
 
 
 def test_workers_sharing_a_core_share_its_time():

@@ -70,7 +70,7 @@ from whatif.sim.parallel import Parallelism
 from whatif.sim.parallel.job import parallelize, simulate_job
 from whatif.sim.parallel.memory import gpu_memory_bytes, memory_per_gpu
 from whatif.sim.parallel.units import Units, UnitsError, find_units, no_units, parameters_from_shapes
-from whatif.sim.passes.batch_size import BatchSizeChange, change_batch_size
+from whatif.sim.passes.batch_size import BatchSizeChange, change_batch_size, infer_batch_size, parameter_shapes
 from whatif.sim.passes.registry import apply_optimization
 from whatif.sim.passes.recipes import CommunicationChange
 from whatif.sim.passes.profiler_overhead import ProfilerOverhead, remove_profiler_overhead
@@ -356,6 +356,43 @@ def _microbatch_graph(request: Request) -> Optional[TaskGraph]:
     return graph
 
 
+def _microbatch_fits(request: Request, worker: TaskGraph, microbatch: Optional[TaskGraph]) -> dict:
+    """For each microbatch count of the request's pipelines, whether the microbatch trace was
+    traced at the pipeline's microbatch: the batch (``--batch-size``'s where given, else the
+    trace's) over that count. A configuration where it was not is built without it (the
+    operator models, else the linear rule, scale its units), with a warning: a grid over the
+    microbatch count, or another batch size, would otherwise take one microbatch's times for
+    another's. Where either batch cannot be told, the trace is used as given, with a warning."""
+    counts = sorted({int(c.parallelism.microbatches) for c in request.clusters
+                     if c.parallelism is not None and c.parallelism.pipeline > 1 and c.parallelism.microbatches > 1})
+    if microbatch is None or not counts:
+        return {}
+    where = f"parallelism.pipeline.microbatch_trace {request.microbatch_trace}"
+    batch, traced = _batch_of(worker), _batch_of(microbatch)
+    if batch is None or traced is None:
+        warn(where, 1, "used as given: the batch it or the trace was traced at cannot be told, so whether it is "
+                       "the pipeline's microbatch is not checked")
+        return {}
+    fits = {m: batch % m == 0 and batch // m == traced for m in counts}
+    unfit = [m for m in counts if not fits[m]]
+    warn(where, len(unfit), f"traced at batch {traced}, which is not the microbatch of batch {batch} in "
+                            f"{' or '.join(str(m) for m in unfit)} microbatches: those configurations scale the "
+                            "traced units to their microbatch instead")
+    return fits
+
+
+def _batch_of(graph: TaskGraph) -> Optional[int]:
+    """The batch ``graph`` runs at: the last ``--batch-size`` change's, else the traced one; None
+    where it cannot be told."""
+    changes = [note for note in graph.notes if isinstance(note, BatchSizeChange)]
+    if changes:
+        return changes[-1].to_batch
+    try:
+        return infer_batch_size(graph, parameter_shapes(graph))[0]
+    except GraphError:
+        return None
+
+
 def _models(perfmodel: Union[PerfModels, str, Path, None]) -> PerfModels:
     if isinstance(perfmodel, PerfModels):
         return perfmodel
@@ -370,9 +407,11 @@ def _simulate_clusters(prediction: Prediction, sweep: Sweep) -> None:
     without_comm = worker.copy()
     without_comm.remove(without_comm.select(kinds=[TaskKind.COMM]))
     gradients = find_gradients(without_comm, study.iterations, request.gradient_sizes, request.gradient_total)
+    microbatch = _microbatch_graph(request)
     grid = _Grid(worker, without_comm, gradients, study.iterations, pass_rate_bytes_per_us(study.graph),
                  prediction.iteration_ms, prediction.iteration_interval, request.optimizer, request.gpu_memory_bytes,
-                 _microbatch_graph(request), alone=prediction.schedule)
+                 microbatch, alone=prediction.schedule,
+                 microbatch_fits=_microbatch_fits(request, without_comm, microbatch))
     if runs_elsewhere(sweep, len(request.clusters)):
         for config in request.clusters:  # laid here once, not in every process, and not sent back
             _lay(grid, config)
@@ -398,6 +437,7 @@ class _Grid:
     optimizer: str
     gpu_memory_bytes: Optional[float]
     microbatch: Optional[TaskGraph] = None  # the microbatch trace's graph, without its communication
+    microbatch_fits: dict = field(default_factory=dict)  # microbatches -> whether the microbatch trace is at batch / m
     alone: Optional[Schedule] = None  # the worker simulated alone: every 1x1 configuration's schedule
     units: dict = field(default_factory=dict)  # parallelism.units -> the worker's units, found once
     laid: dict = field(default_factory=dict)  # the cluster graphs built, which simulate_cluster keeps
@@ -444,8 +484,8 @@ def _configuration(grid: _Grid, config: ClusterConfig) -> tuple[dict, ClusterSch
 def _simulated(grid: _Grid, config: ClusterConfig) -> tuple[dict, ClusterSchedule]:
     par = config.parallelism
     if par is not None and par.families():
-        job = parallelize(*_job_graph(grid, par), par, config.cluster, grid.optimizer, grid.gpu_memory_bytes,
-                          grid.microbatch)
+        microbatch = grid.microbatch if grid.microbatch_fits.get(int(par.microbatches), True) else None
+        job = parallelize(*_job_graph(grid, par), par, config.cluster, grid.optimizer, grid.gpu_memory_bytes, microbatch)
         schedule = simulate_job(job, config.cluster)
         run = ClusterSchedule(schedule, job.comm_tasks(), job.rank0(), 0.0, 0.0)
         report = _job_report(schedule, grid.iterations, run.worker0)
