@@ -17,7 +17,9 @@ overlaps too, so they may add up to more)."""
 from __future__ import annotations
 
 import io
+import re
 import textwrap
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -39,10 +41,30 @@ def configuration_order(results: pd.DataFrame) -> list[str]:
     return [f"{m}x{g}" for m, g in zip(shapes["machines"], shapes["gpus_per_machine"])]
 
 
-def _series_label(row) -> str:
-    parallelism = getattr(row, "parallelism", None)
-    return f"{row.inter_node_gbps:g} Gbps, {row.framework}, {row.policy}" + (
-        f", {parallelism}" if isinstance(parallelism, str) else "")
+def _layout(parallelism) -> str:
+    """A parallelism's label without its data-parallel degree, which follows the cluster's size:
+    ``tp8 pp2(1f1b m4) fsdp`` for ``dp32 tp8 pp2(1f1b m4) fsdp``; ``data parallel`` alone."""
+    if not isinstance(parallelism, str):
+        return ""
+    return re.sub(r"^dp\d+\s*", "", parallelism).strip() or "data parallel"
+
+
+def series_labels(frame: pd.DataFrame) -> tuple[list[str], str]:
+    """Each row's series (its bandwidth, framework, policy and parallel layout) named by what
+    varies across the results, and what every row shares, for the figure's heading: a grid of
+    parallel layouts on one fabric is ``tp8 fsdp``, not ``3200 Gbps, ddp, fifo, dp64 tp8 fsdp``
+    sixteen times. A layout's data-parallel degree follows the cluster's size, so one layout on
+    8 and 64 machines is one series, one line of the scaling curve."""
+    parts = [("{} per machine", [f"{g:g} Gbps" for g in frame["inter_node_gbps"]]),
+             ("framework {}", frame["framework"].astype(str).tolist()),
+             ("policy {}", frame["policy"].astype(str).tolist())]
+    if "parallelism" in frame:
+        parts.append(("{}", [_layout(p) for p in frame["parallelism"]]))
+    varying = [column for _, column in parts if len(set(column)) > 1]
+    shared = ", ".join(form.format(column[0]) for form, column in parts if len(set(column)) == 1 and column[0])
+    if not varying:
+        return [", ".join(column[0] for _, column in parts if column[0])] * len(frame), ""
+    return [", ".join(v for v in values if v) for values in zip(*varying)], shared
 
 
 def _exposed_by_dimension(frame: pd.DataFrame) -> tuple[dict, dict]:
@@ -106,7 +128,9 @@ def plot_scenario(results: pd.DataFrame, path: Path, title: str = "", subtitle: 
     order = configuration_order(frame)
     position = {c: i for i, c in enumerate(order)}
     frame["x"] = frame["configuration"].map(position)
-    frame["series"] = [_series_label(r) for r in frame.itertuples()]
+    frame["series"], shared = series_labels(frame)
+    if shared:
+        subtitle = f"{subtitle} Every configuration: {shared}." if subtitle else f"Every configuration: {shared}."
     series = frame["series"].unique().tolist()
     duplicates = same_as(frame, series)
     per_machine = sorted(frame["gpus_per_machine"].astype(int).unique())
@@ -125,6 +149,7 @@ def plot_scenario(results: pd.DataFrame, path: Path, title: str = "", subtitle: 
             curve.plot(line["x"] + offset, line["speedup"], color=colour, marker=marker, linestyle=style[g],
                        markersize=6, linewidth=1.5, markerfacecolor="white" if k in (1, 3, 5) else colour)
             if "iteration_ms_low" in line:  # the interval's iterations as speed-ups: a slower one, a lower one
+                line = line[line["iteration_ms_low"].notna()]  # no bar where a configuration has no interval
                 low = line["speedup"] * line["iteration_ms"] / line["iteration_ms_high"]
                 high = line["speedup"] * line["iteration_ms"] / line["iteration_ms_low"]
                 curve.errorbar(line["x"] + offset, line["speedup"], yerr=_error_bars(line["speedup"], low, high),
@@ -150,6 +175,7 @@ def plot_scenario(results: pd.DataFrame, path: Path, title: str = "", subtitle: 
     curve.set_title("Scaling")
 
     width = 0.8 / max(len(series), 1)
+    intervals_named = False
     colours, names = _exposed_by_dimension(frame)
     for k, label in enumerate(series):
         group = frame[frame["series"] == label].sort_values("x")
@@ -159,14 +185,17 @@ def plot_scenario(results: pd.DataFrame, path: Path, title: str = "", subtitle: 
             bars.bar(x, group[column], width, bottom=bottom, color=colour, edgecolor="white", linewidth=0.5,
                      label=names[column] if k == 0 else None)
             bottom = bottom + group[column].to_numpy()
-        if "iteration_ms_low" in group:
-            bars.errorbar(x, group["iteration_ms"], fmt="none", ecolor="black", elinewidth=1, capsize=3,
-                          yerr=_error_bars(group["iteration_ms"], group["iteration_ms_low"], group["iteration_ms_high"]),
-                          label=f"{100 * LEVEL:g} % interval" if k == 0 else None)
+        if "iteration_ms_low" in group and group["iteration_ms_low"].notna().any():
+            known = group["iteration_ms_low"].notna().to_numpy()
+            shown = group[known]
+            bars.errorbar(x[known], shown["iteration_ms"], fmt="none", ecolor="black", elinewidth=1, capsize=3,
+                          yerr=_error_bars(shown["iteration_ms"], shown["iteration_ms_low"], shown["iteration_ms_high"]),
+                          label=f"{100 * LEVEL:g} % interval" if not intervals_named else None)
+            intervals_named = True
     bars.set_xticks(range(len(order)), order)
     bars.set_xlabel("machines x GPUs per machine")
     bars.set_ylabel("iteration time, ms")
-    note = "bars, left to right: " + "; ".join(series) if len(series) > 1 else None
+    note = "bars of a configuration, left to right: the series in the order of the left legend" if len(series) > 1 else None
     legend = bars.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3, frameon=False,
                          title=note, title_fontsize=7)
     legend._legend_box.align = "left"
@@ -176,7 +205,9 @@ def plot_scenario(results: pd.DataFrame, path: Path, title: str = "", subtitle: 
     if subtitle:
         fig.text(0.5, 0.935 if title else 0.97, "\n".join(textwrap.wrap(subtitle, 150)), ha="center", va="top",
                  fontsize=8.5)
-    fig.tight_layout(rect=(0, 0, 1, 0.9 if subtitle else 0.95))
+    with warnings.catch_warnings():  # long legends leave tight_layout no room; savefig's tight box fits them
+        warnings.simplefilter("ignore", UserWarning)
+        fig.tight_layout(rect=(0, 0, 1, 0.9 if subtitle else 0.95))
     image = io.BytesIO()
     try:
         fig.savefig(image, format="png", dpi=130, bbox_inches="tight")

@@ -296,3 +296,29 @@ def test_outputs_get_the_permissions_of_any_new_file(capsys, tmp_path, trace):
         os.umask(old)
     for name in ("r.csv", "r.png", "r.json.gz"):
         assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o644, name
+
+
+def test_the_plot_names_each_series_by_what_varies_and_a_layout_by_its_split(capsys, tmp_path):
+    """A parallelism grid on two cluster sizes: one series per layout (its data-parallel degree
+    follows the cluster), named by what varies across the grid, the rest said once above the
+    panels; the figure stays a figure, not one line of every label (it was 4186 pixels wide)."""
+    import pandas as pd
+    from PIL import Image
+
+    from trace_corpus import REPO
+    from whatif.report.plots import series_labels
+
+    doc = (REPO / "scenarios" / "parallelism_transformer.yaml").read_text().replace("../data/", f"{REPO}/data/")
+    doc = doc.replace("machines: 2\n", "machines: [2, 4]\n").replace("bandwidth: [1Gbps, 10Gbps]", "bandwidth: 10Gbps")
+    path = tmp_path / "grid.yaml"
+    path.write_text(doc)
+    out_csv, out_png = tmp_path / "grid.csv", tmp_path / "grid.png"
+    predict(capsys, path, "--csv", out_csv, "--plot", out_png)
+    results = pd.read_csv(out_csv)
+    assert sorted(set(results["parallelism"])) == ["dp2 tp2", "dp2 tp2 fsdp", "dp4", "dp4 fsdp", "dp4 tp2", "dp4 tp2 fsdp",
+                                                  "dp8", "dp8 fsdp"]
+    labels, shared = series_labels(results)
+    assert sorted(set(labels)) == ["data parallel", "fsdp", "tp2", "tp2 fsdp"]
+    assert shared == "10 Gbps per machine, framework ddp, policy fifo"
+    width, height = Image.open(out_png).size
+    assert width < 2.5 * height, (width, height)
