@@ -106,16 +106,17 @@ def decode_inputs(text) -> list:
 def first_input_bytes(ops: pd.DataFrame, row: int) -> Optional[float]:
     """Bytes of the first input an operator recorded (its shape and type); None where the
     trace recorded no shape."""
-    return _first_input_bytes(ops.at[row, "input_dims"], ops.at[row, "input_types"])
+    return first_input_bytes_of(ops.at[row, "input_dims"], ops.at[row, "input_types"])
 
 
 def first_inputs_bytes(ops: pd.DataFrame, rows: list) -> list:
     """:func:`first_input_bytes` of each of ``rows``, the two columns read once."""
     dims, types = (ops.loc[rows, column].tolist() for column in ("input_dims", "input_types"))
-    return [_first_input_bytes(d, t) for d, t in zip(dims, types)]
+    return [first_input_bytes_of(d, t) for d, t in zip(dims, types)]
 
 
-def _first_input_bytes(dims_text, types) -> Optional[float]:
+def first_input_bytes_of(dims_text, types) -> Optional[float]:
+    """:func:`first_input_bytes` of an operator's recorded ``input_dims`` and ``input_types``."""
     try:
         dims = json.loads(dims_text or "null")
     except json.JSONDecodeError:

@@ -34,7 +34,7 @@ import numpy as np
 from ..graph import TaskGraph
 from ..passes.optimizations import OPTIMIZER_STEP
 from ..passes.shared_memory import MEMORY_BYTES
-from ..workload import first_input_bytes
+from ..workload import first_inputs_bytes
 
 IN_PLACE_UPDATE = r"^aten::(add|mul|sub|div|addcmul|addcdiv|lerp|copy|_foreach_\w+)_$"
 MIN_UPDATE_BYTES = 256e3
@@ -50,14 +50,14 @@ def pass_rate_bytes_per_us(graph: TaskGraph) -> Optional[float]:
     outermost = tasks["name"].astype(str).to_numpy() == tasks["operator"].astype(str).to_numpy()
     update = graph.match(OPTIMIZER_STEP) & graph.match(IN_PLACE_UPDATE) & outermost
     events = np.unique(tasks["event"].to_numpy()[update])
-    duration_us = graph.ops["dur_us"]
+    rows = events[events >= 0].tolist()
+    durations = graph.ops["dur_us"].loc[rows].tolist() if rows else []
     updated_bytes = spent_us = 0.0
-    for row in events[events >= 0].tolist():
-        nbytes = first_input_bytes(graph.ops, row)
+    for nbytes, duration_us in zip(first_inputs_bytes(graph.ops, rows) if rows else [], durations):
         if nbytes is None or nbytes < MIN_UPDATE_BYTES:
             continue
         updated_bytes += nbytes
-        spent_us += float(duration_us.at[row])
+        spent_us += float(duration_us)
     return updated_bytes / spent_us if spent_us > 0 else None
 
 

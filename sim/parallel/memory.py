@@ -46,7 +46,7 @@ import numpy as np
 import pandas as pd
 
 from whatif.sim.graph import TaskGraph
-from whatif.sim.workload import decode_inputs, first_input_bytes
+from whatif.sim.workload import decode_inputs, first_input_bytes_of
 
 from . import Parallelism, ParallelismError
 from .units import PHASE_FORWARD, Units
@@ -239,8 +239,12 @@ def _unit_activation(graph: TaskGraph, units: Units, par: Parallelism, e: int, u
 
 def _operator_names(graph: TaskGraph, ids: np.ndarray) -> set:
     event = graph.tasks["event"].to_numpy()[ids]
-    rows = [int(r) for r in event if r >= 0 and r in graph.ops.index]
-    return set(graph.ops.loc[rows, "name"].astype(str)) if rows else set()
+    ops = graph.ops
+    if not ops.index.is_unique:  # each row looked up alone
+        rows = [int(r) for r in event if r >= 0 and r in ops.index]
+        return set(ops.loc[rows, "name"].astype(str)) if rows else set()
+    at = ops.index.get_indexer(event[event >= 0])
+    return {str(name) for name in ops["name"].to_numpy()[at[at >= 0]]}
 
 
 def _softmax_elements(graph: TaskGraph, ids: np.ndarray) -> float:
@@ -283,25 +287,27 @@ def _saved_inputs(graph: TaskGraph, ids: np.ndarray) -> float:
     tasks = graph.tasks
     parameter_shapes = {tuple(shape) for shape in graph.workload.parameters.get("shape", [])
                         if isinstance(shape, (list, tuple))}
-    context = tasks["context"].to_numpy()
-    for i, row in zip(ids, tasks["event"].to_numpy()[ids]):
-        row = int(row)
-        if row < 0 or row in seen or row not in ops.index or ops.at[row, "kind"] != "operator":
+    context = tasks["context"].to_numpy()[ids]
+    events = tasks["event"].to_numpy()[ids]
+    at = ops.index.get_indexer(events)  # each event's position in the operator table, -1: none
+    kinds, input_dims, input_types = (ops[c].to_numpy() for c in ("kind", "input_dims", "input_types"))
+    for where, row, position in zip(context, events.tolist(), at.tolist()):
+        if row < 0 or row in seen or position < 0 or kinds[position] != "operator":
             continue
         seen.add(row)
-        if sum("::" in frame for frame in str(context[i]).split(" > ")) != 1:
+        if sum("::" in frame for frame in str(where).split(" > ")) != 1:
             continue  # an operator inside another: its input is the outer one's
-        dims = decode_inputs(ops.at[row, "input_dims"])
+        dims = decode_inputs(input_dims[position])
         flat = dims and isinstance(dims[0], list) and all(isinstance(d, int) for d in dims[0])  # a list of tensors is no shape
         if flat and tuple(dims[0]) in parameter_shapes:
             continue
-        total += first_input_bytes(ops, row) or 0.0
+        total += first_input_bytes_of(input_dims[position], input_types[position]) or 0.0
     return total / max(1, _iterations(graph, ids))
 
 
 def _iterations(graph: TaskGraph, ids: np.ndarray) -> int:
     """How many iterations the tasks span: the distinct ``ProfilerStep#N`` their contexts open with."""
-    context = graph.tasks["context"].to_numpy()[ids]
+    context = pd.unique(graph.tasks["context"].to_numpy()[ids])  # each distinct context once
     steps = {str(c).split(" > ", 1)[0] for c in context if str(c).startswith("ProfilerStep#")}
     return max(1, len(steps))
 
