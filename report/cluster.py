@@ -113,6 +113,8 @@ def parallel_row(config: ClusterConfig, job: ParallelJob, run: ClusterSchedule, 
     run.bytes_per_iteration = sum(comm_bytes(n) for n in names[run.comm_tasks]) / max(
         1, int(report["predicted_ms"].notna().sum()))
     row = configuration_row(config, run, report, baseline_ms)
+    if config.cluster.backend == "nccl":  # NCCL's choice for each dimension, where NCCL chooses
+        row["collectives"] = parallel_collective_mix(job)
     row["speedup"] = job.par.data * baseline_ms / row["iteration_ms"]
     row["scaling_efficiency"] = row["speedup"] / config.workers
     row["parallelism"] = job.par.describe()
@@ -186,6 +188,34 @@ def collective_mix(run: ClusterSchedule) -> str:
     named = (collectives["algorithm"] + "/" + collectives["protocol"]).to_numpy()
     shares = collectives["task_bytes"].groupby(named).sum().sort_values(ascending=False, kind="stable")
     return ", ".join(f"{name} {100 * b / shares.sum():.0f}%" for name, b in shares.items())
+
+
+def parallel_collective_mix(job: ParallelJob) -> str:
+    """The algorithms and protocols a parallel job's collectives used, per dimension, by their
+    share of that dimension's bytes in one iteration (the passes' notes record each collective as
+    priced): ``tensor ring/ll; data ring/simple 97%, ring/ll 3%; pipeline p2p/simple``."""
+    shares: dict = {}
+    for note in job.graph.notes:
+        for name in ("collectives", "transfers"):
+            table = getattr(note, name, None)
+            if not isinstance(table, pd.DataFrame) or not len(table) or not {"algorithm", "protocol", "nbytes"} <= set(table):
+                continue
+            if "iteration" in table:  # a pass before the pipeline's recorded every traced iteration
+                table = table[table["iteration"] == table["iteration"].min()]
+            groups = table["group"].astype(str) if "group" in table else pd.Series("pipeline", index=table.index)
+            named = table["algorithm"].astype(str) + "/" + table["protocol"].astype(str)
+            for (group, choice), nbytes in table["nbytes"].groupby([groups, named]).sum().items():
+                shares.setdefault(group, {}).setdefault(choice, 0.0)
+                shares[group][choice] += float(nbytes)
+    parts = []
+    for group, by_choice in shares.items():
+        total = sum(by_choice.values())
+        ranked = sorted(by_choice.items(), key=lambda item: -item[1])
+        if len(ranked) == 1 or total <= 0:
+            parts.append(f"{group} {ranked[0][0]}")
+        else:
+            parts.append(f"{group} " + ", ".join(f"{c} {100 * b / total:.0f}%" for c, b in ranked))
+    return "; ".join(parts)
 
 
 def collective_notes(run: ClusterSchedule) -> dict:

@@ -333,3 +333,30 @@ def test_a_parallel_job_on_a_trace_without_parameters_or_shapes_is_refused(capsy
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"whatif: error: {path}: parallelism: the trace lists no parameters") and "\n" not in err
     assert "record_shapes=True" in err
+
+
+def test_a_parallel_job_on_nccl_names_each_dimensions_collectives():
+    """On a GPU fabric a parallel row says which algorithm and protocol NCCL chose for each
+    dimension's collectives, as the passes priced them, by their share of that dimension's
+    bytes: tensor parallelism's all-reduces inside a DGX H100, FSDP's across two of them, and
+    the pipeline's sends."""
+    from whatif.sim.parallel.fsdp import ShardedDataParallel
+    from whatif.sim.parallel.tensor import TensorParallelChange
+
+    doc = {"trace": str(TRANSFORMER), "cluster": {"machine": "dgx_h100", "machines": 2}, "framework": "ddp",
+           "parallelism": {"tensor": 4, "zero": 3, "pipeline": {"stages": 2, "microbatches": 4}}}
+    prediction = predict(Scenario.from_dict(doc, name="s.yaml").request())
+    mix = prediction.results["collectives"].iloc[0]
+    parts = dict(part.split(" ", 1) for part in mix.split("; "))
+    assert list(parts) == ["tensor", "data", "pipeline"], mix
+    graph = next(iter(prediction.runs.values())).schedule.graph
+    tensor = graph.last_note(TensorParallelChange).collectives
+    first = tensor[tensor["iteration"] == tensor["iteration"].min()]
+    chosen = (first["algorithm"] + "/" + first["protocol"]).unique().tolist()
+    assert all(choice in parts["tensor"] for choice in chosen) and len(first) > 0
+    data = graph.last_note(ShardedDataParallel).collectives
+    assert {"all_gather", "reduce_scatter"} <= set(data["op"]) and set(data["group"]) == {"data"}
+    for part in parts.values():  # each a choice, or choices whose shares add up to 100 %
+        shares = [int(p.rsplit(" ", 1)[1][:-1]) for p in part.split(", ")] if "%" in part else [100]
+        assert abs(sum(shares) - 100) <= len(shares), mix
+    assert parts["pipeline"].startswith("p2p/")
