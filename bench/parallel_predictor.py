@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Optional
 
 from whatif.lab.cluster import box_cores, pin
-from whatif.lab.parallel import LOOPBACK_MBPS, ParallelSetting, tensor_dispatch_block
+from whatif.lab.parallel import LOOPBACK_MBPS, ParallelSetting, dispatch_block
 from whatif.lab.validate import links
 from whatif.pipeline import predict as run_pipeline
 from whatif.scenario import Scenario
@@ -43,9 +43,9 @@ def scenario(setting: ParallelSetting, captures: dict, work: Path, links_file: O
     if "microbatch" in captures and isinstance(parallelism.get("pipeline"), dict):
         parallelism["pipeline"] = {**parallelism["pipeline"], "microbatch_trace": str(captures["microbatch"])}
     if "tensor_dispatch" in captures and parallelism.get("tensor", 1) > 1:
-        parallelism["tensor_dispatch"] = tensor_dispatch_block(captures["tensor_dispatch"])
+        parallelism["tensor_dispatch"] = dispatch_block(captures["tensor_dispatch"])
     if "fsdp_dispatch" in captures and parallelism.get("fsdp"):
-        parallelism["fsdp_dispatch"] = tensor_dispatch_block(captures["fsdp_dispatch"])
+        parallelism["fsdp_dispatch"] = dispatch_block(captures["fsdp_dispatch"])
     cluster = {"machines": setting.machines, "gpus_per_machine": setting.gpus_per_machine,
                "links": str(links_file or links(bandwidth, work))}
     cores = len({core for rank in range(setting.gpus_per_machine) for core in pin(setting.spec(), rank, box_cores())})

@@ -333,7 +333,7 @@ def measure_fsdp_dispatch(model: str, batch_size: int, work: Path, runs: int = F
     return path
 
 
-def tensor_dispatch_block(path: Path) -> dict:
+def dispatch_block(path: Path) -> dict:
     """``measure_tensor_dispatch``'s (or ``measure_fsdp_dispatch``'s) JSON as the scenario's
     ``parallelism.tensor_dispatch`` (``fsdp_dispatch``)."""
     measured = json.loads(Path(path).read_text())

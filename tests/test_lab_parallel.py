@@ -150,7 +150,7 @@ def test_the_tensor_dispatch_is_the_median_phase_difference_over_the_plans_pairs
     assert measured["forward_us"] == pytest.approx(24e3 / 8)  # medians of 24, 22, 32 ms
     assert measured["backward_us"] == pytest.approx(40e3 / 8)  # of 38, 40, 42
     assert measured["step_us"] == 0.0  # -1, -1, -0.5: the library made the step no slower
-    assert parallel.tensor_dispatch_block(path) == {"forward": "3000.0us", "backward": "5000.0us", "step": "0.0us"}
+    assert parallel.dispatch_block(path) == {"forward": "3000.0us", "backward": "5000.0us", "step": "0.0us"}
     assert parallel.measure_tensor_dispatch("transformer", 8, True, tmp_path) == path and len(runs) == 6  # kept
 
 
@@ -267,7 +267,7 @@ def test_fsdp2s_dispatch_is_the_median_phase_difference_over_its_units(tmp_path,
     assert measured["forward_us"] == pytest.approx(3e3 / 5)  # median of 20, -3, 17, 3, 0 ms
     assert measured["backward_us"] == pytest.approx(21e3 / 5)  # of 46, 6, 40, 19, 21
     assert measured["step_us"] == pytest.approx(6e3 / 5)  # of 9, 4, 8, 6, 5
-    assert parallel.tensor_dispatch_block(path) == {"forward": "600.0us", "backward": "4200.0us", "step": "1200.0us"}
+    assert parallel.dispatch_block(path) == {"forward": "600.0us", "backward": "4200.0us", "step": "1200.0us"}
     assert parallel.measure_fsdp_dispatch("transformer", 8, tmp_path) == path and len(runs) == 10  # kept
 
 
