@@ -186,15 +186,14 @@ def collective_mix(run: ClusterSchedule) -> str:
     if not len(collectives):
         return ""
     named = (collectives["algorithm"] + "/" + collectives["protocol"]).to_numpy()
-    shares = collectives["task_bytes"].groupby(named).sum().sort_values(ascending=False, kind="stable")
-    return ", ".join(f"{name} {100 * b / shares.sum():.0f}%" for name, b in shares.items())
+    return _by_share(collectives["task_bytes"].groupby(named).sum())
 
 
 def parallel_collective_mix(job: ParallelJob) -> str:
     """The algorithms and protocols a parallel job's collectives used, per dimension, by their
     share of that dimension's bytes in one iteration (the passes' notes record each collective as
     priced): ``tensor ring/ll; data ring/simple 97%, ring/ll 3%; pipeline p2p/simple``."""
-    shares: dict = {}
+    frames = []
     for note in job.graph.notes:
         for name in ("collectives", "transfers"):
             table = getattr(note, name, None)
@@ -202,20 +201,25 @@ def parallel_collective_mix(job: ParallelJob) -> str:
                 continue
             if "iteration" in table:  # a pass before the pipeline's recorded every traced iteration
                 table = table[table["iteration"] == table["iteration"].min()]
-            groups = table["group"].astype(str) if "group" in table else pd.Series("pipeline", index=table.index)
-            named = table["algorithm"].astype(str) + "/" + table["protocol"].astype(str)
-            for (group, choice), nbytes in table["nbytes"].groupby([groups, named]).sum().items():
-                shares.setdefault(group, {}).setdefault(choice, 0.0)
-                shares[group][choice] += float(nbytes)
+            frames.append(pd.DataFrame({
+                "group": table["group"].astype(str) if "group" in table else "pipeline",
+                "choice": table["algorithm"].astype(str) + "/" + table["protocol"].astype(str),
+                "nbytes": table["nbytes"].astype(float)}))
+    if not frames:
+        return ""
+    by_group = pd.concat(frames).groupby(["group", "choice"], sort=False)["nbytes"].sum()
     parts = []
-    for group, by_choice in shares.items():
-        total = sum(by_choice.values())
-        ranked = sorted(by_choice.items(), key=lambda item: -item[1])
-        if len(ranked) == 1 or total <= 0:
-            parts.append(f"{group} {ranked[0][0]}")
-        else:
-            parts.append(f"{group} " + ", ".join(f"{c} {100 * b / total:.0f}%" for c, b in ranked))
+    for group, by_choice in by_group.groupby(level="group", sort=False):
+        by_choice = by_choice.droplevel("group")
+        alone = len(by_choice) == 1 or by_choice.sum() <= 0
+        parts.append(f"{group} {by_choice.index[0] if alone else _by_share(by_choice)}")
     return "; ".join(parts)
+
+
+def _by_share(nbytes: pd.Series) -> str:
+    """Each choice (the index) by its share of the bytes, largest first: ``ring/ll128 82%, tree/ll128 18%``."""
+    shares = nbytes.sort_values(ascending=False, kind="stable")
+    return ", ".join(f"{name} {100 * b / shares.sum():.0f}%" for name, b in shares.items())
 
 
 def collective_notes(run: ClusterSchedule) -> dict:
