@@ -163,21 +163,27 @@ def add_floor(links_yaml: Path, bandwidth_mbit: float, work_dir: Path = None, ru
     topology YAML (each link's ``floor``, in every run's calibration too), keeping the rest; the
     file is replaced only once the measurement is done."""
     doc = _calibrated(links_yaml)
-    specs = {"across_machines": LabSpec(2, 1, bandwidth_mbit), "inside_a_machine": LabSpec(1, 2, bandwidth_mbit)}
-    for spec in specs.values():
-        check_can_run(spec)
+    specs = _probe_specs(bandwidth_mbit)
     work_dir = Path(work_dir or tempfile.mkdtemp(prefix="whatif-calibrate-"))
     for where, spec in specs.items():
         record = measure_floor(spec, work_dir / f"small_allreduce_{where}", runs)
-        link = _LINK_OF[where]
+        link, floor = _LINK_OF[where], fit_floor(record)
         for target in [doc] + [run for run in doc.get("runs", []) if isinstance(run, dict) and link in run]:
-            target[link]["floor"] = fit_floor(record)
+            target[link]["floor"] = floor
         doc.setdefault("measured", {}).setdefault(where, {})["small_allreduce"] = record
     _replace(links_yaml, doc)
     return doc
 
 
 _LINK_OF = {"across_machines": "inter_node", "inside_a_machine": "intra_node"}
+
+
+def _probe_specs(bandwidth_mbit: float) -> dict:
+    """The two settings every link probe runs in, by where, each checked to run on this box."""
+    specs = {"across_machines": LabSpec(2, 1, bandwidth_mbit), "inside_a_machine": LabSpec(1, 2, bandwidth_mbit)}
+    for spec in specs.values():
+        check_can_run(spec)
+    return specs
 
 
 def _calibrated(links_yaml: Path) -> dict:
@@ -272,9 +278,7 @@ def calibrate(bandwidth_mbit: float, out_yaml: Path, work_dir: Path = None, horo
               runs: int = RUNS) -> dict:
     """Measure across two machines and inside one; write the fitted topology to ``out_yaml``.
     Horovod's loop is measured at ``horovod_cycle_ms``, the cycle time of the jobs to predict."""
-    specs = {"across_machines": LabSpec(2, 1, bandwidth_mbit), "inside_a_machine": LabSpec(1, 2, bandwidth_mbit)}
-    for spec in specs.values():
-        check_can_run(spec)
+    specs = _probe_specs(bandwidth_mbit)
     work_dir = Path(work_dir or tempfile.mkdtemp(prefix="whatif-calibrate-"))
     measured = {where: measure(spec, work_dir / where.split("_")[0], runs=runs) for where, spec in specs.items()}
     if importlib.util.find_spec("horovod") is not None:

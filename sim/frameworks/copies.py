@@ -51,9 +51,8 @@ def pass_rate_bytes_per_us(graph: TaskGraph) -> Optional[float]:
     update = graph.match(OPTIMIZER_STEP) & graph.match(IN_PLACE_UPDATE) & outermost
     events = np.unique(tasks["event"].to_numpy()[update])
     rows = events[events >= 0].tolist()
-    durations = graph.ops["dur_us"].loc[rows].tolist() if rows else []
     updated_bytes = spent_us = 0.0
-    for nbytes, duration_us in zip(first_inputs_bytes(graph.ops, rows) if rows else [], durations):
+    for nbytes, duration_us in zip(first_inputs_bytes(graph.ops, rows), graph.ops["dur_us"].loc[rows].tolist()):
         if nbytes is None or nbytes < MIN_UPDATE_BYTES:
             continue
         updated_bytes += nbytes
