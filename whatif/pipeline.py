@@ -440,6 +440,7 @@ class _Grid:
     microbatch_fits: dict = field(default_factory=dict)  # microbatches -> whether the microbatch trace is at batch / m
     alone: Optional[Schedule] = None  # the worker simulated alone: every 1x1 configuration's schedule
     units: dict = field(default_factory=dict)  # parallelism.units -> the worker's units, found once
+    passes: dict = field(default_factory=dict)  # the leading parallel passes' graphs (parallelize's cache)
     laid: dict = field(default_factory=dict)  # the cluster graphs built, which simulate_cluster keeps
     held: frozenset = frozenset()  # the keys of those laid before the sweep ran elsewhere: on both sides
     spans: dict = field(default_factory=dict)  # what their reports read of them (_spans)
@@ -485,7 +486,8 @@ def _simulated(grid: _Grid, config: ClusterConfig) -> tuple[dict, ClusterSchedul
     par = config.parallelism
     if par is not None and par.families():
         microbatch = grid.microbatch if grid.microbatch_fits.get(int(par.microbatches), True) else None
-        job = parallelize(*_job_graph(grid, par), par, config.cluster, grid.optimizer, grid.gpu_memory_bytes, microbatch)
+        job = parallelize(*_job_graph(grid, par), par, config.cluster, grid.optimizer, grid.gpu_memory_bytes, microbatch,
+                          cache=grid.passes)
         schedule = simulate_job(job, config.cluster)
         run = ClusterSchedule(schedule, job.comm_tasks(), job.rank0(), 0.0, 0.0)
         report = _job_report(schedule, grid.iterations, run.worker0)

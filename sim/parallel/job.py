@@ -130,6 +130,20 @@ def simulate_job(job: ParallelJob, cluster) -> Schedule:
     return schedule
 
 
+def _leading_key(key: Optional[tuple], family: str, par: Parallelism, mine: dict) -> Optional[tuple]:
+    """What the graph after ``family``'s pass depends on, given ``key`` (what the graph before
+    it does): for the tensor and expert passes, their degree, the fields of ``par`` they read
+    and rank 0's group; None (not kept) from the first other pass on, which read more."""
+    if key is None:
+        return None
+    if family == "tensor":
+        return (*key, family, par.tensor, par.sequence_parallel, par.sequence_parallel_grads, par.tensor_dispatch,
+                tuple(mine.get(family, ())))
+    if family == "expert":
+        return (*key, family, par.expert, tuple(mine.get(family, ())))
+    return None
+
+
 def cores_shared(cluster) -> float:
     """How many of a machine's workers share each of its cores (1: a core each)."""
     cores = getattr(cluster, "cores_per_machine", None)
@@ -146,21 +160,34 @@ def check_modelled(par: Parallelism) -> None:
 
 def parallelize(graph: TaskGraph, units: Units, par: Parallelism, cluster,
                 optimizer: str = "adam", gpu_memory: Optional[float] = None,
-                microbatch: Optional[TaskGraph] = None) -> ParallelJob:
+                microbatch: Optional[TaskGraph] = None, cache: Optional[dict] = None) -> ParallelJob:
     """Rank 0's graph of ``par`` on ``cluster``: the registered passes applied in
     :data:`PASS_ORDER`, and the memory per GPU (``gpu_memory``: bytes, None: the cluster's GPUs',
-    if known). ``microbatch``: the model traced at one microbatch, for the pipeline pass."""
+    if known). ``microbatch``: the model traced at one microbatch, for the pipeline pass.
+
+    ``cache``: a dict a grid keeps across its points, where the leading passes that read only a
+    few of ``par``'s fields (:func:`_leading_key`: tensor, then expert) keep their graphs and
+    units, so that points differing in the other dimensions build them once. Every pass copies
+    the graph it is given, so a kept graph is never changed by the passes after it."""
     check_modelled(par)
     all_groups = groups(par, cluster)
     mine = ranks_of(all_groups, 0)
     memory = memory_per_gpu(graph, units, par, optimizer=optimizer)
     applied = []
+    key: Optional[tuple] = (id(graph), id(units), cluster) if cache is not None else None
     for family in PASS_ORDER:
         if family not in par.families():
+            continue
+        key = _leading_key(key, family, par, mine)
+        if key is not None and key in cache:
+            graph, units = cache[key]
+            applied.append(family)
             continue
         extra = {"microbatch": microbatch} if family == "pipeline" and microbatch is not None else {}
         result = PASSES[family](graph, units, par, cluster, mine, **extra)
         graph, units = result if isinstance(result, tuple) else (result, find_units(result, par.units))
+        if key is not None:
+            cache[key] = (graph, units)
         applied.append(family)
     return ParallelJob(par, graph, units, all_groups, mine, applied, memory,
                        gpu_memory if gpu_memory is not None else gpu_memory_bytes(cluster))
