@@ -24,6 +24,7 @@ so ``sim/build.py``, the one place besides ``collectors/`` that reads a trace, c
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from typing import Optional
@@ -116,7 +117,21 @@ def first_inputs_bytes(ops: pd.DataFrame, rows: list) -> list:
 
 
 def first_input_bytes_of(dims_text, types) -> Optional[float]:
-    """:func:`first_input_bytes` of an operator's recorded ``input_dims`` and ``input_types``."""
+    """:func:`first_input_bytes` of an operator's recorded ``input_dims`` and ``input_types``
+    (kept per pair of texts: a trace repeats each layer's shapes every iteration, and the
+    passes read them again at every point of a grid)."""
+    try:
+        return _kept_first_input_bytes(dims_text, types)
+    except TypeError:  # not texts
+        return _first_input_bytes(dims_text, types)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _kept_first_input_bytes(dims_text, types) -> Optional[float]:
+    return _first_input_bytes(dims_text, types)
+
+
+def _first_input_bytes(dims_text, types) -> Optional[float]:
     try:
         dims = json.loads(dims_text or "null")
     except json.JSONDecodeError:

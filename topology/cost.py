@@ -53,6 +53,7 @@ on NCCL as a communicator of those GPUs; on the link models as the smaller clust
 from __future__ import annotations
 
 import difflib
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional, Sequence
@@ -101,8 +102,24 @@ class CollectiveCost:
 def collective_cost(cluster: Cluster, op: str, nbytes: float, *, ranks: Optional[Sequence[int]] = None,
                     algorithm: Optional[str] = None, protocol: Optional[str] = None) -> CollectiveCost:
     """The time ``op`` on ``nbytes`` among ``ranks`` takes on an otherwise idle ``cluster``;
-    ``algorithm`` / ``protocol`` force a choice."""
+    ``algorithm`` / ``protocol`` force a choice. The models are pure functions of these, so a
+    cost is kept (:func:`_kept_cost`) and a grid's points, which price the same collectives on
+    the same cluster again and again, compute each once; a cluster that cannot be hashed is
+    priced each time."""
     op, nbytes = _check(op, nbytes)
+    if ranks is not None:
+        ranks = tuple(int(r) for r in ranks)
+    try:
+        return _kept_cost(cluster, op, nbytes, ranks, algorithm, protocol)
+    except TypeError as err:
+        if "unhashable" not in str(err):
+            raise
+    return _models(cluster, op).cost(cluster, op, nbytes, ranks, algorithm, protocol)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _kept_cost(cluster: Cluster, op: str, nbytes: float, ranks: Optional[tuple], algorithm: Optional[str],
+               protocol: Optional[str]) -> CollectiveCost:
     return _models(cluster, op).cost(cluster, op, nbytes, ranks, algorithm, protocol)
 
 
