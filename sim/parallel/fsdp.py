@@ -446,12 +446,14 @@ class _Plan:
         the zero-length tasks, each with the task it follows."""
         if self.blocking:
             return self._insert_on_thread(graph, price)
-        returns = {}
+        waits = {}  # the task a wait follows -> the wait, inserted in the order first asked for
         for c in self.collectives:
-            if c.returns_after is not None and c.returns_after not in returns:
-                after = c.returns_after
-                returns[after] = graph.insert(after, None, f"wait for {c.op} {GROUP}", 0.0)
-                graph.tasks.loc[returns[after], ["measured_start_us", "measured_end_us"]] = self.end[after]
+            if c.returns_after is not None and c.returns_after not in waits:
+                waits[c.returns_after] = (c.returns_after, f"wait for {c.op} {GROUP}", 0.0, TaskKind.INSERTED)
+        returns = dict(zip(waits, graph.insert_many(list(waits.values()))))
+        if returns:
+            ends = self.end[np.fromiter(returns, dtype=np.int64, count=len(returns))]
+            graph.tasks.loc[list(returns.values()), ["measured_start_us", "measured_end_us"]] = np.c_[ends, ends]
         tasks = graph.tasks
         base = len(tasks)
         keys = {}

@@ -107,7 +107,7 @@ def memory_per_gpu(graph: TaskGraph, units: Units, par: Parallelism, optimizer: 
     e = dtype_bytes or _parameter_dtype_bytes(graph)
     state_bytes = OPTIMIZER_STATE_BYTES[optimizer][0 if e >= 4 else 1]
     stages = stage_units(len(units), par)
-    unit_params, unit_experts, before, after = _parameter_elements(graph, units)
+    unit_params, unit_experts, before, after = (a.copy() for a in _facts(graph, units).parameters)
     if parameter_bytes is not None and not len(graph.workload.parameters):
         before[0] += max(parameter_bytes / _parameter_dtype_bytes(graph) - unit_params.sum(), 0.0)
     # per unit: tensor parallel divides it, expert parallel its experts
@@ -208,28 +208,77 @@ def _activations(graph: TaskGraph, units: Units, par: Parallelism, e: int, membe
     """Activation bytes ``stage`` holds at its peak: its units' per microbatch times the
     microbatches in flight (and, on the first stage, the operators outside units, once)."""
     scale = 1.0 / par.microbatches
-    per_microbatch = sum(_unit_activation(graph, units, par, e, int(u)) for u in members) * scale
+    facts = _facts(graph, units)
+    per_microbatch = sum(_unit_activation(facts, par, e, int(u)) for u in members) * scale
     outside = 0.0
     if stage == 0:
-        outside = _saved_inputs(graph, np.flatnonzero((units.task_unit < 0) & (units.task_phase == PHASE_FORWARD)))
-        outside *= scale * (e / _parameter_dtype_bytes(graph)) / (par.tensor if par.sequence_parallel else 1)
+        outside = facts.outside_saved
+        outside *= scale * (e / facts.traced) / (par.tensor if par.sequence_parallel else 1)
     return per_microbatch * in_flight_microbatches(par, stage) + outside
 
 
-def _unit_activation(graph: TaskGraph, units: Units, par: Parallelism, e: int, unit: int) -> float:
+@dataclass(frozen=True)
+class _UnitFacts:
+    """What the activation count reads of a graph's units, whatever the parallelism: the
+    activations' element size as traced, and per unit its ``s b h`` elements, whether its
+    attention is fused, its attention scores' elements and its forward's saved inputs (bytes),
+    and the saved inputs of the forward outside units."""
+
+    traced: int
+    sbh: tuple
+    fused: tuple
+    scores: tuple
+    saved: tuple
+    outside_saved: float
+    parameters: tuple  # _parameter_elements' arrays (copy them before changing one)
+
+
+#: Facts of the last graphs' units, by the identity of what they were read from (the tasks,
+#: operators, parameters, layers and units objects, kept so that an id is never reused while
+#: listed).
+_FACTS: dict = {}
+_FACTS_KEPT = 8
+
+
+def _facts(graph: TaskGraph, units: Units) -> _UnitFacts:
+    """The :class:`_UnitFacts` of ``units`` on ``graph``, read once per graph and units: a grid
+    counts the memory of every point from the same ones. They read the tasks' contexts and
+    events, the operators, the parameters and the layers, which no pass changes in place."""
+    sources = (graph.tasks, graph.ops, graph.workload.parameters, graph.workload.layers, units)
+    key = tuple(id(x) for x in sources)
+    kept = _FACTS.get(key)
+    if kept is not None and all(a is b for a, b in zip(kept[0], sources)):
+        return kept[1]
+    traced = _parameter_dtype_bytes(graph)
+    forwards = [units.tasks_of(u, PHASE_FORWARD) for u in range(len(units))]
+    names = [_operator_names(graph, forward) for forward in forwards]
+    facts = _UnitFacts(
+        traced=traced,
+        sbh=tuple(float(units.table["activation_bytes"].iat[u]) / traced for u in range(len(units))),
+        fused=tuple(any(_ATTENTION_FUSED.search(n) for n in unit_names) for unit_names in names),
+        scores=tuple(_softmax_elements(graph, forward) for forward in forwards),
+        saved=tuple(_saved_inputs(graph, forward) for forward in forwards),
+        outside_saved=_saved_inputs(graph, np.flatnonzero((units.task_unit < 0) & (units.task_phase == PHASE_FORWARD))),
+        parameters=_parameter_elements(graph, units),
+    )
+    while len(_FACTS) >= _FACTS_KEPT:
+        _FACTS.pop(next(iter(_FACTS)))
+    _FACTS[key] = (sources, facts)
+    return facts
+
+
+def _unit_activation(facts: _UnitFacts, par: Parallelism, e: int, unit: int) -> float:
     """One unit's activations for the traced batch (Korthikanti et al.'s table 2, or what its
     operators read where it has no attention)."""
     t, sp = par.tensor, par.sequence_parallel
-    traced = _parameter_dtype_bytes(graph)  # the activations' element size as traced
-    sbh = float(units.table["activation_bytes"].iat[unit]) / traced
-    forward = units.tasks_of(unit, PHASE_FORWARD)
-    names = _operator_names(graph, forward)
-    fused = any(_ATTENTION_FUSED.search(n) for n in names)
-    scores = _softmax_elements(graph, forward)
+    traced = facts.traced  # the activations' element size as traced
+    sbh = facts.sbh[unit]
+    fused = facts.fused[unit]
+    scores = facts.scores[unit]
     if not (fused or scores):  # not a transformer block: what its operators keep
         if par.recompute == "full":
             return sbh * e / (t if sp else 1)
-        return _saved_inputs(graph, forward) * (e / traced) / t
+        return facts.saved[unit] * (e / traced) / t
     if par.recompute == "full":
         return 2 * sbh * (e / 2) / (t if sp else 1)
     linear = 34 / t if sp else 10 + 24 / t
