@@ -84,7 +84,7 @@ def results_table(results: pd.DataFrame) -> str:
         if column.startswith("exposed_") and column.endswith("_ms") and column not in names:
             names[column] = column.replace("_", " ")
     shown = results.rename(columns=names)[[v for k, v in names.items() if k in results.columns]]
-    return shown.to_string(index=False, float_format=lambda v: f"{v:.2f}")
+    return shown.to_string(index=False, float_format=lambda v: f"{v:.2f}", na_rep="-")
 
 
 def named_table(frame: pd.DataFrame, text_columns: tuple) -> str:

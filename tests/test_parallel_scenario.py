@@ -8,6 +8,7 @@ import pytest
 from trace_corpus import REPO
 
 from whatif.pipeline import Request, predict
+from whatif.report.tables import results_table
 from whatif.scenario import Scenario, ScenarioError
 from whatif.sim.distributed import ClusterConfig
 from whatif.sim.graph import TaskKind
@@ -194,6 +195,11 @@ def test_a_parallel_job_and_plain_data_parallelism_through_the_pipeline(tensor_p
     assert rows.at["dp1 tp2", "exposed_tensor_ms"] > 0
     assert rows.at["dp1 tp2", "messages_per_iteration"] == 4
     assert np.isnan(rows.at["dp2", "exposed_tensor_ms"])
+    # plain data parallelism's exposed communication is all of its one dimension's; the table
+    # shows a dimension a layout does not have as "-"
+    assert rows.at["dp2", "exposed_data_ms"] == rows.at["dp2", "exposed_comm_ms"] > 0
+    table = results_table(prediction.results)
+    assert "nan" not in table.lower() and table.splitlines()[1].split()[-1] == "-"
     job = parallelize(prediction.worker, find_units(prediction.worker), Parallelism(tensor=2), cluster)
     assert job.passes == ["tensor"] and job.ranks_of["tensor"] == (0, 1)
     assert len(job.comm_tasks()) == 4 * len(prediction.report)

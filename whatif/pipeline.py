@@ -505,6 +505,9 @@ def _simulated(grid: _Grid, config: ClusterConfig) -> tuple[dict, ClusterSchedul
                                 grid.optimizer, parameter_bytes=grid.gradients.bytes_per_iteration())
         gpu_bytes = grid.gpu_memory_bytes if grid.gpu_memory_bytes is not None else gpu_memory_bytes(config.cluster)
         row.update(parallelism=par.describe(), **memory_columns(memory, gpu_bytes))
+        row["exposed_data_ms"] = row["exposed_comm_ms"] if config.workers > 1 else 0.0  # its one dimension
+        if row.get("collectives"):  # named by dimension, as a parallel job's are
+            row["collectives"] = f"data {row['collectives']}"
     return row, run
 
 

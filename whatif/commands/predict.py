@@ -28,7 +28,7 @@ ERRORS = (ScenarioError, SweepError)
 
 
 def add_parsers(sub) -> None:
-    predict_ = sub.add_parser("predict", help="data-parallel training on a cluster, from a scenario YAML")
+    predict_ = sub.add_parser("predict", help="training on a cluster (data, FSDP/ZeRO, tensor, pipeline, expert parallelism), from a scenario YAML")
     predict_.add_argument("scenario", type=Path, help="scenario file (see scenarios/)")
     predict_.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     predict_.add_argument("--plot", type=Path, metavar="OUT.png", help="scaling curve and time breakdown")
