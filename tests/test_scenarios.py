@@ -119,6 +119,26 @@ def test_a_cluster_named_by_its_machine_keeps_the_machines_gpus_and_nccl(tmp_pat
     assert scenario.collective is None, "NCCL chooses"
 
 
+def test_a_cluster_file_names_the_cluster_and_the_scenario_changes_what_it_gives(tmp_path):
+    """``cluster: FILE`` (what ``whatif calibrate nccl-tests --out`` writes, or a scenario) or
+    ``cluster: {file: FILE, ...}``: the file's cluster with the scenario's keys in place of its
+    own, lists making a grid, a mapping changing only the keys it names."""
+    (tmp_path / "calibrated.yaml").write_text("machine: hgx_h100\nmachines: 2\nnccl: {version: 2.25.1, protocol: simple}\n")
+    (tmp_path / "other.yaml").write_text(GOOD_TRACE + "cluster: calibrated.yaml\n")
+    as_is = Scenario.from_file(write_scenario(tmp_path, GOOD_TRACE + "cluster: calibrated.yaml\n"))
+    assert [(p.cluster.machines, p.cluster.fabric.calibration.version) for p in as_is.points] == [(2, (2, 25, 1))]
+    grid = Scenario.from_file(write_scenario(
+        tmp_path, GOOD_TRACE + "cluster: {file: calibrated.yaml, machines: [8, 64], nccl: {algorithm: ring}}\n"))
+    assert [p.cluster.machines for p in grid.points] == [8, 64]
+    assert all(p.cluster.fabric.calibration.version == (2, 25, 1) and p.cluster.fabric.calibration.protocol == "simple"
+               and p.cluster.fabric.calibration.algorithm == "ring" for p in grid.points)
+    for text, message in (("cluster: missing.yaml\n", "cluster: "), ("cluster: {file: missing.yaml}\n", "cluster.file: "),
+                          ("cluster: {file: other.yaml}\n", "names another file")):
+        with pytest.raises(ScenarioError) as err:
+            Scenario.from_file(write_scenario(tmp_path, GOOD_TRACE + text))
+        assert message in str(err.value) and "\n" not in str(err.value)
+
+
 def test_gpu_variation_draws_each_gpus_own_slowdown_the_same_way_every_time(tmp_path):
     text = f"trace: {BUNDLED_TRACE}\ncluster: {{machines: [2, 4], gpus_per_machine: 2, intra_node: nvlink2, inter_node: 10gbe}}\ngpu_variation: {{sigma: 0.1, seed: 3}}\n"
     configs = Scenario.from_file(write_scenario(tmp_path, text)).request().clusters

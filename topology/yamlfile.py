@@ -74,3 +74,42 @@ def _is_trace(data) -> bool:
     """Whether a document is a Chrome/Kineto trace: JSON is YAML, so a plain trace file loads."""
     events = data.get("traceEvents") if isinstance(data, dict) else data
     return isinstance(events, list) and bool(events) and all(isinstance(e, dict) and "ph" in e for e in events[:8])
+
+
+def with_cluster_file(block: Any, base_dir: Path) -> Any:
+    """A cluster block that names a file holding one, read: ``calibrated.yaml`` (the file's
+    cluster as it is) or ``{file: calibrated.yaml, machines: [8, 64]}`` (the file's cluster with
+    the block's other keys in place of its own; a mapping given for a mapping, such as
+    ``nccl: {version: 2.26.2}``, changes only the keys it names, so the calibration stays). The
+    file is a cluster YAML (``whatif calibrate nccl-tests --out``) or a scenario (its
+    ``cluster:``), relative to ``base_dir``; a relative ``links:`` in it is relative to it. Any
+    other block comes back as it is. A file that cannot be read, or holds no cluster, raises a
+    :class:`TopologyError` with key ``file`` and a message that names it."""
+    if isinstance(block, str):
+        block = {"file": block}
+    if not isinstance(block, dict) or "file" not in block:
+        return block
+    given = Path(str(block["file"]))
+    path = given if given.is_absolute() else Path(base_dir) / given
+    try:
+        doc = read_yaml(path)
+    except TopologyError as err:
+        raise TopologyError("file", f"{path}: {err.message}") from None
+    if isinstance(doc, dict) and "cluster" in doc:
+        doc = doc["cluster"]
+    named = doc if isinstance(doc, str) else doc.get("file") if isinstance(doc, dict) else None
+    if named is not None:
+        raise TopologyError("file", f"{path}: names another file ({named}); name that one instead")
+    if not isinstance(doc, dict):
+        raise TopologyError("file", f"{path}: holds no cluster (a mapping of machine, machines, ..., or a "
+                                    "scenario's cluster: block)")
+    merged = dict(doc)
+    links = merged.get("links")
+    if isinstance(links, str) and not Path(links).is_absolute():
+        merged["links"] = str(path.parent / links)
+    for key, value in block.items():
+        if key == "file":
+            continue
+        mine = merged.get(key)
+        merged[key] = {**mine, **value} if isinstance(mine, dict) and isinstance(value, dict) else value
+    return merged

@@ -84,7 +84,7 @@ from whatif.sim.parallel.memory import OPTIMIZER_STATE_BYTES
 from whatif.sim.passes.registry import OPTIMIZATIONS, optimization_name, parse_optimization
 from whatif.topology import Cluster, TopologyError, as_gbps, collective_cost, parse_size, with_fabric_links
 from whatif.topology.units import parse_latency
-from whatif.topology.yamlfile import read_yaml
+from whatif.topology.yamlfile import read_yaml, with_cluster_file
 
 from .pipeline import Request, WhatIf
 
@@ -298,10 +298,14 @@ def _parse(doc: Any, base_dir: Path, name: str) -> Scenario:
     if not job and not (trace.is_file() or is_bundle(trace)):
         raise ScenarioError(name, "trace", f"no such file: {trace}")
 
-    clusters = _clusters(name, base_dir, doc["cluster"])
+    try:  # cluster: FILE, or {file: FILE, ...}: a cluster file (whatif calibrate nccl-tests --out)
+        block = with_cluster_file(doc["cluster"], base_dir)
+    except TopologyError as err:
+        raise ScenarioError(name, "cluster" if isinstance(doc["cluster"], str) else "cluster.file", err.message) from None
+    clusters = _clusters(name, base_dir, block)
     # the same grid on each calibration run's links (a links file from whatif lab calibrate keeps them)
-    calibration_runs = range(len(_calibration_runs(name, base_dir, doc["cluster"])))
-    runs = [_clusters(name, base_dir, doc["cluster"], run) for run in calibration_runs]
+    calibration_runs = range(len(_calibration_runs(name, base_dir, block)))
+    runs = [_clusters(name, base_dir, block, run) for run in calibration_runs]
     parallel = _parallelism(name, doc.get("parallelism"))
     default_framework = "horovod" if doc.get("parallelism") is None else "ddp"
     frameworks = [_choice(name, "framework", f, FRAMEWORKS) for f in _as_list(doc.get("framework", default_framework))]

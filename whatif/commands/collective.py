@@ -8,8 +8,9 @@ CLUSTER.yaml --out CALIBRATED.yaml`` fits the cluster's NCCL calibration to meas
 writes the calibrated cluster, which ``whatif collective`` and scenarios read.
 
 ``CLUSTER.yaml`` is a scenario's ``cluster:`` block on its own, or a whole scenario (its
-``cluster:`` is used; ``links: FILE`` is merged as scenarios merge it). Errors are one line
-that names the file and the key.
+``cluster:`` is used; ``links: FILE`` is merged as scenarios merge it, and ``file: FILE``,
+another cluster file, read as scenarios read it: ``topology.yamlfile.with_cluster_file``).
+Errors are one line that names the file and the key.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from whatif.topology.calibrate import fit_tables
 from whatif.topology.nccl.tuning import OPS, parse_choices
 from whatif.topology.nccl.versions import LATEST, parse_version, version_text
 from whatif.topology.nccl_tests import bus_factor, read_table
-from whatif.topology.yamlfile import read_yaml
+from whatif.topology.yamlfile import read_yaml, with_cluster_file
 
 from . import refuse_inputs
 
@@ -87,7 +88,13 @@ def load_cluster_config(path: Path) -> dict:
     if not isinstance(data, Mapping):
         raise TopologyError(str(path), "expected a mapping with machines, gpus_per_machine, ... or a cluster: block")
     key = "cluster" if "cluster" in data else ""
-    config = dict(data[key]) if key else dict(data)
+    try:  # a cluster that names a cluster file (file: FILE), or a scenario's cluster: FILE
+        config = with_cluster_file(data[key] if key else data, path.parent)
+    except TopologyError as err:
+        raise TopologyError(f"{path}: {key + '.' if key else ''}{err.key}", err.message) from None
+    if not isinstance(config, Mapping):
+        raise TopologyError(f"{path}: {key}", "expected a mapping with machines, gpus_per_machine, ... or a file: name")
+    config = dict(config)
     if "links" in config:
         links_path = Path(str(config.pop("links")))
         links_path = links_path if links_path.is_absolute() else path.parent / links_path
