@@ -232,3 +232,45 @@ def test_sizes_that_all_round_to_nothing_are_one_line_not_an_empty_table_or_a_mi
     assert not png.exists()
     code, out, err = run(capsys, "collective", str(h100), "--op", "all_gather", "-b", "8", "-e", "1K")
     assert code == 0 and "all_gather" in out
+
+
+ISSUE309 = {nodes: DATA / f"h100_ib_{nodes}node_{8 * nodes}gpu_allreduce_issue309.txt" for nodes in (2, 8)}
+
+
+def _out_of_place_us(path) -> dict:
+    return {int(p[0]): float(p[5]) for p in (line.split() for line in path.read_text().splitlines())
+            if p and p[0].isdigit()}
+
+
+def test_two_nodes_of_an_unstated_release_calibrate_to_rates_that_carry_to_eight(capsys, tmp_path):
+    """Issue 309's H100 cluster, two nodes of its eight (the output names no NCCL release, so the
+    calibration warns and takes the newest): the NVLS tree's NVSwitch and NIC rates are told
+    only as a product by one scale, and the fit keeps the split nearest their priors (it had left
+    NVLS at its 1.5 bound and the NICs at 47 %, which made all eight nodes 65 to 86 % slow from
+    256 MiB up); a calibrated cluster named by a file, its machines changed, predicts the eight."""
+    cluster = tmp_path / "h100x2.yaml"
+    cluster.write_text("machine: hgx_h100\nmachines: 2\n")
+    calibrated = tmp_path / "calibrated.yaml"
+    code, _, err = run(capsys, "calibrate", "nccl-tests", str(ISSUE309[2]), "--cluster", str(cluster), "--out", str(calibrated))
+    assert code == 0 and "do not say which NCCL release ran them" in err and "--nccl-version" in err
+    assert "the fit left" not in err
+    rates = yaml.safe_load(calibrated.read_text())["nccl"]["measured"]
+    assert 0.8 < rates["efficiency"]["ib"] <= 1.1 and 0.9 < rates["link_efficiency"]["nvls"] < 1.2
+    eight = tmp_path / "eight.yaml"
+    eight.write_text(f"cluster: {{file: {calibrated.name}, machines: 8}}\n")
+    code, out, _ = run(capsys, "collective", str(eight), "-b", "256M", "-e", "8G", "--json")
+    measured = _out_of_place_us(ISSUE309[8])
+    errors = [row["time_us"] / measured[row["bytes"]] - 1 for row in json.loads(out)["rows"]]
+    assert code == 0 and len(errors) == 6 and max(map(abs, errors)) < 0.12
+
+
+def test_a_rate_the_fit_leaves_at_a_bound_is_named(capsys, tmp_path, h100):
+    """Rows no allowed rate explains (a table 20 times slower than the fabric) leave the NICs'
+    rate at its lower bound, and the calibration says so."""
+    from whatif.topology.nccl.measured import BOUNDS, Measured
+
+    assert Measured(efficiency=(("ib", BOUNDS["efficiency"][0]),), link_efficiency=(("nvls", 1.2),)).at_bounds() == ["ib at 0.1"]
+    slow = tmp_path / "slow.txt"
+    slow.write_text(measured_table(Cluster.from_config(yaml.safe_load(H100)), "all_reduce", 16, 0.05, 0.0))
+    code, _, err = run(capsys, "calibrate", "nccl-tests", str(slow), "--cluster", str(h100), "--out", str(tmp_path / "c.yaml"))
+    assert code == 0 and "the fit left ib at 0.1" in err

@@ -51,6 +51,11 @@ from ..units import TopologyError
 ARCHS = ("volta", "turing", "ampere", "hopper", "blackwell")
 KINDS = ("ib", "roce", "gib", "efa1", "efa2", "efa3", "efa", "tcpx", "tcpxo", "socket", "slingshot", "ofi")
 LINKS = ("nvlink", "nvls", "pci")
+#: How lightly :func:`fit` holds a rate to its prior: a residual of ``RATE_PULL x log(rate /
+#: prior)`` beside the rows' (each ``log(predicted / measured)``, a table's rows weighing one in
+#: all). A rate the rows determine moves as they say (one at 0.8 where they say so costs as much
+#: as 0.7 % of error on one row); where they determine only a product of two, this chooses.
+RATE_PULL = 0.03
 BOUNDS = {"kernel_us": (0.0, 40.0), "hop_us": (0.0, 200.0), "efficiency": (0.1, 1.5), "link_efficiency": (0.1, 1.5),
           "p2p_efficiency": (0.1, 1.5),
           "host_launch_us": (0.0, 20.0), "host_call_us": (0.0, 5.0)}
@@ -82,6 +87,18 @@ class Measured:
 
     def local_efficiency(self, link: str) -> float:
         return _lookup(self.link_efficiency, link, "", 1.0)
+
+    def at_bounds(self) -> list:
+        """The rates (``efficiency``, ``link_efficiency``, ``p2p_efficiency``) at a bound of
+        :data:`BOUNDS`, each as ``nvls at 1.5``: where a fit puts one, no rate it allows
+        explains the rows, and the other constants have bent to make up for it."""
+        out = []
+        for name, pairs in (("efficiency", self.efficiency), ("link_efficiency", self.link_efficiency),
+                            ("p2p_efficiency", (("p2p", self.p2p_efficiency),))):
+            lo, hi = BOUNDS[name]
+            out += [f"{key} at {value:.2g}" for key, value in pairs
+                    if value <= lo * (1 + 1e-3) or value >= hi * (1 - 1e-3)]
+        return out
 
     def host_us(self, gpus_per_thread: int, calls_per_gpu: int) -> float:
         """nccl-tests' host time per iteration for one thread driving ``gpus_per_thread`` GPUs."""
@@ -248,6 +265,16 @@ def _regime(row: Row) -> str:
     return "bandwidth" if share >= 0.8 else "mixed"
 
 
+def _prior_rate(prior: Measured, name: str) -> float:
+    """The prior value of the rate ``name`` (``eff:KIND``, ``link:LINK`` or ``p2p``) of :func:`fit`."""
+    kind, _, key = name.partition(":")
+    if kind == "eff":
+        return prior.net_efficiency(key)
+    if kind == "link":
+        return prior.local_efficiency(key)
+    return prior.p2p_efficiency
+
+
 def _merged(fitted: Sequence[tuple], prior: tuple) -> tuple:
     """``fitted`` ``(key, value)`` pairs, then ``prior``'s for the keys no row informed."""
     keys = {k for k, _ in fitted}
@@ -331,8 +358,15 @@ def fit(rows: Sequence[Row], source: str = "", fit_efficiency: bool = False, pri
         count[r.table] = count.get(r.table, 0) + 1
     weights = np.array([1.0 / math.sqrt(count[r.table]) for r in rows])
 
+    # the rates held lightly to their priors: where the rows tell only a product of two of them
+    # (NVLS tree's NVSwitch and NIC parts, both in proportion to the size, at one scale), the fit
+    # takes the split nearest the prior instead of an arbitrary point of that ridge
+    pulled = [i for i, n in enumerate(names) if n.startswith(("eff:", "link:")) or n == "p2p"]
+    towards = np.log([_prior_rate(prior, names[i]) for i in pulled])
+
     def residuals(x: np.ndarray) -> np.ndarray:
-        return weights * np.log(arrays.predict(*unpack(x)) / measured)
+        fitted = weights * np.log(arrays.predict(*unpack(x)) / measured)
+        return np.concatenate([fitted, RATE_PULL * (np.log(x[pulled]) - towards)]) if pulled else fitted
 
     if not layout:
         return prior

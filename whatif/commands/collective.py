@@ -25,6 +25,7 @@ import yaml
 from whatif.collectors.diagnostics import report
 from whatif.topology import Cluster, TopologyError, collective_cost, parse_size
 from whatif.topology.calibrate import fit_tables
+from whatif.topology.nccl.measured import BOUNDS
 from whatif.topology.nccl.tuning import OPS, parse_choices
 from whatif.topology.nccl.versions import LATEST, parse_version, version_text
 from whatif.topology.nccl_tests import bus_factor, read_table
@@ -265,6 +266,13 @@ def run_calibrate(args) -> int:
         report(text)
     if from_tables:
         print(f"NCCL {from_tables}, as the tables say they ran it")
+    nccl = config.get("nccl")  # with --nccl-version or the tables' release in it, where either says one
+    unstated = not (isinstance(nccl, Mapping) and nccl.get("version"))
+    release = version_text(cluster.fabric.calibration.version or LATEST) if cluster.fabric is not None else None
+    if unstated and release:
+        report(f"{', '.join(Path(t.path).name for t in tables)}: the outputs do not say which NCCL release ran them "
+               f"(NCCL_DEBUG=VERSION prints it); calibrated as NCCL {release}, whose choices and constants may not be "
+               "those of the release you ran: pass --nccl-version")
     for table in tables:
         if (table.algorithm and not args.algorithm) or (table.protocol and not args.protocol):
             forced = ", ".join(f"{k} {v}" for k, v in (("NCCL_ALGO", table.algorithm), ("NCCL_PROTO", table.protocol)) if v)
@@ -289,6 +297,15 @@ def run_calibrate(args) -> int:
         print(f"  {link:<6} {name:<{width}} bandwidth x{bandwidth:.3f}  latency x{latency:.3f}  ({count} rows)")
     for note in fit.diagnoses:
         print(note)
+    measured = fit.cluster.fabric.calibration.measured if fit.cluster.fabric is not None else None
+    bounded = measured.at_bounds() if measured is not None else []
+    if bounded:
+        lo, hi = BOUNDS["efficiency"]
+        why = "a release other than the one calibrated as? pass --nccl-version" if unstated else \
+            "check the cluster file's machine, NICs and nvlink_domain against the machines that ran them"
+        report(f"{', '.join(Path(t.path).name for t in tables)}: the fit left {', '.join(bounded)} (rates of "
+               f"{lo:g} to {hi:g} of NCCL's figures are allowed): no rate explains these rows under NCCL "
+               f"{release}'s model of this cluster ({why}), so predictions at another scale may be far off")
     out = {**{k: v for k, v in config.items() if k != "nccl"}, "nccl": fit.cluster.fabric.calibration.as_config()}
     from whatif.report.timeline import write_atomically
 
