@@ -4,6 +4,7 @@
     .venv/bin/python bench/nccl_accuracy.py --rows TABLE    # one table row by row
     .venv/bin/python bench/nccl_accuracy.py --json
     .venv/bin/python bench/nccl_accuracy.py --markdown      # the cross-scale table docs/communication.md quotes
+    .venv/bin/python bench/nccl_accuracy.py --unprinted-as-newest  # cross-scale as a user without the release
     .venv/bin/python bench/nccl_accuracy.py --write-measured  # refit presets/measured.yaml
 
 FOLDER holds ``data/*.txt`` (nccl-tests outputs) and ``tables.yaml`` (each table's cluster as
@@ -204,6 +205,15 @@ def cluster_config(entry: dict) -> dict:
     return config
 
 
+def as_user_would(entry: dict, config: dict) -> dict:
+    """``config`` as a user holding only the table would give it: where the table does not print
+    its NCCL release, none (so the newest modelled), not the one its date implies."""
+    if nccl_version(entry)[1] == "printed":
+        return config
+    nccl = {k: v for k, v in config.get("nccl", {}).items() if k != "version"}
+    return {**{k: v for k, v in config.items() if k != "nccl"}, **({"nccl": nccl} if nccl else {})}
+
+
 def with_calibration(config: dict, calibration) -> dict:
     """``config`` with ``calibration``'s factors, keeping its own NCCL version."""
     nccl = {k: v for k, v in calibration.as_config().items() if k not in ("version", "min_channels")}
@@ -327,22 +337,27 @@ def series_of(loaded: list) -> dict:
     return groups
 
 
-def cross_scale(loaded: list, constants: dict) -> list:
+def cross_scale(loaded: list, constants: dict, unprinted_as_newest: bool = False) -> list:
     """For every series: calibrate (``whatif calibrate nccl-tests``) on one scale's tables, on top
-    of the source's held-out measured constants, and predict every other scale's."""
+    of the source's held-out measured constants, and predict every other scale's.
+    ``unprinted_as_newest``: a table that does not print its NCCL release is calibrated and
+    predicted as the newest modelled, as ``whatif calibrate nccl-tests`` does without
+    ``--nccl-version``, instead of the release its date implies."""
     results = []
+    configured = (lambda entry: as_user_would(entry, cluster_config(entry))) if unprinted_as_newest else cluster_config
     for name, members in series_of(loaded).items():
         scales = sorted({m[2].n_gpus for m in members})
         if len(scales) < 2:
             continue
         for scale in scales:
             on = [m for m in members if m[2].n_gpus == scale]
-            base = with_measured(on[0][2], constants[on[0][0].get("source_id")])
+            base = with_measured(Cluster.from_config(configured(on[0][0]), "tables.yaml"),
+                                 constants[on[0][0].get("source_id")])
             calibrated = fit_tables([m[1] for m in on], base, [parse_choices(*forced(m[0])) for m in on]).cluster
             for entry, table, cluster in members:
                 if cluster.n_gpus == scale:
                     continue
-                config = with_calibration(cluster_config(entry), calibrated.fabric.calibration)
+                config = with_calibration(configured(entry), calibrated.fabric.calibration)
                 result = evaluate(entry, table, Cluster.from_config(config))
                 results.append({"series": name, "calibrated_on": f"{scale} GPUs", **result})
     return results
@@ -382,6 +397,9 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", metavar="TABLE", help="print one table's rows")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--no-cross-scale", action="store_true")
+    parser.add_argument("--unprinted-as-newest", action="store_true",
+                        help="cross-scale only: a table that does not print its NCCL release calibrated and predicted "
+                             "as the newest modelled (what calibrate nccl-tests does without --nccl-version)")
     parser.add_argument("--markdown", action="store_true",
                         help="print the cross-scale table and figures as docs/communication.md quotes them")
     parser.add_argument("--write-measured", action="store_true",
@@ -403,7 +421,7 @@ def main(argv=None) -> int:
     spec = [evaluate(entry, table, cluster) for entry, table, cluster in loaded]
     held = [evaluate(entry, table, with_measured(cluster, constants[entry.get("source_id")]))
             for entry, table, cluster in loaded]
-    crossed = [] if args.no_cross_scale else cross_scale(loaded, constants)
+    crossed = [] if args.no_cross_scale else cross_scale(loaded, constants, args.unprinted_as_newest)
     if args.json:
         print(json.dumps({"spec_only": spec, "held_out": held, "cross_scale": crossed,
                           "constants": {k: v.as_config() for k, v in constants.items()}}))
