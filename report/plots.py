@@ -84,8 +84,10 @@ def _exposed_by_dimension(frame: pd.DataFrame) -> tuple[dict, dict]:
         frame[f"plot_{column}"] = parts[column].to_numpy() * scale
         colours[f"plot_{column}"] = colour
         names[f"plot_{column}"] = f"exposed {column[len('exposed_'):-len('_ms')]} communication"
-    frame["plot_exposed_other"] = np.where(total > 0, 0.0, frame["exposed_comm_ms"].to_numpy())
-    colours["plot_exposed_other"], names["plot_exposed_other"] = "#ccb974", "exposed communication (other)"
+    other = np.where(total > 0, 0.0, frame["exposed_comm_ms"].fillna(0.0).to_numpy())
+    if other.any():  # configurations whose communication has no dimension
+        frame["plot_exposed_other"] = other
+        colours["plot_exposed_other"], names["plot_exposed_other"] = "#ccb974", "exposed communication (other)"
     colours["idle_ms"], names["idle_ms"] = "#c7c7c7", "idle (and pipeline bubble)"
     return colours, names
 

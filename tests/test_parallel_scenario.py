@@ -242,7 +242,10 @@ def test_the_plot_splits_exposed_communication_by_dimension(tmp_path):
     colours, names = _exposed_by_dimension(frame)
     assert list(colours)[1:3] == ["plot_exposed_tensor_ms", "plot_exposed_data_ms"]
     assert frame.loc[1, ["plot_exposed_tensor_ms", "plot_exposed_data_ms"]].tolist() == [15.0, 15.0]
-    assert frame.loc[0, "plot_exposed_other"] == 20.0  # plain data parallelism: the cluster's own
+    assert frame.loc[0, "plot_exposed_other"] == 20.0  # communication no dimension names
+    named = results.assign(exposed_data_ms=[20.0, 20.0])  # as the pipeline names plain data parallelism's
+    colours, _ = _exposed_by_dimension(named)
+    assert "plot_exposed_other" not in colours and "plot_exposed_other" not in named, "no empty legend entry"
     plot_scenario(results, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").stat().st_size > 0
 
