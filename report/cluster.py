@@ -148,31 +148,75 @@ def exposed_by_dimension(run: ClusterSchedule, report: pd.DataFrame, names: np.n
     return out
 
 
-def configuration_labels(rows: list[dict], configs: Sequence[ClusterConfig]) -> list[str]:
+def configuration_labels(rows: list[dict], configs: Sequence[ClusterConfig]) -> tuple[list[str], list[str]]:
     """Each row's name (``2x4 25Gbps ddp fifo``), which keys the simulated runs and names their
-    timelines. Where configurations of one name differ in something else (a grid over
-    ``intra_node``, say), each field of the cluster or configuration that tells them apart
-    becomes a column of their rows, named after the field, and a part of their names."""
+    timelines, and the names of the columns that tell rows of one name apart. Where
+    configurations of one name differ in something else (a grid over ``intra_node``, say), each
+    field of the cluster or configuration that tells them apart becomes a column of their rows,
+    named after the field, and a part of their names; a GPU fabric's fields are its
+    ``hardware`` (``dgx_b200: b200, NVLink domain 8, 8 x ib_ndr``) and its ``nccl`` settings,
+    and where the hardware differs, the links it implies are not named again."""
     labels = [f"{r['machines']}x{r['gpus_per_machine']} {r['inter_node_gbps']:g}Gbps {r['framework']} {r['policy']}"
               for r in rows]
     extra: list[list[str]] = [[] for _ in rows]
+    shown = set(rows[0]) if rows else set()  # the rows' own columns (framework, parallelism ...)
     for label in {label for label in labels if labels.count(label) > 1}:
         same = [i for i, other in enumerate(labels) if other == label]
         described = [_described(configs[i]) for i in same]
-        for name in described[0]:
-            if len({d[name] for d in described}) > 1:
-                for i, d in zip(same, described):
-                    rows[i][name] = d[name]
-                    extra[i].append(name)
-    return [label + "".join(f" {name}={rows[i][name]}" for name in extra[i]) for i, label in enumerate(labels)]
+        differing = [name for name in described[0] if len({d[name] for d in described}) > 1]
+        if "hardware" in differing:
+            differing = [name for name in differing if name not in ("intra_node", "inter_node")]
+        for name in differing:
+            values = [d[name] for d in described]
+            if name in _LISTED:  # only the parts that differ: "b200" for "dgx_b200: b200, NVLink domain 8, ..."
+                values = _differing_parts(values)
+            for i, value in zip(same, values):
+                rows[i][name] = value
+                extra[i].append(name)
+    named = [name for name in dict.fromkeys(name for names in extra for name in names) if name not in shown]
+    return [label + "".join(f" {name}={rows[i][name]}" for name in extra[i]) for i, label in enumerate(labels)], named
+
+
+#: Described fields made of comma-separated parts, of which a row names only those that differ.
+_LISTED = ("hardware", "nccl")
+
+
+def _differing_parts(values: list[str]) -> list[str]:
+    parts = [v.split(", ") for v in values]
+    if len({len(p) for p in parts}) > 1:
+        return values
+    keep = [k for k in range(len(parts[0])) if len({p[k] for p in parts}) > 1]
+    return [", ".join(p[k] for k in keep) for p in parts]
 
 
 def _described(config: ClusterConfig) -> dict[str, str]:
-    """Every field of the configuration's cluster, then its own, as text."""
+    """Every field of the configuration's cluster (a fabric as its hardware and NCCL settings),
+    then its own, as text."""
     values = {f.name: getattr(config.cluster, f.name) for f in fields(Cluster)}
+    fabric = values.pop("fabric", None)
+    if fabric is not None:
+        values["hardware"] = _hardware(fabric)
+        values["nccl"] = _nccl_settings(fabric.calibration)
     values.update((f.name, getattr(config, f.name)) for f in fields(ClusterConfig)
                   if f.name not in ("cluster", "calibrations"))
     return {name: _shown(value) for name, value in values.items()}
+
+
+def _hardware(fabric) -> str:
+    """A fabric's machine, GPUs, NVLink and NICs, without the cluster's size."""
+    domain = f"NVLink domain {fabric.nvlink_domain}" if fabric.nvlink else "PCIe"
+    return ", ".join([fabric.machine or "", fabric.gpu.name, domain, f"{fabric.nics_per_machine} x {fabric.nic.name}"])
+
+
+def _nccl_settings(calibration) -> str:
+    """What a cluster's ``nccl:`` block sets: release, forced algorithm and protocol, minimum
+    channels, and whether a calibration's factors apply."""
+    parts = [f"NCCL {'.'.join(map(str, calibration.version))}" if calibration.version else "",
+             f"algorithm {calibration.algorithm}" if calibration.algorithm else "",
+             f"protocol {calibration.protocol}" if calibration.protocol else "",
+             f"{calibration.min_channels}+ channels" if calibration.min_channels else "",
+             "calibrated" if calibration.factors or calibration.measured is not None else ""]
+    return ", ".join(p for p in parts if p) or "NCCL's own choice"
 
 
 def _shown(value) -> str:

@@ -58,6 +58,7 @@ def series_labels(frame: pd.DataFrame) -> tuple[list[str], str]:
     parts = [("{} per machine", [f"{g:g} Gbps" for g in frame["inter_node_gbps"]]),
              ("framework {}", frame["framework"].astype(str).tolist()),
              ("policy {}", frame["policy"].astype(str).tolist())]
+    parts += [("{}", frame[c].astype(str).tolist()) for c in frame.attrs.get("described", ()) if c in frame]
     if "parallelism" in frame:
         parts.append(("{}", [_layout(p) for p in frame["parallelism"]]))
     varying = [column for _, column in parts if len(set(column)) > 1]

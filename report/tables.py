@@ -80,6 +80,10 @@ def results_table(results: pd.DataFrame) -> str:
                                for low, high in zip(results["iteration_ms_low"], results["iteration_ms_high"])]
         at = list(names).index("iteration_ms") + 1
         names = dict([*list(names.items())[:at], ("interval", f"{100 * LEVEL:g} % interval"), *list(names.items())[at:]])
+    described = [c for c in results.attrs.get("described", ()) if c in results.columns]
+    if described:  # what tells rows of one cluster size apart (hardware, nccl, intra_node ...), after the policy
+        at = list(names).index("policy") + 1
+        names = dict([*list(names.items())[:at], *((c, c.replace("_", " ")) for c in described), *list(names.items())[at:]])
     for column in results.columns:  # a parallel job's exposed communication by dimension
         if column.startswith("exposed_") and column.endswith("_ms") and column not in names:
             names[column] = column.replace("_", " ")

@@ -139,6 +139,33 @@ def test_a_cluster_file_names_the_cluster_and_the_scenario_changes_what_it_gives
         assert message in str(err.value) and "\n" not in str(err.value)
 
 
+def test_the_fabric_itself_makes_a_grid_and_rows_say_which_they_are(tmp_path):
+    """``machine: [dgx_h100, dgx_b200]`` or ``nccl: {algorithm: [ring, tree]}`` vary the fabric:
+    each filled from its own preset, the fabric's axes varying slowest; rows of one size and
+    bandwidth are told apart by a column naming only what differs (``hardware``, ``nccl``),
+    which the table prints and the plot's series take."""
+    from whatif.report.plots import series_labels
+    from whatif.report.tables import results_table
+
+    path = write_scenario(tmp_path, GOOD_TRACE + "cluster: {machine: [dgx_h100, dgx_b200], machines: [2, 4]}\n"
+                                                 "framework: ddp\n")
+    points = Scenario.from_file(path).points
+    assert [(p.cluster.fabric.gpu.name, p.cluster.machines) for p in points] == [
+        ("h100", 2), ("h100", 4), ("b200", 2), ("b200", 4)]
+    results = predict(Scenario.from_file(path).request()).results
+    assert results["hardware"].tolist() == ["dgx_h100, h100", "dgx_h100, h100", "dgx_b200, b200", "dgx_b200, b200"]
+    assert results.attrs["described"] == ["hardware"] and "intra_node" not in results, "the links follow the hardware"
+    assert "dgx_b200, b200" in results_table(results).splitlines()[3]
+    assert series_labels(results)[0] == ["dgx_h100, h100"] * 2 + ["dgx_b200, b200"] * 2
+    forced = write_scenario(tmp_path, GOOD_TRACE + "cluster: {machine: dgx_h100, machines: 2, nccl: {algorithm: [ring, tree]}}\n"
+                                                   "framework: ddp\n", "forced.yaml")
+    results = predict(Scenario.from_file(forced).request()).results
+    assert results["nccl"].tolist() == ["algorithm ring", "algorithm tree"]
+    assert [c.split("/")[0] for c in results["collectives"]] == ["ring", "tree"]
+    with pytest.raises(ScenarioError, match="cluster.machine: unknown machine 'dgx_h9000'; did you mean"):
+        Scenario.from_file(write_scenario(tmp_path, GOOD_TRACE + "cluster: {machine: [dgx_h100, dgx_h9000]}\n"))
+
+
 def test_gpu_variation_draws_each_gpus_own_slowdown_the_same_way_every_time(tmp_path):
     text = f"trace: {BUNDLED_TRACE}\ncluster: {{machines: [2, 4], gpus_per_machine: 2, intra_node: nvlink2, inter_node: 10gbe}}\ngpu_variation: {{sigma: 0.1, seed: 3}}\n"
     configs = Scenario.from_file(write_scenario(tmp_path, text)).request().clusters

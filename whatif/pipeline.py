@@ -417,8 +417,9 @@ def _simulate_clusters(prediction: Prediction, sweep: Sweep) -> None:
             _lay(grid, config)
         grid.held = frozenset(grid.laid)
     rows, runs = zip(*run_sweep(_configuration, grid, request.clusters, sweep, pack=_sent, unpack=_received))
-    labels = configuration_labels(list(rows), request.clusters)
+    labels, described = configuration_labels(list(rows), request.clusters)
     prediction.results = pd.DataFrame(list(rows))
+    prediction.results.attrs["described"] = described  # the columns that tell rows apart: tables and plots show them
     prediction.runs = dict(zip(labels, runs))
     prediction.gradients = gradients
 

@@ -51,9 +51,11 @@ The grid. A list makes a grid axis in three places: ``framework`` and ``policy``
 the cluster block, at any depth (``machines: [1, 2]``, ``inter_node: [10gbe, 40gbe]``,
 ``inter_node: {bandwidth: [10Gbps, 40Gbps]}``), since a cluster takes no list as a value; a
 list's items are taken as written. The scenario is every combination of its axes, the first
-varying slowest: ``machines``, ``gpus_per_machine``, the cluster's other axes in the order the
-file writes them, then ``framework``, ``policy`` and the parallelism's axes. Every mistake is
-reported as one line naming the file and the key.
+varying slowest: a GPU fabric's own keys where they hold lists (``machine: [dgx_h100,
+dgx_b200]``, ``nics_per_machine``, ``nccl: {algorithm: [ring, tree]}``, ..., each fabric filled
+from its preset on its own), ``machines``, ``gpus_per_machine``, the cluster's other axes in the
+order the file writes them, then ``framework``, ``policy`` and the parallelism's axes. Every
+mistake is reported as one line naming the file and the key.
 
 With ``parallelism`` the framework defaults to ``ddp``: plain data parallelism (``zero: 0`` and
 no other family) is the data-parallel cluster simulation, the others are a parallel job
@@ -83,6 +85,7 @@ from whatif.sim.parallel.job import check_modelled
 from whatif.sim.parallel.memory import OPTIMIZER_STATE_BYTES
 from whatif.sim.passes.registry import OPTIMIZATIONS, optimization_name, parse_optimization
 from whatif.topology import Cluster, TopologyError, as_gbps, collective_cost, parse_size, with_fabric_links
+from whatif.topology.fabric import FABRIC_KEYS, wants_fabric
 from whatif.topology.units import parse_latency
 from whatif.topology.yamlfile import read_yaml, with_cluster_file
 
@@ -370,19 +373,48 @@ def _clusters(name: str, base_dir: Path, block: Any, calibration_run: Optional[i
     ``calibration_run``, on that run's links instead of the calibration's (``_calibration_runs``)."""
     if not isinstance(block, dict):
         raise ScenarioError(name, "cluster", f"expected a mapping, got {type(block).__name__}")
+    linked = _with_links_file(name, base_dir, block, calibration_run)
+    hardware = [axis for axis in _axes(linked) if axis[0][0] in _FABRIC_GRID_KEYS] if wants_fabric(linked) else []
+    if hardware:  # the fabric itself varies (machine: [dgx_h100, dgx_b200]): each one filled on its own
+        _check_grid(name, hardware)
+        _check_size(name, math.prod(len(items) for _, items in hardware) * math.prod(
+            len(items) for where, items in _axes(linked) if where[0] not in _FABRIC_GRID_KEYS))
+        out = []
+        for choice in itertools.product(*(items for _, items in hardware)):
+            point = linked
+            for (where, _), item in zip(hardware, choice):
+                point = _replaced(point, where, item)
+            out += _grid_of(name, point)
+        return out
+    return _grid_of(name, linked)
+
+
+#: The cluster keys a GPU fabric is made from (``topology.fabric``), whose lists are expanded
+#: before the fabric fills the cluster's links and GPUs per machine.
+_FABRIC_GRID_KEYS = (*FABRIC_KEYS, "gpus_per_machine")
+
+
+def _check_grid(name: str, axes: list) -> None:
+    for where, items in axes:
+        if not items:
+            raise ScenarioError(name, ".".join(("cluster", *where)), "an empty list leaves nothing to predict")
+
+
+def _check_size(name: str, size: int) -> None:
+    if size > MAX_GRID_CLUSTERS:
+        raise ScenarioError(name, "cluster", f"a grid of {size} clusters (more than {MAX_GRID_CLUSTERS}): "
+                                             "split it into several scenarios")
+
+
+def _grid_of(name: str, linked: dict) -> list[Cluster]:
+    """The clusters of ``linked``'s grid, its fabric (if any) one and filled in first."""
     try:  # a machine: preset's GPUs and links, before the defaults fill the rest and the grid varies them
-        linked = _with_links_file(name, base_dir, block, calibration_run)
         config = {**_CLUSTER_DEFAULTS, **with_fabric_links(linked, "cluster")}
     except TopologyError as err:
         raise ScenarioError(name, err.key, err.message) from None
     axes = _axes(config)
-    for where, items in axes:
-        if not items:
-            raise ScenarioError(name, ".".join(("cluster", *where)), "an empty list leaves nothing to predict")
-    size = math.prod(len(items) for _, items in axes)
-    if size > MAX_GRID_CLUSTERS:
-        raise ScenarioError(name, "cluster", f"a grid of {size} clusters (more than {MAX_GRID_CLUSTERS}): "
-                                             "split it into several scenarios")
+    _check_grid(name, axes)
+    _check_size(name, math.prod(len(items) for _, items in axes))
     clusters = []
     for choice in itertools.product(*(items for _, items in axes)):
         point = config
