@@ -322,3 +322,20 @@ def test_the_plot_names_each_series_by_what_varies_and_a_layout_by_its_split(cap
     assert shared == "10 Gbps per machine, framework ddp, policy fifo"
     width, height = Image.open(out_png).size
     assert width < 2.5 * height, (width, height)
+
+
+def test_a_cluster_of_other_gpus_than_the_traced_one_is_noted(tmp_path, capsys, traces):
+    """The H100 trace on DGX H100 and B200 machines: the B200 rows keep the traced kernel times,
+    which the command says in a note (advice, not input it could not use: no warning); none
+    where faster-gpu says how much faster the GPUs compute, or where they are the traced ones."""
+    trace = traces.path("triosim-vgg13-h100/vgg13_bs512_iter41.json.gz")
+    notes = {}
+    for name, text in (("both", "machine: [dgx_h100, dgx_b200]"), ("h100", "machine: dgx_h100"),
+                       ("faster", "machine: dgx_b200")):
+        path = tmp_path / f"{name}.yaml"
+        extra = "optimizations: [faster-gpu=2]\n" if name == "faster" else ""
+        path.write_text(f"trace: {trace}\ncluster: {{{text}, machines: 2}}\nframework: ddp\n{extra}")
+        assert main(["predict", str(path)]) == 0
+        notes[name] = [line for line in capsys.readouterr().err.splitlines() if "keep their traced times" in line]
+    assert len(notes["both"]) == 1 and "NVIDIA H100 80GB HBM3" in notes["both"][0] and "b200 GPUs" in notes["both"][0]
+    assert notes["h100"] == [] and notes["faster"] == []

@@ -97,6 +97,15 @@ def preset_names(kind: str) -> list:
     return [name for name, _ in _presets(kind).values()]
 
 
+def gpu_of_device(device_name: str) -> Optional[str]:
+    """The GPU preset a CUDA device name is (``NVIDIA H100 80GB HBM3``: ``h100``; ``Tesla
+    V100-SXM2-32GB``: ``v100``; ``NVIDIA GH200 480GB``: ``gh200``, the longest preset name the
+    device's contains), or None."""
+    device = _normalize(device_name)
+    found = [(len(key), name) for key, (name, _) in _presets("gpus").items() if key in device]
+    return max(found)[1] if found else None
+
+
 def _count(value: Any, key: str, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < minimum:
         raise TopologyError(key, f"must be a whole number >= {minimum}, got {value!r}")

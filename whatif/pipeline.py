@@ -76,6 +76,7 @@ from whatif.sim.passes.recipes import CommunicationChange
 from whatif.sim.passes.profiler_overhead import ProfilerOverhead, remove_profiler_overhead
 from whatif.sim.passes.shared_memory import add_memory_bytes
 from whatif.sim.perfmodels.cache import default_models
+from whatif.topology.fabric import gpu_of_device
 from whatif.sim.perfmodels.models import PerfModels, load_models
 
 from .study import TraceStudy
@@ -304,6 +305,26 @@ def _check_gpu_factors(study: TraceStudy, clusters: Sequence[ClusterConfig]) -> 
     if not study.graph.workload.has_gpu:
         warn(study.trace.path, slowed, f"has no GPU task, so the GPU slowdown of {plural(slowed, 'configuration')} "
                                        "(gpu_slowdown, gpu_variation) changes nothing")
+
+
+def traced_gpu_note(prediction: "Prediction") -> str:
+    """A note where the clusters' GPUs are not the one the trace ran on and no ``faster-gpu``
+    says how much faster they compute: each GPU then runs the traced kernels at the traced
+    speed, so the prediction differs only by the clusters' communication. Empty otherwise (a
+    trace without a GPU, or with an unknown one)."""
+    request = prediction.request
+    if any(str(name).startswith("faster-gpu") for name in request.what_if.optimizations):
+        return ""
+    devices = sorted({str(d.get("name", "")) for d in prediction.study.trace.device_properties if isinstance(d, dict)})
+    traced = {gpu_of_device(name) for name in devices} - {None}
+    if len(traced) != 1:
+        return ""
+    others = sorted({c.cluster.fabric.gpu.name for c in request.clusters if c.cluster.fabric is not None} - traced)
+    if not others:
+        return ""
+    return (f"the trace ran on {', '.join(devices)}; on the clusters' {', '.join(others)} GPUs its kernels keep their "
+            f"traced times, so those rows differ only in communication (their compute: a scenario of their own with "
+            f"optimizations: [faster-gpu=K])")
 
 
 def _hierarchical(config: ClusterConfig) -> bool:

@@ -12,7 +12,7 @@ from pathlib import Path
 import msgspec
 import yaml
 
-from whatif.pipeline import predict
+from whatif.pipeline import predict, traced_gpu_note
 from whatif.report.cluster import collective_notes
 from whatif.report.intervals import LEVEL, describe
 from whatif.report.plots import plot_scenario
@@ -75,6 +75,9 @@ def run(args: argparse.Namespace) -> int:
     except UnitsError as err:  # the scenario's parallelism.units, or the trace's lack of blocks
         raise UsageError(f"{args.scenario}: {err}") from None
     results = prediction.results
+    note = traced_gpu_note(prediction)
+    if note:
+        print(f"whatif: note: {note}", file=sys.stderr)
     if args.csv is not None:
         refuse_inputs(args.csv, inputs)
         write_atomically(args.csv, results.to_csv(index=False).encode())
