@@ -355,6 +355,9 @@ def test_sharded_embeddings_exchange_the_pooled_lookups_forward_and_backward(tmp
     counts = note.collectives.groupby(["iteration", "phase"]).size()
     assert len(counts) == 2 * STEPS and (counts == 1).all()
     assert set(note.collectives["nbytes"]) == {TABLES * BATCH * BAG_DIM * 4}, "every table's pooled [batch, dim]"
+    ranks = TABLES + 1  # more ranks than tables: some would hold none
+    with pytest.raises(GraphError, match=f"{TABLES} embedding lookups an iteration, fewer tables than the {ranks} ranks"):
+        apply_expert(graph, units, Parallelism(data=ranks, expert=ranks), FAST, {"expert": tuple(range(ranks))})
 
 
 # -- a shared GPU trace ---------------------------------------------------------------------------

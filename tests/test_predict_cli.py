@@ -339,3 +339,15 @@ def test_a_cluster_of_other_gpus_than_the_traced_one_is_noted(tmp_path, capsys, 
         notes[name] = [line for line in capsys.readouterr().err.splitlines() if "keep their traced times" in line]
     assert len(notes["both"]) == 1 and "NVIDIA H100 80GB HBM3" in notes["both"][0] and "b200 GPUs" in notes["both"][0]
     assert notes["h100"] == [] and notes["faster"] == []
+
+
+def test_a_parallelism_the_trace_cannot_take_is_one_line_naming_the_scenario(tmp_path, capsys):
+    """Found while the job is built (expert parallelism over four ranks of a model with two
+    embedding tables and no experts): one line naming the scenario file and the key, status 2."""
+    path = tmp_path / "ep.yaml"
+    path.write_text(f"trace: {BUNDLED_TRACE.parent / 'transformer_cpu.bundle'}\ncluster: {{machines: 1, gpus_per_machine: 4, intra_node: nvlink2, "
+                    f"inter_node: 10gbe}}\nframework: ddp\nparallelism: {{expert: 4}}\n")
+    assert main(["predict", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"whatif: error: {path}: parallelism.expert: ") and "fewer tables than the 4 ranks" in err[-1]
+    assert not any("Traceback" in line for line in err)

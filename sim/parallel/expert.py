@@ -188,6 +188,11 @@ def _embeddings(calls: Calls, comm: Collectives, change: ExpertParallelChange) -
     back_per_iteration: dict[int, list] = {}
     for r in backward.tolist():
         back_per_iteration.setdefault(calls.iteration(r), []).append(r)
+    tables = max((len(rows) for rows in per_iteration.values()), default=0)
+    if tables < change.expert:  # table-wise sharding: every rank holds at least one table
+        raise GraphError(f"parallelism.expert: {calls.graph.workload.source} has no mixture-of-experts layer and "
+                         f"{tables} embedding lookup{'s' if tables != 1 else ''} an iteration, fewer tables than "
+                         f"the {change.expert} ranks that would each hold some of them (table-wise sharding)")
     for it, rows in sorted(per_iteration.items()):
         nbytes = sum(_lookup_bytes(ops, r) for r in rows)
         if not nbytes:

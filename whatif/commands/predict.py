@@ -19,7 +19,8 @@ from whatif.report.plots import plot_scenario
 from whatif.report.tables import json_number, json_records, results_table
 from whatif.report.timeline import TIMELINE_SUFFIX, check_timeline_path, write_atomically, write_timeline
 from whatif.scenario import Scenario, ScenarioError
-from whatif.sim.parallel.units import UnitsError
+from whatif.sim.graph import GraphError
+from whatif.topology import TopologyError
 from whatif.sweep import EXECUTORS, Sweep, SweepError, available_cores
 
 from . import MAX_GRID_GPUS, UsageError, check_grid_size, refuse_inputs
@@ -72,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     sweep = Sweep(jobs=args.jobs, executor=args.executor, address=args.address, progress=sys.stderr.isatty())
     try:
         prediction = predict(scenario.request(), sweep)
-    except UnitsError as err:  # the scenario's parallelism.units, or the trace's lack of blocks
+    except (GraphError, TopologyError) as err:  # the scenario's parallelism, cluster or what-ifs on this trace
         raise UsageError(f"{args.scenario}: {err}") from None
     results = prediction.results
     note = traced_gpu_note(prediction)
