@@ -133,7 +133,8 @@ def test_a_cluster_file_names_the_cluster_and_the_scenario_changes_what_it_gives
     assert all(p.cluster.fabric.calibration.version == (2, 25, 1) and p.cluster.fabric.calibration.protocol == "simple"
                and p.cluster.fabric.calibration.algorithm == "ring" for p in grid.points)
     for text, message in (("cluster: missing.yaml\n", "cluster: "), ("cluster: {file: missing.yaml}\n", "cluster.file: "),
-                          ("cluster: {file: other.yaml}\n", "names another file")):
+                          ("cluster: {file: other.yaml}\n", "names another file"),
+                          ("cluster: {file: [a.yaml, b.yaml]}\n", "cluster.file: expected the name of one cluster file")):
         with pytest.raises(ScenarioError) as err:
             Scenario.from_file(write_scenario(tmp_path, GOOD_TRACE + text))
         assert message in str(err.value) and "\n" not in str(err.value)

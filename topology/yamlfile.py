@@ -89,7 +89,10 @@ def with_cluster_file(block: Any, base_dir: Path) -> Any:
         block = {"file": block}
     if not isinstance(block, dict) or "file" not in block:
         return block
-    given = Path(str(block["file"]))
+    if not isinstance(block["file"], str):
+        raise TopologyError("file", f"expected the name of one cluster file, got {block['file']!r} (several "
+                                    "clusters: a scenario each, or a list of machines or links in one)")
+    given = Path(block["file"])
     path = given if given.is_absolute() else Path(base_dir) / given
     try:
         doc = read_yaml(path)
