@@ -11,9 +11,10 @@ import numpy as np
 import pandas as pd
 
 from whatif.sim.distributed import ClusterConfig, ClusterSchedule
-from whatif.sim.graph import GPU_TASK_KINDS, TaskKind
+from whatif.sim.graph import GPU_TASK_KINDS, GraphError, TaskKind
 from whatif.sim.parallel.job import ParallelJob, comm_bytes, comm_dimension
 from whatif.sim.parallel.memory import MemoryBreakdown, fits
+from whatif.sim.parallel.pipeline import bubbles
 from whatif.topology import Cluster, as_gbps
 
 from .intervals import steady_interval
@@ -120,7 +121,22 @@ def parallel_row(config: ClusterConfig, job: ParallelJob, run: ClusterSchedule, 
     row["parallelism"] = job.par.describe()
     row.update(memory_columns(job.memory, job.gpu_memory_bytes))
     row.update(exposed_by_dimension(run, report, names))
+    if job.par.pipeline > 1:
+        row["bubble_ms"] = pipeline_bubble_ms(run, row["idle_ms"])
     return row
+
+
+def pipeline_bubble_ms(run: ClusterSchedule, idle_ms: float) -> float:
+    """Of rank 0's idle time, the pipeline schedule's own bubble: its fill and drain
+    (``sim.parallel.pipeline.bubbles``: the busiest stage's idle, the same on every stage;
+    ``(p - 1) / (m + p - 1)`` of the step with equal stages under GPipe and 1F1B), in ms, at most
+    ``idle_ms``; the rest of rank 0's idle is its stage's imbalance and its waits. NaN where the
+    schedule is not a pipeline's."""
+    try:
+        table = bubbles(run.schedule)
+    except GraphError:
+        return float("nan")
+    return min(float(table["fill_drain"].iat[0] * table["step_us"].iat[0]) / 1e3, idle_ms)
 
 
 def exposed_by_dimension(run: ClusterSchedule, report: pd.DataFrame, names: np.ndarray) -> dict:

@@ -89,6 +89,12 @@ def _exposed_by_dimension(frame: pd.DataFrame) -> tuple[dict, dict]:
     if other.any():  # configurations whose communication has no dimension
         frame["plot_exposed_other"] = other
         colours["plot_exposed_other"], names["plot_exposed_other"] = "#ccb974", "exposed communication (other)"
+    if "bubble_ms" in frame and frame["bubble_ms"].fillna(0.0).any():  # the schedule's fill and drain apart
+        bubble = np.minimum(frame["bubble_ms"].fillna(0.0).to_numpy(), frame["idle_ms"].to_numpy())
+        frame["plot_bubble_ms"], frame["plot_idle_ms"] = bubble, frame["idle_ms"].to_numpy() - bubble
+        colours["plot_bubble_ms"], names["plot_bubble_ms"] = "#8c8c8c", "pipeline bubble (fill and drain)"
+        colours["plot_idle_ms"], names["plot_idle_ms"] = "#c7c7c7", "idle"
+        return colours, names
     colours["idle_ms"], names["idle_ms"] = "#c7c7c7", "idle (and pipeline bubble)"
     return colours, names
 

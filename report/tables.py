@@ -42,6 +42,7 @@ _RESULT_COLUMNS = {
     "scaling_efficiency": "efficiency",
     "exposed_comm_ms": "exposed comm ms",
     "comm_ms": "comm ms",
+    "bubble_ms": "bubble ms",
     "memory_gb": "GB/GPU",
     "fits": "fits",
     "collectives": "collectives",

@@ -369,3 +369,25 @@ def test_a_parallel_job_on_nccl_names_each_dimensions_collectives():
         shares = [int(p.rsplit(" ", 1)[1][:-1]) for p in part.split(", ")] if "%" in part else [100]
         assert abs(sum(shares) - 100) <= len(shares), mix
     assert parts["pipeline"].startswith("p2p/")
+
+
+def test_a_pipelines_row_parts_its_bubble_from_the_rest_of_its_idle():
+    """A pipeline's row carries ``bubble_ms``: the schedule's fill and drain (``bubbles``' of
+    the run), part of rank 0's idle time; the table prints it and the plot draws it apart."""
+    from whatif.report.plots import _exposed_by_dimension
+    from whatif.report.tables import results_table
+    from whatif.sim.parallel.pipeline import bubbles
+
+    study = TraceStudy.from_trace(TRANSFORMER)
+    cluster = Cluster.from_config({"machines": 1, "gpus_per_machine": 2, **LINKS})
+    config = ClusterConfig(cluster, framework="ddp", parallelism=Parallelism(pipeline=2, microbatches=4))
+    prediction = predict(Request(study, clusters=[config]))
+    row = prediction.results.iloc[0]
+    table = bubbles(next(iter(prediction.runs.values())).schedule)
+    assert row["bubble_ms"] == pytest.approx(table["fill_drain"].iat[0] * table["step_us"].iat[0] / 1e3)
+    assert 0 < row["bubble_ms"] <= row["idle_ms"]
+    assert "bubble ms" in results_table(prediction.results).splitlines()[0]
+    frame = prediction.results.copy()
+    colours, _ = _exposed_by_dimension(frame)
+    assert {"plot_bubble_ms", "plot_idle_ms"} <= set(colours) and "idle_ms" not in colours
+    assert frame["plot_bubble_ms"].iat[0] + frame["plot_idle_ms"].iat[0] == pytest.approx(row["idle_ms"])
