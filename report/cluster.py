@@ -189,7 +189,15 @@ def configuration_labels(rows: list[dict], configs: Sequence[ClusterConfig]) -> 
             for i, value in zip(same, values):
                 rows[i][name] = value
                 extra[i].append(name)
-    named = [name for name in dict.fromkeys(name for names in extra for name in names) if name not in shown]
+    across = []  # a fabric grid names its hardware (NCCL settings) on every row, not only where rows share a name
+    everywhere = [_described(config) for config in configs] if all(c.cluster.fabric is not None for c in configs) else []
+    for name in _LISTED if everywhere else ():
+        values = [d[name] for d in everywhere]
+        if len(set(values)) > 1:
+            for row, value in zip(rows, _differing_parts(values)):
+                row[name] = value
+            across.append(name)
+    named = [name for name in dict.fromkeys([*(name for names in extra for name in names), *across]) if name not in shown]
     return [label + "".join(f" {name}={rows[i][name]}" for name in extra[i]) for i, label in enumerate(labels)], named
 
 

@@ -163,6 +163,9 @@ def test_the_fabric_itself_makes_a_grid_and_rows_say_which_they_are(tmp_path):
     results = predict(Scenario.from_file(forced).request()).results
     assert results["nccl"].tolist() == ["algorithm ring", "algorithm tree"]
     assert [c.split("/")[0] for c in results["collectives"]] == ["ring", "tree"]
+    apart = write_scenario(tmp_path, GOOD_TRACE + "cluster: {machine: [dgx_v100, dgx_h100]}\nframework: ddp\n", "apart.yaml")
+    results = predict(Scenario.from_file(apart).request()).results  # 400 and 3200 Gbps: named apart anyway
+    assert results["hardware"].tolist() == ["dgx_v100, v100, 4 x ib_edr", "dgx_h100, h100, 8 x ib_ndr"]
     with pytest.raises(ScenarioError, match="cluster.machine: unknown machine 'dgx_h9000'; did you mean"):
         Scenario.from_file(write_scenario(tmp_path, GOOD_TRACE + "cluster: {machine: [dgx_h100, dgx_h9000]}\n"))
 
