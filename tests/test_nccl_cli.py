@@ -274,3 +274,9 @@ def test_a_rate_the_fit_leaves_at_a_bound_is_named(capsys, tmp_path, h100):
     slow.write_text(measured_table(Cluster.from_config(yaml.safe_load(H100)), "all_reduce", 16, 0.05, 0.0))
     code, _, err = run(capsys, "calibrate", "nccl-tests", str(slow), "--cluster", str(h100), "--out", str(tmp_path / "c.yaml"))
     assert code == 0 and "the fit left ib at 0.1" in err
+    # issue 309's 4-node table after its 2-node one: the trees on 3+ nodes want a rate factor above
+    # the 2x allowed, which the factors' lines say
+    code, out, _ = run(capsys, "calibrate", "nccl-tests", str(ISSUE309[2]), str(DATA / "h100_ib_4node_32gpu_allreduce_issue309.txt"),
+                       "--cluster", str(h100), "--out", str(tmp_path / "c24.yaml"))
+    trees = next(line for line in out.splitlines() if "tree/ll128 on 3+ nodes" in line)
+    assert code == 0 and "bandwidth x2.000" in trees and trees.endswith("bandwidth at its bound: the rows want more")
