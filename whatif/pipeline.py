@@ -76,8 +76,8 @@ from whatif.sim.passes.recipes import CommunicationChange
 from whatif.sim.passes.profiler_overhead import ProfilerOverhead, remove_profiler_overhead
 from whatif.sim.passes.shared_memory import add_memory_bytes
 from whatif.sim.perfmodels.cache import default_models
-from whatif.topology.fabric import gpu_of_device
 from whatif.sim.perfmodels.models import PerfModels, load_models
+from whatif.topology.fabric import gpu_of_device
 
 from .study import TraceStudy
 from .sweep import Sweep, run_sweep, runs_elsewhere

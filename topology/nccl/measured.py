@@ -61,6 +61,14 @@ BOUNDS = {"kernel_us": (0.0, 40.0), "hop_us": (0.0, 200.0), "efficiency": (0.1, 
           "host_launch_us": (0.0, 20.0), "host_call_us": (0.0, 5.0)}
 
 
+def at_bound(value: float, bounds: tuple) -> bool:
+    """Whether a fitted ``value`` is at (within 0.1 % of) either end of its ``bounds``, which
+    both are above 0: where a bounded least-squares fit leaves a parameter, the rows want more
+    than any value it allows."""
+    lo, hi = bounds
+    return value <= lo * (1 + 1e-3) or value >= hi * (1 - 1e-3)
+
+
 @dataclass(frozen=True)
 class Measured:
     """See the module docstring; ``kernel_us``, ``hop_us``, ``efficiency`` and ``link_efficiency``
@@ -95,9 +103,7 @@ class Measured:
         out = []
         for name, pairs in (("efficiency", self.efficiency), ("link_efficiency", self.link_efficiency),
                             ("p2p_efficiency", (("p2p", self.p2p_efficiency),))):
-            lo, hi = BOUNDS[name]
-            out += [f"{key} at {value:.2g}" for key, value in pairs
-                    if value <= lo * (1 + 1e-3) or value >= hi * (1 - 1e-3)]
+            out += [f"{key} at {value:.2g}" for key, value in pairs if at_bound(value, BOUNDS[name])]
         return out
 
     def host_us(self, gpus_per_thread: int, calls_per_gpu: int) -> float:

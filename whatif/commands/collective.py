@@ -25,7 +25,7 @@ import yaml
 from whatif.collectors.diagnostics import report
 from whatif.topology import Cluster, TopologyError, collective_cost, parse_size
 from whatif.topology.calibrate import EFFICIENCY_RANGE, LATENCY_RANGE, fit_tables
-from whatif.topology.nccl.measured import BOUNDS
+from whatif.topology.nccl.measured import BOUNDS, at_bound
 from whatif.topology.nccl.tuning import OPS, parse_choices
 from whatif.topology.nccl.versions import LATEST, parse_version, version_text
 from whatif.topology.nccl_tests import bus_factor, read_table
@@ -295,8 +295,7 @@ def run_calibrate(args) -> int:
     width = max([20, *map(len, names)])
     for name, (link, _, _, bandwidth, latency, count, _) in zip(names, fit.groups):
         bounded = [what for what, value, bounds in (("bandwidth", bandwidth, EFFICIENCY_RANGE),
-                                                     ("latency", latency, LATENCY_RANGE))
-                   if count and value != 1.0 and min(abs(value / b - 1) for b in bounds) < 1e-3]
+                                                     ("latency", latency, LATENCY_RANGE)) if at_bound(value, bounds)]
         mark = f"  {' and '.join(bounded)} at its bound: the rows want more" if bounded else ""
         print(f"  {link:<6} {name:<{width}} bandwidth x{bandwidth:.3f}  latency x{latency:.3f}  ({count} rows){mark}")
     for note in fit.diagnoses:
