@@ -176,9 +176,12 @@ def configuration_labels(rows: list[dict], configs: Sequence[ClusterConfig]) -> 
               for r in rows]
     extra: list[list[str]] = [[] for _ in rows]
     shown = set(rows[0]) if rows else set()  # the rows' own columns (framework, parallelism ...)
-    for label in {label for label in labels if labels.count(label) > 1}:
+    shared = {label for label in labels if labels.count(label) > 1}
+    fabrics = bool(configs) and all(c.cluster.fabric is not None for c in configs)
+    every = [_described(config) for config in configs] if shared or fabrics else []
+    for label in shared:
         same = [i for i, other in enumerate(labels) if other == label]
-        described = [_described(configs[i]) for i in same]
+        described = [every[i] for i in same]
         differing = [name for name in described[0] if len({d[name] for d in described}) > 1]
         if "hardware" in differing:
             differing = [name for name in differing if name not in ("intra_node", "inter_node")]
@@ -190,9 +193,8 @@ def configuration_labels(rows: list[dict], configs: Sequence[ClusterConfig]) -> 
                 rows[i][name] = value
                 extra[i].append(name)
     across = []  # a fabric grid names its hardware (NCCL settings) on every row, not only where rows share a name
-    everywhere = [_described(config) for config in configs] if all(c.cluster.fabric is not None for c in configs) else []
-    for name in _LISTED if everywhere else ():
-        values = [d[name] for d in everywhere]
+    for name in _LISTED if fabrics else ():
+        values = [d[name] for d in every]
         if len(set(values)) > 1:
             for row, value in zip(rows, _differing_parts(values)):
                 row[name] = value
