@@ -29,7 +29,7 @@ largest of the ends it waits for, plus lags, on resources of a fixed order), so 
 every factor is at least another's ends every task no earlier, given the same communication;
 a message starts once its gradients are ready on the slowest worker, and the dominated workers
 never decide it. Where the CPU's contention with communication re-times the tasks from their
-own overlaps, that order need not hold, and every kind is simulated (``_simulated_workers``).
+own overlaps, that order need not hold, and every kind is simulated (``simulated_workers``).
 """
 
 from __future__ import annotations
@@ -223,7 +223,7 @@ def lay_cluster(worker: TaskGraph, gradients: Gradients, iterations: pd.DataFram
     if config.policy not in POLICIES:
         raise GraphError(f"unknown policy {config.policy!r}; choose from {', '.join(POLICIES)}")
     fw = framework(config.framework)
-    simulated = _simulated_workers(config)
+    simulated = simulated_workers(config)
     key = (fw.name, config.policy, config.options, config.pass_bytes_per_us, tuple(simulated))
     built = laid.get(key) if laid is not None else None
     if built is None:
@@ -480,7 +480,7 @@ def _factors(config: ClusterConfig, k: int) -> tuple[float, float, float]:
     return (slow.slowdown, slow.gpu_slowdown, own) if slow else (1.0, 1.0, own)
 
 
-def _simulated_workers(config: ClusterConfig) -> list[int]:
+def simulated_workers(config: ClusterConfig) -> list[int]:
     """The workers to simulate, worker 0 first: every one (``replicate``), worker 0 alone
     (``replicate=False``, or identical workers), else worker 0 and one worker of each kind that
     no other kind dominates (every factor at least as large; see the module's docstring), or of

@@ -483,13 +483,23 @@ def test_a_yaml_alias_bomb_is_refused(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("command", [["predict"], ["advise", BUNDLED_TRACE]])
-def test_a_grid_of_thousands_of_gpus_asks_for_yes(tmp_path, capsys, command):
+def test_a_grid_that_simulates_thousands_of_workers_asks_for_yes(tmp_path, capsys, command):
     path = tmp_path / "huge.yaml"
-    path.write_text(f"trace: {BUNDLED_TRACE}\ncluster: {{machines: [1000, 10000], {CLUSTER}}}\n")
+    path.write_text(f"trace: {BUNDLED_TRACE}\nreplicate: true\ncluster: {{machines: [1000, 10000], {CLUSTER}}}\n")
     status, out, err = run_cli(capsys, [*command, path])
     assert (status, out) == (2, "")
-    assert err == (f"whatif: error: {path}: the grid simulates 11000 GPUs over 2 configurations, more than 2048 "
-                   "(minutes to hours); pass --yes to run it anyway\n")
+    assert err == (f"whatif: error: {path}: the grid simulates 11000 workers' graphs (11000 GPUs) over 2 configurations, "
+                   "more than 2048 (minutes to hours); pass --yes to run it anyway\n")
+
+
+def test_a_grid_of_thousands_of_identical_gpus_runs_without_yes(tmp_path, capsys):
+    """Identical workers are simulated once: 3000 GPUs over two configurations are two workers'
+    graphs, seconds of work, and not refused as thousands of GPUs would be."""
+    path = tmp_path / "large.yaml"
+    path.write_text(f"trace: {BUNDLED_TRACE}\ncluster: {{machines: [1000, 2000], {CLUSTER}}}\n")
+    status, out, err = run_cli(capsys, ["predict", path, "--json", "--jobs", "1"])
+    assert status == 0, err
+    assert [row["workers"] for row in json.loads(out)["results"]] == [1000, 2000]
 
 
 def test_perfmodel_fit_checks_its_arguments_before_the_sweep(tmp_path, capsys):

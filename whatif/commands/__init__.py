@@ -20,9 +20,10 @@ from pathlib import Path
 
 from whatif.collectors.diagnostics import plural
 
-#: Above this many GPUs simulated over a scenario's grid (summed over its configurations),
-#: ``whatif predict`` and ``whatif advise`` ask for ``--yes``: a grid of a few thousand takes minutes
-MAX_GRID_GPUS = 2048
+#: Above this many workers' graphs simulated over a scenario's grid (summed over its
+#: configurations), ``whatif predict`` and ``whatif advise`` ask for ``--yes``: a few thousand take
+#: minutes. Identical workers are simulated once, so this counts graphs, not GPUs.
+MAX_GRID_WORKERS = 2048
 
 
 class UsageError(Exception):
@@ -49,10 +50,28 @@ def refuse_inputs(path: Path, inputs: tuple) -> None:
         raise UsageError(f"{path}: refusing to overwrite an input file")
 
 
+def simulated_graphs(config) -> int:
+    """How many workers' graphs one configuration simulates: the kinds of worker that decide
+    (``sim/distributed.py``'s ``simulated_workers``: one where every worker is alike, every one
+    with ``replicate: true``), or for a parallel job rank 0's graph, which holds every pipeline
+    stage."""
+    if config.parallelism is not None and config.parallelism.families():
+        return config.parallelism.pipeline
+    from whatif.sim.distributed import simulated_workers  # the simulator's imports, only when asked
+
+    return len(simulated_workers(config))
+
+
 def check_grid_size(path: Path, scenario, yes: bool) -> None:
-    """Refuse a scenario whose grid simulates more than :data:`MAX_GRID_GPUS` GPUs in all, before
-    any of it runs, unless ``yes`` (the command's ``--yes``)."""
-    gpus = sum(point.cluster.n_gpus for point in scenario.points)
-    if gpus > MAX_GRID_GPUS and not yes:
-        raise UsageError(f"{path}: the grid simulates {gpus} GPUs over {plural(len(scenario.points), 'configuration')}, "
-                         f"more than {MAX_GRID_GPUS} (minutes to hours); pass --yes to run it anyway")
+    """Refuse a scenario whose grid simulates more than :data:`MAX_GRID_WORKERS` workers' graphs
+    in all (:func:`simulated_graphs`; a multi-rank job's every rank), before any of it runs,
+    unless ``yes`` (the command's ``--yes``)."""
+    if scenario.job_traces:
+        graphs = sum(point.cluster.n_gpus for point in scenario.points)
+    else:
+        graphs = sum(simulated_graphs(config) for config in scenario.request().clusters)
+    if graphs > MAX_GRID_WORKERS and not yes:
+        gpus = sum(point.cluster.n_gpus for point in scenario.points)
+        raise UsageError(f"{path}: the grid simulates {graphs} workers' graphs ({gpus} GPUs) over "
+                         f"{plural(len(scenario.points), 'configuration')}, more than {MAX_GRID_WORKERS} "
+                         "(minutes to hours); pass --yes to run it anyway")

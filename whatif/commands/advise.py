@@ -16,7 +16,7 @@ from whatif.report.intervals import LEVEL, describe
 from whatif.scenario import Scenario, ScenarioError
 from whatif.sim.parallel.units import UnitsError
 
-from . import MAX_GRID_GPUS, UsageError, check_grid_size
+from . import MAX_GRID_WORKERS, UsageError, check_grid_size
 
 ERRORS = (ScenarioError,)
 
@@ -31,7 +31,7 @@ def add_parsers(sub) -> None:
     parser.add_argument("--iteration", metavar="NAME", help="annotation that marks an iteration (default: ProfilerStep#N)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--yes", action="store_true",
-                        help=f"run a scenario's grid of more than {MAX_GRID_GPUS} GPUs in all (refused without it)")
+                        help=f"run a scenario's grid that simulates more than {MAX_GRID_WORKERS} workers' graphs in all (refused without it)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -23,7 +23,7 @@ from whatif.sim.graph import GraphError
 from whatif.topology import TopologyError
 from whatif.sweep import EXECUTORS, Sweep, SweepError, available_cores
 
-from . import MAX_GRID_GPUS, UsageError, check_grid_size, refuse_inputs
+from . import MAX_GRID_WORKERS, UsageError, check_grid_size, refuse_inputs
 
 ERRORS = (ScenarioError, SweepError)
 
@@ -38,7 +38,7 @@ def add_parsers(sub) -> None:
                           help="simulated timeline of each configuration (gzip-compressed Chrome trace: Perfetto opens it), "
                                "OUT.LABEL.json.gz for each of several")
     predict_.add_argument("--yes", action="store_true",
-                          help=f"run a grid of more than {MAX_GRID_GPUS} GPUs in all (refused without it)")
+                          help=f"run a grid that simulates more than {MAX_GRID_WORKERS} workers' graphs in all (identical workers count once; refused without it)")
     predict_.add_argument("--jobs", type=int, metavar="N", default=available_cores(),
                           help="configurations simulated at once, each in a process of its own "
                                "(default: this machine's cores, %(default)s; 1: one after the other, in this process)")
