@@ -50,7 +50,7 @@ from whatif.topology.nccl.tuning import parse_choices  # noqa: E402
 from whatif.topology.calibrate import (decompose, diagnose, disturbed, fit_tables, spikes, table_comm,  # noqa: E402
                                        table_time_us)
 from whatif.topology.nccl.measured import SPEC, fit  # noqa: E402
-from whatif.topology.nccl_tests import read_table  # noqa: E402
+from whatif.topology.nccl_tests import Row, Table, read_table  # noqa: E402
 
 GPUS = (("gb300", "gb300"), ("gb200", "gb200"), ("b200", "b200"), ("gh200", "gh200"), ("h200", "h200"),
         ("h100", "h100"), ("a100", "a100"), ("v100", "v100"), ("2080", "rtx2080ti"))
@@ -267,7 +267,35 @@ def evaluate(entry: dict, table, cluster: Cluster) -> dict:
             "healthy": healthy(entry), "spikes": len(noise), "rows": rows, "median_pct": statistics.median(errors),
             "max_pct": max(errors), "large_median_pct": statistics.median(large) if large else None,
             "chosen": chosen, "diagnosis": note.split(": ", 1)[1] if note else "",
-            "disturbed": entry.get("disturbed", "")}
+            "disturbed": entry.get("disturbed", ""), "coarse": entry.get("coarse_rows", 0)}
+
+
+#: busbw printed to 0.01 GB/s tells a row's time within 1 % from this busbw on
+COARSE_BUSBW = 0.5
+
+
+def busbw_table(path: Path, entry: dict) -> tuple:
+    """``(table, left_out)`` for a table published as bus bandwidth only (``data/*.csv``:
+    ``size_bytes,busbw_gbps`` after ``#`` comment lines): each row's time is its size over its
+    algorithm bandwidth (busbw over the op's factor: 1 for send/recv); rows whose busbw is below
+    :data:`COARSE_BUSBW` are printed too coarsely to give a time within 1 %, and are counted
+    in ``left_out``, not scored."""
+    factor = {"sendrecv": 1.0, "send_recv": 1.0}.get(entry["op"])
+    if factor is None:
+        raise SystemExit(f"{path}: busbw-only tables are read for send/recv only, not {entry['op']}")
+    rows, left_out = [], 0
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+    if lines[0] != "size_bytes,busbw_gbps":
+        raise SystemExit(f"{path}: expected the header size_bytes,busbw_gbps, got {lines[0]!r}")
+    for number, line in enumerate(lines[1:], start=2):
+        size, busbw = (float(x) for x in line.split(","))
+        if busbw < COARSE_BUSBW:
+            left_out += 1
+            continue
+        algbw = busbw / factor
+        rows.append(Row(size, int(size // 4), "float", size / (algbw * 1e3), algbw, busbw, number))
+    return Table(str(path), "send_recv", tuple(rows), entry["ranks"], entry["nodes"], entry.get("gpu", ""), 1,
+                 entry.get("nccl_version")), left_out
 
 
 def load(folder: Path) -> list:
@@ -281,7 +309,10 @@ def load(folder: Path) -> list:
         path = folder / "data" / entry["file"]
         if not path.exists():
             continue
-        table = read_table(path, entry.get("op"))
+        if path.suffix == ".csv":
+            table, entry["coarse_rows"] = busbw_table(path, entry)
+        else:
+            table = read_table(path, entry.get("op"))
         note = disturbed(table)
         entry["disturbed"] = note.split(": ", 1)[1] if note else ""
         cluster = Cluster.from_config(cluster_config(entry), "tables.yaml")
@@ -462,6 +493,10 @@ def main(argv=None) -> int:
                     print(f"  disturbed, {s['file']}: {s['disturbed']}")
             print(f"  spike rows (out-of-place and in-place runs differ by more than 1.5x), left out of the figures: "
                   f"{sum(s['spikes'] for s, _ in pairs)}")
+            coarse = sum(s["coarse"] for s, _ in pairs)
+            if coarse:
+                print(f"  rows of busbw-only tables below {COARSE_BUSBW} GB/s (printed to 0.01 GB/s: a time known to "
+                      f"worse than 1 %), left out of the figures: {coarse}")
     print("\nmeasured constants, held out per source (estimated from every other source's healthy tables):")
     for source, m in constants.items():
         hops = ", ".join(f"{k} {v:.1f}" for k, v in m.hop_us)

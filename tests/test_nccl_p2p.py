@@ -120,3 +120,62 @@ def test_public_all_to_all_tables_within_what_the_docs_claim(table, median, larg
     assert found["median_pct"] <= median
     assert found["large_median_pct"] <= large
     assert statistics.median(abs(r["error_pct"]) for r in found["rows"] if not r["spike"]) == found["median_pct"]
+
+
+def b200_send_recv(machines: int, nbytes: float, measured: bool = False):
+    """Send/recv on DGX B200s under NCCL 2.29.7: the specs alone, or with the public measured constants."""
+    nccl = {"version": "2.29.7"} if measured else {"measured": "spec", "version": "2.29.7"}
+    c = Cluster.from_config({"machine": "dgx_b200", "machines": machines, "nccl": nccl})
+    return p2p.send_recv(Comm.of(c.fabric), nbytes, calibration=c.fabric.calibration), c
+
+
+def test_a_send_recv_across_nodes_takes_one_network_step_at_any_scale():
+    # one peer, so one step through the network whatever the ranks (an all-to-all's groups of 8
+    # peers are not a send/recv's): 16 to 256 ranks cost the same at 1 KiB
+    latencies = {n: b200_send_recv(n, KIB)[0].latency_us for n in (2, 4, 8, 32)}
+    assert latencies[2] == latencies[4] == latencies[8] == latencies[32]
+    assert b200_send_recv(32, KIB)[0].hops == 1.0
+
+
+@pytest.mark.parametrize("machines, per_peer", [(2, 4), (4, 4), (8, 2), (16, 1), (32, 1)])
+def test_a_network_peers_send_recv_moves_at_most_14_gbs_a_channel(machines, per_peer):
+    # 16 p2p channels; NCCL 2.29 halves a network peer's channels while they x ceil(n / 8) > 16
+    found, c = b200_send_recv(machines, 256 * MIB)
+    comm = Comm.of(c.fabric)
+    assert p2p.schedule(comm).per_peer == per_peer
+    nic = p2p._net_gbs(comm)
+    rate = min(nic, per_peer * p2p.NET_CHANNEL_GBS)  # GB/s = kB/us
+    step = p2p.step_data(p2p.schedule(comm), "simple", True, 256 * MIB)
+    expected = (256 * MIB + step * per_peer) / (1000.0 * rate)  # the bytes and the pipeline's fill
+    assert found.net_us == pytest.approx(expected, rel=1e-9)
+
+
+def test_a_send_recv_gets_the_nics_efficiency_and_an_all_to_all_its_own():
+    # the measured p2p_efficiency (about half: all-to-all tables, many flows a NIC) must not slow
+    # a send/recv's one flow a NIC, which the NIC kind's efficiency (1 for InfiniBand) times
+    public, c = b200_send_recv(2, 256 * MIB, measured=True)
+    measured = c.fabric.calibration.constants
+    assert measured.p2p_efficiency < 0.6
+    assert public.transfer_us == pytest.approx(public.net_us / measured.net_efficiency("ib"), rel=1e-9)
+    comm = Comm.of(c.fabric)
+    a2a = p2p.all_to_all(comm, 256 * MIB, calibration=c.fabric.calibration)
+    local = a2a.local_us / measured.local_efficiency(comm.link_intra)
+    assert a2a.transfer_us == pytest.approx(max(local, a2a.net_us / measured.p2p_efficiency), rel=1e-9)
+    assert a2a.net_us / measured.p2p_efficiency > local  # the network's share sets it
+
+
+@pytest.mark.parametrize("table, median", [
+    # Together AI's B200 sweeps: NIC-bound at 2 and 4 nodes, one and two channels a peer beyond
+    ("b200_together_2node_16gpu_sendrecv_nccl2.29.7_run1.csv", 9.0),
+    ("b200_together_4node_32gpu_sendrecv_nccl2.29.7_run2.csv", 7.0),
+    ("b200_together_8node_64gpu_sendrecv_nccl2.29.7_run1.csv", 7.0),
+    ("b200_together_32node_256gpu_sendrecv_nccl2.29.7_run2.csv", 7.0),
+])
+def test_public_send_recv_sweeps_within_what_the_docs_claim(table, median):
+    sys.path.insert(0, str(REPO / "bench"))
+    import nccl_accuracy
+
+    entry, t, c = next((e, t, c) for e, t, c in nccl_accuracy.load(REPO / "bench" / "nccl_tests") if e["file"] == table)
+    found = nccl_accuracy.evaluate(entry, t, c)
+    assert found["median_pct"] <= median
+    assert len(found["rows"]) == 15 and found["coarse"] == 4  # 1 to 8 KiB are printed below 0.5 GB/s

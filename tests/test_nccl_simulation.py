@@ -82,7 +82,8 @@ def test_horovods_fused_all_reduce_is_priced_and_chosen_at_its_fused_size(resnet
         in_it = tasks[together]
         assert collectives.loc[in_it, "task_bytes"].sum() == pytest.approx(nbytes)
         cost = collective_cost(cluster, "all_reduce", nbytes)
-        assert end[in_it[0]] - start[in_it[0]] == pytest.approx(cost.time_us, rel=1e-12)
+        # end - start of times near 1e5 us: the subtraction keeps about 1e-10 us of precision
+        assert end[in_it[0]] - start[in_it[0]] == pytest.approx(cost.time_us, rel=1e-9)
         assert set(collectives.loc[in_it, "algorithm"]) == {cost.algorithm}
 
 

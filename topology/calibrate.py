@@ -150,7 +150,7 @@ def decompose(table: Table, comm: Comm, choice: tuple = (None, None)) -> list:
     for row in table.rows:
         found = _predict(comm, table.op, row.size_bytes, choice, spec)
         rows.append(MeasuredRow(table.path, comm.arch, row.time_us, found.base_latency_us, found.hops, found.kind,
-                                found.local_us, found.net_us, table.op in ("all_to_all", "send_recv"), found.combine,
+                                found.local_us, found.net_us, p2p.many_flows(table.op), found.combine,
                                 table.gpus_per_thread, calls_per_gpu(table.op, n), found.option.algorithm,
                                 local_link(comm, found.option.algorithm), found.ceiling_us))
     return rows

@@ -174,7 +174,7 @@ def _nccl_cost(cluster: Cluster, op: str, nbytes: float, ranks, algorithm, proto
     comm = Comm.of(fabric, ranks)
     settings = fabric.calibration
     if op in ("send_recv", "all_to_all"):
-        if algorithm is not None and algorithm != "p2p":
+        if algorithm is not None and algorithm != "p2p" and not _leaves_p2p(algorithm):
             raise TopologyError("algorithm", f"NCCL runs {op} as point-to-point sends (p2p), not {algorithm!r}")
         _, protocols = parse_choices(None, protocol if protocol is not None else settings.protocol or None)
         run = p2p.send_recv if op == "send_recv" else p2p.all_to_all
@@ -184,6 +184,12 @@ def _nccl_cost(cluster: Cluster, op: str, nbytes: float, ranks, algorithm, proto
                                               protocol if protocol is not None else settings.protocol or None)
         found = predict(comm, op, nbytes, algorithms, protocols, settings)
     return CollectiveCost(op, nbytes, found.time_us, found.option.algorithm, found.option.protocol, found.channels)
+
+
+def _leaves_p2p(algorithm: str) -> bool:
+    """Whether an ``NCCL_ALGO`` exclusion (``^nvls,nvls_tree``) leaves point-to-point alone: it
+    names the collectives' algorithms NCCL may not use, which send/recv and all-to-all never do."""
+    return algorithm.startswith("^") and "p2p" not in {a.strip().lower() for a in algorithm[1:].split(",")}
 
 
 def _nccl_plan(cluster: Cluster, op: str, nbytes: float, ranks, algorithm) -> Plan:

@@ -33,7 +33,13 @@ NCCL runs both as pairs of sends and receives scheduled by ``src/enqueue.cc``
 
 **The time.** A channel is one CUDA block whose warps a send and a receive split (``sendrecv.h``),
 so one direction moves at half a ring channel's NVLink speed (``bw_intra / 2`` of NCCL's
-search, ``graphs.ring_graph`` on one node): ``r``. The ``A = min(P, sum of lanes x c)``
+search, ``graphs.ring_graph`` on one node): ``r``; a send/recv's channel through the network at
+most the 14 GB/s a channel that NCCL sizes its network peers' channels by
+(``NCCL_P2P_PER_CHANNEL_NET_BW``; ours to use it as the rate: Together AI's B200 send/recv
+sweeps over 8 x 400 Gb/s NICs move 14.5 GB/s on the one channel a peer gets at 16 and 32 nodes,
+26 on two at 8 nodes, 42 to 44 on four). Not for an all-to-all, whose channels carry several
+peers' sends at once: there the cap made the two-node B200 table's middle sizes 15 to 30 % slower
+than measured, and no table tells what a channel moves when shared. The ``A = min(P, sum of lanes x c)``
 channels at work share the GPU's NVLink (the ring's channels x speed) and, for peers on other
 nodes, its share of the node's NICs at NCCL's speed steps (``o`` times slower for the share of
 traffic that leaves a leaf, ``network.machines_per_leaf``). Peers of one link class (NVLink,
@@ -47,7 +53,9 @@ receiver's buffer (``NCCL_STEPS`` = 8 slots keep the steps before it in flight).
 ring base latency of the protocol, ``hop`` its ring step latency on the link (through a NIC:
 Simple's plus the NIC's whatever the protocol, as the proxy posts every send) and ``k`` the
 batches a channel runs one after another; across nodes at least one network step per group of
-8 peers (ours, not NCCL's source: chosen against the two-node B200 table, about 37 us at its smallest sizes).
+8 peers (ours, not NCCL's source: chosen against the two-node B200 table, about 37 us at its
+smallest sizes); a send/recv has one peer, so one network step at any scale (Together AI's B200
+sweeps: the same 26 to 34 us at 1 KiB from 2 to 32 nodes).
 
 **Where it departs from NCCL.** Older releases had other p2p schedulers, not read here: every
 release gets the newest schedule, with its own rule for a network peer's channels (2.29).
@@ -55,7 +63,10 @@ PXN (a remote peer's bytes cross NVLink to the GPU on the destination's rail fir
 into the network share, which is the same per NIC. The per-channel rate of a channel that
 holds several operations is kept (their warps split it). What a fabric's point-to-point path
 achieves between nodes is the measured ``p2p_efficiency`` (``measured.py``); inside a node the
-NVLink's measured ``link_efficiency`` applies as for the collectives.
+NVLink's measured ``link_efficiency`` applies as for the collectives. ``p2p_efficiency`` is
+fitted on all-to-all tables, whose every NIC carries many flows at once and delivers about half
+its rate; a send/recv (a pipeline's activations) sends one flow a NIC, as a ring does, and gets
+the NIC kind's ``efficiency`` instead (the B200 sweeps: 42 to 44 GB/s of a 400 Gb/s NIC).
 """
 
 from __future__ import annotations
@@ -208,7 +219,7 @@ def _lanes(comm: Comm, s: Schedule, k: "_Class") -> int:
     return math.ceil((k.peers + mine) / size)
 
 
-def _price(comm: Comm, s: Schedule, classes: list, protocols) -> tuple:
+def _price(comm: Comm, s: Schedule, classes: list, protocols, op: str) -> tuple:
     """``(protocol, latency, hops, local_us, net_us, channels)`` for the classes' sends at once."""
     active = [k for k in classes if k.peers > 0]
     chans = {k.link: peer_channels(s, k.nbytes) for k in active}
@@ -224,11 +235,13 @@ def _price(comm: Comm, s: Schedule, classes: list, protocols) -> tuple:
     demand = sum(lanes.values())
     at_work = min(s.channels, demand)
     batches = max(1, math.ceil(demand / s.channels))
-    per_channel = channel_gbs(comm) * factor
     local = net = 0.0
     for k in active:
         c = chans[k.link]
-        rate = min(k.bound_gbs * factor, at_work * (lanes[k.link] / demand) * per_channel)  # GB/s = kB/us
+        per_channel = channel_gbs(comm)
+        if k.link == "net" and not many_flows(op):  # a send/recv's channels through the network
+            per_channel = min(per_channel, NET_CHANNEL_GBS)
+        rate = min(k.bound_gbs, at_work * (lanes[k.link] / demand) * per_channel) * factor  # GB/s = kB/us
         chunk = min(step_data(s, proto, k.link == "net", k.nbytes), k.nbytes / c)
         t = (k.peers * k.nbytes + chunk * k.peers * c) / (1000.0 * rate)
         if k.link == "net":
@@ -242,7 +255,7 @@ def _price(comm: Comm, s: Schedule, classes: list, protocols) -> tuple:
     else:
         hop = tuning.HOP_LATENCY_US[link]["ring"][p]
     if link == "net":  # one network step per group of 8 peers (ours: the groups' proxy work in turn)
-        batches = max(batches, math.ceil((comm.n_ranks - 1) / P2P_PER_BATCH))
+        batches = max(batches, math.ceil(sum(k.peers for k in active) / P2P_PER_BATCH))
     latency = tuning.BASE_LATENCY_US["ring"][p] + batches * hop
     hops = float(batches) if link == "net" else 0.0
     return proto, latency, hops, local, net, max(chans.values()), link
@@ -252,16 +265,25 @@ def _timed(comm: Comm, option: Option, latency: float, hops: float, local: float
            calibration, channels: int) -> Predicted:
     """A point-to-point prediction with the measured constants (``measured.py``): the kernel's
     start, the NIC kind's hop latency, the achieved fraction of the NVLink (PCIe) rate and of
-    the network rate that point-to-point traffic between nodes gets; then the calibration's
-    factors."""
+    the network rate (an all-to-all's many flows through each NIC: ``p2p_efficiency``; a
+    send/recv's one flow a NIC, like a ring's: the NIC kind's ``efficiency``, as the
+    collectives'); then the calibration's factors."""
     measured = public() if calibration is None else calibration.constants
     efficiency, latency_factor = _factors(calibration, option.link, option.protocol, comm.n_nodes)
     nic = comm.fabric.nic
     timed_latency = (latency + measured.kernel(comm.arch) + hops * measured.hop(nic.kind, nic.transport)) * latency_factor
-    net_time = net / measured.p2p_efficiency if net else 0.0
+    rate = measured.p2p_efficiency if many_flows(option.op) else measured.net_efficiency(nic.kind, nic.transport)
+    net_time = net / rate if net else 0.0
     local_time = local / measured.local_efficiency(comm.link_intra)
     transfer = (max(local_time, net_time) if combine == "max" else local_time + net_time) / efficiency
     return Predicted(option, timed_latency, transfer, channels, hops, nic.kind, local, net, combine, latency)
+
+
+def many_flows(op: str) -> bool:
+    """Whether ``op`` sends through each NIC to many peers at once (an all-to-all), whose
+    achieved share of the network is the measured ``p2p_efficiency``; a send/recv's one flow a
+    NIC gets the NIC kind's ``efficiency``, as a ring's flows do."""
+    return op == "all_to_all"
 
 
 def _oversubscription(comm: Comm) -> float:
@@ -279,7 +301,7 @@ def _factors(calibration, link: str, protocol: str, n_nodes: int) -> tuple:
 
 def _predict(comm: Comm, op: str, nbytes: float, classes: list, protocols, calibration) -> Predicted:
     s = schedule(comm)
-    proto, latency, hops, local, net, channels, link = _price(comm, s, classes, protocols)
+    proto, latency, hops, local, net, channels, link = _price(comm, s, classes, protocols, op)
     total = max(local, net)
     effective = nbytes / (1000.0 * total) if total > 0 else math.inf
     option = Option(op, "p2p", proto, latency, effective, channels, link)
