@@ -189,7 +189,7 @@ def test_the_fused_optimizer_never_predicts_a_slower_step(traces):
     assert (report["speedup"] > 1.05).all(), "the launch overhead of ~480 kernels per step is gone"
 
 
-@pytest.mark.parametrize("name", [BUNDLED, RESNET50_WORKERS4, V100_1GPU, A100_DDP2, DLRM_RANK0, RECSYS])
+@pytest.mark.parametrize("name", [RESNET50_WORKERS4, V100_1GPU, A100_DDP2, DLRM_RANK0, RECSYS])
 def test_the_fused_optimizer_never_makes_an_iteration_end_later(traces, name):
     """Fusing moves GPU work earlier, so in a pipelined run one step may absorb what its
     predecessor saved; but no iteration may end later than in the replay."""
@@ -197,6 +197,14 @@ def test_the_fused_optimizer_never_makes_an_iteration_end_later(traces, name):
     schedule, _ = predicted(study, WhatIf(optimizations=["fused-optimizer"]))
     later = iteration_ends_us(schedule, study.iterations) - iteration_ends_us(study.replay, study.iterations)
     assert (later <= TOLERANCE_US).all()
+
+
+def test_the_fused_optimizer_refuses_a_step_that_launches_no_kernel(traces):
+    """On a CPU worker the optimizer step's CPU work is the update itself: removing it, as the
+    fusion removes launch work, dropped the update and with it DDP's wait for the gradients'
+    all-reduce (the 2x2 transformer at 1 Gbps came out at 320 ms a step against 687)."""
+    with pytest.raises(GraphError, match="launches no GPU kernels"):
+        WhatIf(optimizations=["fused-optimizer"]).apply(traces.study(BUNDLED).graph)
 
 
 def test_the_fused_optimizer_needs_an_optimizer_step(traces):

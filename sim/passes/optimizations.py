@@ -49,7 +49,10 @@ def fused_optimizer(graph: TaskGraph) -> TaskGraph:
 
     The fused kernel does the same memory traffic as the kernels it replaces, so its duration is
     their sum; what disappears is the launch overhead and the gaps between the small kernels.
-    One launch call is kept to start it.
+    One launch call is kept to start it. A step that launched no kernel (an optimizer on the host)
+    keeps its CPU work, which is the update itself; a trace none of whose steps launched one is
+    refused (a CPU-only trace: removing the step's work would drop the update, and with it the
+    wait for the gradients' all-reduce that a data-parallel step hangs on).
     """
     in_step = graph.match(OPTIMIZER_STEP)
     if not in_step.any():
@@ -68,7 +71,12 @@ def fused_optimizer(graph: TaskGraph) -> TaskGraph:
     kernels = np.flatnonzero((kinds == int(TaskKind.KERNEL)) & in_step)
     kernel_launch = launch_of.reindex(kernels).fillna(-1).to_numpy(dtype=np.int64)
     kernel_step = np.where(kernel_launch >= 0, step_of[np.maximum(kernel_launch, 0)], -1)
-    remove = cpu.copy()
+    fused_steps = np.unique(kernel_step[kernel_step >= 0])
+    if not len(fused_steps):
+        raise GraphError("fused optimizer: the optimizer step launches no GPU kernels (a CPU-only trace, or an "
+                         "optimizer on the host): its CPU work is the update's arithmetic, not kernel launches, "
+                         "and fusing kernels would change nothing of it")
+    remove = cpu & np.isin(step_of, fused_steps)  # a step that launched nothing keeps its work
     duration = tasks.columns.get_loc("duration_us")
     frame = pd.DataFrame({"kernel": kernels, "step": kernel_step, "stream": tasks["resource"].cat.codes.to_numpy()[kernels]})
     for (step, _), group in frame[frame["step"] >= 0].groupby(["step", "stream"], sort=False):

@@ -86,7 +86,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         from whatif.pipeline import predict
 
-        prediction = predict(_simulate_request(args))
+        try:
+            prediction = predict(_simulate_request(args))
+        except GraphError as err:  # an optimization this trace cannot take, a graph that cannot be scheduled
+            text = str(err)
+            raise UsageError(text if text.startswith(str(args.trace)) else f"{args.trace}: {text}") from None
         schedule, report, what = prediction.schedule, prediction.speedup_report(), _what_was_asked(args, prediction)
         _say_why_it_gains_little(args, prediction, report)
     if args.timeline is not None:
