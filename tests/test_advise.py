@@ -251,3 +251,43 @@ def test_ddp_on_a_gpu_trace_makes_the_optimizers_kernels_wait_not_its_thread(sha
     first_cpu = points.optimizer(0, on_gpu=False)
     launched = points._launched_after(first_cpu, 0)
     assert points.optimizer(0, on_gpu=True) == launched[np.argmin(points.start[launched])]
+
+
+def test_a_pipeline_alternative_says_what_sets_its_throughput_and_where_its_step_goes(shared_traces, tmp_path):
+    """A pipeline of 2 stages on the same 64 GPUs trains 32 replicas instead of 64: the reason
+    says so, and names the parts of its step that are not compute (the activations' send/recv
+    between the stages, the schedule's bubble), each from the alternative's own row."""
+    trace = shared_traces / "triosim-vgg13-h100" / "vgg13_bs512_iter41.json.gz"
+    scenario = tmp_path / "pipeline.yaml"
+    scenario.write_text(f"trace: {trace}\ncluster: {{machine: dgx_h100, machines: 8}}\nframework: ddp\n"
+                        "parallelism: {pipeline: {stages: [1, 2], microbatches: 4}}\n")
+    out = subprocess.run([sys.executable, "-m", "whatif.cli", "advise", str(scenario), "--json"],
+                         capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 0, out.stderr  # a scenario alone is advised on its own trace
+    doc = json.loads(out.stdout)
+    assert doc["trace"] == str(trace) and doc["baseline"]["configuration"]["parallelism"] == "dp64"
+    pipeline = next(o for o in doc["ranked"] if "pp2" in o["name"])
+    config = pipeline["configuration"]
+    assert "(32 model replicas instead of 64)" in pipeline["reason"]
+    assert "workers instead of" not in pipeline["reason"]  # the same 64 GPUs
+    assert f"{config['exposed_pipeline_ms']:.1f} ms exposed pipeline communication" in pipeline["reason"]
+    assert f"{config['bubble_ms']:.1f} ms pipeline bubble" in pipeline["reason"]
+    assert config["exposed_pipeline_ms"] > config["bubble_ms"] > 0.01 * pipeline["predicted_ms"]
+    assert pipeline["reason"].index("exposed pipeline") < pipeline["reason"].index("pipeline bubble")  # largest first
+
+
+def test_a_fused_optimizer_on_a_cluster_still_waits_for_the_gradients_all_reduce(shared_traces):
+    """The fused step keeps its wait for DDP's all-reduce: across 10 Gb Ethernet VGG-13's 532 MB
+    of gradients stay as exposed as without the fusion, which saves only launch work."""
+    trace = shared_traces / "triosim-vgg13-h100" / "vgg13_bs512_iter41.json.gz"
+    rows = {}
+    for optimizations in ([], ["fused-optimizer"]):
+        scenario = Scenario.from_dict({"trace": str(trace), "framework": "ddp", "optimizations": optimizations,
+                                       "cluster": {"machines": 2, "intra_node": "nvlink2", "inter_node": "10gbe"}},
+                                      name="vgg13 on two machines")
+        rows[bool(optimizations)] = predict(scenario.request()).results.iloc[0]
+    plain, fused = rows[False], rows[True]
+    assert plain["exposed_comm_ms"] > 100, "10 Gb Ethernet cannot hide 532 MB"
+    assert fused["exposed_comm_ms"] == pytest.approx(plain["exposed_comm_ms"], rel=0.05)
+    assert fused["iteration_ms"] <= plain["iteration_ms"] + 1e-6
+    assert fused["iteration_ms"] > plain["iteration_ms"] - 0.05 * plain["iteration_ms"]

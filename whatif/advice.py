@@ -25,6 +25,7 @@ critical path is data loading (the GPU is idle 69 % of the step): no-dataloader 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
@@ -184,8 +185,38 @@ def _row_interval(row: dict) -> tuple[float, float]:
 
 def _plain(row: dict) -> dict:
     keep = ("machines", "gpus_per_machine", "workers", "inter_node_gbps", "framework", "policy", "parallelism",
-            "iteration_ms", "speedup", "exposed_comm_ms")
-    return {k: (v.item() if hasattr(v, "item") else v) for k, v in row.items() if k in keep}
+            "iteration_ms", "speedup", "exposed_comm_ms", "bubble_ms")
+    return {k: (v.item() if hasattr(v, "item") else v) for k, v in row.items()
+            if k in keep or (k.startswith("exposed_") and k.endswith("_ms"))}
+
+
+#: A parallel step's parts that are not compute, as the reason names them (``_step_parts``).
+_PARTS = {"bubble_ms": "pipeline bubble"}
+_REPLICAS = re.compile(r"\bdp(\d+)\b")
+
+
+def _replicas(configuration: dict) -> Optional[int]:
+    """How many replicas of the model a configuration trains (its ``dpN``; plain data
+    parallelism: every worker), which its throughput goes with."""
+    found = _REPLICAS.search(str(configuration.get("parallelism") or ""))
+    workers = configuration.get("workers")
+    return int(found.group(1)) if found else (int(workers) if workers is not None else None)
+
+
+def _step_parts(configuration: dict) -> str:
+    """The largest parts of a configuration's step that are not compute (exposed communication
+    by dimension, the pipeline's bubble), each at least 1 % of it, largest first: at most three."""
+    step = float(configuration.get("iteration_ms") or math.nan)
+    parts = []
+    for key, value in configuration.items():
+        if value is None or not isinstance(value, (int, float)) or not math.isfinite(value) or key == "exposed_comm_ms":
+            continue
+        if key in _PARTS:
+            parts.append((float(value), _PARTS[key]))
+        elif key.startswith("exposed_") and key.endswith("_ms"):
+            parts.append((float(value), f"exposed {key[len('exposed_'):-len('_ms')]} communication"))
+    shown = sorted((p for p in parts if math.isfinite(step) and p[0] >= 0.01 * step), reverse=True)[:3]
+    return ", ".join(f"{ms:.1f} ms {what}" for ms, what in shown)
 
 
 def _alternatives(clusters: list[ClusterConfig], every_framework: bool = True) -> list[ClusterConfig]:
@@ -269,13 +300,30 @@ def _added_cost(spec: str, changed: Prediction) -> str:
     return f" ({what} are {100 * _share(paths, graph, pattern):.0f} % of its critical path)"
 
 
+def _scale_change(configuration: dict, base_row: dict) -> str:
+    """`` (512 workers instead of 64, 256 model replicas instead of 64)``: what sets an
+    alternative's throughput apart from the baseline's besides its step ('' where nothing)."""
+    said = []
+    workers, base_workers = configuration.get("workers"), base_row.get("workers")
+    if workers is not None and base_workers is not None and int(workers) != int(base_workers):
+        said.append(f"{int(workers)} workers instead of {int(base_workers)}")
+    replicas, base_replicas = _replicas(configuration), _replicas(base_row)
+    if (replicas is not None and base_replicas is not None and replicas != base_replicas
+            and (workers is None or base_workers is None or replicas * int(base_workers) != base_replicas * int(workers))):
+        said.append(f"{replicas} model replicas instead of {base_replicas}")
+    return f" ({', '.join(said)})" if said else ""
+
+
 def _reason(name: str, option: Option, paths: list, graph: TaskGraph, idle: float, base: Prediction) -> str:
     """One line: what share of the baseline's critical path the option changes, and its gain."""
     recipe = name.partition("=")[0]
     what, target = TARGETS.get(recipe, (_COMM, (_COMM,)))
     gains = f"{name} {'gains' if option.gain_pct >= 0 else 'loses'} {abs(option.gain_pct):.1f} %"
-    if option.kind == "alternative" and option.configuration.get("workers") != base.results.iloc[0]["workers"]:
-        gains += f" ({option.configuration.get('workers')} workers instead of {int(base.results.iloc[0]['workers'])})"
+    if option.kind == "alternative":
+        gains += _scale_change(option.configuration, base.results.iloc[0].to_dict())
+        parts = _step_parts(option.configuration)
+        if parts:
+            gains += f"; of its {option.predicted_ms:.1f} ms step: {parts}"
     if not paths:
         return gains
     share = _share(paths, graph, target)

@@ -1,4 +1,4 @@
-"""``whatif advise TRACE [SCENARIO]``: what the user could do, ranked by predicted gain, each
+"""``whatif advise TRACE [SCENARIO]`` (or ``whatif advise SCENARIO``, on its own trace): what the user could do, ranked by predicted gain, each
 with the critical path's reason (``whatif/advice.py``); a table, or ``--json``."""
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ ERRORS = (ScenarioError,)
 
 def add_parsers(sub) -> None:
     parser = sub.add_parser("advise", help="rank the optimizations and the scenario's alternatives by predicted gain")
-    parser.add_argument("trace", type=Path, help="PyTorch profiler (Kineto) trace (.json or .json.gz), or a bundle folder")
+    parser.add_argument("trace", type=Path, help="PyTorch profiler (Kineto) trace (.json or .json.gz), or a bundle folder; "
+                        "or a scenario alone (.yaml), advised on its own trace")
     parser.add_argument("scenario", type=Path, nargs="?",
                         help="a scenario (see scenarios/): its first configuration is the job as it runs, the rest of "
                              "its grid, and every framework and policy on that cluster, are the alternatives "
@@ -34,7 +35,14 @@ def add_parsers(sub) -> None:
                         help=f"run a scenario's grid that simulates more than {MAX_GRID_WORKERS} workers' graphs in all (refused without it)")
 
 
+#: A lone argument with one of these suffixes is a scenario, advised on its own trace.
+SCENARIO_SUFFIXES = (".yaml", ".yml")
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.scenario is None and args.trace.suffix.lower() in SCENARIO_SUFFIXES:
+        args.scenario = args.trace  # whatif advise SCENARIO.yaml: the scenario on its own trace
+        args.trace = Scenario.from_file(args.scenario).trace
     scenario = Scenario.from_file(args.scenario) if args.scenario is not None else None
     if scenario is not None:
         check_grid_size(args.scenario, scenario, args.yes)
@@ -54,17 +62,18 @@ def advice_table(advice: Advice) -> str:
     """The ranked options, then those not applicable, as text."""
     base = advice.baseline
     interval = f"{100 * LEVEL:g} % interval"
+    width = max([34] + [len(o.name) for o in advice.options])  # the option column fits the longest name
     lines = [f"{advice.trace}: baseline {base.name}, {describe(base.predicted_ms, base.low_ms, base.high_ms)} per "
              "iteration",
-             f"{'rank':>4}  {'option':<34} {'ms':>9} {interval:>15} {'gain %':>7}  reason"]
+             f"{'rank':>4}  {'option':<{width}} {'ms':>9} {interval:>15} {'gain %':>7}  reason"]
     for rank, option in enumerate(advice.ranked, 1):
         saved = f"; frees {option.memory_saved_mb:.0f} MB a step" if math.isfinite(option.memory_saved_mb) else ""
         within = (f"{option.low_ms:.2f}-{option.high_ms:.2f}" if math.isfinite(option.low_ms) and
                   math.isfinite(option.high_ms) else "-")
-        lines.append(f"{rank:>4}  {option.name:<34} {option.predicted_ms:>9.2f} {within:>15} {option.gain_pct:>+7.1f}  "
+        lines.append(f"{rank:>4}  {option.name:<{width}} {option.predicted_ms:>9.2f} {within:>15} {option.gain_pct:>+7.1f}  "
                      f"{option.reason}{saved}")
     for option in advice.not_applicable:
-        lines.append(f"{'-':>4}  {option.name:<34} {'':>9} {'':>15} {'':>7}  not applicable: {option.reason}")
+        lines.append(f"{'-':>4}  {option.name:<{width}} {'':>9} {'':>15} {'':>7}  not applicable: {option.reason}")
     return "\n".join(lines)
 
 
