@@ -291,3 +291,13 @@ def test_a_fused_optimizer_on_a_cluster_still_waits_for_the_gradients_all_reduce
     assert fused["exposed_comm_ms"] == pytest.approx(plain["exposed_comm_ms"], rel=0.05)
     assert fused["iteration_ms"] <= plain["iteration_ms"] + 1e-6
     assert fused["iteration_ms"] > plain["iteration_ms"] - 0.05 * plain["iteration_ms"]
+
+
+def test_a_recipe_that_changes_no_task_is_not_applicable_not_ranked_at_zero():
+    """amp and faster-gpu on a CPU worker's trace change nothing: listed as not applicable, with
+    why, as the GPU-only recipes are, not ranked with a gain of 0 %."""
+    advice = advise(WIDE_MLP, recipes=("amp", "faster-gpu=2", "faster-cpu=2"))
+    reasons = {o.name: o.reason for o in advice.not_applicable}
+    assert reasons == {"amp": "amp: changes no task of this trace (it has no GPU)",
+                       "faster-gpu=2": "faster-gpu=2: changes no task of this trace (it has no GPU)"}
+    assert [o.name for o in advice.ranked] == ["faster-cpu=2"] and advice.ranked[0].gain_pct > 50

@@ -131,11 +131,17 @@ def advise(trace: Union[str, Path], scenario: Optional[Scenario] = None, iterati
     for spec in recipes:
         progress(f"predicting {spec}")
         what_if = WhatIf(optimizations=list(request.what_if.optimizations) + [spec])
+        said = Diagnostics()
         try:
-            with collecting(Diagnostics()):  # the option's row says what it changes; the input's warnings came above
+            with collecting(said):  # the option's row says what it changes; the input's warnings came above
                 changed = predict(replace(base_request, what_if=what_if))
         except GraphError as err:
             options.append(Option(spec, "recipe", False, str(err)))
+            continue
+        unchanged = [text for text in said.messages if text.startswith(f"optimization {spec!r}: changes no task")]
+        if unchanged:  # amp or faster-gpu on a CPU worker's trace: nothing to rank
+            options.append(Option(spec, "recipe", False, f"{spec}: changes no task of this trace"
+                                  + ("" if study.graph.workload.has_gpu else " (it has no GPU)")))
             continue
         option = _measured(spec, "recipe", changed, baseline)
         option.memory_saved_mb = _memory_saved_mb(changed.worker, len(study.iterations))
