@@ -480,6 +480,17 @@ def _factors(config: ClusterConfig, k: int) -> tuple[float, float, float]:
     return (slow.slowdown, slow.gpu_slowdown, own) if slow else (1.0, 1.0, own)
 
 
+def slowest_pace(config: ClusterConfig) -> tuple[float, float]:
+    """``(slowdown, gpu_slowdown)``: the largest factor any worker has on all its work but waits,
+    and on its GPU tasks (its machine's ``gpu_slowdown`` times its own GPU's), which a job whose
+    ranks wait for each other at every collective runs at; ``(1, 1)`` where every worker is
+    alike or ``replicate: false``."""
+    if config.replicate is False or (not config.stragglers and not len(config.gpu_slowdowns)):
+        return 1.0, 1.0
+    factors = [_factors(config, k) for k in range(config.workers)]
+    return max(f[0] for f in factors), max(f[1] * f[2] for f in factors)
+
+
 def simulated_workers(config: ClusterConfig) -> list[int]:
     """The workers to simulate, worker 0 first: every one (``replicate``), worker 0 alone
     (``replicate=False``, or identical workers), else worker 0 and one worker of each kind that

@@ -391,3 +391,43 @@ def test_a_pipelines_row_parts_its_bubble_from_the_rest_of_its_idle():
     colours, _ = _exposed_by_dimension(frame)
     assert {"plot_bubble_ms", "plot_idle_ms"} <= set(colours) and "idle_ms" not in colours
     assert frame["plot_bubble_ms"].iat[0] + frame["plot_idle_ms"].iat[0] == pytest.approx(row["idle_ms"])
+
+
+def test_a_parallel_job_with_a_straggler_runs_at_the_slowest_ranks_pace():
+    """Tensor parallelism 2 x data 2 on two machines, machine 1 1.5x slow: rank 0 stands for every
+    rank, and since each waits for the others at every collective it runs at machine 1's pace,
+    its work (not its waits or communication) 1.5x as long. Before, the straggler was dropped
+    without a word: the job predicted as fast as with none."""
+    from whatif.pipeline import slowest_rank_note
+    from whatif.sim.distributed import Straggler, slowest_pace
+    from whatif.sim.parallel.job import at_pace
+
+    cluster = Cluster.from_config({"machines": 2, "gpus_per_machine": 2, **LINKS})
+    par = Parallelism(data=2, tensor=2)
+    slow = ClusterConfig(cluster, "ddp", stragglers=[Straggler(1, slowdown=1.5)], parallelism=par)
+    assert slowest_pace(slow) == (1.5, 1.0)
+    assert slowest_pace(ClusterConfig(cluster, "ddp", parallelism=par)) == (1.0, 1.0)
+    assert slowest_pace(ClusterConfig(cluster, "ddp", gpu_slowdowns=(1.0, 1.2, 0.9, 1.1), parallelism=par)) == (1.0, 1.2)
+
+    study = TraceStudy.from_trace(TRANSFORMER)
+    graph = study.graph.copy()
+    graph.remove(graph.select(kinds=[TaskKind.COMM]))
+    job = parallelize(graph, find_units(graph), par, cluster)
+    paced = at_pace(job, 1.5, 1.0)
+    kinds = job.graph.tasks["kind"].to_numpy()
+    kept = np.isin(kinds, [int(TaskKind.COMM), int(TaskKind.WAIT)])
+    before, after = job.graph.tasks["duration_us"].to_numpy(), paced.graph.tasks["duration_us"].to_numpy()
+    np.testing.assert_allclose(after[~kept], 1.5 * before[~kept])
+    np.testing.assert_array_equal(after[kept], before[kept])
+    assert len(job.comm_tasks()) and at_pace(job, 1.0, 1.0) is job
+
+    rows = {}
+    for stragglers in ([], [{"machine": 1, "slowdown": 1.5}]):
+        fast = {"intra_node": {"bandwidth": "40Gbps", "latency": "20us"}, "inter_node": {"bandwidth": "10Gbps", "latency": "50us"}}
+        scenario = Scenario.from_dict({"trace": str(TRANSFORMER), "stragglers": stragglers, "parallelism": {"tensor": 2},
+                                       "cluster": {"machines": 2, "gpus_per_machine": 2, **fast}}, name="s.yaml")
+        prediction = predict(scenario.request())
+        rows[bool(stragglers)] = (prediction.results.iloc[0]["iteration_ms"], slowest_rank_note(prediction))
+    (free, no_note), (slowed, note) = rows[False], rows[True]
+    assert no_note == "" and "dp2 tp2 x1.50 (GPU x1.00)" in note
+    assert 1.2 * free < slowed < 1.5 * free + 1.0  # the work 1.5x, the communication as it was

@@ -61,13 +61,14 @@ from whatif.collectors.diagnostics import plural, warn
 from whatif.report.cluster import configuration_labels, configuration_row, memory_columns, parallel_row
 from whatif.report.intervals import relative_interval, steady_interval, widened
 from whatif.report.iterations import IterationSpans, iteration_report, speedup_report, steady_median
-from whatif.sim.distributed import ClusterConfig, ClusterSchedule, lay_cluster, simulate_cluster, with_graph, without_graph
+from whatif.sim.distributed import (ClusterConfig, ClusterSchedule, lay_cluster, simulate_cluster, slowest_pace,
+                                    with_graph, without_graph)
 from whatif.sim.engine import Schedule, simulate
 from whatif.sim.frameworks.copies import pass_rate_bytes_per_us
 from whatif.sim.gradients import Gradients, find_gradients
 from whatif.sim.graph import GraphError, TaskGraph, TaskKind
 from whatif.sim.parallel import Parallelism
-from whatif.sim.parallel.job import parallelize, simulate_job
+from whatif.sim.parallel.job import at_pace, parallelize, simulate_job
 from whatif.sim.parallel.memory import gpu_memory_bytes, memory_per_gpu
 from whatif.sim.parallel.units import Units, UnitsError, find_units, no_units, parameters_from_shapes
 from whatif.sim.passes.batch_size import BatchSizeChange, change_batch_size, infer_batch_size, parameter_shapes
@@ -327,6 +328,21 @@ def traced_gpu_note(prediction: "Prediction") -> str:
             f"optimizations: [faster-gpu=K])")
 
 
+def slowest_rank_note(prediction: "Prediction") -> str:
+    """A note where a parallel job has stragglers or GPU variation: its ranks, simulated as one,
+    run at the slowest rank's pace (``sim/parallel/job.at_pace``), since each waits for the
+    others at every collective; empty otherwise."""
+    paced = []
+    for config in prediction.request.clusters:
+        pace = slowest_pace(config)
+        if config.parallelism is not None and config.parallelism.families() and pace != (1.0, 1.0):
+            paced.append(f"{config.parallelism.describe()} x{pace[0]:.2f} (GPU x{pace[1]:.2f})")
+    if not paced:
+        return ""
+    return ("stragglers / gpu_variation: a parallel job's ranks wait for each other at every collective, so each job "
+            f"is simulated as one rank at its slowest rank's pace, on all its work (and on its GPU's): {'; '.join(paced)}")
+
+
 def _hierarchical(config: ClusterConfig) -> bool:
     cluster = config.cluster
     return cluster.machines > 1 and cluster.gpus_per_machine > 1 and cluster.backend != "nccl"
@@ -510,6 +526,7 @@ def _simulated(grid: _Grid, config: ClusterConfig) -> tuple[dict, ClusterSchedul
         microbatch = grid.microbatch if grid.microbatch_fits.get(int(par.microbatches), True) else None
         job = parallelize(*_job_graph(grid, par), par, config.cluster, grid.optimizer, grid.gpu_memory_bytes, microbatch,
                           cache=grid.passes)
+        job = at_pace(job, *slowest_pace(config))  # stragglers, gpu_variation: the slowest rank sets the pace
         schedule = simulate_job(job, config.cluster)
         run = ClusterSchedule(schedule, job.comm_tasks(), job.rank0(), 0.0, 0.0)
         report = _job_report(schedule, grid.iterations, run.worker0)

@@ -25,6 +25,7 @@ resources where the pipeline pass built one graph of every stage.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import Optional
@@ -33,7 +34,7 @@ import numpy as np
 
 from whatif.sim.cpu_contention import driving_link, with_cpu_contention
 from whatif.sim.engine import Schedule, simulate
-from whatif.sim.graph import TaskGraph, TaskKind, cpu_work, label_mask
+from whatif.sim.graph import GPU_TASK_KINDS, TaskGraph, TaskKind, cpu_work, label_mask
 
 from . import PASS_ORDER, PASSES, Parallelism, ParallelismError
 from . import expert, fsdp, pipeline, tensor  # noqa: F401  (each registers its pass in PASSES)
@@ -128,6 +129,22 @@ def simulate_job(job: ParallelJob, cluster) -> Schedule:
         size = {int(t): comm_bytes(name) for t, name in zip(comm.tolist(), names)}
         schedule = with_cpu_contention(graph, schedule, comm, size, link, lambda priced: None, len(graph.tasks))
     return schedule
+
+
+def at_pace(job: ParallelJob, slowdown: float, gpu_slowdown: float) -> ParallelJob:
+    """``job`` with rank 0 running at another rank's pace: ``slowdown`` on every task but waits
+    and communication, ``gpu_slowdown`` more on its GPU's (``distributed.slowest_pace``). Ranks
+    simulated as one stand for the slowest where each waits for the others at every collective
+    (tensor, data and expert groups; a pipeline's stages per microbatch)."""
+    if (slowdown, gpu_slowdown) == (1.0, 1.0):
+        return job
+    graph = job.graph.copy()
+    kinds = graph.tasks["kind"].to_numpy()
+    paced = ~np.isin(kinds, [int(TaskKind.COMM), int(TaskKind.WAIT)])
+    graph.scale(np.flatnonzero(paced), slowdown)
+    gpu = paced & np.isin(kinds, [int(k) for k in GPU_TASK_KINDS])
+    graph.scale(np.flatnonzero(gpu), gpu_slowdown)
+    return dataclasses.replace(job, graph=graph)
 
 
 def _leading_key(key: Optional[tuple], family: str, par: Parallelism, mine: dict) -> Optional[tuple]:
