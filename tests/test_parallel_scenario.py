@@ -431,3 +431,31 @@ def test_a_parallel_job_with_a_straggler_runs_at_the_slowest_ranks_pace():
     (free, no_note), (slowed, note) = rows[False], rows[True]
     assert no_note == "" and "dp2 tp2 x1.50 (GPU x1.00)" in note
     assert 1.2 * free < slowed < 1.5 * free + 1.0  # the work 1.5x, the communication as it was
+
+
+def test_what_a_parallel_job_cannot_use_is_left_out_or_said_never_dropped(recwarn):
+    """A parallel job runs DDP's all-reduce in FIFO order and sizes its collectives from the
+    trace's parameters. Before, its rows under horovod, ps or p3 were predicted as DDP FIFO
+    and labelled otherwise, and gradients, framework_options and collective did nothing to them
+    without a word (tensor 2 at 484.52 ms whatever they said)."""
+    doc = {"trace": str(TRANSFORMER), "cluster": {"machines": 2, "gpus_per_machine": 2, **LINKS},
+           "framework": ["ddp", "horovod"], "policy": ["fifo", "p3"], "parallelism": {"tensor": [1, 2]}}
+    scenario = Scenario.from_dict(doc, name="s.yaml")
+    described = [(p.framework, p.policy, p.parallelism.describe()) for p in scenario.points]
+    assert described == [("ddp", "fifo", "dp4"), ("ddp", "fifo", "dp2 tp2"), ("ddp", "p3", "dp4"),
+                         ("horovod", "fifo", "dp4"), ("horovod", "p3", "dp4")]
+    said = [str(w.message) for w in recwarn]
+    assert ("s.yaml: left out 3 configurations of a parallel job with horovod, p3: a parallel job (tensor, pipeline, "
+            "expert or zero >= 1) runs DDP's all-reduce in FIFO order; horovod, p3 apply to plain data parallelism "
+            "only") in said
+
+    with pytest.raises(ScenarioError, match=r"^s.yaml: framework: a parallel job .* horovod applies to plain data "
+                                            r"parallelism only \(framework: ddp, policy: fifo\)$"):
+        Scenario.from_dict({**doc, "framework": "horovod", "policy": "fifo", "parallelism": {"tensor": 2}}, name="s.yaml")
+
+    recwarn.clear()
+    Scenario.from_dict({**doc, "framework": "ddp", "policy": "fifo", "gradients": {"total": "500MB"},
+                        "collective": "ring"}, name="s.yaml")
+    assert [str(w.message) for w in recwarn] == [
+        "s.yaml: collective, gradients: for plain data parallelism only; the parallel configurations (dp2 tp2) size "
+        "their collectives from the trace's parameters and leave their algorithms to the backend"]

@@ -362,7 +362,40 @@ def _parse(doc: Any, base_dir: Path, name: str) -> Scenario:
         scenario.perfmodel = _path(base_dir, doc["perfmodel"])
         if not scenario.perfmodel.is_file():
             raise ScenarioError(name, "perfmodel", f"no such file: {scenario.perfmodel}")
+    _plain_data_parallel_only(name, doc, scenario)
     return scenario
+
+
+#: Keys a parallel job (tensor, pipeline, expert, ZeRO/FSDP) does not use: its collectives are
+#: sized from the trace's parameters and run as its passes insert them, each priced by the backend.
+PLAIN_DATA_PARALLEL_KEYS = ("collective", "framework_options", "gradients")
+
+
+def _plain_data_parallel_only(name: str, doc: dict, scenario: "Scenario") -> None:
+    """What of the scenario a parallel job cannot use, left out or said, never dropped in
+    silence: a parallel job runs DDP's all-reduce in FIFO order, so its configurations with
+    another framework or policy are left out (counted in a warning; refused where none is left),
+    and the keys only plain data parallelism reads are named in a warning."""
+    parallel = [p for p in scenario.points if p.parallelism is not None and p.parallelism.families()]
+    if not parallel:
+        return
+    other = [p for p in parallel if (p.framework, p.policy) != ("ddp", "fifo")]
+    if other:
+        kept = [p for p in scenario.points if not any(p is q for q in other)]
+        asked = sorted({p.framework for p in other if p.framework != "ddp"} | {p.policy for p in other if p.policy != "fifo"})
+        why = (f"a parallel job (tensor, pipeline, expert or zero >= 1) runs DDP's all-reduce in FIFO order; "
+               f"{', '.join(asked)} {'applies' if len(asked) == 1 else 'apply'} to plain data parallelism only")
+        if not kept:
+            key = "framework" if any(p.framework != "ddp" for p in other) else "policy"
+            raise ScenarioError(name, key, f"{why} (framework: ddp, policy: fifo)")
+        warn(name, len(other), f"left out {plural(len(other), 'configuration')} of a parallel job with {', '.join(asked)}: {why}")
+        scenario.points = kept
+    unused = [key for key in PLAIN_DATA_PARALLEL_KEYS if doc.get(key) is not None]
+    if unused:
+        jobs = sorted({p.parallelism.describe() for p in scenario.points if p.parallelism is not None and p.parallelism.families()})
+        warn(name, 1, f"{', '.join(unused)}: for plain data parallelism only; the parallel configurations "
+                      f"({', '.join(jobs)}) size their collectives from the trace's parameters and leave their "
+                      "algorithms to the backend")
 
 
 # -- the cluster block and its grid ---------------------------------------------------------------
