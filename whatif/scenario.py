@@ -375,7 +375,8 @@ def _plain_data_parallel_only(name: str, doc: dict, scenario: "Scenario") -> Non
     """What of the scenario a parallel job cannot use, left out or said, never dropped in
     silence: a parallel job runs DDP's all-reduce in FIFO order, so its configurations with
     another framework or policy are left out (counted in a warning; refused where none is left),
-    and the keys only plain data parallelism reads are named in a warning."""
+    and the keys only plain data parallelism reads (and gradient compression, which compresses
+    its all-reduces) are named in a warning."""
     parallel = [p for p in scenario.points if p.parallelism is not None and p.parallelism.families()]
     if not parallel:
         return
@@ -391,11 +392,12 @@ def _plain_data_parallel_only(name: str, doc: dict, scenario: "Scenario") -> Non
         warn(name, len(other), f"left out {plural(len(other), 'configuration')} of a parallel job with {', '.join(asked)}: {why}")
         scenario.points = kept
     unused = [key for key in PLAIN_DATA_PARALLEL_KEYS if doc.get(key) is not None]
+    unused += [f"optimizations: {o}" for o in scenario.optimizations if optimization_name(o) == "gradient-compression"]
     if unused:
         jobs = sorted({p.parallelism.describe() for p in scenario.points if p.parallelism is not None and p.parallelism.families()})
         warn(name, 1, f"{', '.join(unused)}: for plain data parallelism only; the parallel configurations "
-                      f"({', '.join(jobs)}) size their collectives from the trace's parameters and leave their "
-                      "algorithms to the backend")
+                      f"({', '.join(jobs)}) do not use {'it' if len(unused) == 1 else 'them'}: their passes size their "
+                      "collectives from the trace's parameters, and the backend prices them as they are")
 
 
 # -- the cluster block and its grid ---------------------------------------------------------------
