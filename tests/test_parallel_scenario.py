@@ -455,8 +455,12 @@ def test_what_a_parallel_job_cannot_use_is_left_out_or_said_never_dropped(recwar
 
     recwarn.clear()
     Scenario.from_dict({**doc, "framework": "ddp", "policy": "fifo", "gradients": {"total": "500MB"},
-                        "collective": "ring", "optimizations": ["gradient-compression=4"]}, name="s.yaml")
+                        "collective": "ring", "optimizations": ["gradient-compression=4"], "network": "shared_links",
+                        "replicate": True}, name="s.yaml")
     assert [str(w.message) for w in recwarn] == [
-        "s.yaml: collective, gradients, optimizations: gradient-compression=4: for plain data parallelism only; the "
-        "parallel configurations (dp2 tp2) do not use them: their passes size their collectives from the trace's "
-        "parameters, and the backend prices them as they are"]
+        "s.yaml: collective, gradients, optimizations: gradient-compression=4, network: shared_links, replicate: true: "
+        "for plain data parallelism only; the parallel configurations (dp2 tp2) do not use them: their passes size "
+        "their collectives from the trace's parameters, and the backend prices them as they are"]
+    recwarn.clear()
+    Scenario.from_dict({**doc, "framework": "ddp", "policy": "fifo"}, name="s.yaml")
+    assert not recwarn, "nothing to say where nothing is set that a parallel job does not use"

@@ -393,6 +393,7 @@ def _plain_data_parallel_only(name: str, doc: dict, scenario: "Scenario") -> Non
         scenario.points = kept
     unused = [key for key in PLAIN_DATA_PARALLEL_KEYS if doc.get(key) is not None]
     unused += [f"optimizations: {o}" for o in scenario.optimizations if optimization_name(o) == "gradient-compression"]
+    unused += ["network: shared_links"] * (scenario.shared_links is True) + ["replicate: true"] * (scenario.replicate is True)
     if unused:
         jobs = sorted({p.parallelism.describe() for p in scenario.points if p.parallelism is not None and p.parallelism.families()})
         warn(name, 1, f"{', '.join(unused)}: for plain data parallelism only; the parallel configurations "
