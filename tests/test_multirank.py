@@ -485,6 +485,18 @@ def test_a_scenario_of_a_jobs_folder_predicts_the_job_on_its_cluster(capsys, tmp
                       "cluster: {machine: dgx_v100, machines: 1}\n")
     status, out, _ = run_cli(capsys, "predict", listed, "--json")
     assert status == 0 and json.loads(out)["results"][0]["iteration_ms"] == pytest.approx(row["iteration_ms"])
+    assert "note:" not in err  # the V100s it ran on
+
+
+def test_a_jobs_scenario_on_other_gpus_notes_that_its_kernels_keep_their_times(capsys, tmp_path, dlrm):
+    """The DLRM job's V100 traces on DGX H100s: its kernels keep their traced times, as a
+    single trace's would, and the note says so, as it does for a single trace."""
+    path = tmp_path / "dlrm_h100.yaml"
+    path.write_text(f"trace: {DLRM}\ncluster: {{machine: dgx_h100, machines: 1}}\n")
+    status, out, err = run_cli(capsys, "predict", path)
+    assert status == 0, err
+    assert ("whatif: note: the trace ran on Tesla V100-SXM2-32GB; on the clusters' h100 GPUs its kernels keep their "
+            "traced times") in err
 
 
 @pytest.mark.parametrize("cluster, extra, key, message", [

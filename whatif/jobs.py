@@ -32,7 +32,7 @@ from whatif.sim.engine import Schedule
 from whatif.sim.multirank import Job, build_job, transfer_on
 from whatif.topology import as_gbps
 
-from .pipeline import WhatIf
+from .pipeline import WhatIf, clusters_gpu_note
 
 
 @dataclass
@@ -45,6 +45,7 @@ class JobPrediction:
     results: pd.DataFrame
     runs: dict = field(default_factory=dict)  # label -> Schedule
     reports: dict = field(default_factory=dict)  # label -> list[RankReport]
+    gpu_note: str = ""  # where the clusters' GPUs are not the traced ones (pipeline.clusters_gpu_note)
 
 
 def _slowest(reports: list[RankReport], column: str = "predicted_ms") -> tuple[float, RankReport]:
@@ -86,7 +87,9 @@ def predict_job(scenario: Scenario) -> JobPrediction:
             "slowest_rank": slowest.rank,
         })
         runs[label], reports[label] = schedule, ranked
-    return JobPrediction(job, replay_ms, pd.DataFrame(rows), runs, reports)
+    devices = [d for rank in traces.ranks for d in rank.trace.device_properties]
+    note = clusters_gpu_note(devices, [point.cluster for point in scenario.points], scenario.optimizations)
+    return JobPrediction(job, replay_ms, pd.DataFrame(rows), runs, reports, note)
 
 
 def job_results_note(prediction: JobPrediction, scenario: Scenario) -> str:

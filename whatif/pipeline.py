@@ -314,13 +314,20 @@ def traced_gpu_note(prediction: "Prediction") -> str:
     speed, so the prediction differs only by the clusters' communication. Empty otherwise (a
     trace without a GPU, or with an unknown one)."""
     request = prediction.request
-    if any(str(name).startswith("faster-gpu") for name in request.what_if.optimizations):
+    return clusters_gpu_note(prediction.study.trace.device_properties, [c.cluster for c in request.clusters],
+                             request.what_if.optimizations)
+
+
+def clusters_gpu_note(device_properties: Sequence, clusters: Sequence, optimizations: Sequence[str]) -> str:
+    """:func:`traced_gpu_note` from its parts: the traces' ``deviceProperties`` (a job's ranks'
+    together), the clusters predicted, the what-ifs asked."""
+    if any(str(name).startswith("faster-gpu") for name in optimizations):
         return ""
-    devices = sorted({str(d.get("name", "")) for d in prediction.study.trace.device_properties if isinstance(d, dict)})
+    devices = sorted({str(d.get("name", "")) for d in device_properties if isinstance(d, dict)})
     traced = {gpu_of_device(name) for name in devices} - {None}
     if len(traced) != 1:
         return ""
-    others = sorted({c.cluster.fabric.gpu.name for c in request.clusters if c.cluster.fabric is not None} - traced)
+    others = sorted({c.fabric.gpu.name for c in clusters if c.fabric is not None} - traced)
     if not others:
         return ""
     return (f"the trace ran on {', '.join(devices)}; on the clusters' {', '.join(others)} GPUs its kernels keep their "

@@ -143,6 +143,8 @@ def _run_job(args: argparse.Namespace, scenario: Scenario) -> int:
             raise UsageError(f"{option}: not for a multi-rank job's scenario yet (its table and --json, --csv are)")
     prediction = predict_job(scenario)
     results = prediction.results
+    if prediction.gpu_note:
+        print(f"whatif: note: {prediction.gpu_note}", file=sys.stderr)
     if args.csv is not None:
         refuse_inputs(args.csv, (args.scenario, *scenario.job_traces))
         write_atomically(args.csv, results.to_csv(index=False).encode())
