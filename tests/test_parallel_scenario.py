@@ -464,3 +464,8 @@ def test_what_a_parallel_job_cannot_use_is_left_out_or_said_never_dropped(recwar
     recwarn.clear()
     Scenario.from_dict({**doc, "framework": "ddp", "policy": "fifo"}, name="s.yaml")
     assert not recwarn, "nothing to say where nothing is set that a parallel job does not use"
+    left = Scenario.from_dict({**doc, "framework": "horovod", "policy": "fifo", "gradients": {"total": "500MB"}},
+                              name="s.yaml")
+    assert [p.parallelism.describe() for p in left.points] == ["dp4"]
+    assert [str(w.message)[:52] for w in recwarn] == ["s.yaml: left out 1 configuration of a parallel job w"], \
+        "no parallel configuration is left for the gradients to miss: nothing more to say"

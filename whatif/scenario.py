@@ -394,8 +394,8 @@ def _plain_data_parallel_only(name: str, doc: dict, scenario: "Scenario") -> Non
     unused = [key for key in PLAIN_DATA_PARALLEL_KEYS if doc.get(key) is not None]
     unused += [f"optimizations: {o}" for o in scenario.optimizations if optimization_name(o) == "gradient-compression"]
     unused += ["network: shared_links"] * (scenario.shared_links is True) + ["replicate: true"] * (scenario.replicate is True)
-    if unused:
-        jobs = sorted({p.parallelism.describe() for p in scenario.points if p.parallelism is not None and p.parallelism.families()})
+    jobs = sorted({p.parallelism.describe() for p in scenario.points if p.parallelism is not None and p.parallelism.families()})
+    if unused and jobs:  # (none where every parallel configuration was left out above)
         warn(name, 1, f"{', '.join(unused)}: for plain data parallelism only; the parallel configurations "
                       f"({', '.join(jobs)}) do not use {'it' if len(unused) == 1 else 'them'}: their passes size their "
                       "collectives from the trace's parameters, and the backend prices them as they are")
