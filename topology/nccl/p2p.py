@@ -235,12 +235,13 @@ def _price(comm: Comm, s: Schedule, classes: list, protocols, op: str) -> tuple:
     demand = sum(lanes.values())
     at_work = min(s.channels, demand)
     batches = max(1, math.ceil(demand / s.channels))
+    one_channel = channel_gbs(comm)
     local = net = 0.0
     for k in active:
         c = chans[k.link]
-        per_channel = channel_gbs(comm)
+        per_channel = one_channel
         if k.link == "net" and not many_flows(op):  # a send/recv's channels through the network
-            per_channel = min(per_channel, NET_CHANNEL_GBS)
+            per_channel = min(one_channel, NET_CHANNEL_GBS)
         rate = min(k.bound_gbs, at_work * (lanes[k.link] / demand) * per_channel) * factor  # GB/s = kB/us
         chunk = min(step_data(s, proto, k.link == "net", k.nbytes), k.nbytes / c)
         t = (k.peers * k.nbytes + chunk * k.peers * c) / (1000.0 * rate)
