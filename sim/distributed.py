@@ -480,12 +480,18 @@ def _factors(config: ClusterConfig, k: int) -> tuple[float, float, float]:
     return (slow.slowdown, slow.gpu_slowdown, own) if slow else (1.0, 1.0, own)
 
 
+def _alike(config: ClusterConfig) -> bool:
+    """Whether worker 0 stands for every worker: no straggler and no GPU of its own speed, or
+    ``replicate: false``."""
+    return config.replicate is False or (not config.stragglers and not len(config.gpu_slowdowns))
+
+
 def slowest_pace(config: ClusterConfig) -> tuple[float, float]:
     """``(slowdown, gpu_slowdown)``: the largest factor any worker has on all its work but waits,
     and on its GPU tasks (its machine's ``gpu_slowdown`` times its own GPU's), which a job whose
     ranks wait for each other at every collective runs at; ``(1, 1)`` where every worker is
     alike or ``replicate: false``."""
-    if config.replicate is False or (not config.stragglers and not len(config.gpu_slowdowns)):
+    if _alike(config):
         return 1.0, 1.0
     factors = [_factors(config, k) for k in range(config.workers)]
     return max(f[0] for f in factors), max(f[1] * f[2] for f in factors)
@@ -498,7 +504,7 @@ def simulated_workers(config: ClusterConfig) -> list[int]:
     every kind where CPU contention re-times tasks from their overlaps."""
     if config.replicate:
         return list(range(config.workers))
-    if config.replicate is False or (not config.stragglers and not len(config.gpu_slowdowns)):
+    if _alike(config):
         return [0]
     first: dict = {}  # kind -> its first worker
     for k in range(config.workers):

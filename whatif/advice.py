@@ -44,7 +44,7 @@ from whatif.sim.passes.recipes import MemorySaved
 from whatif.sim.passes.registry import OPTIMIZATIONS
 from whatif.topology import TopologyError, as_gbps
 
-from .pipeline import Prediction, Request, WhatIf, predict
+from .pipeline import Prediction, Request, WhatIf, predict, same_graph
 from .scenario import Scenario
 from .study import TraceStudy
 
@@ -131,15 +131,13 @@ def advise(trace: Union[str, Path], scenario: Optional[Scenario] = None, iterati
     for spec in recipes:
         progress(f"predicting {spec}")
         what_if = WhatIf(optimizations=list(request.what_if.optimizations) + [spec])
-        said = Diagnostics()
         try:
-            with collecting(said):  # the option's row says what it changes; the input's warnings came above
+            with collecting(Diagnostics()):  # the option's row says what it changes; the input's warnings came above
                 changed = predict(replace(base_request, what_if=what_if))
         except GraphError as err:
             options.append(Option(spec, "recipe", False, str(err)))
             continue
-        unchanged = [text for text in said.messages if text.startswith(f"optimization {spec!r}: changes no task")]
-        if unchanged:  # amp or faster-gpu on a CPU worker's trace: nothing to rank
+        if same_graph(base.worker, changed.worker):  # amp or faster-gpu on a CPU worker's trace: nothing to rank
             options.append(Option(spec, "recipe", False, f"{spec}: changes no task of this trace"
                                   + ("" if study.graph.workload.has_gpu else " (it has no GPU)")))
             continue

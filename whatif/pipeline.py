@@ -67,7 +67,7 @@ from whatif.sim.engine import Schedule, simulate
 from whatif.sim.frameworks.copies import pass_rate_bytes_per_us
 from whatif.sim.gradients import Gradients, find_gradients
 from whatif.sim.graph import GraphError, TaskGraph, TaskKind
-from whatif.sim.parallel import Parallelism
+from whatif.sim.parallel import Parallelism, is_parallel_job
 from whatif.sim.parallel.job import at_pace, parallelize, simulate_job
 from whatif.sim.parallel.memory import gpu_memory_bytes, memory_per_gpu
 from whatif.sim.parallel.units import Units, UnitsError, find_units, no_units, parameters_from_shapes
@@ -106,7 +106,7 @@ class WhatIf:
         """A new graph with the changes made; ``graph`` is left alone."""
         for spec in self.optimizations:
             changed = apply_optimization(graph, spec)
-            warn(f"optimization {spec!r}", int(_same_graph(graph, changed)), "changes no task of this trace, so it "
+            warn(f"optimization {spec!r}", int(same_graph(graph, changed)), "changes no task of this trace, so it "
                                                                               "changes nothing")
             graph = changed
         graph = graph.copy()
@@ -124,7 +124,7 @@ class WhatIf:
         return tasks
 
 
-def _same_graph(before: TaskGraph, after: TaskGraph) -> bool:
+def same_graph(before: TaskGraph, after: TaskGraph) -> bool:
     """Whether a pass left the graph as it was: the same tasks at the same durations, the same
     edges, no note added (a recipe that changes the communication leaves only a note)."""
     return (len(after.tasks) == len(before.tasks) and len(after.edges) == len(before.edges)
@@ -342,7 +342,7 @@ def slowest_rank_note(prediction: "Prediction") -> str:
     paced = []
     for config in prediction.request.clusters:
         pace = slowest_pace(config)
-        if config.parallelism is not None and config.parallelism.families() and pace != (1.0, 1.0):
+        if is_parallel_job(config.parallelism) and pace != (1.0, 1.0):
             paced.append(f"{config.parallelism.describe()} x{pace[0]:.2f} (GPU x{pace[1]:.2f})")
     if not paced:
         return ""
@@ -498,7 +498,7 @@ def _lay(grid: _Grid, config: ClusterConfig) -> None:
     if config.pass_bytes_per_us is None:
         config = replace(config, pass_bytes_per_us=grid.pass_rate)
     par = config.parallelism
-    if config.workers > 1 and not (par is not None and par.families()):
+    if config.workers > 1 and not is_parallel_job(par):
         lay_cluster(grid.without_comm, grid.gradients, grid.iterations, config, grid.laid)
 
 
@@ -529,7 +529,7 @@ def _configuration(grid: _Grid, config: ClusterConfig) -> tuple[dict, ClusterSch
 
 def _simulated(grid: _Grid, config: ClusterConfig) -> tuple[dict, ClusterSchedule]:
     par = config.parallelism
-    if par is not None and par.families():
+    if is_parallel_job(par):
         microbatch = grid.microbatch if grid.microbatch_fits.get(int(par.microbatches), True) else None
         job = parallelize(*_job_graph(grid, par), par, config.cluster, grid.optimizer, grid.gpu_memory_bytes, microbatch,
                           cache=grid.passes)

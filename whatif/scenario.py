@@ -80,7 +80,7 @@ from whatif.collectors.ranks import is_job
 from whatif.sim.distributed import POLICIES, ClusterConfig, Straggler
 from whatif.sim.frameworks import FRAMEWORKS, FrameworkOptions
 from whatif.sim.graph import GraphError
-from whatif.sim.parallel import Parallelism
+from whatif.sim.parallel import Parallelism, is_parallel_job
 from whatif.sim.parallel.job import check_modelled
 from whatif.sim.parallel.memory import OPTIMIZER_STATE_BYTES
 from whatif.sim.passes.registry import OPTIMIZATIONS, optimization_name, parse_optimization
@@ -377,7 +377,7 @@ def _plain_data_parallel_only(name: str, doc: dict, scenario: "Scenario") -> Non
     another framework or policy are left out (counted in a warning; refused where none is left),
     and the keys only plain data parallelism reads (and gradient compression, which compresses
     its all-reduces) are named in a warning."""
-    parallel = [p for p in scenario.points if p.parallelism is not None and p.parallelism.families()]
+    parallel = [p for p in scenario.points if is_parallel_job(p.parallelism)]
     if not parallel:
         return
     other = [p for p in parallel if (p.framework, p.policy) != ("ddp", "fifo")]
@@ -394,7 +394,7 @@ def _plain_data_parallel_only(name: str, doc: dict, scenario: "Scenario") -> Non
     unused = [key for key in PLAIN_DATA_PARALLEL_KEYS if doc.get(key) is not None]
     unused += [f"optimizations: {o}" for o in scenario.optimizations if optimization_name(o) == "gradient-compression"]
     unused += ["network: shared_links"] * (scenario.shared_links is True) + ["replicate: true"] * (scenario.replicate is True)
-    jobs = sorted({p.parallelism.describe() for p in scenario.points if p.parallelism is not None and p.parallelism.families()})
+    jobs = sorted({p.parallelism.describe() for p in scenario.points if is_parallel_job(p.parallelism)})
     if unused and jobs:  # (none where every parallel configuration was left out above)
         warn(name, 1, f"{', '.join(unused)}: for plain data parallelism only; the parallel configurations "
                       f"({', '.join(jobs)}) do not use {'it' if len(unused) == 1 else 'them'}: their passes size their "

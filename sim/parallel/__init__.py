@@ -59,6 +59,12 @@ PASSES: dict[str, Callable] = {}
 PASS_ORDER = ("tensor", "expert", "fsdp", "pipeline")
 
 
+def is_parallel_job(par: "Optional[Parallelism]") -> bool:
+    """Whether ``par`` makes a parallel job (some family beyond plain data parallelism), which
+    ``sim/parallel/job.py`` builds, rather than the data-parallel cluster path."""
+    return par is not None and bool(par.families())
+
+
 class ParallelismError(TopologyError):
     """A parallelism that cannot be used; ``str`` is one line naming the key
     (``parallelism.tensor: ...``)."""

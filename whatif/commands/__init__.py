@@ -55,9 +55,11 @@ def simulated_graphs(config) -> int:
     (``sim/distributed.py``'s ``simulated_workers``: one where every worker is alike, every one
     with ``replicate: true``), or for a parallel job rank 0's graph, which holds every pipeline
     stage."""
-    if config.parallelism is not None and config.parallelism.families():
-        return config.parallelism.pipeline
     from whatif.sim.distributed import simulated_workers  # the simulator's imports, only when asked
+    from whatif.sim.parallel import is_parallel_job
+
+    if is_parallel_job(config.parallelism):
+        return config.parallelism.pipeline
 
     return len(simulated_workers(config))
 
