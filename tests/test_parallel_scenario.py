@@ -143,6 +143,11 @@ def test_memory_options():
     ({"fsdp": True, "zero": 1}, 4, "parallelism.fsdp: fsdp is zero 3"),
     ({"tensr": 2}, 4, "parallelism.tensr: unknown key; did you mean 'tensor'?"),
     ({"pipeline": {"stages": 2, "micro": 4}}, 4, "parallelism.pipeline.micro: unknown key"),
+    ({"pipeline": 2, "microbatches": 8}, 4,
+     "parallelism.microbatches: unknown key; it belongs under parallelism: {pipeline: {stages: N, microbatches: ...}}"),
+    ({"pipeline": {"stages": 2, "tensor": 2}}, 4,
+     "parallelism.pipeline.tensor: unknown key; it belongs under parallelism: {tensor: ...}"),
+    ({"machines": 2}, 4, "parallelism.machines: unknown key; it belongs under cluster: {machines: ...}"),
     ({"recompute": []}, 4, "parallelism.recompute: an empty list"),
     ({"zero": 5}, 4, "parallelism.zero: expected 0, 1, 2 or 3"),
     ({"tensor": 2, "tensor_dispatch": {"forward": 3}}, 2, "parallelism.tensor_dispatch.forward: '3' has no unit"),
@@ -167,6 +172,22 @@ def test_mistakes_are_one_line_naming_the_key(block, gpus, message):
                                                                       "cores_per_machine": 0, **LINKS}}, name="s.yaml")
         _scenario(block, gpus)
     assert str(err.value).startswith("s.yaml: " + message) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("doc, message", [
+    ({"tensor": 2}, "tensor: unknown key; it belongs under parallelism: {tensor: ...}"),
+    ({"machines": 2}, "machines: unknown key; it belongs under cluster: {machines: ...}"),
+    ({"schedule": "1f1b"}, "schedule: unknown key; it belongs under parallelism: {pipeline: {stages: N, schedule: ...}}"),
+])
+def test_a_key_in_the_wrong_block_says_where_it_belongs(doc, message):
+    with pytest.raises(ScenarioError) as err:
+        Scenario.from_dict({"trace": str(TRANSFORMER), "cluster": {"machines": 1, "gpus_per_machine": 2, **LINKS},
+                            **doc}, name="s.yaml")
+    assert str(err.value).startswith("s.yaml: " + message) and "\n" not in str(err.value)
+    with pytest.raises(ScenarioError, match=r"^s.yaml: cluster.pipeline: unknown key; it belongs under parallelism: "
+                                            r"\{pipeline: \.\.\.\}$"):
+        Scenario.from_dict({"trace": str(TRANSFORMER), "cluster": {"machines": 1, "gpus_per_machine": 2,
+                                                                   "pipeline": 2, **LINKS}}, name="s.yaml")
 
 
 def test_comm_names_carry_dimension_and_bytes():

@@ -84,7 +84,7 @@ from whatif.sim.parallel import Parallelism, is_parallel_job
 from whatif.sim.parallel.job import check_modelled
 from whatif.sim.parallel.memory import OPTIMIZER_STATE_BYTES
 from whatif.sim.passes.registry import OPTIMIZATIONS, optimization_name, parse_optimization
-from whatif.topology import Cluster, TopologyError, as_gbps, collective_cost, parse_size, with_fabric_links
+from whatif.topology import CLUSTER_KEYS, Cluster, TopologyError, as_gbps, collective_cost, parse_size, with_fabric_links
 from whatif.topology.fabric import FABRIC_KEYS, wants_fabric
 from whatif.topology.units import parse_latency
 from whatif.topology.yamlfile import read_yaml, with_cluster_file
@@ -228,9 +228,26 @@ def _check_keys(name: str, mapping: Any, allowed, where: str) -> None:
         raise ScenarioError(name, where or "", f"expected a mapping, got {type(mapping).__name__}")
     for key in mapping:
         if key not in allowed:
+            home = _home_of(str(key), where)
             close = difflib.get_close_matches(str(key), list(allowed), n=1, cutoff=0.6)
-            hint = (f"; did you mean {close[0]!r}?" if close else "") + f"; known keys: {', '.join(allowed)}"
-            raise ScenarioError(name, f"{where}.{key}" if where else str(key), f"unknown key{hint}")
+            hint = (f"; it belongs under {home}" if home else f"; did you mean {close[0]!r}?" if close else "")
+            raise ScenarioError(name, f"{where}.{key}" if where else str(key),
+                                f"unknown key{hint}; known keys: {', '.join(allowed)}")
+
+
+def _home_of(key: str, where: str) -> Optional[str]:
+    """Where a key misplaced at ``where`` belongs, written as the user would write it there
+    (``machines`` at the top: ``cluster:``), or None for a key known in no other block."""
+    homes = (("cluster", ("machines", "gpus_per_machine", "machine", "intra_node", "inter_node", "nic",
+                          "nics_per_machine", "gpu", "nccl", "backend")),
+             ("parallelism", _PARALLELISM_KEYS),
+             ("parallelism.pipeline", _PIPELINE_KEYS))
+    for block, keys in homes:
+        if key in keys and block != where:
+            if block == "parallelism.pipeline":
+                return f"parallelism: {{pipeline: {{stages: N, {key}: ...}}}}"
+            return f"{block}: {{{key}: ...}}"
+    return None
 
 
 def _one(name: str, key: str, value, expected: str) -> None:
@@ -409,6 +426,10 @@ def _clusters(name: str, base_dir: Path, block: Any, calibration_run: Optional[i
     ``calibration_run``, on that run's links instead of the calibration's (``_calibration_runs``)."""
     if not isinstance(block, dict):
         raise ScenarioError(name, "cluster", f"expected a mapping, got {type(block).__name__}")
+    for key in block:
+        home = _home_of(str(key), "cluster") if key not in CLUSTER_KEYS else None
+        if home:
+            raise ScenarioError(name, f"cluster.{key}", f"unknown key; it belongs under {home}")
     linked = _with_links_file(name, base_dir, block, calibration_run)
     hardware = [axis for axis in _axes(linked) if axis[0][0] in _FABRIC_GRID_KEYS] if wants_fabric(linked) else []
     if hardware:  # the fabric itself varies (machine: [dgx_h100, dgx_b200]): each one filled on its own
