@@ -170,6 +170,17 @@ def test_overlapping_profiler_steps_are_an_error_naming_the_steps(convnet_doc, t
                    "with --iteration NAME)\n")
 
 
+def test_overheads_of_a_trace_without_operators_is_one_line_not_an_empty_table(convnet_doc, tmp_path, capsys):
+    """A profiler window that ran no operator (its schedule's trace never exported, or only the
+    step annotations kept) has nothing to measure: pandas' "Empty DataFrame" was printed."""
+    path = damaged(convnet_doc, tmp_path, lambda ev: ev.__setitem__(
+        slice(None), [e for e in ev if e.get("cat") != "cpu_op"]))
+    status, out, err = run_cli(capsys, ["overheads", path])
+    assert (status, out) == (2, "")
+    assert err.startswith(f"whatif: error: {path}: no top-level operators (cpu_op events) to measure the overheads "
+                          "around;") and err.count("\n") == 1
+
+
 @pytest.mark.parametrize("option", ["--scale", "--remove"])
 def test_a_pattern_that_matches_nothing_warns_and_strict_refuses(tmp_path, capsys, option):
     value = "no_such_operator=0.5" if option == "--scale" else "no_such_operator"

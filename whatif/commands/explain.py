@@ -12,6 +12,7 @@ import msgspec
 import pandas as pd
 
 from whatif.collectors.load import load_trace
+from whatif.collectors.tracefile import TraceError
 from whatif.pipeline import Request, predict
 from whatif.report.critical_path import path_tasks
 from whatif.report.overheads import LAUNCH_TYPES, OVERHEAD_TYPES, measure_overheads, per_operator_table, summary_table
@@ -40,6 +41,9 @@ def run(args: argparse.Namespace) -> int:
 
 def run_overheads(args: argparse.Namespace) -> int:
     overheads = measure_overheads(load_trace(args.trace))
+    if not overheads.operators:
+        raise TraceError(args.trace, "no top-level operators (cpu_op events) to measure the overheads around; "
+                                     "was the profiler's window empty (a schedule whose trace was never exported)?")
     if args.csv is not None:
         if Path(args.csv).resolve() == Path(args.trace).resolve():
             raise OSError(0, "refusing to overwrite the input trace with the table", str(args.csv))
