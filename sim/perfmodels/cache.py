@@ -47,7 +47,7 @@ def default_models() -> PerfModels:
     why = f"none cached in {path.parent}" + (" for this version of whatif" if older else "")
     raise PerfModelError(
         f"no operator models for this device ({device['name']}): {why}; fit them with `whatif perfmodel fit "
-        "--quick --out models.json` (a minute or two) and pass --perfmodel models.json (in a scenario, "
+        "--quick --out models.json` (one to three minutes) and pass --perfmodel models.json (in a scenario, "
         "`perfmodel: models.json`), or run `whatif perfmodel fit --quick --cache` to make them this machine's default"
     )
 

@@ -37,7 +37,8 @@ that outputs page-faulted as in a step; two such sweeps differed by 14 to 61 % b
 Shapes are drawn by :mod:`~whatif.sim.perfmodels.sweep_cases`, log-uniformly from ranges that
 cover the example models from batch 4 to 256, and any draw whose estimated time exceeds the
 budget of a call is dropped, so the default sweep takes about half an hour on two cores (1996 s
-here) and ``quick`` under a minute (38 s). The device's peak compute (a large single-precision
+here) and ``quick`` under a minute (38 s; 3 minutes on a machine whose cache is hundreds of
+megabytes, see :class:`_ColdCaches`). The device's peak compute (a large single-precision
 GEMM) and memory bandwidth (a large copy into a preallocated buffer, read plus write) are
 measured alongside: the rooflines are drawn against them.
 """
@@ -132,14 +133,32 @@ class _ColdCaches:
     Its code, though, a step keeps hot: the same operators run again and again. Writing the
     buffer evicts the code too, and PyTorch's dispatch path fetched from memory made operators
     under 30 us a median 7 to 8 times slower than hot (120 shapes, two draws), against 2.1 to
-    2.8 times when the operator has just run on other tensors."""
+    2.8 times when the operator has just run on other tensors.
+
+    The buffer is at most :data:`EVICT_MAX_BYTES`: a server's last-level cache can be hundreds
+    of megabytes (Linux reports 480 MiB on a 2-core Xeon VM whose host socket shares it), and
+    writing twice that before every call, at the 3 GB/s one core wrote there, made the quick
+    sweep take 587 s instead of under a minute."""
 
     def __init__(self, torch):
-        self.buffer = torch.empty(2 * _largest_cache_bytes() // 4)
+        self.buffer = torch.empty(eviction_bytes() // 4)
 
     def __call__(self, then: Callable[[], object]):
         self.buffer.fill_(1.0)
         then()
+
+
+#: The largest buffer written to evict the caches. On the Xeon VM above (480 MiB of L3), models
+#: fitted on quick sweeps that wrote 256 MiB and 960 MiB predicted the three example models'
+#: traced operator calls alike (their summed time 0.909, 0.985 and 0.758 of the traces' against
+#: 0.914, 0.977 and 0.780), in 182 s instead of 587; at 64 MiB the inputs stayed in the cache and
+#: the models came out 20 to 27 % fast (0.799, 0.798, 0.573), GEMMs a median 22 % fast.
+EVICT_MAX_BYTES = 256 * 2**20
+
+
+def eviction_bytes() -> int:
+    """How much :class:`_ColdCaches` writes: twice the largest cache, at most :data:`EVICT_MAX_BYTES`."""
+    return min(2 * _largest_cache_bytes(), EVICT_MAX_BYTES)
 
 
 def _largest_cache_bytes(default: int = 32 * 2**20) -> int:
