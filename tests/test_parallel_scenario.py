@@ -148,6 +148,8 @@ def test_memory_options():
     ({"pipeline": {"stages": 2, "tensor": 2}}, 4,
      "parallelism.pipeline.tensor: unknown key; it belongs under parallelism: {tensor: ...}"),
     ({"machines": 2}, 4, "parallelism.machines: unknown key; it belongs under cluster: {machines: ...}"),
+    ({"pipeline": {"stages": 1, "microbatches": 8}}, 4,
+     "parallelism.pipeline.microbatches: no point of the scenario has pipeline stages to use them"),
     ({"recompute": []}, 4, "parallelism.recompute: an empty list"),
     ({"zero": 5}, 4, "parallelism.zero: expected 0, 1, 2 or 3"),
     ({"tensor": 2, "tensor_dispatch": {"forward": 3}}, 2, "parallelism.tensor_dispatch.forward: '3' has no unit"),

@@ -754,6 +754,10 @@ def _parallelisms(name: str, grid: list[dict], cluster: Cluster) -> list[Optiona
         except TypeError as err:
             raise ScenarioError(name, "parallelism", str(err)) from None
         found.append(par)
+    if any(par.microbatches > 1 for par in found) and all(par.pipeline == 1 for par in found):
+        raise ScenarioError(name, "parallelism.pipeline.microbatches",
+                            "no point of the scenario has pipeline stages to use them (microbatches are a "
+                            "pipeline's; gradient accumulation without a pipeline is not modelled)")
     return found
 
 

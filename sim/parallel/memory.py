@@ -206,8 +206,10 @@ def _in_unit(name: str, unit: str) -> bool:
 def _activations(graph: TaskGraph, units: Units, par: Parallelism, e: int, members: np.ndarray,
                  stage: int) -> float:
     """Activation bytes ``stage`` holds at its peak: its units' per microbatch times the
-    microbatches in flight (and, on the first stage, the operators outside units, once)."""
-    scale = 1.0 / par.microbatches
+    microbatches in flight (and, on the first stage, the operators outside units, once). Without
+    pipeline stages the step runs the traced batch whole: its microbatches, which only a
+    pipeline's schedule splits it into, do not divide it (the time would not show them either)."""
+    scale = 1.0 / par.microbatches if par.pipeline > 1 else 1.0
     facts = _facts(graph, units)
     per_microbatch = sum(_unit_activation(facts, par, e, int(u)) for u in members) * scale
     outside = 0.0
