@@ -70,6 +70,7 @@ from whatif.sim.graph import GraphError, TaskGraph, TaskKind
 from whatif.sim.parallel import Parallelism, is_parallel_job
 from whatif.sim.parallel.job import at_pace, parallelize, simulate_job
 from whatif.sim.parallel.memory import gpu_memory_bytes, memory_per_gpu
+from whatif.sim.parallel.recompute import apply_recompute
 from whatif.sim.parallel.units import Units, UnitsError, find_units, no_units, parameters_from_shapes
 from whatif.sim.passes.batch_size import BatchSizeChange, change_batch_size, infer_batch_size, parameter_shapes
 from whatif.sim.passes.registry import apply_optimization
@@ -487,6 +488,7 @@ class _Grid:
     units: dict = field(default_factory=dict)  # parallelism.units -> the worker's units, found once
     passes: dict = field(default_factory=dict)  # the leading parallel passes' graphs (parallelize's cache)
     laid: dict = field(default_factory=dict)  # the cluster graphs built, which simulate_cluster keeps
+    laid_recomputed: dict = field(default_factory=dict)  # those of workers with a recomputation, by its kind
     held: frozenset = frozenset()  # the keys of those laid before the sweep ran elsewhere: on both sides
     spans: dict = field(default_factory=dict)  # what their reports read of them (_spans)
 
@@ -542,8 +544,12 @@ def _simulated(grid: _Grid, config: ClusterConfig) -> tuple[dict, ClusterSchedul
             low, high = relative_interval(row["iteration_ms"], grid.iteration_ms, grid.iteration_interval)
             row.update(iteration_ms_low=low, iteration_ms_high=high)
         return row, run
-    run = simulate_cluster(grid.worker if config.workers == 1 else grid.without_comm, grid.gradients,
-                           grid.iterations, config, grid.laid, grid.alone)
+    worker, laid, alone = grid.worker if config.workers == 1 else grid.without_comm, grid.laid, grid.alone
+    if par is not None and par.recompute != "none":  # its cost on the worker, laid apart from the others'
+        worker = _recomputed_worker(grid, worker, par)
+        laid = grid.laid_recomputed.setdefault((par.recompute, par.units, config.workers == 1), {})
+        alone = None
+    run = simulate_cluster(worker, grid.gradients, grid.iterations, config, laid, alone)
     report = _spans(grid, run).report(run.schedule) if config.workers > 1 else iteration_report(run.schedule, grid.iterations)
     row = configuration_row(config, run, report, grid.iteration_ms)
     if par is not None:  # plain data parallelism: the cluster path, and its memory
@@ -555,6 +561,16 @@ def _simulated(grid: _Grid, config: ClusterConfig) -> tuple[dict, ClusterSchedul
         if row.get("collectives"):  # named by dimension, as a parallel job's are
             row["collectives"] = f"data {row['collectives']}"
     return row, run
+
+
+def _recomputed_worker(grid: _Grid, worker: TaskGraph, par: Parallelism) -> TaskGraph:
+    """``worker`` (the grid's worker graph, with or without its communication) with the
+    recomputed forward charged (``sim/parallel/recompute.py``), once per kind and units."""
+    key = ("recompute", par.recompute, par.units, worker is grid.worker)
+    if key not in grid.units:
+        units = _units(grid.units, worker, par, True) if worker is grid.without_comm else find_units(worker, par.units)
+        grid.units[key] = apply_recompute(worker, units, par)
+    return grid.units[key]
 
 
 def _spans(grid: _Grid, run: ClusterSchedule) -> IterationSpans:

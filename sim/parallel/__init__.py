@@ -31,7 +31,8 @@ The families and their knobs:
 * expert: ``expert`` ranks share a mixture-of-experts layer's experts (all-to-all dispatch and
   combine).
 * ``recompute``: ``none``, ``selective`` (attention's softmax and dropout recomputed) or
-  ``full`` (each block's input kept, the block recomputed in backward).
+  ``full`` (each block's input kept, the block recomputed in backward): what it saves is
+  ``memory.py``'s, what it costs ``recompute.py``'s.
 * ``placement``: the order in which dimensions vary over GPU ids, fastest first (default
   tensor, data, pipeline: tensor parallel inside an NVLink domain).
 * ``units``: a regular expression naming the repeated blocks (``blocks\\.\\d+``), where a bundle's

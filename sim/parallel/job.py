@@ -2,7 +2,8 @@
 
 :func:`parallelize` takes the traced single-rank graph, its units and a :class:`Parallelism`
 on a cluster, computes the process groups (``placement.groups``), and applies the passes of
-the families the parallelism uses, in :data:`PASS_ORDER` (tensor, expert, fsdp, pipeline): each
+the families the parallelism uses, in :data:`PASS_ORDER` (tensor, expert, fsdp, pipeline; an
+activation recomputation's time, ``recompute.py``, after tensor and expert): each
 is ``PASSES[family](graph, units, par, cluster, ranks_of) -> TaskGraph`` (or ``(TaskGraph,
 Units)``), ``ranks_of`` being rank 0's group in each dimension. Identical ranks are simulated
 once, as the data-parallel fast path does: rank 0 stands for all (the pipeline pass builds its
@@ -40,6 +41,7 @@ from . import PASS_ORDER, PASSES, Parallelism, ParallelismError
 from . import expert, fsdp, pipeline, tensor  # noqa: F401  (each registers its pass in PASSES)
 from .memory import MemoryBreakdown, fits, gpu_memory_bytes, memory_per_gpu
 from .placement import groups, ranks_of
+from .recompute import apply_recompute
 from .units import Units, find_units
 
 #: The dimensions a COMM task's name may carry, the first that occurs in it counting.
@@ -161,6 +163,18 @@ def _leading_key(key: Optional[tuple], family: str, par: Parallelism, mine: dict
     return None
 
 
+#: The passes that shrink a unit's forward, which recomputation then runs again (``recompute.py``):
+#: it charges its time after them, before the data-parallel and pipeline passes read the units.
+_BEFORE_RECOMPUTE = ("tensor", "expert")
+
+
+def _recomputed(graph: TaskGraph, units: Units, par: Parallelism) -> tuple[TaskGraph, Units]:
+    """``graph`` with the recomputed forward charged (``recompute.py``), and its units again
+    (their forward and backward times change)."""
+    out = apply_recompute(graph, units, par)
+    return (graph, units) if out is graph else (out, find_units(out, par.units))
+
+
 def cores_shared(cluster) -> float:
     """How many of a machine's workers share each of its cores (1: a core each)."""
     cores = getattr(cluster, "cores_per_machine", None)
@@ -192,9 +206,13 @@ def parallelize(graph: TaskGraph, units: Units, par: Parallelism, cluster,
     memory = memory_per_gpu(graph, units, par, optimizer=optimizer)
     applied = []
     key: Optional[tuple] = (id(graph), id(units), cluster) if cache is not None else None
+    recomputed = par.recompute == "none"
     for family in PASS_ORDER:
         if family not in par.families():
             continue
+        if not recomputed and family not in _BEFORE_RECOMPUTE:
+            (graph, units), recomputed = _recomputed(graph, units, par), True
+            key = None  # what follows depends on the recomputation too
         key = _leading_key(key, family, par, mine)
         if key is not None and key in cache:
             graph, units = cache[key]
@@ -206,5 +224,7 @@ def parallelize(graph: TaskGraph, units: Units, par: Parallelism, cluster,
         if key is not None:
             cache[key] = (graph, units)
         applied.append(family)
+    if not recomputed:
+        graph, units = _recomputed(graph, units, par)
     return ParallelJob(par, graph, units, all_groups, mine, applied, memory,
                        gpu_memory if gpu_memory is not None else gpu_memory_bytes(cluster))

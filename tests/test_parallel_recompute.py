@@ -1,0 +1,98 @@
+"""Activation recomputation's time (sim/parallel/recompute.py) on real traces: the bundled
+transformer (CPU, fused attention) and the VGG-13 H100 trace (GPU kernels on one stream)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from trace_corpus import NO_SHARED, REPO, SHARED_TRACES
+
+from whatif.pipeline import predict
+from whatif.scenario import Scenario
+from whatif.sim.graph import TaskKind
+from whatif.sim.parallel import Parallelism
+from whatif.sim.parallel.recompute import ATTENTION_CORE, apply_recompute, recompute_us
+from whatif.sim.parallel.units import PHASE_BACKWARD, PHASE_FORWARD, find_units
+from whatif.study import TraceStudy
+
+TRANSFORMER = REPO / "data" / "transformer_cpu.bundle"
+VGG = SHARED_TRACES / "triosim-vgg13-h100" / "vgg13_bs512_iter41.json.gz"
+GPU_KINDS = [int(TaskKind.KERNEL), int(TaskKind.MEMCPY), int(TaskKind.MEMSET)]
+
+
+@pytest.fixture(scope="module")
+def transformer():
+    graph = TraceStudy.from_trace(TRANSFORMER).graph
+    return graph, find_units(graph)
+
+
+def test_full_recompute_charges_each_units_forward_to_the_first_task_of_its_backward(transformer):
+    graph, units = transformer
+    charged = recompute_us(graph, units, Parallelism(recompute="full"))
+    duration = graph.tasks["duration_us"].to_numpy(dtype=float)
+    start = graph.tasks["measured_start_us"].to_numpy(dtype=float)
+    forward = (units.task_phase == PHASE_FORWARD) & (units.task_unit >= 0)
+    # every iteration of the trace has each block's backward: all of the blocks' forward is charged
+    assert charged.sum() == pytest.approx(duration[forward].sum())
+    targets = np.flatnonzero(charged)
+    assert len(targets) == len(units) * 4  # a task per block and iteration (4 profiled steps)
+    for t in targets:
+        unit = units.task_unit[t]
+        assert units.task_phase[t] == PHASE_BACKWARD
+        earlier = np.flatnonzero((units.task_phase == PHASE_BACKWARD) & (units.task_unit == unit)
+                                 & (start < start[t]) & (start > start[t] - 50e3))
+        assert not len(earlier), "the charge lands on the first task of the unit's backward"
+    recomputed = apply_recompute(graph, units, Parallelism(recompute="full"))
+    assert recomputed is not graph
+    assert recomputed.tasks["duration_us"].to_numpy() == pytest.approx(duration + charged)
+
+
+def test_selective_recompute_of_fused_attention_costs_nothing(transformer):
+    """The blocks run scaled_dot_product_attention: no scores kept, none recomputed (memory.py
+    saves nothing more for them either)."""
+    graph, units = transformer
+    assert not recompute_us(graph, units, Parallelism(recompute="selective")).any()
+    assert apply_recompute(graph, units, Parallelism(recompute="selective")) is graph
+    assert apply_recompute(graph, units, Parallelism()) is graph
+
+
+@pytest.mark.parametrize("name, core", [("aten::bmm", True), ("aten::baddbmm", True), ("aten::_softmax", True),
+                                        ("aten::native_dropout", True), ("aten::masked_fill_", True),
+                                        ("aten::linear", False), ("aten::addmm", False), ("aten::layer_norm", False)])
+def test_the_attention_core_is_the_scores_their_softmax_and_dropout(name, core):
+    assert bool(ATTENTION_CORE.search(name)) is core
+
+
+def test_on_a_gpu_trace_each_streams_forward_is_charged_on_that_stream():
+    if not VGG.is_file():
+        pytest.skip(NO_SHARED)
+    graph = TraceStudy.from_trace(VGG).graph
+    units = find_units(graph)
+    charged = recompute_us(graph, units, Parallelism(recompute="full"))
+    kind = graph.tasks["kind"].to_numpy()
+    duration = graph.tasks["duration_us"].to_numpy(dtype=float)
+    forward = (units.task_phase == PHASE_FORWARD) & (units.task_unit >= 0)
+    gpu = np.isin(kind, GPU_KINDS)
+    assert charged[gpu].sum() == pytest.approx(duration[forward & gpu].sum())  # 80.9 ms of convolutions
+    assert charged[~gpu].sum() == pytest.approx(duration[forward & ~gpu].sum())
+    resource = graph.tasks["resource"].astype(str).to_numpy()
+    assert set(resource[(charged > 0) & gpu]) == set(resource[forward & gpu])
+
+
+def test_a_scenario_charges_recompute_to_plain_data_parallel_and_parallel_jobs():
+    """The time and the memory of a grid of recompute none and full, on one worker, four data-
+    parallel workers and a tensor-parallel job: full is slower and needs less memory."""
+    cluster = {"machines": 2, "gpus_per_machine": 2, "intra_node": "nvlink2", "inter_node": "10gbe"}
+    results = {}
+    for recompute in ("none", "full"):
+        for machines, tensor in ((1, 1), (2, 1), (2, 2)):
+            scenario = Scenario.from_dict({
+                "trace": str(TRANSFORMER), "framework": "ddp",
+                "cluster": {**cluster, "machines": machines, "gpus_per_machine": 2 if machines > 1 else 1},
+                "parallelism": {"recompute": recompute, "tensor": tensor}}, name="s.yaml")
+            (row,) = predict(scenario.request()).results.to_dict("records")
+            results[recompute, machines, tensor] = row
+    for point in ((1, 1), (2, 1), (2, 2)):
+        none, full = results[("none", *point)], results[("full", *point)]
+        assert full["iteration_ms"] > 1.15 * none["iteration_ms"], point
+        assert full["memory_gb"] < none["memory_gb"], point
