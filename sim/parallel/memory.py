@@ -278,9 +278,11 @@ def _unit_activation(facts: _UnitFacts, par: Parallelism, e: int, unit: int) -> 
     fused = facts.fused[unit]
     scores = facts.scores[unit]
     if not (fused or scores):  # not a transformer block: what its operators keep
-        if par.recompute == "full":
-            return sbh * e / (t if sp else 1)
-        return facts.saved[unit] * (e / traced) / t
+        kept = facts.saved[unit] * (e / traced) / t
+        if par.recompute == "full":  # its input alone, which is among what it keeps: a single
+            # convolution's (VGG's units) is all it keeps, and its output can be far larger
+            return min(sbh * e / (t if sp else 1), kept)
+        return kept
     if par.recompute == "full":
         return 2 * sbh * (e / 2) / (t if sp else 1)
     linear = 34 / t if sp else 10 + 24 / t
