@@ -276,6 +276,28 @@ def test_a_pipeline_alternative_says_what_sets_its_throughput_and_where_its_step
     assert pipeline["reason"].index("exposed pipeline") < pipeline["reason"].index("pipeline bubble")  # largest first
 
 
+def test_advice_says_what_does_not_fit_and_ranks_such_alternatives_last(shared_traces):
+    """VGG-13 at batch 512 on GPUs of 55 GB: the job as it runs needs 55.9 GB a GPU, FSDP 54.0.
+    Advice said nothing of memory: the baseline that cannot run, FSDP that can, and recomputing
+    a convolution (saving nothing, costing its forward) were ranked on time alone."""
+    trace = shared_traces / "triosim-vgg13-h100" / "vgg13_bs512_iter41.json.gz"
+    scenario = Scenario.from_dict({"trace": str(trace), "cluster": {"machine": "dgx_h100", "machines": 1},
+                                   "framework": "ddp", "parallelism": {"zero": [0, 3], "recompute": ["none", "full"],
+                                                                       "gpu_memory": "55GB"}}, name="vgg13")
+    advice = advise(trace, scenario, recipes=("amp",))
+    from whatif.commands.advise import advice_table
+
+    assert advice_table(advice).splitlines()[0].endswith("; 55.9 GB a GPU (does not fit)")
+    alternatives = [o for o in advice.ranked if o.kind == "alternative"]
+    assert [o.name.split(" ddp fifo ")[1] for o in alternatives] == ["dp8 fsdp", "dp8 fsdp recompute-full",
+                                                                     "dp8 recompute-full"]
+    fsdp, fsdp_recompute, recompute = alternatives
+    assert fsdp.reason.endswith("; 55.9 -> 54.0 GB a GPU") and fsdp_recompute.gain_pct < 0 < fsdp.gain_pct
+    assert recompute.reason.endswith("; 55.9 GB a GPU (does not fit)")
+    assert advice.ranked[-1] is recompute  # below amp and the fitting ones, though amp is no alternative
+    assert advice.ranked[0].name == "amp"  # a recipe keeps its place: memory does not follow what it changes
+
+
 def test_a_fused_optimizer_on_a_cluster_still_waits_for_the_gradients_all_reduce(shared_traces):
     """The fused step keeps its wait for DDP's all-reduce: across 10 Gb Ethernet VGG-13's 532 MB
     of gradients stay as exposed as without the fusion, which saves only launch work."""

@@ -155,9 +155,12 @@ def advise(trace: Union[str, Path], scenario: Optional[Scenario] = None, iterati
                 options.append(Option(name, "alternative", False, str(err)))
                 continue
             option = _measured(name, "alternative", changed, baseline)
-            option.reason = _reason(name, option, paths, schedule_graph, idle, base)
+            option.reason = _reason(name, option, paths, schedule_graph, idle, base) + memory_note(option, baseline)
             options.append(option)
-    ranked = sorted((o for o in options if o.applicable), key=lambda o: -o.gain_pct)
+    # an alternative that cannot run for want of GPU memory ranks after everything else (the
+    # recipes keep their place: the memory count does not follow what they change)
+    ranked = sorted((o for o in options if o.applicable),
+                    key=lambda o: (o.kind == "alternative" and _fits(o) is False, -o.gain_pct))
     return Advice(str(trace), None if scenario is None else scenario.name, baseline,
                   ranked + [o for o in options if not o.applicable])
 
@@ -183,13 +186,32 @@ def _measured(name: str, kind: str, changed: Prediction, baseline: Option) -> Op
                   configuration=_plain(row))
 
 
+def _fits(option: Option) -> Optional[bool]:
+    """Whether an option's (or the baseline's) configuration fits its GPUs' memory; None where
+    no memory was counted (no ``parallelism`` block) or the GPUs' is unknown."""
+    fits = option.configuration.get("fits")
+    return {"yes": True, "no": False}.get(fits) if isinstance(fits, str) else None
+
+
+def memory_note(option: Option, baseline: Option) -> str:
+    """`` 55.9 GB a GPU (does not fit)``, or `` 55.9 -> 54.0 GB a GPU`` where it differs from the
+    baseline's: an option's memory as a reason says it ('' where none was counted)."""
+    gb, base_gb = option.configuration.get("memory_gb"), baseline.configuration.get("memory_gb")
+    if not isinstance(gb, (int, float)) or not math.isfinite(gb):
+        return ""
+    said = f"{gb:.1f} GB a GPU"
+    if isinstance(base_gb, (int, float)) and math.isfinite(base_gb) and option is not baseline and abs(gb - base_gb) >= 0.05:
+        said = f"{base_gb:.1f} -> {said}"
+    return f"; {said}" + (" (does not fit)" if _fits(option) is False else "")
+
+
 def _row_interval(row: dict) -> tuple[float, float]:
     return float(row.get("iteration_ms_low", math.nan)), float(row.get("iteration_ms_high", math.nan))
 
 
 def _plain(row: dict) -> dict:
     keep = ("machines", "gpus_per_machine", "workers", "inter_node_gbps", "framework", "policy", "parallelism",
-            "iteration_ms", "speedup", "exposed_comm_ms", "bubble_ms")
+            "iteration_ms", "speedup", "exposed_comm_ms", "bubble_ms", "memory_gb", "fits")
     return {k: (v.item() if hasattr(v, "item") else v) for k, v in row.items()
             if k in keep or (k.startswith("exposed_") and k.endswith("_ms"))}
 

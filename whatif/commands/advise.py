@@ -11,7 +11,7 @@ from pathlib import Path
 
 import msgspec
 
-from whatif.advice import Advice, Option, advise
+from whatif.advice import Advice, Option, advise, memory_note
 from whatif.report.intervals import LEVEL, describe
 from whatif.scenario import Scenario, ScenarioError
 from whatif.sim.parallel.units import UnitsError
@@ -64,7 +64,7 @@ def advice_table(advice: Advice) -> str:
     interval = f"{100 * LEVEL:g} % interval"
     width = max([34] + [len(o.name) for o in advice.options])  # the option column fits the longest name
     lines = [f"{advice.trace}: baseline {base.name}, {describe(base.predicted_ms, base.low_ms, base.high_ms)} per "
-             "iteration",
+             f"iteration{memory_note(base, base)}",
              f"{'rank':>4}  {'option':<{width}} {'ms':>9} {interval:>15} {'gain %':>7}  reason"]
     for rank, option in enumerate(advice.ranked, 1):
         saved = f"; frees {option.memory_saved_mb:.0f} MB a step" if math.isfinite(option.memory_saved_mb) else ""
