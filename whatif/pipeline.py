@@ -73,7 +73,7 @@ from whatif.sim.parallel.memory import gpu_memory_bytes, memory_per_gpu
 from whatif.sim.parallel.recompute import apply_recompute
 from whatif.sim.parallel.units import Units, UnitsError, find_units, no_units, parameters_from_shapes
 from whatif.sim.passes.batch_size import BatchSizeChange, change_batch_size, infer_batch_size, parameter_shapes
-from whatif.sim.passes.registry import apply_optimization
+from whatif.sim.passes.registry import apply_optimization, optimization_name
 from whatif.sim.passes.recipes import CommunicationChange
 from whatif.sim.passes.profiler_overhead import ProfilerOverhead, remove_profiler_overhead
 from whatif.sim.passes.shared_memory import add_memory_bytes
@@ -456,7 +456,8 @@ def _simulate_clusters(prediction: Prediction, sweep: Sweep) -> None:
     grid = _Grid(worker, without_comm, gradients, study.iterations, pass_rate_bytes_per_us(study.graph),
                  prediction.iteration_ms, prediction.iteration_interval, request.optimizer, request.gpu_memory_bytes,
                  microbatch, alone=prediction.schedule,
-                 microbatch_fits=_microbatch_fits(request, without_comm, microbatch))
+                 microbatch_fits=_microbatch_fits(request, without_comm, microbatch),
+                 dtype_bytes=_amp_dtype_bytes(request, study))
     if runs_elsewhere(sweep, len(request.clusters)):
         for config in request.clusters:  # laid here once, not in every process, and not sent back
             _lay(grid, config)
@@ -489,6 +490,7 @@ class _Grid:
     passes: dict = field(default_factory=dict)  # the leading parallel passes' graphs (parallelize's cache)
     laid: dict = field(default_factory=dict)  # the cluster graphs built, which simulate_cluster keeps
     laid_recomputed: dict = field(default_factory=dict)  # those of workers with a recomputation, by its kind
+    dtype_bytes: Optional[int] = None  # the memory count's element size: 2 under amp, else the trace's
     held: frozenset = frozenset()  # the keys of those laid before the sweep ran elsewhere: on both sides
     spans: dict = field(default_factory=dict)  # what their reports read of them (_spans)
 
@@ -534,7 +536,7 @@ def _simulated(grid: _Grid, config: ClusterConfig) -> tuple[dict, ClusterSchedul
     if is_parallel_job(par):
         microbatch = grid.microbatch if grid.microbatch_fits.get(int(par.microbatches), True) else None
         job = parallelize(*_job_graph(grid, par), par, config.cluster, grid.optimizer, grid.gpu_memory_bytes, microbatch,
-                          cache=grid.passes)
+                          cache=grid.passes, dtype_bytes=grid.dtype_bytes)
         job = at_pace(job, *slowest_pace(config))  # stragglers, gpu_variation: the slowest rank sets the pace
         schedule = simulate_job(job, config.cluster)
         run = ClusterSchedule(schedule, job.comm_tasks(), job.rank0(), 0.0, 0.0)
@@ -554,13 +556,21 @@ def _simulated(grid: _Grid, config: ClusterConfig) -> tuple[dict, ClusterSchedul
     row = configuration_row(config, run, report, grid.iteration_ms)
     if par is not None:  # plain data parallelism: the cluster path, and its memory
         memory = memory_per_gpu(grid.without_comm, _units(grid.units, grid.without_comm, par, False), par,
-                                grid.optimizer, parameter_bytes=grid.gradients.bytes_per_iteration())
+                                grid.optimizer, grid.dtype_bytes, parameter_bytes=grid.gradients.bytes_per_iteration())
         gpu_bytes = grid.gpu_memory_bytes if grid.gpu_memory_bytes is not None else gpu_memory_bytes(config.cluster)
         row.update(parallelism=par.describe(), **memory_columns(memory, gpu_bytes))
         row["exposed_data_ms"] = row["exposed_comm_ms"] if config.workers > 1 else 0.0  # its one dimension
         if row.get("collectives"):  # named by dimension, as a parallel job's are
             row["collectives"] = f"data {row['collectives']}"
     return row, run
+
+
+def _amp_dtype_bytes(request: Request, study: TraceStudy) -> Optional[int]:
+    """The memory count's element size where mixed precision (``amp``) is asked of a GPU trace:
+    activations in half precision and ZeRO's 2 + 2 + 12 bytes a parameter; None otherwise (the
+    trace's own; amp changes no task of a CPU trace, and so no byte of its memory either)."""
+    amp = any(optimization_name(o) == "amp" for o in request.what_if.optimizations)
+    return 2 if amp and study.graph.workload.has_gpu else None
 
 
 def _recomputed_worker(grid: _Grid, worker: TaskGraph, par: Parallelism) -> TaskGraph:

@@ -191,10 +191,12 @@ def check_modelled(par: Parallelism) -> None:
 
 def parallelize(graph: TaskGraph, units: Units, par: Parallelism, cluster,
                 optimizer: str = "adam", gpu_memory: Optional[float] = None,
-                microbatch: Optional[TaskGraph] = None, cache: Optional[dict] = None) -> ParallelJob:
+                microbatch: Optional[TaskGraph] = None, cache: Optional[dict] = None,
+                dtype_bytes: Optional[int] = None) -> ParallelJob:
     """Rank 0's graph of ``par`` on ``cluster``: the registered passes applied in
     :data:`PASS_ORDER`, and the memory per GPU (``gpu_memory``: bytes, None: the cluster's GPUs',
     if known). ``microbatch``: the model traced at one microbatch, for the pipeline pass.
+    ``dtype_bytes``: the memory count's element size (2 under mixed precision; None: the trace's).
 
     ``cache``: a dict a grid keeps across its points, where the leading passes that read only a
     few of ``par``'s fields (:func:`_leading_key`: tensor, then expert) keep their graphs and
@@ -203,7 +205,7 @@ def parallelize(graph: TaskGraph, units: Units, par: Parallelism, cluster,
     check_modelled(par)
     all_groups = groups(par, cluster)
     mine = ranks_of(all_groups, 0)
-    memory = memory_per_gpu(graph, units, par, optimizer=optimizer)
+    memory = memory_per_gpu(graph, units, par, optimizer=optimizer, dtype_bytes=dtype_bytes)
     applied = []
     key: Optional[tuple] = (id(graph), id(units), cluster) if cache is not None else None
     recomputed = par.recompute == "none"
