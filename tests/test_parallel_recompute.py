@@ -3,6 +3,8 @@ transformer (CPU, fused attention) and the VGG-13 H100 trace (GPU kernels on one
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from trace_corpus import NO_SHARED, REPO, SHARED_TRACES
@@ -136,3 +138,76 @@ def test_mixed_precision_halves_the_activations_in_the_memory_count():
         # Adam's model state is 16 bytes a parameter either way (4 + 4 + 8, or 2 + 2 + 12)
         assert rows[True][label] == pytest.approx(rows[False][label] - activations / 2, rel=1e-3)
         assert rows[True][label] < 0.6 * rows[False][label]
+
+
+class _UnfusedAttentionBlock:
+    """Made on first use (torch is the test extra's): a pre-norm block whose attention is written
+    out, scores by matmul, their softmax and dropout, as Megatron's unfused core attention."""
+
+    @staticmethod
+    def make(d_model: int = 64, heads: int = 4):
+        import torch
+        from torch import nn
+
+        class Block(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.norm, self.qkv, self.out = nn.LayerNorm(d_model), nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+                self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
+                self.dropout = nn.Dropout(0.1)
+
+            def forward(self, x):
+                b, s, _ = x.shape
+                q, k, v = self.qkv(self.norm(x)).view(b, s, 3, heads, -1).permute(2, 0, 3, 1, 4)
+                scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(d_model // heads)
+                attended = torch.matmul(self.dropout(torch.softmax(scores, dim=-1)), v)
+                x = x + self.out(attended.transpose(1, 2).reshape(b, s, -1))
+                return x + self.mlp(x)
+
+        return Block()
+
+
+def test_selective_recompute_of_unfused_attention_charges_its_core_alone(tmp_path):
+    """A model with its attention written out (captured here on CPU): selective recomputation
+    charges each block's backward with its scores' matmuls, softmax and dropout, a small part
+    of the block's forward; full with all of it."""
+    torch = pytest.importorskip("torch", reason="captures a model (pip install -e '.[test]')")
+    from torch import nn
+
+    from whatif.collectors.capture import Capture
+    from whatif.sim.parallel.memory import memory_per_gpu
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(256, 64), nn.Sequential(*(_UnfusedAttentionBlock.make() for _ in range(2))))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        with Capture(tmp_path / "unfused.bundle", model=model, warmup=2, steps=3, batch_size=4) as cap:
+            while True:
+                optimizer.zero_grad()
+                model(torch.randint(0, 256, (4, 32))).pow(2).mean().backward()
+                optimizer.step()
+                if not cap.step():
+                    break
+    finally:
+        torch.set_num_threads(threads)
+    graph = TraceStudy.from_trace(cap.bundle).graph
+    units = find_units(graph, r"1\.\d+")
+    assert len(units) == 2
+    selective = recompute_us(graph, units, Parallelism(recompute="selective"))
+    full = recompute_us(graph, units, Parallelism(recompute="full"))
+    duration = graph.tasks["duration_us"].to_numpy(dtype=float)
+    forward = (units.task_phase == PHASE_FORWARD) & (units.task_unit >= 0)
+    names = graph.tasks["name"].astype(str).to_numpy()
+    operators = graph.tasks["operator"].astype(str).to_numpy()
+    core = forward & np.array([bool(ATTENTION_CORE.search(n) or ATTENTION_CORE.search(o))
+                               for n, o in zip(names, operators)])
+    assert {n.split("::")[-1] for n in names[core]} >= {"bmm", "_softmax", "dropout"}
+    assert not {"addmm", "layer_norm", "gelu"} & {n.split("::")[-1] for n in names[core]}
+    assert selective.sum() == pytest.approx(duration[core].sum())
+    assert 0 < selective.sum() < 0.5 * full.sum()
+    assert full.sum() == pytest.approx(duration[forward].sum())
+    # and what it saves: the scores' 5as/h term, which fused attention never kept
+    plain = memory_per_gpu(graph, units, Parallelism()).activations
+    assert memory_per_gpu(graph, units, Parallelism(recompute="selective")).activations < plain
