@@ -280,3 +280,21 @@ def test_a_rate_the_fit_leaves_at_a_bound_is_named(capsys, tmp_path, h100):
                        "--cluster", str(h100), "--out", str(tmp_path / "c24.yaml"))
     trees = next(line for line in out.splitlines() if "tree/ll128 on 3+ nodes" in line)
     assert code == 0 and "bandwidth x2.000" in trees and trees.endswith("bandwidth at its bound: the rows want more")
+
+
+def test_a_table_of_several_data_types_is_fitted_with_a_warning(capsys, tmp_path):
+    """nccl-tests -d all prints each size once per type; NVLS reduces only some types, so such
+    rows may be another algorithm's. Issue 309's two-node table with its rows again as half."""
+    lines = ISSUE309[2].read_text().splitlines()
+    rows = [line for line in lines if line.split() and line.split()[0].isdigit()]
+    both = tmp_path / "all_reduce_two_types.txt"
+    both.write_text("\n".join(lines + [row.replace(" float ", " half  ", 1) for row in rows]) + "\n")
+    cluster = tmp_path / "h100x2.yaml"
+    cluster.write_text("machine: hgx_h100\nmachines: 2\n")
+    code, _, err = run(capsys, "calibrate", "nccl-tests", str(both), "--cluster", str(cluster), "--out",
+                       str(tmp_path / "calibrated.yaml"), "--nccl-version", "2.25.1")
+    assert code == 0
+    assert f"{both}: {len(rows)} rows repeat a size (2 data types: float, half," in err
+    code, _, err = run(capsys, "--strict", "calibrate", "nccl-tests", str(ISSUE309[2]), "--cluster", str(cluster),
+                       "--out", str(tmp_path / "one.yaml"), "--nccl-version", "2.25.1")
+    assert code == 0 and "repeat a size" not in err  # one type: nothing to say

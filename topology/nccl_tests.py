@@ -89,6 +89,11 @@ class Table:
     algorithm: Optional[str] = None  # NCCL_ALGO the run was forced to, where the output says
     protocol: Optional[str] = None  # NCCL_PROTO likewise
 
+    def repeated_sizes(self) -> int:
+        """Rows whose size an earlier row had: a run of several data types or reduction ops
+        (``-d all``, ``-o all``) prints each size once for each."""
+        return len(self.rows) - len({r.size_bytes for r in self.rows})
+
 
 def _op_name(text: str) -> Optional[str]:
     name = text.lower().replace("-", "_")

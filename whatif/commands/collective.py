@@ -274,6 +274,12 @@ def run_calibrate(args) -> int:
                f"(NCCL_DEBUG=VERSION prints it); calibrated as NCCL {release}, whose choices and constants may not be "
                "those of the release you ran: pass --nccl-version")
     for table in tables:
+        repeated = table.repeated_sizes()
+        if repeated:
+            types = sorted({r.dtype for r in table.rows})
+            report(f"{table.path}: {repeated} rows repeat a size ({len(types)} data types: {', '.join(types)}, or several "
+                   "reduction ops: nccl-tests -d all / -o all); each is fitted as the same collective, though NCCL "
+                   "may run some types on another algorithm (NVLS reduces only some): calibrate one type at a time")
         if (table.algorithm and not args.algorithm) or (table.protocol and not args.protocol):
             forced = ", ".join(f"{k} {v}" for k, v in (("NCCL_ALGO", table.algorithm), ("NCCL_PROTO", table.protocol)) if v)
             print(f"{Path(table.path).name}: forced to {forced}, as its output says")
