@@ -36,7 +36,7 @@ import pandas as pd
 from whatif.collectors.bundle import BundledTrace
 from whatif.collectors.diagnostics import plural, warn
 from whatif.collectors.gcpause import gc_paused
-from whatif.collectors.kineto import CPU_KINDS, EventKind, KinetoTrace, categorical_of, element_bytes
+from whatif.collectors.kineto import CPU_KINDS, GPU_KINDS, EventKind, KinetoTrace, categorical_of, element_bytes
 
 from .graph import EdgeKind, GraphError, TaskGraph, TaskKind
 from .workload import (
@@ -242,6 +242,10 @@ class _Builder:
         self._gpu_tasks()
         if self.n_cpu + self.n_gpu == 0:
             raise GraphError(f"{self.trace.path}: no CPU or GPU activity to build a graph from")
+        worked = np.isin(self.kinds, [int(EventKind.CPU_OP), int(EventKind.RUNTIME), *map(int, GPU_KINDS)])
+        if not worked.any():  # annotations (and Python frames) alone: a replay of their spans, nothing to change
+            warn(self.trace.path, 1, "has no operator, runtime call or GPU task, only annotations: its steps replay "
+                                     "as their spans and no what-if changes them (was the profiler's window empty?)")
         self.add(self.gpu_id[self.same_stream], self.gpu_id[self.same_stream + 1], EdgeKind.GPU_SEQ)
         waiting_calls = self._sync_edges()
         self._launch_edges(waiting_calls)

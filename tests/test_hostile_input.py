@@ -170,7 +170,7 @@ def test_overlapping_profiler_steps_are_an_error_naming_the_steps(convnet_doc, t
                    "with --iteration NAME)\n")
 
 
-def test_overheads_of_a_trace_without_operators_is_one_line_not_an_empty_table(convnet_doc, tmp_path, capsys):
+def test_a_trace_without_operators_is_refused_by_overheads_and_replayed_with_a_warning(convnet_doc, tmp_path, capsys):
     """A profiler window that ran no operator (its schedule's trace never exported, or only the
     step annotations kept) has nothing to measure: pandas' "Empty DataFrame" was printed."""
     path = damaged(convnet_doc, tmp_path, lambda ev: ev.__setitem__(
@@ -179,6 +179,10 @@ def test_overheads_of_a_trace_without_operators_is_one_line_not_an_empty_table(c
     assert (status, out) == (2, "")
     assert err.startswith(f"whatif: error: {path}: no top-level operators (cpu_op events) to measure the overheads "
                           "around;") and err.count("\n") == 1
+    status, out, err = run_cli(capsys, ["replay", path])  # replays, as the steps' spans, and says so
+    assert status == 0 and "ProfilerStep#2" in out
+    assert err == (f"whatif: warning: {path}: has no operator, runtime call or GPU task, only annotations: its steps "
+                   "replay as their spans and no what-if changes them (was the profiler's window empty?)\n")
 
 
 @pytest.mark.parametrize("option", ["--scale", "--remove"])
