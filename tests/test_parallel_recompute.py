@@ -200,9 +200,9 @@ def test_selective_recompute_of_unfused_attention_charges_its_core_alone(tmp_pat
     duration = graph.tasks["duration_us"].to_numpy(dtype=float)
     forward = (units.task_phase == PHASE_FORWARD) & (units.task_unit >= 0)
     names = graph.tasks["name"].astype(str).to_numpy()
-    operators = graph.tasks["operator"].astype(str).to_numpy()
-    core = forward & np.array([bool(ATTENTION_CORE.search(n) or ATTENTION_CORE.search(o))
-                               for n, o in zip(names, operators)])
+    contexts = graph.tasks["context"].astype(str).to_numpy()
+    core = forward & np.array([bool(ATTENTION_CORE.search(n) or ATTENTION_CORE.search(c))
+                               for n, c in zip(names, contexts)])
     assert {n.split("::")[-1] for n in names[core]} >= {"bmm", "_softmax", "dropout"}
     assert not {"addmm", "layer_norm", "gelu"} & {n.split("::")[-1] for n in names[core]}
     assert selective.sum() == pytest.approx(duration[core].sum())

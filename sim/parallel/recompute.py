@@ -10,8 +10,9 @@ one rank, before the data-parallel and pipeline passes read the units' times:
   backward on that stream (on the backward's first GPU task where that stream runs none of it).
 * ``selective`` (Korthikanti et al., MLSys 2023, section 5: the attention core): the unit's
   forward tasks of its attention scores, their softmax and dropout (the operators ``bmm``,
-  ``baddbmm``, ``softmax``, ``dropout``, ``masked_fill`` and their variants) run again the same
-  way. A unit whose attention is fused (``scaled_dot_product_attention``, flash attention) keeps
+  ``baddbmm``, ``softmax``, ``dropout``, ``masked_fill`` and their variants, where the task or
+  what it runs inside is one: a kernel by the operator that launched it) run again the same
+  way. A unit that runs such operators outside its attention has them charged too. A unit whose attention is fused (``scaled_dot_product_attention``, flash attention) keeps
   no scores, and its fused kernel's backward already recomputes them (it is in the trace):
   nothing more is charged, as ``memory.py`` saves nothing more for it.
 
@@ -67,9 +68,10 @@ def recompute_us(graph: TaskGraph, units: Units, par: Parallelism) -> np.ndarray
     again = (phase == PHASE_FORWARD) & (unit >= 0)
     if par.recompute == "selective":
         operator = tasks["operator"].astype(str).to_numpy()
+        context = tasks["context"].astype(str).to_numpy()  # a kernel's is its launch's: aten::matmul > aten::bmm > ...
         names = tasks["name"].astype(str).to_numpy()
         fused = {int(u) for u in np.unique(unit[again]) if any(_FUSED.search(n) for n in operator[again & (unit == u)])}
-        core = np.array([bool(ATTENTION_CORE.search(o) or ATTENTION_CORE.search(n)) for o, n in zip(operator, names)])
+        core = np.array([bool(ATTENTION_CORE.search(c) or ATTENTION_CORE.search(n)) for c, n in zip(context, names)])
         again &= core & ~np.isin(unit, sorted(fused))
     for among in (cpu, gpu):
         iteration = _iterations(phase, start, among & (phase > 0))
