@@ -12,8 +12,9 @@ one rank, before the data-parallel and pipeline passes read the units' times:
   forward tasks of its attention scores, their softmax and dropout (the operators ``bmm``,
   ``baddbmm``, ``softmax``, ``dropout``, ``masked_fill`` and their variants, where the task or
   what it runs inside is one: a kernel by the operator that launched it) run again the same
-  way. A unit that runs such operators outside its attention has them charged too. A unit whose attention is fused (``scaled_dot_product_attention``, flash attention) keeps
-  no scores, and its fused kernel's backward already recomputes them (it is in the trace):
+  way. A unit that runs such operators outside its attention has them charged too. A unit
+  whose attention is fused (``scaled_dot_product_attention``, flash attention) keeps no
+  scores, and its fused kernel's backward already recomputes them (it is in the trace):
   nothing more is charged, as ``memory.py`` saves nothing more for it.
 
 Departures: the recomputed forward is charged as lengthened tasks, not as tasks of its own, so
@@ -29,13 +30,13 @@ import re
 
 import numpy as np
 
-from ..graph import TaskGraph, TaskKind
+from ..graph import TaskGraph
 from . import Parallelism
-from .fsdp import _iterations  # a forward task after another phase's starts an iteration
+# the compute task kinds FSDP's plan reads, and its iterations (a forward task after another
+# phase's starts one)
+from .fsdp import _CPU_COMPUTE, _GPU_COMPUTE, _iterations
 from .units import PHASE_BACKWARD, PHASE_FORWARD, Units
 
-_GPU = (int(TaskKind.KERNEL), int(TaskKind.MEMCPY), int(TaskKind.MEMSET))
-_CPU = (int(TaskKind.CPU), int(TaskKind.RUNTIME), int(TaskKind.GAP))
 #: The operators of an unfused attention core (scores, their softmax and dropout).
 ATTENTION_CORE = re.compile(r"\b(aten::)?(bmm|baddbmm|_?softmax|_?log_softmax|native_dropout|dropout|masked_fill_?)\b")
 _FUSED = re.compile(r"scaled_dot_product|flash|efficient_attention|cudnn_attention")
@@ -63,8 +64,8 @@ def recompute_us(graph: TaskGraph, units: Units, par: Parallelism) -> np.ndarray
     duration = tasks["duration_us"].to_numpy(dtype=float)
     start = tasks["measured_start_us"].to_numpy(dtype=float)
     phase, unit = units.task_phase, units.task_unit
-    gpu = np.isin(kind, _GPU)
-    cpu = np.isin(kind, _CPU) & np.char.startswith(resource.astype(str), "cpu ")
+    gpu = np.isin(kind, _GPU_COMPUTE)
+    cpu = np.isin(kind, _CPU_COMPUTE) & np.char.startswith(resource.astype(str), "cpu ")
     again = (phase == PHASE_FORWARD) & (unit >= 0)
     if par.recompute == "selective":
         operator = tasks["operator"].astype(str).to_numpy()
@@ -75,10 +76,12 @@ def recompute_us(graph: TaskGraph, units: Units, par: Parallelism) -> np.ndarray
         again &= core & ~np.isin(unit, sorted(fused))
     for among in (cpu, gpu):
         iteration = _iterations(phase, start, among & (phase > 0))
-        for u in np.unique(unit[again & among]):
-            for it in np.unique(iteration[again & among & (unit == u)]):
-                forward = np.flatnonzero(again & among & (unit == u) & (iteration == it))
-                backward = np.flatnonzero(among & (phase == PHASE_BACKWARD) & (unit == u) & (iteration == it))
+        run_again, run_backward = again & among, among & (phase == PHASE_BACKWARD)
+        for u in np.unique(unit[run_again]):
+            in_unit, back_in_unit = run_again & (unit == u), run_backward & (unit == u)
+            for it in np.unique(iteration[in_unit]):
+                forward = np.flatnonzero(in_unit & (iteration == it))
+                backward = np.flatnonzero(back_in_unit & (iteration == it))
                 if not len(backward):
                     continue
                 backward = backward[np.argsort(start[backward], kind="stable")]
