@@ -549,7 +549,7 @@ def _simulated(grid: _Grid, config: ClusterConfig) -> tuple[dict, ClusterSchedul
     worker, laid, alone = grid.worker if config.workers == 1 else grid.without_comm, grid.laid, grid.alone
     if par is not None and par.recompute != "none":  # its cost on the worker, laid apart from the others'
         worker = _recomputed_worker(grid, worker, par)
-        laid = grid.laid_recomputed.setdefault((par.recompute, par.units, config.workers == 1), {})
+        laid = grid.laid_recomputed.setdefault((par.recompute, par.units), {})  # (one worker lays none)
         alone = None
     run = simulate_cluster(worker, grid.gradients, grid.iterations, config, laid, alone)
     report = _spans(grid, run).report(run.schedule) if config.workers > 1 else iteration_report(run.schedule, grid.iterations)

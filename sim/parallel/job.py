@@ -168,11 +168,19 @@ def _leading_key(key: Optional[tuple], family: str, par: Parallelism, mine: dict
 _BEFORE_RECOMPUTE = ("tensor", "expert")
 
 
-def _recomputed(graph: TaskGraph, units: Units, par: Parallelism) -> tuple[TaskGraph, Units]:
+def _recomputed(graph: TaskGraph, units: Units, par: Parallelism, cache: Optional[dict],
+                key: Optional[tuple]) -> tuple[TaskGraph, Units]:
     """``graph`` with the recomputed forward charged (``recompute.py``), and its units again
-    (their forward and backward times change)."""
+    (their forward and backward times change); kept in ``cache`` where ``key`` says what
+    ``graph`` depends on (the leading passes' key), so a grid's points recompute it once."""
+    key = (*key, "recompute", par.recompute, par.units) if key is not None else None
+    if key is not None and key in cache:
+        return cache[key]
     out = apply_recompute(graph, units, par)
-    return (graph, units) if out is graph else (out, find_units(out, par.units))
+    found = (graph, units) if out is graph else (out, find_units(out, par.units))
+    if key is not None:
+        cache[key] = found
+    return found
 
 
 def cores_shared(cluster) -> float:
@@ -213,8 +221,8 @@ def parallelize(graph: TaskGraph, units: Units, par: Parallelism, cluster,
         if family not in par.families():
             continue
         if not recomputed and family not in _BEFORE_RECOMPUTE:
-            (graph, units), recomputed = _recomputed(graph, units, par), True
-            key = None  # what follows depends on the recomputation too
+            (graph, units), recomputed = _recomputed(graph, units, par, cache, key), True
+            key = None  # the passes after it read more of par than a key holds
         key = _leading_key(key, family, par, mine)
         if key is not None and key in cache:
             graph, units = cache[key]
@@ -227,6 +235,6 @@ def parallelize(graph: TaskGraph, units: Units, par: Parallelism, cluster,
             cache[key] = (graph, units)
         applied.append(family)
     if not recomputed:
-        graph, units = _recomputed(graph, units, par)
+        graph, units = _recomputed(graph, units, par, cache, key)
     return ParallelJob(par, graph, units, all_groups, mine, applied, memory,
                        gpu_memory if gpu_memory is not None else gpu_memory_bytes(cluster))
