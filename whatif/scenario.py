@@ -238,8 +238,7 @@ def _check_keys(name: str, mapping: Any, allowed, where: str) -> None:
 def _home_of(key: str, where: str) -> Optional[str]:
     """Where a key misplaced at ``where`` belongs, written as the user would write it there
     (``machines`` at the top: ``cluster:``), or None for a key known in no other block."""
-    homes = (("cluster", ("machines", "gpus_per_machine", "machine", "intra_node", "inter_node", "nic",
-                          "nics_per_machine", "gpu", "nccl", "backend")),
+    homes = (("cluster", tuple(k for k in CLUSTER_KEYS if k not in _TOP_KEYS)),  # not name or network: both blocks'
              ("parallelism", _PARALLELISM_KEYS),
              ("parallelism.pipeline", _PIPELINE_KEYS))
     for block, keys in homes:
