@@ -140,31 +140,28 @@ def test_mixed_precision_halves_the_activations_in_the_memory_count():
         assert rows[True][label] < 0.6 * rows[False][label]
 
 
-class _UnfusedAttentionBlock:
-    """Made on first use (torch is the test extra's): a pre-norm block whose attention is written
-    out, scores by matmul, their softmax and dropout, as Megatron's unfused core attention."""
+def _unfused_attention_block(d_model: int = 64, heads: int = 4):
+    """A pre-norm block whose attention is written out, scores by matmul, their softmax and
+    dropout, as Megatron's unfused core attention (made on use: torch is the test extra's)."""
+    import torch
+    from torch import nn
 
-    @staticmethod
-    def make(d_model: int = 64, heads: int = 4):
-        import torch
-        from torch import nn
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.qkv, self.out = nn.LayerNorm(d_model), nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+            self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
+            self.dropout = nn.Dropout(0.1)
 
-        class Block(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.norm, self.qkv, self.out = nn.LayerNorm(d_model), nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
-                self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
-                self.dropout = nn.Dropout(0.1)
+        def forward(self, x):
+            b, s, _ = x.shape
+            q, k, v = self.qkv(self.norm(x)).view(b, s, 3, heads, -1).permute(2, 0, 3, 1, 4)
+            scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(d_model // heads)
+            attended = torch.matmul(self.dropout(torch.softmax(scores, dim=-1)), v)
+            x = x + self.out(attended.transpose(1, 2).reshape(b, s, -1))
+            return x + self.mlp(x)
 
-            def forward(self, x):
-                b, s, _ = x.shape
-                q, k, v = self.qkv(self.norm(x)).view(b, s, 3, heads, -1).permute(2, 0, 3, 1, 4)
-                scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(d_model // heads)
-                attended = torch.matmul(self.dropout(torch.softmax(scores, dim=-1)), v)
-                x = x + self.out(attended.transpose(1, 2).reshape(b, s, -1))
-                return x + self.mlp(x)
-
-        return Block()
+    return Block()
 
 
 def test_selective_recompute_of_unfused_attention_charges_its_core_alone(tmp_path):
@@ -181,7 +178,7 @@ def test_selective_recompute_of_unfused_attention_charges_its_core_alone(tmp_pat
     torch.set_num_threads(1)
     try:
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Embedding(256, 64), nn.Sequential(*(_UnfusedAttentionBlock.make() for _ in range(2))))
+        model = nn.Sequential(nn.Embedding(256, 64), nn.Sequential(*(_unfused_attention_block() for _ in range(2))))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         with Capture(tmp_path / "unfused.bundle", model=model, warmup=2, steps=3, batch_size=4) as cap:
             while True:
