@@ -35,11 +35,11 @@ from . import Parallelism
 # the compute task kinds FSDP's plan reads, and its iterations (a forward task after another
 # phase's starts one)
 from .fsdp import _CPU_COMPUTE, _GPU_COMPUTE, _iterations
+from .memory import _facts
 from .units import PHASE_BACKWARD, PHASE_FORWARD, Units
 
 #: The operators of an unfused attention core (scores, their softmax and dropout).
 ATTENTION_CORE = re.compile(r"\b(aten::)?(bmm|baddbmm|_?softmax|_?log_softmax|native_dropout|dropout|masked_fill_?)\b")
-_FUSED = re.compile(r"scaled_dot_product|flash|efficient_attention|cudnn_attention")
 
 
 def apply_recompute(graph: TaskGraph, units: Units, par: Parallelism) -> TaskGraph:
@@ -68,12 +68,11 @@ def recompute_us(graph: TaskGraph, units: Units, par: Parallelism) -> np.ndarray
     cpu = np.isin(kind, _CPU_COMPUTE) & np.char.startswith(resource.astype(str), "cpu ")
     again = (phase == PHASE_FORWARD) & (unit >= 0)
     if par.recompute == "selective":
-        operator = tasks["operator"].astype(str).to_numpy()
         context = tasks["context"].astype(str).to_numpy()  # a kernel's is its launch's: aten::matmul > aten::bmm > ...
         names = tasks["name"].astype(str).to_numpy()
-        fused = {int(u) for u in np.unique(unit[again]) if any(_FUSED.search(n) for n in operator[again & (unit == u)])}
+        fused = np.flatnonzero(_facts(graph, units).fused)  # the units memory.py counts as fused attention
         core = np.array([bool(ATTENTION_CORE.search(c) or ATTENTION_CORE.search(n)) for c, n in zip(context, names)])
-        again &= core & ~np.isin(unit, sorted(fused))
+        again &= core & ~np.isin(unit, fused)
     for among in (cpu, gpu):
         iteration = _iterations(phase, start, among & (phase > 0))
         run_again, run_backward = again & among, among & (phase == PHASE_BACKWARD)
