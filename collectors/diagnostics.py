@@ -88,3 +88,20 @@ def collecting(diagnostics: Diagnostics) -> Iterator[Diagnostics]:
         yield diagnostics
     finally:
         _CURRENT.reset(token)
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list]:
+    """Record, besides passing on, every warning the block makes: the list it yields holds
+    their texts once the block is done (the graph cache keeps them, to say them again)."""
+    outer = _CURRENT.get()
+    texts: list = []
+
+    class _Recording(Diagnostics):
+        def warn(self, text: str) -> None:
+            if text not in texts:
+                texts.append(text)
+            outer.warn(text)
+
+    with collecting(_Recording()):
+        yield texts

@@ -9,6 +9,7 @@ trace.
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -20,6 +21,11 @@ from whatif.sim.gradients import find_gradients
 from whatif.sim.graph import TaskKind
 
 WIDE_MLP = REPO / "data" / "wide_mlp_cpu.pt.trace.json.gz"
+
+# Every test reads its traces afresh, the commands it runs included (they inherit this): the
+# graph cache (whatif/graph_cache.py) would otherwise let a test pass on what an earlier run
+# built; tests/test_graph_cache.py turns it on where it is what is tested.
+os.environ["WHATIF_GRAPH_CACHE"] = "0"
 
 
 def pytest_generate_tests(metafunc):

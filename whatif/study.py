@@ -1,7 +1,8 @@
 """The first stage of every prediction: a trace loaded, its dependency graph and its iterations.
 
 ``TraceStudy.from_trace`` reads a Kineto trace or a capture bundle (``collectors/load.py``),
-builds Daydream's dependency graph from it (``sim/build.py``) and finds its iterations
+builds Daydream's dependency graph from it (``sim/build.py``), both kept for the next command on
+the same trace (``whatif/graph_cache.py``), and finds its iterations
 (``collectors/iterations.py``). The graph is never modified: the passes of
 ``whatif/pipeline.py`` return new ones. Its replay, the unmodified graph simulated, is made the
 first time it is asked for, and kept.
@@ -19,11 +20,11 @@ import pandas as pd
 
 from whatif.collectors.iterations import find_iterations, whole_trace_note
 from whatif.collectors.kineto import KinetoTrace
-from whatif.collectors.load import load_trace
 from whatif.report.iterations import iteration_report
-from whatif.sim.build import build_graph
 from whatif.sim.engine import Schedule, simulate
 from whatif.sim.graph import TaskGraph
+
+from .graph_cache import read_and_build
 
 
 @dataclass
@@ -40,12 +41,12 @@ class TraceStudy:
         marks an iteration (default: ``ProfilerStep#N``). A trace without ``ProfilerStep#N``
         ranges is one iteration, which is said on stderr with the annotations that could split it
         (``collectors.iterations.whole_trace_note``)."""
-        trace = load_trace(path)
+        trace, graph = read_and_build(path)
         iterations = find_iterations(trace, iteration)
         note = whole_trace_note(trace, iterations) if iteration is None else ""
         if note:
             print(f"whatif: note: {note}", file=sys.stderr)
-        return cls(trace, build_graph(trace), iterations)
+        return cls(trace, graph, iterations)
 
     @cached_property
     def replay(self) -> Schedule:

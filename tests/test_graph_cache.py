@@ -1,0 +1,132 @@
+"""The graph cache (whatif/graph_cache.py): a second command on a trace gets what the first read
+and built, says the same warnings, and reads again whatever changed.
+
+On the bundled CPU trace and a copy of it damaged one way (three operators without a duration),
+with the cache turned on in a folder of the test's own.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import shutil
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from trace_corpus import BUNDLED_TRACE
+from whatif import graph_cache
+from whatif.cli import main
+from whatif.study import TraceStudy
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("WHATIF_GRAPH_CACHE", "1")
+    monkeypatch.setenv("WHATIF_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "graphs"
+
+
+def entries(folder):
+    return sorted(folder.glob("*.pickle")) if folder.is_dir() else []
+
+
+def not_read_again(monkeypatch):
+    def refuse(path):
+        raise AssertionError(f"{path} read again")
+
+    monkeypatch.setattr(graph_cache, "load_trace", refuse)
+
+
+def same_graph(a, b):
+    pd.testing.assert_frame_equal(a.tasks, b.tasks)
+    pd.testing.assert_frame_equal(a.edges, b.edges)
+
+
+def test_a_second_study_of_a_trace_is_the_first_ones_graph_and_replay(cache, tmp_path, monkeypatch):
+    trace = tmp_path / BUNDLED_TRACE.name
+    shutil.copy(BUNDLED_TRACE, trace)
+    first = TraceStudy.from_trace(trace)
+    assert len(entries(cache)) == 1
+    not_read_again(monkeypatch)
+    second = TraceStudy.from_trace(trace)
+    same_graph(first.graph, second.graph)
+    assert second.trace.path == first.trace.path
+    np.testing.assert_array_equal(first.replay.end_us, second.replay.end_us)
+    pd.testing.assert_frame_equal(first.iterations, second.iterations)
+
+
+def test_a_changed_trace_is_read_again(cache, tmp_path):
+    trace = tmp_path / "trace.json"
+    doc = json.loads(gzip.decompress(BUNDLED_TRACE.read_bytes()))
+    trace.write_text(json.dumps(doc))
+    before = TraceStudy.from_trace(trace)
+    name = next(e["name"] for e in doc["traceEvents"] if e.get("ph") == "X" and e.get("cat") == "cpu_op")
+    kept = [e for e in doc["traceEvents"] if not (e.get("cat") == "cpu_op" and e.get("name") == name)]
+    assert len(kept) < len(doc["traceEvents"])
+    doc["traceEvents"] = kept
+    trace.write_text(json.dumps(doc))
+    after = TraceStudy.from_trace(trace)
+    assert len(after.graph.tasks) < len(before.graph.tasks)
+    assert len(entries(cache)) == 2
+    fresh = TraceStudy.from_trace(trace)
+    same_graph(after.graph, fresh.graph)
+
+
+def test_an_entry_cut_short_is_rebuilt_not_an_error(cache, tmp_path):
+    trace = tmp_path / BUNDLED_TRACE.name
+    shutil.copy(BUNDLED_TRACE, trace)
+    first = TraceStudy.from_trace(trace)
+    (entry,) = entries(cache)
+    entry.write_bytes(entry.read_bytes()[:1000])
+    second = TraceStudy.from_trace(trace)
+    same_graph(first.graph, second.graph)
+    assert entry.stat().st_size > 1000
+
+
+def test_the_folder_keeps_the_entries_used_last_within_its_limit(cache, tmp_path, monkeypatch):
+    names = []
+    for i in range(3):
+        names.append(tmp_path / f"copy{i}.json.gz")
+        shutil.copy(BUNDLED_TRACE, names[-1])
+        TraceStudy.from_trace(names[-1])
+    sizes = [e.stat().st_size for e in entries(cache)]
+    assert len(sizes) == 3
+    monkeypatch.setenv("WHATIF_GRAPH_CACHE_MB", str((max(sizes) * 1.5) / 2**20))
+    os.utime(names[0])  # changed: its entry is stale, a new one is written and the oldest go
+    TraceStudy.from_trace(names[0])
+    assert len(entries(cache)) == 1
+
+
+def test_the_cache_off_writes_nothing(cache, tmp_path, monkeypatch):
+    monkeypatch.setenv("WHATIF_GRAPH_CACHE", "0")
+    TraceStudy.from_trace(BUNDLED_TRACE)
+    assert entries(cache) == []
+
+
+def _damaged(tmp_path):
+    doc = json.loads(gzip.decompress(BUNDLED_TRACE.read_bytes()))
+    for e in [e for e in doc["traceEvents"] if e.get("ph") == "X" and e.get("cat") == "cpu_op"][:3]:
+        del e["dur"]
+    path = tmp_path / "damaged.json"
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def test_a_cached_trace_says_its_warnings_again_and_strict_still_stops(cache, tmp_path, capsys, monkeypatch):
+    path = _damaged(tmp_path)
+    assert main(["replay", str(path), "--json"]) == 0
+    out, err = capsys.readouterr()
+    warnings = [line for line in err.splitlines() if line.startswith("whatif: warning:")]
+    assert warnings and all(str(path) in line for line in warnings)
+    assert len(entries(cache)) == 1
+    not_read_again(monkeypatch)
+    assert main(["replay", str(path), "--json"]) == 0
+    again, err_again = capsys.readouterr()
+    assert again == out
+    assert [line for line in err_again.splitlines() if line.startswith("whatif: warning:")] == warnings
+    assert main(["--strict", "replay", str(path)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(warnings[0].replace("warning", "error", 1))

@@ -1,0 +1,197 @@
+"""A trace read and its graph built once, kept for the next command on the same trace.
+
+Reading a trace and building its dependency graph is most of a replay's time (on the 216k-event
+trace of ``bench/speed.py``, 1.0 s of 1.4), and a user asking what-if after what-if of one trace
+pays it on every command. :func:`read_and_build` keeps the two, pickled, in
+``$WHATIF_CACHE_DIR/graphs`` (else ``$XDG_CACHE_HOME/whatif/graphs`` or
+``~/.cache/whatif/graphs``), and hands them back while nothing they came from has changed:
+
+* the key is the trace as named (a file, or every file of a bundle folder) with each file's size,
+  modification and change times and inode, and the code that reads and builds (the size and
+  modification time of every module of ``collectors/`` and ``sim/``), with the Python, NumPy and
+  pandas versions the pickle was written by; any change is a miss, and the entry is rebuilt;
+* the warnings that reading and building gave (``collectors/diagnostics.py``: events dropped,
+  fields missing) are kept with the entry and said again on every hit, so a cached trace is
+  never quieter than a fresh one, and ``--strict`` stops on them alike;
+* an entry that cannot be read (cut short, from another version) is removed and rebuilt; one
+  that cannot be written (a read-only home) is simply not kept;
+* the folder is held under ``$WHATIF_GRAPH_CACHE_MB`` (default 2048 MB): the entries used
+  longest ago go first. ``WHATIF_GRAPH_CACHE=0`` turns the cache off; removing the folder
+  empties it.
+
+The first command on a trace pays the read in full; the figures of ``bench/speed.py`` say which
+they measured.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import sys
+import tempfile
+from pathlib import Path
+from typing import Optional, Union
+
+from whatif.collectors.diagnostics import recording, report
+from whatif.collectors.kineto import KinetoTrace
+from whatif.collectors.load import load_trace
+from whatif.sim.build import build_graph
+from whatif.sim.graph import TaskGraph
+
+FORMAT = 1  # what an entry holds; a new layout gets a new number
+DEFAULT_LIMIT_MB = 2048
+MAX_BUNDLE_FILES = 1000  # a folder with more is no bundle: not cached
+
+
+def cache_folder() -> Path:
+    """Where the graphs are kept: ``graphs`` in $WHATIF_CACHE_DIR, else in $XDG_CACHE_HOME/whatif
+    or ~/.cache/whatif (the folder of ``sim/perfmodels/cache.py``'s models)."""
+    if os.environ.get("WHATIF_CACHE_DIR"):
+        return Path(os.environ["WHATIF_CACHE_DIR"]) / "graphs"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "whatif" / "graphs"
+
+
+def enabled() -> bool:
+    return os.environ.get("WHATIF_GRAPH_CACHE", "1").strip().lower() not in ("0", "no", "off", "false")
+
+
+def read_and_build(path: Union[str, Path]) -> tuple[KinetoTrace, TaskGraph]:
+    """``path``'s trace (``collectors/load.py``) and its graph (``sim/build.py``), from the cache
+    where an entry for this trace and this code is kept, else read, built and kept."""
+    key = entry_key(path) if enabled() else None
+    entry = _load(key) if key else None
+    if entry is not None:
+        for text in entry["warnings"]:
+            report(text)
+        return entry["trace"], entry["graph"]
+    with recording() as texts:
+        trace = load_trace(path)
+        graph = build_graph(trace)
+    if key:
+        _store(key, {"format": FORMAT, "trace": trace, "graph": graph, "warnings": list(texts)})
+    return trace, graph
+
+
+def entry_key(path: Union[str, Path]) -> Optional[str]:
+    """The entry's name for ``path`` as it is now and for this code; None where it cannot be
+    told (no such file, a folder too large to be a bundle)."""
+    path = Path(path)
+    try:
+        if path.is_dir():
+            files = sorted(p for p in path.rglob("*") if p.is_file())
+            if len(files) > MAX_BUNDLE_FILES:
+                return None
+        else:
+            files = [path]
+        stamps = [[str(p.relative_to(path)) if p != path else "", *_stamp(p)] for p in files]
+    except OSError:
+        return None
+    doc = {"format": FORMAT, "named": str(path), "resolved": str(path.resolve()), "files": stamps,
+           "code": _code_stamp(), "python": sys.version, "libraries": _library_versions()}
+    return hashlib.sha1(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def _stamp(path: Path) -> list:
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+
+
+_CODE_STAMP: Optional[list] = None
+
+
+def _code_stamp() -> list:
+    """Size and modification time of every module that reads traces or builds graphs."""
+    global _CODE_STAMP
+    if _CODE_STAMP is None:
+        import whatif.collectors
+        import whatif.sim
+
+        stamps = []
+        for package in (whatif.collectors, whatif.sim):
+            root = Path(package.__file__).parent
+            for module in sorted(root.rglob("*.py")):
+                st = module.stat()
+                stamps.append([str(module.relative_to(root.parent)), st.st_size, st.st_mtime_ns])
+        _CODE_STAMP = stamps
+    return _CODE_STAMP
+
+
+def _library_versions() -> list:
+    import numpy
+    import pandas
+
+    return [numpy.__version__, pandas.__version__, pickle.HIGHEST_PROTOCOL]
+
+
+def _entry_path(key: str) -> Path:
+    return cache_folder() / f"{key}.pickle"
+
+
+def _load(key: str) -> Optional[dict]:
+    path = _entry_path(key)
+    try:
+        with open(path, "rb") as f:
+            entry = pickle.load(f)
+    except FileNotFoundError:
+        return None
+    except Exception:  # cut short, or written by another version: rebuilt below
+        _remove(path)
+        return None
+    if not isinstance(entry, dict) or entry.get("format") != FORMAT:
+        _remove(path)
+        return None
+    try:
+        os.utime(path)  # used now: the last to go when the folder is trimmed
+    except OSError:
+        pass
+    return entry
+
+
+def _store(key: str, entry: dict) -> None:
+    folder = cache_folder()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, temporary = tempfile.mkstemp(dir=folder, prefix=".writing-", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                pickle.dump(entry, f, protocol=pickle.HIGHEST_PROTOCOL)
+            os.replace(temporary, _entry_path(key))
+        except BaseException:
+            _remove(Path(temporary))
+            raise
+        trim(folder)
+    except (OSError, pickle.PicklingError):
+        pass  # not kept: the next command reads the trace again
+
+
+def limit_bytes() -> float:
+    try:
+        return float(os.environ.get("WHATIF_GRAPH_CACHE_MB", DEFAULT_LIMIT_MB)) * 2**20
+    except ValueError:
+        return DEFAULT_LIMIT_MB * 2**20
+
+
+def trim(folder: Path) -> None:
+    """Remove the entries used longest ago until the folder holds at most :func:`limit_bytes`."""
+    entries = []
+    for path in folder.glob("*.pickle"):
+        try:
+            st = path.stat()
+        except OSError:
+            continue
+        entries.append((st.st_mtime_ns, st.st_size, path))
+    total = sum(size for _, size, _ in entries)
+    for _, size, path in sorted(entries):
+        if total <= limit_bytes():
+            break
+        _remove(path)
+        total -= size
+
+
+def _remove(path: Path) -> None:
+    try:
+        path.unlink()
+    except OSError:
+        pass
