@@ -130,3 +130,13 @@ def test_a_cached_trace_says_its_warnings_again_and_strict_still_stops(cache, tm
     assert main(["--strict", "replay", str(path)]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.startswith(warnings[0].replace("warning", "error", 1))
+
+
+def test_another_version_of_the_code_reads_the_trace_again(cache, tmp_path, monkeypatch):
+    trace = tmp_path / BUNDLED_TRACE.name
+    shutil.copy(BUNDLED_TRACE, trace)
+    TraceStudy.from_trace(trace)
+    stamp = graph_cache._code_stamp()
+    monkeypatch.setattr(graph_cache, "_CODE_STAMP", stamp + [["sim/build.py", 1, 1]])  # a module edited
+    TraceStudy.from_trace(trace)
+    assert len(entries(cache)) == 2

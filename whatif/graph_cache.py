@@ -8,8 +8,9 @@ pays it on every command. :func:`read_and_build` keeps the two, pickled, in
 
 * the key is the trace as named (a file, or every file of a bundle folder) with each file's size,
   modification and change times and inode, and the code that reads and builds (the size and
-  modification time of every module of ``collectors/`` and ``sim/``), with the Python, NumPy and
-  pandas versions the pickle was written by; any change is a miss, and the entry is rebuilt;
+  modification time of every module of ``collectors/`` and ``sim/``, and of this one), with the
+  Python, NumPy and pandas versions the pickle was written by; any change is a miss, and the
+  entry is rebuilt;
 * the warnings that reading and building gave (``collectors/diagnostics.py``: events dropped,
   fields missing) are kept with the entry and said again on every hit, so a cached trace is
   never quieter than a fresh one, and ``--strict`` stops on them alike;
@@ -114,7 +115,8 @@ def _code_stamp() -> list:
             for module in sorted(root.rglob("*.py")):
                 st = module.stat()
                 stamps.append([str(module.relative_to(root.parent)), st.st_size, st.st_mtime_ns])
-        _CODE_STAMP = stamps
+        st = Path(__file__).stat()  # this module: what an entry holds
+        _CODE_STAMP = stamps + [[Path(__file__).name, st.st_size, st.st_mtime_ns]]
     return _CODE_STAMP
 
 
