@@ -140,3 +140,15 @@ def test_another_version_of_the_code_reads_the_trace_again(cache, tmp_path, monk
     monkeypatch.setattr(graph_cache, "_CODE_STAMP", stamp + [["sim/build.py", 1, 1]])  # a module edited
     TraceStudy.from_trace(trace)
     assert len(entries(cache)) == 2
+
+
+def test_a_rewrite_of_the_same_size_and_time_is_told_by_its_content(tmp_path):
+    trace = tmp_path / BUNDLED_TRACE.name
+    shutil.copy(BUNDLED_TRACE, trace)
+    before = graph_cache._stamp(trace)
+    data = bytearray(trace.read_bytes())
+    data[-5] ^= 0xFF  # the gzip trailer's length: what a rewrite of another trace would change
+    trace.write_bytes(bytes(data))
+    os.utime(trace, ns=(before[1], before[1]))
+    after = graph_cache._stamp(trace)
+    assert (after[0], after[1]) == (before[0], before[1]) and after[4] != before[4]
