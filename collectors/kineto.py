@@ -161,19 +161,25 @@ def _decode(path: Path, raw: bytes) -> tuple[_TraceFile, list[_Event]]:
             return _TraceFile(traceEvents=events), events
         doc = msgspec.json.decode(raw, type=_TraceFile)
     except UnicodeDecodeError as err:
-        raise TraceError(path, f"is not UTF-8 text (a string holds the byte {err.object[err.start]:#04x})") from None
+        raise _not_utf8(path, err) from None
+    except RecursionError:
+        raise TraceError(path, "JSON nested deeper than Python's recursion limit: no trace nests so deep") from None
     except msgspec.ValidationError as err:
         raise TraceError(path, f"JSON is not a Chrome trace ({err})") from None
     except msgspec.DecodeError as err:
-        if "UTF-8" not in str(err):
-            _not_json(path, raw, first, err)
-        try:  # msgspec 0.23 on says only that a string is not UTF-8: which byte, the stdlib finds
-            raw.decode("utf-8")
-        except UnicodeDecodeError as bad:
-            raise TraceError(path, f"is not UTF-8 text (a string holds the byte {bad.object[bad.start]:#04x})") from None
-        _not_json(path, raw, first, err)
-    except RecursionError:
-        raise TraceError(path, "JSON nested deeper than Python's recursion limit: no trace nests so deep") from None
+        if "UTF-8" in str(err):  # msgspec 0.23 on says only that a string is not: which byte, the stdlib finds
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as bad:
+                raise _not_utf8(path, bad) from None
+        if first not in (b"{", b"["):
+            raise TraceError(path, "is not JSON") from None
+        at = re.search(r"\(byte (\d+)\)", str(err))
+        word = re.match(rb"-?(?:NaN|Infinity)", raw[int(at.group(1)):int(at.group(1)) + 9]) if at else None
+        if word:
+            raise TraceError(path, f"holds {word.group().decode()} at byte {at.group(1)}, which JSON has no number for "
+                                   "(a duration or timestamp that is not a number?)") from None
+        raise TraceError(path, f"not valid JSON, truncated or corrupt ({err})") from None
     if doc.traceEvents is None:
         if len(doc.nodes):
             raise TraceError(
@@ -185,16 +191,8 @@ def _decode(path: Path, raw: bytes) -> tuple[_TraceFile, list[_Event]]:
     return doc, doc.traceEvents
 
 
-def _not_json(path: Path, raw: bytes, first: bytes, err: Exception):
-    """Raise the one-line reason ``raw``, which msgspec could not decode, is no JSON trace."""
-    if first not in (b"{", b"["):
-        raise TraceError(path, "is not JSON") from None
-    at = re.search(r"\(byte (\d+)\)", str(err))
-    word = re.match(rb"-?(?:NaN|Infinity)", raw[int(at.group(1)):int(at.group(1)) + 9]) if at else None
-    if word:
-        raise TraceError(path, f"holds {word.group().decode()} at byte {at.group(1)}, which JSON has no number for "
-                               "(a duration or timestamp that is not a number?)") from None
-    raise TraceError(path, f"not valid JSON, truncated or corrupt ({err})") from None
+def _not_utf8(path: Path, err: UnicodeDecodeError) -> TraceError:
+    return TraceError(path, f"is not UTF-8 text (a string holds the byte {err.object[err.start]:#04x})")
 
 
 #: A duration beyond this (a day), or a start this far from the trace's median, is no profiler's

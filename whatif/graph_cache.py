@@ -40,6 +40,7 @@ from whatif.collectors.kineto import KinetoTrace
 from whatif.collectors.load import load_trace
 from whatif.sim.build import build_graph
 from whatif.sim.graph import TaskGraph
+from whatif.sim.perfmodels.cache import cache_dir
 
 FORMAT = 1  # what an entry holds; a new layout gets a new number
 DEFAULT_LIMIT_MB = 2048
@@ -47,11 +48,8 @@ MAX_BUNDLE_FILES = 1000  # a folder with more is no bundle: not cached
 
 
 def cache_folder() -> Path:
-    """Where the graphs are kept: ``graphs`` in $WHATIF_CACHE_DIR, else in $XDG_CACHE_HOME/whatif
-    or ~/.cache/whatif (the folder of ``sim/perfmodels/cache.py``'s models)."""
-    if os.environ.get("WHATIF_CACHE_DIR"):
-        return Path(os.environ["WHATIF_CACHE_DIR"]) / "graphs"
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "whatif" / "graphs"
+    """Where the graphs are kept: ``graphs`` in whatif's cache folder (``cache_dir``)."""
+    return cache_dir() / "graphs"
 
 
 def enabled() -> bool:
@@ -193,9 +191,9 @@ def trim(folder: Path) -> None:
         except OSError:
             continue
         entries.append((st.st_mtime_ns, st.st_size, path))
-    total = sum(size for _, size, _ in entries)
+    total, limit = sum(size for _, size, _ in entries), limit_bytes()
     for _, size, path in sorted(entries):
-        if total <= limit_bytes():
+        if total <= limit:
             break
         _remove(path)
         total -= size

@@ -13,14 +13,18 @@ import hashlib
 import os
 import re
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from .device import current_device, device_mismatch
-from .models import PerfModelError, PerfModels, load_models
+
+if TYPE_CHECKING:
+    from .models import PerfModels
 
 
 def cache_dir() -> Path:
-    """Where fitted models are cached: $WHATIF_CACHE_DIR, else $XDG_CACHE_HOME/whatif or ~/.cache/whatif."""
+    """Where whatif caches: $WHATIF_CACHE_DIR, else $XDG_CACHE_HOME/whatif or ~/.cache/whatif (the
+    fitted models here, the graphs of ``whatif/graph_cache.py`` in ``graphs``). The models are
+    imported where they are used, so that finding this folder costs every command nothing."""
     if os.environ.get("WHATIF_CACHE_DIR"):
         return Path(os.environ["WHATIF_CACHE_DIR"])
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "whatif"
@@ -39,6 +43,8 @@ def default_models() -> PerfModels:
     """This machine's default models, as ``whatif perfmodel fit --cache`` left them; raises
     :class:`~whatif.sim.perfmodels.models.PerfModelError` naming the command that fits them
     where there are none."""
+    from .models import PerfModelError, load_models
+
     device = current_device()
     path = cached_models_path(device)
     if path.is_file():
@@ -54,6 +60,8 @@ def default_models() -> PerfModels:
 
 def cache_models(models: PerfModels) -> Path:
     """Make ``models``, measured on this machine, its default models; the file written."""
+    from .models import PerfModelError
+
     mismatch = device_mismatch(models.device)
     if mismatch:
         raise PerfModelError(f"cannot make these models this machine's default: {mismatch}")
