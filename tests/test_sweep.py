@@ -66,6 +66,15 @@ def test_two_processes_predict_exactly_what_one_does(serial):
     assert_same_prediction(predict(Scenario.from_dict(GRID).request(), Sweep(jobs=2)), serial)
 
 
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_rows_alone_are_the_rows_of_a_prediction_that_keeps_its_runs(serial, jobs):
+    """What ``whatif predict`` asks for without ``--timeline``: the same rows, no run kept or
+    sent back (the processes lay their own cluster graphs then)."""
+    got = predict(replace(Scenario.from_dict(GRID).request(), keep_runs=False), Sweep(jobs=jobs))
+    pd.testing.assert_frame_equal(got.results, serial.results, check_exact=True)
+    assert got.runs == {} and len(serial.runs) == 4
+
+
 def test_a_local_dask_cluster_of_two_workers_predicts_exactly_what_one_process_does(serial):
     distributed = pytest.importorskip("distributed")
     with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster:

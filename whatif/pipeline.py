@@ -152,6 +152,7 @@ class Request:
     optimizer: str = "adam"  # a parallel configuration's memory count (sim/parallel/memory.py)
     gpu_memory_bytes: Optional[float] = None  # what it must fit in; None: the cluster's GPUs', if known
     microbatch_trace: Union[str, Path, None] = None  # the model traced at a pipeline's microbatch
+    keep_runs: bool = True  # each configuration's run in Prediction.runs; False: its row alone (no timelines)
 
 
 @dataclass
@@ -167,7 +168,7 @@ class Prediction:
     schedule: Schedule  # the worker simulated alone
     report: pd.DataFrame  # its iterations, against the measured ones (report.iterations)
     results: Optional[pd.DataFrame] = None
-    runs: dict = field(default_factory=dict)  # label -> ClusterSchedule
+    runs: dict = field(default_factory=dict)  # label -> ClusterSchedule (empty where the request kept none)
     gradients: Optional[Gradients] = None  # what the clusters communicated
     processes: list = field(default_factory=list)  # the same request on each other capture process's plain step
 
@@ -266,7 +267,7 @@ def _hold_other_processes(prediction: Prediction, sweep: Sweep) -> None:
         return
     own = float(np.median(kept))
     others = [ms for ms in study.graph.workload.process_unprofiled_ms if not math.isclose(ms, own, rel_tol=1e-9)]
-    prediction.processes = [predict(replace(request, trace=study, iteration=None, unprofiled_ms=[ms]), sweep)
+    prediction.processes = [predict(replace(request, trace=study, iteration=None, unprofiled_ms=[ms], keep_runs=False), sweep)
                             for ms in others]
     if prediction.results is not None and prediction.processes:
         rows = prediction.results.to_dict("records")
@@ -458,7 +459,8 @@ def _simulate_clusters(prediction: Prediction, sweep: Sweep) -> None:
                  microbatch, alone=prediction.schedule,
                  microbatch_fits=_microbatch_fits(request, without_comm, microbatch),
                  dtype_bytes=_amp_dtype_bytes(request, study))
-    if runs_elsewhere(sweep, len(request.clusters)):
+    grid.keep_runs = request.keep_runs
+    if request.keep_runs and runs_elsewhere(sweep, len(request.clusters)):
         for config in request.clusters:  # laid here once, not in every process, and not sent back
             _lay(grid, config)
         grid.held = frozenset(grid.laid)
@@ -466,7 +468,7 @@ def _simulate_clusters(prediction: Prediction, sweep: Sweep) -> None:
     labels, described = configuration_labels(list(rows), request.clusters)
     prediction.results = pd.DataFrame(list(rows))
     prediction.results.attrs["described"] = described  # the columns that tell rows apart: tables and plots show them
-    prediction.runs = dict(zip(labels, runs))
+    prediction.runs = dict(zip(labels, runs)) if request.keep_runs else {}
     prediction.gradients = gradients
 
 
@@ -493,6 +495,7 @@ class _Grid:
     dtype_bytes: Optional[int] = None  # the memory count's element size: 2 under amp, else the trace's
     held: frozenset = frozenset()  # the keys of those laid before the sweep ran elsewhere: on both sides
     spans: dict = field(default_factory=dict)  # what their reports read of them (_spans)
+    keep_runs: bool = True  # the runs go back to the caller (Request.keep_runs); else the rows alone
 
 
 def _lay(grid: _Grid, config: ClusterConfig) -> None:
@@ -508,18 +511,21 @@ def _lay(grid: _Grid, config: ClusterConfig) -> None:
 
 def _sent(grid: _Grid, result: tuple[dict, ClusterSchedule]) -> tuple:
     """A configuration's result as a process sends it back: its run's graph left out where both
-    sides hold the cluster graph it was laid over (``grid.held``)."""
+    sides hold the cluster graph it was laid over (``grid.held``); its row alone where the runs
+    are not kept."""
     row, run = result
+    if run is None:
+        return row, None, None
     return (row, *without_graph(run, grid.held))
 
 
-def _received(grid: _Grid, sent: tuple) -> tuple[dict, ClusterSchedule]:
-    """A result :func:`_sent` sent, with its run's graph again."""
+def _received(grid: _Grid, sent: tuple) -> tuple[dict, Optional[ClusterSchedule]]:
+    """A result :func:`_sent` sent, with its run's graph again (None where the runs are not kept)."""
     row, run, durations = sent
-    return row, with_graph(run, durations, grid.laid)
+    return row, with_graph(run, durations, grid.laid) if run is not None else None
 
 
-def _configuration(grid: _Grid, config: ClusterConfig) -> tuple[dict, ClusterSchedule]:
+def _configuration(grid: _Grid, config: ClusterConfig) -> tuple[dict, Optional[ClusterSchedule]]:
     """One configuration simulated: its row of the results and its run; where its links keep
     their calibration's runs, simulated on each of them too, which widens the row's interval."""
     if config.pass_bytes_per_us is None:
@@ -528,7 +534,7 @@ def _configuration(grid: _Grid, config: ClusterConfig) -> tuple[dict, ClusterSch
         config = _communication_changed(config, grid.worker, grid.gradients)
     row, run = _simulated(grid, config)
     calibrated = [_simulated(grid, replace(config, cluster=cluster, calibrations=()))[0] for cluster in config.calibrations]
-    return widened(row, calibrated), run
+    return widened(row, calibrated), run if grid.keep_runs else None
 
 
 def _simulated(grid: _Grid, config: ClusterConfig) -> tuple[dict, ClusterSchedule]:

@@ -8,8 +8,10 @@ wherever it was made (``tests/test_sweep.py`` holds each way equal to the serial
 
 * ``Sweep()`` (``jobs=1``): in this process, one after the other, as the library always did.
 * ``Sweep(jobs=N)``: N processes of this machine (at most one per configuration). They are
-  forked where the platform can, so the shared inputs are inherited instead of copied; a
-  result (a row and its cluster's schedule, about 10 MB for the ResNet-50 trace) is pickled back.
+  forked where the platform can, so the shared inputs are inherited instead of copied (with
+  the collector's objects frozen first: its passes in a child would write to every inherited
+  page, and so copy it); a result is pickled back (``whatif predict`` without ``--timeline``
+  asks for the rows alone; a cluster's schedule, where kept, is 2 to 10 MB on the ResNet-50 trace).
 * ``Sweep(executor="dask", address=...)``: the workers of an existing Dask cluster
   (``distributed``, the ``whatif[dask]`` extra), which must have the same ``whatif``
   installed. The shared inputs are sent to each worker once (``Client.scatter``).
@@ -24,6 +26,7 @@ two seconds, and is cleared at the end.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import pickle
@@ -138,6 +141,17 @@ def _in_worker(item) -> tuple[Any, list]:
 
 def _on_processes(function, shared, items: list, jobs: int, progress_bar, pack=None) -> list:
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    frozen = method == "fork" and gc.isenabled()
+    if frozen:  # the collector's passes in the children would write to, and so copy, every inherited page
+        gc.freeze()
+    try:
+        return _on_pool(function, shared, items, jobs, progress_bar, pack, method)
+    finally:
+        if frozen:
+            gc.unfreeze()
+
+
+def _on_pool(function, shared, items: list, jobs: int, progress_bar, pack, method: str) -> list:
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context(method),
                              initializer=_install, initargs=(function, shared, pack)) as pool:
         futures = [pool.submit(_in_worker, item) for item in items]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import msgspec
@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
         check_timeline_path(args.timeline, protect=inputs, new=len(scenario.points) == 1)
     sweep = Sweep(jobs=args.jobs, executor=args.executor, address=args.address, progress=sys.stderr.isatty())
     try:
-        prediction = predict(scenario.request(), sweep)
+        prediction = predict(replace(scenario.request(), keep_runs=args.timeline is not None), sweep)
     except (GraphError, TopologyError) as err:  # the scenario's parallelism, cluster or what-ifs on this trace
         raise UsageError(f"{args.scenario}: {err}") from None
     results = prediction.results
