@@ -37,7 +37,8 @@ their cache in its scratch folder, never the user's.
   512 GPUs, NCCL's fabric), tensor 1, 2, 4, 8 x pipeline 1, 2, 4 stages (8 microbatches, 1F1B)
   x ZeRO 0, 1, 3: 72 points, ``whatif predict --json --yes`` as a user runs it (``--jobs`` all
   cores). Its points, wall seconds, seconds per point, ratio to the decode of its trace (the
-  bundle's) and peak memory, reported without a target.
+  bundle's) and peak memory, and the same with ``--jobs 1`` (runs alternating) and the speed-up,
+  reported without a target.
 * ``timeline_size``: the same grid with ``--timeline``: each configuration's file, compressed
   (what is written) and decompressed (the Chrome JSON, what was written before). Target: every
   configuration <= 2 MB.
@@ -304,20 +305,23 @@ def parallelism_grid(bench: Bench) -> list[Row]:
     path.write_text(yaml.safe_dump(PARALLELISM_GRID))
     command = [WHATIF, "predict", path, "--json", "--yes"]
     _run(command)  # untimed, as time_commands does
-    seconds, megabytes = [], []
-    for _ in range(bench.runs):
+    seconds, megabytes, serial = [], [], []
+    for _ in range(bench.runs):  # all cores and one, alternating
         s, mb, out = _timed_with_memory(command)
         seconds.append(s)
         megabytes.append(mb)
+        serial.append(_timed_with_memory(command + ["--jobs", "1"])[0])
     points = len(json.loads(out)["results"])
     if points != PARALLELISM_POINTS:
         raise SystemExit(f"speed: {points} points predicted for the parallelism grid's {PARALLELISM_POINTS}")
-    wall = statistics.median(seconds)
+    wall, one = statistics.median(seconds), statistics.median(serial)
     decode = bench.decode_s(_bundle_trace(TRANSFORMER))
     return [
         Row(f"parallelism grid ({points} points, 64 and 512 GPUs), predict", wall, "s", wall / decode),
         Row("parallelism grid: seconds per point", wall / points, "s", wall / points / decode),
         Row("parallelism grid: peak memory (largest of the runs)", max(megabytes), "MB"),
+        Row("parallelism grid, predict --jobs 1", one, "s", one / decode),
+        Row(f"speed-up of --jobs {available_cores()} over --jobs 1 (ratio of the medians)", one / wall, "x"),
     ]
 
 
