@@ -121,3 +121,9 @@ def read_bytes(path: Path) -> bytes:
     if isinstance(result[0], BaseException):
         raise result[0]
     return result[0]
+
+
+def discard_read_ahead(path: Union[str, Path]) -> None:
+    """Let go of the bytes read ahead of ``path`` where nothing will take them (its graph came
+    from the cache): the thread ends as it would, and its bytes are freed."""
+    _ahead.pop(str(Path(path)), None)

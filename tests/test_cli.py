@@ -7,11 +7,13 @@ import gzip
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from trace_corpus import BUNDLED, BUNDLED_TRACE, EVENT_SYNC_MULTISTREAM, RESNET50
 from whatif.cli import main
+from whatif.scenario import Scenario
 
 BUNDLED_STEPS = [f"ProfilerStep#{n}" for n in range(1, 6)]
 
@@ -234,11 +236,53 @@ def test_the_trace_read_ahead_is_the_commands_trace_not_an_options_value(tmp_pat
         asked.clear()
         cli._read_ahead(argv)
         assert asked == [str(trace)], argv
-    cli._read_ahead(["simulate", str(trace)])
+    cli._read_ahead(["collective", str(trace)])
     cli._read_ahead(["replay", str(tmp_path / "missing.json")])
     assert asked == [str(trace)]
-    parser, _ = cli._parser(["replay"])
-    for command, valued in cli.READ_AHEAD.items():
+    for command, valued in {**cli.READ_AHEAD, **cli.SCENARIO_READ_AHEAD}.items():
+        parser, _ = cli._parser([command])
         leaf = parser._subparsers._group_actions[0].choices[command]
         takes_value = {s for a in leaf._actions if a.option_strings and a.nargs != 0 for s in a.option_strings}
         assert set(valued) == takes_value, command
+
+
+def test_the_trace_a_scenario_names_is_read_ahead_as_the_scenario_names_it(tmp_path, monkeypatch):
+    """``whatif predict S.yaml`` reads ahead the trace ``S.yaml`` names (relative to its folder,
+    the path the scenario's reader builds, so that the bytes are taken), and nothing where the
+    scenario names no trace file on a line of its own."""
+    from whatif import cli
+
+    (tmp_path / "data").mkdir()
+    trace = tmp_path / "data" / "t.json.gz"
+    trace.write_bytes(b"y")
+    asked = []
+    monkeypatch.setattr(cli, "read_ahead", asked.append)
+    cluster = "cluster: {machines: 2, intra_node: pcie3, inter_node: 10gbe}\n"
+    for text in ("trace: data/t.json.gz\n", "name: x  # trace: no\ntrace: 'data/t.json.gz'  # it\n"):
+        scenario = tmp_path / "s.yaml"
+        scenario.write_text(text + cluster)
+        asked.clear()
+        cli._read_ahead(["predict", "--jobs", "2", str(scenario)])
+        assert asked == [str(Path(str(scenario)).parent / "data" / "t.json.gz")], text
+        assert Scenario.from_file(scenario).trace == Path(asked[0])
+    asked.clear()
+    for text in ("trace:\n  - data/t.json.gz\n", "trace: data/missing.json\n", "cluster:\n  trace: data/t.json.gz\n"):
+        (tmp_path / "s.yaml").write_text(text)
+        cli._read_ahead(["predict", str(tmp_path / "s.yaml")])
+    cli._read_ahead(["predict", str(tmp_path / "no-such.yaml")])
+    assert asked == []
+
+
+def test_bytes_read_ahead_of_a_trace_whose_graph_is_cached_are_let_go(tmp_path, monkeypatch):
+    from whatif import graph_cache
+    from whatif.collectors import tracefile
+
+    monkeypatch.setenv("WHATIF_GRAPH_CACHE", "1")
+    monkeypatch.setenv("WHATIF_CACHE_DIR", str(tmp_path / "cache"))
+    trace = tmp_path / "t.json.gz"
+    trace.write_bytes(BUNDLED_TRACE.read_bytes())
+    graph_cache.read_and_build(trace)  # kept
+    tracefile.read_ahead(trace)
+    assert str(trace) in tracefile._ahead
+    graph_cache.read_and_build(trace)  # from the cache
+    assert str(trace) not in tracefile._ahead

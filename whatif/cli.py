@@ -14,7 +14,9 @@ import argparse
 import gc
 import importlib
 import os
+import re
 import sys
+from pathlib import Path
 from typing import Optional, Sequence
 
 from whatif.collectors.diagnostics import Diagnostics, collecting
@@ -48,7 +50,18 @@ ERRORS = {
 #: command, the file is read and decompressed on a thread (``collectors/tracefile.py``) while the
 #: command's modules import. Only a file that exists is read ahead; the command reads its trace as
 #: ever, taking those bytes where they are of its path. A test holds the options to the parser's.
-READ_AHEAD = {"replay": ("--iteration", "--timeline")}
+READ_AHEAD = {
+    "replay": ("--iteration", "--timeline"),
+    "simulate": ("--batch-size", "--from-batch-size", "--iteration", "--optimization", "--perfmodel", "--predict-from",
+                 "--profiler-overhead", "--remove", "--scale", "--timeline"),
+    "critical-path": ("--iteration", "--timeline"),
+    "overheads": ("--csv",),
+}
+#: The same for the commands whose first positional argument is a scenario file: the trace it
+#: names on a line of its own (``trace: PATH``, relative to the scenario) is read ahead, where it
+#: is a file; the scenario itself is read as ever (a trace it names otherwise is not read ahead).
+SCENARIO_READ_AHEAD = {"predict": ("--address", "--csv", "--executor", "--jobs", "--plot", "--timeline")}
+_SCENARIO_TRACE = re.compile(r"""^trace:[ \t]*(["']?)([^"'#\r\n]+?)\1[ \t]*(?:#.*)?$""", re.MULTILINE)
 _STRICT_HELP = "make every warning (input the tool could not use) an error, exit status 2"
 
 
@@ -128,13 +141,31 @@ def _read_ahead(argv: Sequence[str]) -> None:
         elif word.startswith("-"):
             continue  # a flag, or --option=value
         elif command is None:
-            if word not in READ_AHEAD:
+            if word not in READ_AHEAD and word not in SCENARIO_READ_AHEAD:
                 return
-            command, valued = word, READ_AHEAD[word]
+            command, valued = word, READ_AHEAD.get(word) or SCENARIO_READ_AHEAD[word]
         else:
-            if os.path.isfile(word):
-                read_ahead(word)
+            trace = _scenario_trace(word) if command in SCENARIO_READ_AHEAD else word
+            if trace is not None and os.path.isfile(trace):
+                read_ahead(trace)
             return
+
+
+def _scenario_trace(scenario: str) -> Optional[str]:
+    """The trace file the scenario file ``scenario`` names on a line of its own, as the scenario's
+    reader will name it (relative to the scenario's folder); None where it names none so, or is
+    not a small text file (a scenario is at most 1 MB: the reader refuses more)."""
+    try:
+        if os.path.getsize(scenario) > 1_000_000:
+            return None
+        with open(scenario, encoding="utf-8") as f:
+            found = _SCENARIO_TRACE.search(f.read())
+    except (OSError, UnicodeDecodeError):
+        return None
+    if found is None:
+        return None
+    given = Path(found.group(2))
+    return str(given if given.is_absolute() else Path(scenario).parent / given)
 
 
 def _exit_now(status: int) -> None:

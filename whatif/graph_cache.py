@@ -38,6 +38,7 @@ from typing import Optional, Union
 from whatif.collectors.diagnostics import recording, report
 from whatif.collectors.kineto import KinetoTrace
 from whatif.collectors.load import load_trace
+from whatif.collectors.tracefile import discard_read_ahead
 from whatif.sim.build import build_graph
 from whatif.sim.graph import TaskGraph
 from whatif.sim.perfmodels.cache import cache_dir
@@ -62,6 +63,7 @@ def read_and_build(path: Union[str, Path]) -> tuple[KinetoTrace, TaskGraph]:
     key = entry_key(path) if enabled() else None
     entry = _load(key) if key else None
     if entry is not None:
+        discard_read_ahead(path)  # the file the command line began reading: not needed now
         for text in entry["warnings"]:
             report(text)
         return entry["trace"], entry["graph"]
