@@ -127,6 +127,26 @@ def test_the_timeline_is_a_chrome_trace_with_one_event_per_task(capsys, tmp_path
     assert [p.name for p in tmp_path.iterdir()] == ["timeline.json.gz"], "no temporary file left behind"
 
 
+def test_timelines_written_together_are_each_what_one_writes_and_stop_at_a_file_there(tmp_path, traces):
+    """``write_timelines`` (a grid's, each compressed on a thread while the next is made) writes
+    each file byte for byte as ``write_timeline`` does; at a target that exists it raises, and
+    keeps what it wrote before."""
+    from whatif.report.timeline import write_timeline, write_timelines
+
+    replay = traces.study(BUNDLED).replay
+    notes = {0: {"collective": "a note on the first task"}}
+    one = tmp_path / "one.json.gz"
+    write_timeline(replay, one, notes=notes)
+    paths = [tmp_path / f"t{i}.json.gz" for i in range(3)]
+    write_timelines((replay, p, notes) for p in paths)
+    assert all(p.read_bytes() == one.read_bytes() for p in paths)
+    taken = [tmp_path / f"u{i}.json.gz" for i in range(3)]
+    taken[1].write_bytes(b"the user's")
+    with pytest.raises(OSError, match="already exists"):
+        write_timelines((replay, p, None) for p in taken)
+    assert taken[0].exists() and taken[1].read_bytes() == b"the user's" and not taken[2].exists()
+
+
 def test_the_timeline_of_a_gpu_trace_has_cpu_and_gpu_tracks(capsys, tmp_path, traces):
     out = tmp_path / "timeline.json.gz"
     run_cli(capsys, "simulate", traces.path(EVENT_SYNC_MULTISTREAM), "--optimization", "faster-gpu=2", "--timeline", out,

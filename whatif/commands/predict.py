@@ -17,7 +17,7 @@ from whatif.report.cluster import collective_notes
 from whatif.report.intervals import LEVEL, describe
 from whatif.report.plots import plot_scenario
 from whatif.report.tables import json_number, json_records, results_table
-from whatif.report.timeline import TIMELINE_SUFFIX, check_timeline_path, write_atomically, write_timeline
+from whatif.report.timeline import TIMELINE_SUFFIX, check_timeline_path, write_atomically, write_timelines
 from whatif.scenario import Scenario, ScenarioError
 from whatif.sim.graph import GraphError
 from whatif.topology import TopologyError
@@ -91,8 +91,8 @@ def run(args: argparse.Namespace) -> int:
         timelines = {label: _suffixed(args.timeline, label) if several else args.timeline for label in prediction.runs}
         for target in timelines.values():  # every name checked before any file is written
             check_timeline_path(target, protect=inputs)
-        for label, run_ in prediction.runs.items():
-            write_timeline(run_.schedule, timelines[label], protect=inputs, notes=collective_notes(run_))
+        write_timelines(((run_.schedule, timelines[label], collective_notes(run_)) for label, run_ in prediction.runs.items()),
+                        protect=inputs)
     overhead = prediction.profiler_overhead
     low_ms, high_ms = prediction.iteration_interval
     if args.json:
