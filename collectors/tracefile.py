@@ -125,5 +125,8 @@ def read_bytes(path: Path) -> bytes:
 
 def discard_read_ahead(path: Union[str, Path]) -> None:
     """Let go of the bytes read ahead of ``path`` where nothing will take them (its graph came
-    from the cache): the thread ends as it would, and its bytes are freed."""
-    _ahead.pop(str(Path(path)), None)
+    from the cache), once the thread has ended (it has, or nearly, by the time the cache is
+    asked): no thread is left running when a sweep forks its processes."""
+    ahead = _ahead.pop(str(Path(path)), None)
+    if ahead is not None:
+        ahead[0].join()
