@@ -458,8 +458,7 @@ def _simulate_clusters(prediction: Prediction, sweep: Sweep) -> None:
                  prediction.iteration_ms, prediction.iteration_interval, request.optimizer, request.gpu_memory_bytes,
                  microbatch, alone=prediction.schedule,
                  microbatch_fits=_microbatch_fits(request, without_comm, microbatch),
-                 dtype_bytes=_amp_dtype_bytes(request, study))
-    grid.keep_runs = request.keep_runs
+                 dtype_bytes=_amp_dtype_bytes(request, study), keep_runs=request.keep_runs)
     if request.keep_runs and runs_elsewhere(sweep, len(request.clusters)):
         for config in request.clusters:  # laid here once, not in every process, and not sent back
             _lay(grid, config)
