@@ -17,8 +17,9 @@ import pandas as pd
 import pytest
 
 from trace_corpus import BUNDLED_TRACE
-from whatif import graph_cache
+from whatif import graph_cache, study
 from whatif.cli import main
+from whatif.sim.engine import simulate
 from whatif.study import TraceStudy
 
 
@@ -31,6 +32,17 @@ def cache(tmp_path, monkeypatch):
 
 def entries(folder):
     return sorted(folder.glob("*.pickle")) if folder.is_dir() else []
+
+
+def replays(folder):
+    return sorted(folder.glob("*.replay")) if folder.is_dir() else []
+
+
+def not_simulated_again(monkeypatch):
+    def refuse(graph, *args, **kwargs):
+        raise AssertionError("the replay simulated again")
+
+    monkeypatch.setattr(study, "simulate", refuse)
 
 
 def not_read_again(monkeypatch):
@@ -102,8 +114,40 @@ def test_the_folder_keeps_the_entries_used_last_within_its_limit(cache, tmp_path
 
 def test_the_cache_off_writes_nothing(cache, tmp_path, monkeypatch):
     monkeypatch.setenv("WHATIF_GRAPH_CACHE", "0")
-    TraceStudy.from_trace(BUNDLED_TRACE)
-    assert entries(cache) == []
+    TraceStudy.from_trace(BUNDLED_TRACE).replay
+    assert not cache.exists() or list(cache.iterdir()) == []
+
+
+def test_a_later_study_takes_the_replay_kept_with_the_graph(cache, tmp_path, monkeypatch):
+    trace = tmp_path / BUNDLED_TRACE.name
+    shutil.copy(BUNDLED_TRACE, trace)
+    first = TraceStudy.from_trace(trace)
+    fresh = simulate(first.graph)
+    assert replays(cache) == []  # kept once asked for, not before
+    first.replay
+    assert len(replays(cache)) == 1
+    not_simulated_again(monkeypatch)
+    second = TraceStudy.from_trace(trace)
+    for a, b in ((first.replay, second.replay), (fresh, second.replay)):
+        np.testing.assert_array_equal(a.start_us, b.start_us)
+        np.testing.assert_array_equal(a.end_us, b.end_us)
+    assert second.replay.graph is second.graph and second.replay.simpy_events == fresh.simpy_events
+    pd.testing.assert_frame_equal(first.replay_report(), second.replay_report())
+
+
+def test_a_replay_cut_short_or_of_another_graph_is_simulated_again(cache, tmp_path, monkeypatch):
+    trace = tmp_path / BUNDLED_TRACE.name
+    shutil.copy(BUNDLED_TRACE, trace)
+    expected = TraceStudy.from_trace(trace).replay
+    (kept,) = replays(cache)
+    kept.write_bytes(kept.read_bytes()[:100])
+    again = TraceStudy.from_trace(trace)
+    np.testing.assert_array_equal(again.replay.end_us, expected.end_us)
+    assert kept.stat().st_size > 100  # written whole again
+    changed = TraceStudy.from_trace(trace)
+    changed.graph = changed.graph.copy()
+    changed.graph.tasks["duration_us"] *= 2  # a study given another graph: the kept replay is not its
+    assert changed.replay.end_us.max() > expected.end_us.max()
 
 
 def _damaged(tmp_path):

@@ -20,6 +20,11 @@ pays it on every command. :func:`read_and_build` keeps the two, pickled, in
   longest ago go first. ``WHATIF_GRAPH_CACHE=0`` turns the cache off; removing the folder
   empties it.
 
+A study's replay (the graph simulated unchanged, ``TraceStudy.replay``) is kept beside its entry
+too (``KEY.replay``: every task's start and end): the engine is in ``sim/``, so the key that
+names the graph names its replay, and a later ``whatif replay`` or grid does not simulate it
+again (a tenth of a second on the largest shared trace, a fifth of a cached replay).
+
 The first command on a trace pays the read in full; the figures of ``bench/speed.py`` say which
 they measured.
 """
@@ -44,6 +49,7 @@ from whatif.sim.graph import TaskGraph
 from whatif.sim.perfmodels.cache import cache_dir
 
 FORMAT = 1  # what an entry holds; a new layout gets a new number
+REPLAY_FORMAT = 1  # what a replay file holds
 DEFAULT_LIMIT_MB = 2048
 MAX_BUNDLE_FILES = 1000  # a folder with more is no bundle: not cached
 
@@ -60,19 +66,39 @@ def enabled() -> bool:
 def read_and_build(path: Union[str, Path]) -> tuple[KinetoTrace, TaskGraph]:
     """``path``'s trace (``collectors/load.py``) and its graph (``sim/build.py``), from the cache
     where an entry for this trace and this code is kept, else read, built and kept."""
+    trace, graph, _ = read_build_and_key(path)
+    return trace, graph
+
+
+def read_build_and_key(path: Union[str, Path]) -> tuple[KinetoTrace, TaskGraph, Optional[str]]:
+    """:func:`read_and_build`, and the entry's key (None with the cache off, or for a trace it
+    cannot name), which names the replay kept with it (:func:`kept_replay`)."""
     key = entry_key(path) if enabled() else None
     entry = _load(key) if key else None
     if entry is not None:
         discard_read_ahead(path)  # the file the command line began reading: not needed now
         for text in entry["warnings"]:
             report(text)
-        return entry["trace"], entry["graph"]
+        return entry["trace"], entry["graph"], key
     with recording() as texts:
         trace = load_trace(path)
         graph = build_graph(trace)
     if key:
         _store(key, {"format": FORMAT, "trace": trace, "graph": graph, "warnings": list(texts)})
-    return trace, graph
+    return trace, graph, key
+
+
+def kept_replay(key: str, tasks: int) -> Optional[dict]:
+    """The replay kept under ``key`` (``start_us``, ``end_us``, ``simpy_events``, ``wall_s``),
+    where one of ``tasks`` tasks is; one that cannot be read is removed."""
+    return _read(_replay_path(key), lambda kept: kept.get("format") == REPLAY_FORMAT
+                 and all(len(kept.get(k, ())) == tasks for k in ("start_us", "end_us")))
+
+
+def keep_replay(key: str, start_us, end_us, simpy_events: int, wall_s: float) -> None:
+    """Keep a replay under ``key`` (see :func:`kept_replay`); where it cannot be written, it is not."""
+    _write(_replay_path(key), {"format": REPLAY_FORMAT, "start_us": start_us, "end_us": end_us,
+                               "simpy_events": simpy_events, "wall_s": wall_s})
 
 
 def entry_key(path: Union[str, Path]) -> Optional[str]:
@@ -140,41 +166,57 @@ def _entry_path(key: str) -> Path:
     return cache_folder() / f"{key}.pickle"
 
 
+def _replay_path(key: str) -> Path:
+    return cache_folder() / f"{key}.replay"
+
+
 def _load(key: str) -> Optional[dict]:
-    path = _entry_path(key)
+    return _read(_entry_path(key), lambda entry: entry.get("format") == FORMAT)
+
+
+def _read(path: Path, valid) -> Optional[dict]:
+    """The dict pickled at ``path`` where ``valid`` says it is one this code wrote, marked used
+    now (the last to go when the folder is trimmed); one that cannot be read (cut short, from
+    another version) or is not valid is removed, and None."""
     try:
         with open(path, "rb") as f:
-            entry = pickle.load(f)
+            value = pickle.load(f)
     except FileNotFoundError:
         return None
-    except Exception:  # cut short, or written by another version: rebuilt below
+    except Exception:  # cut short, or written by another version: made again by the caller
         _remove(path)
         return None
-    if not isinstance(entry, dict) or entry.get("format") != FORMAT:
+    if not isinstance(value, dict) or not valid(value):
         _remove(path)
         return None
     try:
-        os.utime(path)  # used now: the last to go when the folder is trimmed
+        os.utime(path)
     except OSError:
         pass
-    return entry
+    return value
 
 
 def _store(key: str, entry: dict) -> None:
-    folder = cache_folder()
+    _write(_entry_path(key), entry)
+
+
+def _write(path: Path, value) -> None:
+    """``value`` pickled to ``path`` whole or not at all, then the folder trimmed; nothing where
+    it cannot be written (the next command makes it again)."""
+    folder = path.parent
     try:
         folder.mkdir(parents=True, exist_ok=True)
         fd, temporary = tempfile.mkstemp(dir=folder, prefix=".writing-", suffix=".tmp")
         try:
             with os.fdopen(fd, "wb") as f:
-                pickle.dump(entry, f, protocol=pickle.HIGHEST_PROTOCOL)
-            os.replace(temporary, _entry_path(key))
+                pickle.dump(value, f, protocol=pickle.HIGHEST_PROTOCOL)
+            os.replace(temporary, path)
         except BaseException:
             _remove(Path(temporary))
             raise
         trim(folder)
     except (OSError, pickle.PicklingError):
-        pass  # not kept: the next command reads the trace again
+        pass
 
 
 def limit_bytes() -> float:
@@ -187,7 +229,7 @@ def limit_bytes() -> float:
 def trim(folder: Path) -> None:
     """Remove the entries used longest ago until the folder holds at most :func:`limit_bytes`."""
     entries = []
-    for path in folder.glob("*.pickle"):
+    for path in [*folder.glob("*.pickle"), *folder.glob("*.replay")]:
         try:
             st = path.stat()
         except OSError:

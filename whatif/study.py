@@ -5,7 +5,7 @@ builds Daydream's dependency graph from it (``sim/build.py``), both kept for the
 the same trace (``whatif/graph_cache.py``), and finds its iterations
 (``collectors/iterations.py``). The graph is never modified: the passes of
 ``whatif/pipeline.py`` return new ones. Its replay, the unmodified graph simulated, is made the
-first time it is asked for, and kept.
+first time it is asked for, and kept (and kept with the graph in the cache, for the next command).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from whatif.report.iterations import iteration_report
 from whatif.sim.engine import Schedule, simulate
 from whatif.sim.graph import TaskGraph
 
-from .graph_cache import read_and_build
+from .graph_cache import keep_replay, kept_replay, read_build_and_key
 
 
 @dataclass
@@ -41,17 +41,28 @@ class TraceStudy:
         marks an iteration (default: ``ProfilerStep#N``). A trace without ``ProfilerStep#N``
         ranges is one iteration, which is said on stderr with the annotations that could split it
         (``collectors.iterations.whole_trace_note``)."""
-        trace, graph = read_and_build(path)
+        trace, graph, key = read_build_and_key(path)
         iterations = find_iterations(trace, iteration)
         note = whole_trace_note(trace, iterations) if iteration is None else ""
         if note:
             print(f"whatif: note: {note}", file=sys.stderr)
-        return cls(trace, graph, iterations)
+        study = cls(trace, graph, iterations)
+        study._kept = (key, graph)  # the graph cache's entry, for as long as the study holds that graph
+        return study
 
     @cached_property
     def replay(self) -> Schedule:
-        """The unmodified graph simulated."""
-        return simulate(self.graph)
+        """The unmodified graph simulated: the one kept with the graph in the cache where there
+        is one, else simulated here (and kept there)."""
+        key, graph = getattr(self, "_kept", (None, None))
+        key = key if graph is self.graph else None
+        kept = kept_replay(key, len(self.graph.tasks)) if key else None
+        if kept is not None:
+            return Schedule(self.graph, kept["start_us"], kept["end_us"], kept["simpy_events"], kept["wall_s"])
+        schedule = simulate(self.graph)
+        if key:
+            keep_replay(key, schedule.start_us, schedule.end_us, schedule.simpy_events, schedule.wall_s)
+        return schedule
 
     def replay_report(self) -> pd.DataFrame:
         """Every iteration measured against replayed (``report.iterations.iteration_report``)."""
