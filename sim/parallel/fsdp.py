@@ -293,9 +293,11 @@ class _Plan:
         self.graph, self.ranks = graph, ranks
         tasks = graph.tasks
         kind = tasks["kind"].to_numpy()
-        resource = tasks["resource"].astype(str).to_numpy().astype(str)
+        # each task's resource as its category's number (one to one with its name): names are
+        # compared a category at a time, not a task at a time
+        resource, self.resource_names = _codes_and_names(tasks["resource"])
         gpu = np.isin(kind, _GPU_COMPUTE) & (phase > 0)
-        cpu = np.isin(kind, _CPU_COMPUTE) & (phase > 0) & np.char.startswith(resource, "cpu ")
+        cpu = np.isin(kind, _CPU_COMPUTE) & (phase > 0) & np.char.startswith(self.resource_names, "cpu ")[resource]
         self.compute = gpu if gpu.any() else cpu
         self.on_cpu = not gpu.any()
         self.blocking = False  # FSDP2 on CPU workers: the thread waits for each collective (fully_sharded)
@@ -308,7 +310,8 @@ class _Plan:
         self.previous = np.full(len(tasks), -1, dtype=np.int64)
         for seq in graph.resource_order():
             self.previous[seq[1:]] = seq[:-1]
-        self.units = sorted({int(u) for u in unit_of[self.compute] if u >= 0})
+        units = np.unique(unit_of[self.compute])
+        self.units = units[units >= 0].tolist()
         self.collectives: list[_Collective] = []
         self.host_us = 0.0  # FSDP2's host time added (copies, and the library's dispatch)
         if not self.compute.any():
@@ -334,10 +337,9 @@ class _Plan:
 
     def firsts_per_resource(self, ids: np.ndarray) -> list[int]:
         """The first task on each resource among ``ids``: what waits for a collective."""
-        out = {}
-        for t in ids[np.argsort(self.start[ids], kind="stable")].tolist():
-            out.setdefault(self.resource[t], t)
-        return list(out.values())
+        ordered = ids[np.argsort(self.start[ids], kind="stable")]
+        _, first = np.unique(self.resource[ordered], return_index=True)
+        return ordered[np.sort(first)].tolist()  # in the order of their starts
 
     def issued_at(self, t: Optional[int]) -> list[int]:
         """What a collective issued where task ``t`` starts waits for: the task before ``t`` on
@@ -425,7 +427,7 @@ class _Plan:
             return None
         if (self.phase[ids] == phase).any():
             ids = ids[self.phase[ids] == phase]
-        thread = pd.Series(self.resource[ids]).value_counts().index[0]
+        thread = pd.Series(self.resource[ids]).value_counts().index[0]  # a category's number
         ids = ids[self.resource[ids] == thread]
         return int(ids[np.argmax(self.end[ids])])
 
@@ -545,6 +547,15 @@ class _Plan:
         if c.op != "all_gather" or not self.copy_rate:
             return 0.0
         return (c.nbytes / self.ranks + c.nbytes) / self.copy_rate
+
+
+def _codes_and_names(column: pd.Series) -> tuple[np.ndarray, np.ndarray]:
+    """A task column's values as numbers, and the text of each number (a categorical column's
+    codes and categories; another column's distinct values, in order)."""
+    if isinstance(column.dtype, pd.CategoricalDtype):
+        return column.cat.codes.to_numpy(dtype=np.int64), np.asarray(column.cat.categories.astype(str), dtype=str)
+    names, codes = np.unique(column.astype(str).to_numpy().astype(str), return_inverse=True)
+    return codes.reshape(-1), names
 
 
 def _append(graph: TaskGraph, rows: list) -> None:
