@@ -264,6 +264,17 @@ def test_the_units_follow_the_graph_the_pass_returns(study, units, zero):
         assert (after.task_phase[list(note.waits)] == PHASE_OPTIMIZER).all()
 
 
+@pytest.mark.parametrize("zero", [1, 3])
+def test_the_units_found_after_the_pass_time_the_blocks_as_before(study, units, zero):
+    """The collectives the pass puts on a CPU trace's thread are not the blocks' own work: the
+    units found again on its graph (as ``parallelize`` finds them for the passes after it) keep
+    the traced blocks' forward and backward times."""
+    out, _ = sharded(study, units, zero)
+    again = find_units(out)
+    assert (units.table["forward_us"] > 0).all() and (units.table["backward_us"] > 0).all()
+    pd.testing.assert_frame_equal(again.table, units.table)
+
+
 def test_a_unit_without_backward_tasks_has_its_gradients_reduced_with_the_roots(study, units):
     """As a plain trace gives them: module names on the forward only."""
     unit = units.task_unit.copy()

@@ -503,7 +503,9 @@ def _table(graph: TaskGraph, order: list[str], param_bytes: np.ndarray, activati
            task_unit: np.ndarray, task_phase: np.ndarray, task_step: np.ndarray) -> pd.DataFrame:
     tasks = graph.tasks
     kind = tasks["kind"].to_numpy()
-    on_gpu = np.isin(kind, [int(k) for k in GPU_TASK_KINDS])
+    # a unit's own work: its kernels and copies (not the collectives a pass or the trace puts
+    # among them), else, on a trace that ran none, its CPU operators and runtime calls
+    on_gpu = np.isin(kind, [int(k) for k in GPU_TASK_KINDS if k != TaskKind.COMM])
     timed = on_gpu if on_gpu.any() else np.isin(kind, [int(TaskKind.CPU), int(TaskKind.RUNTIME)])
     duration = tasks["duration_us"].to_numpy(dtype=float)
     frame = pd.DataFrame({"unit": task_unit, "phase": task_phase, "step": task_step, "us": duration})
