@@ -91,7 +91,7 @@ def load_traces(paths_or_folder: Union[str, Path, Sequence[Union[str, Path]]]) -
 
 
 def _read_folder(folder: Path) -> tuple[list[RankTrace], list[tuple[str, str]]]:
-    ranks, skipped = [], []
+    loaded, skipped = [], []
     for path in sorted(folder.iterdir()):
         if path.name.startswith("."):
             continue
@@ -102,12 +102,16 @@ def _read_folder(folder: Path) -> tuple[list[RankTrace], list[tuple[str, str]]]:
             skipped.append((str(path), "not a .json or .json.gz file"))
             continue
         try:
-            trace = load_trace(path)
+            loaded.append(load_trace(path))
         except TraceError as err:
             skipped.append((str(path), err.problem.split("; ")[0]))
-            continue
-        ranks.append(_identify(trace))
-    return ranks, skipped
+    if len(loaded) == 1:  # one trace that may name no rank: the folder is no job, whatever it says
+        try:
+            return [_identify(loaded[0])], skipped
+        except TraceError:
+            raise TraceError(folder, f"holds one trace, {Path(loaded[0].path).name}, and a multi-rank job needs "
+                                     "two or more: give that file to study it alone") from None
+    return [_identify(trace) for trace in loaded], skipped
 
 
 def _identify(trace: KinetoTrace) -> RankTrace:

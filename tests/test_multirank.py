@@ -110,6 +110,19 @@ def test_a_trace_whose_rank_cannot_be_told_is_refused_naming_it(tmp_path):
     assert str(nameless) in str(err.value) and "\n" not in str(err.value)
 
 
+def test_a_folder_of_one_trace_that_names_no_rank_says_to_give_the_file(tmp_path, capsys):
+    """A folder is a job's; one holding a single trace, which names no rank, is answered in one
+    line naming the file to give, not with the rank it cannot tell."""
+    if not SHARED_TRACES.is_dir():
+        pytest.skip(NO_SHARED)
+    shutil.copy(SHARED_TRACES / RESNET50, tmp_path / "resnet50.json.gz")
+    (tmp_path / "notes.txt").write_text("not a trace")
+    status, out, err = run_cli(capsys, "replay", tmp_path)
+    assert status == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith(f"whatif: error: {tmp_path}: holds one trace, resnet50.json.gz,") and "give that file" in err
+    assert main(["replay", str(tmp_path / "resnet50.json.gz")]) == 0  # the file alone replays
+
+
 def test_missing_and_duplicate_ranks_are_refused(tmp_path):
     if not DLRM.is_dir():
         pytest.skip(NO_SHARED)
