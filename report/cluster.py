@@ -4,6 +4,8 @@ parallel job (``sim/parallel/``), its memory per GPU and its exposed communicati
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import fields
 from typing import Sequence
 
@@ -262,8 +264,9 @@ def collective_mix(run: ClusterSchedule) -> str:
 def parallel_collective_mix(job: ParallelJob) -> str:
     """The algorithms and protocols a parallel job's collectives used, per dimension, by their
     share of that dimension's bytes in one iteration (the passes' notes record each collective as
-    priced): ``tensor ring/ll; data ring/simple 97%, ring/ll 3%; pipeline p2p/simple``."""
-    frames = []
+    priced): ``tensor ring/ll; data ring/simple 97%, ring/ll 3%; pipeline p2p/simple``. Groups
+    and choices in the order they first appear, as the notes hold them."""
+    by_group: dict = {}  # group -> choice -> the bytes of its collectives
     for note in job.graph.notes:
         for name in ("collectives", "transfers"):
             table = getattr(note, name, None)
@@ -271,18 +274,16 @@ def parallel_collective_mix(job: ParallelJob) -> str:
                 continue
             if "iteration" in table:  # a pass before the pipeline's recorded every traced iteration
                 table = table[table["iteration"] == table["iteration"].min()]
-            frames.append(pd.DataFrame({
-                "group": table["group"].astype(str) if "group" in table else "pipeline",
-                "choice": table["algorithm"].astype(str) + "/" + table["protocol"].astype(str),
-                "nbytes": table["nbytes"].astype(float)}))
-    if not frames:
-        return ""
-    by_group = pd.concat(frames).groupby(["group", "choice"], sort=False)["nbytes"].sum()
+            groups = table["group"].astype(str).tolist() if "group" in table else ["pipeline"] * len(table)
+            choices = [f"{a}/{p}" for a, p in zip(table["algorithm"].astype(str).tolist(),
+                                                  table["protocol"].astype(str).tolist())]
+            for group, choice, nbytes in zip(groups, choices, table["nbytes"].astype(float).tolist()):
+                by_group.setdefault(group, {}).setdefault(choice, []).append(nbytes)
     parts = []
-    for group, by_choice in by_group.groupby(level="group", sort=False):
-        by_choice = by_choice.droplevel("group")
-        alone = len(by_choice) == 1 or by_choice.sum() <= 0
-        parts.append(f"{group} {by_choice.index[0] if alone else _by_share(by_choice)}")
+    for group, by_choice in by_group.items():
+        sums = pd.Series({choice: math.fsum(values) for choice, values in by_choice.items()}, dtype=float)
+        alone = len(sums) == 1 or sums.sum() <= 0
+        parts.append(f"{group} {sums.index[0] if alone else _by_share(sums)}")
     return "; ".join(parts)
 
 
