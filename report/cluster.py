@@ -5,7 +5,6 @@ parallel job (``sim/parallel/``), its memory per GPU and its exposed communicati
 from __future__ import annotations
 
 import math
-
 from dataclasses import fields
 from typing import Sequence
 

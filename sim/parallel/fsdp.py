@@ -117,7 +117,7 @@ import pandas as pd
 from whatif.topology import collective_cost
 
 from ..frameworks.copies import pass_rate_bytes_per_us
-from ..graph import EdgeKind, GraphError, TaskGraph, TaskKind, concat_tasks
+from ..graph import EdgeKind, GraphError, TaskGraph, TaskKind, concat_tasks, label_mask
 from . import PASSES, Parallelism
 from .units import PHASE_BACKWARD as BACKWARD
 from .units import PHASE_FORWARD as FORWARD
@@ -293,11 +293,11 @@ class _Plan:
         self.graph, self.ranks = graph, ranks
         tasks = graph.tasks
         kind = tasks["kind"].to_numpy()
-        # each task's resource as its category's number (one to one with its name): names are
-        # compared a category at a time, not a task at a time
-        resource, self.resource_names = _codes_and_names(tasks["resource"])
+        # each task's resource as its category's number (one to one with its name), so that
+        # resources are told apart without a string per task
+        resource = tasks["resource"].cat.codes.to_numpy(dtype=np.int64)
         gpu = np.isin(kind, _GPU_COMPUTE) & (phase > 0)
-        cpu = np.isin(kind, _CPU_COMPUTE) & (phase > 0) & np.char.startswith(self.resource_names, "cpu ")[resource]
+        cpu = np.isin(kind, _CPU_COMPUTE) & (phase > 0) & label_mask(tasks["resource"], lambda r: r.startswith("cpu "))
         self.compute = gpu if gpu.any() else cpu
         self.on_cpu = not gpu.any()
         self.blocking = False  # FSDP2 on CPU workers: the thread waits for each collective (fully_sharded)
@@ -547,15 +547,6 @@ class _Plan:
         if c.op != "all_gather" or not self.copy_rate:
             return 0.0
         return (c.nbytes / self.ranks + c.nbytes) / self.copy_rate
-
-
-def _codes_and_names(column: pd.Series) -> tuple[np.ndarray, np.ndarray]:
-    """A task column's values as numbers, and the text of each number (a categorical column's
-    codes and categories; another column's distinct values, in order)."""
-    if isinstance(column.dtype, pd.CategoricalDtype):
-        return column.cat.codes.to_numpy(dtype=np.int64), np.asarray(column.cat.categories.astype(str), dtype=str)
-    names, codes = np.unique(column.astype(str).to_numpy().astype(str), return_inverse=True)
-    return codes.reshape(-1), names
 
 
 def _append(graph: TaskGraph, rows: list) -> None:
