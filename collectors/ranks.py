@@ -59,6 +59,14 @@ def is_job(paths: Sequence[Union[str, Path]]) -> bool:
     return len(paths) > 1 or (len(paths) == 1 and paths[0].is_dir() and not is_bundle(paths[0]))
 
 
+def folder_traces(folder: Union[str, Path]) -> list[Path]:
+    """What in ``folder`` a job's reader would try as a rank's trace (its ``.json`` and
+    ``.json.gz`` files and capture bundles, hidden ones left out), without reading any: a folder
+    with fewer than two is no job, whatever they hold."""
+    return [path for path in sorted(Path(folder).iterdir()) if not path.name.startswith(".")
+            and ((path.is_file() and path.name.lower().endswith(_TRACE_SUFFIXES)) or is_bundle(path))]
+
+
 def load_traces(paths_or_folder: Union[str, Path, Sequence[Union[str, Path]]]) -> JobTraces:
     """Read a job's per-rank traces: a folder of them, or the files (or bundles) given.
 

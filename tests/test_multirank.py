@@ -123,6 +123,28 @@ def test_a_folder_of_one_trace_that_names_no_rank_says_to_give_the_file(tmp_path
     assert main(["replay", str(tmp_path / "resnet50.json.gz")]) == 0  # the file alone replays
 
 
+def test_a_scenario_on_a_folder_of_one_trace_says_to_give_the_file_before_its_other_keys(tmp_path, capsys):
+    """A scenario whose trace is a folder of one trace, with keys a job's scenario does not take
+    (framework, parallelism), is answered about the folder, the one line ``replay`` gives, not
+    about those keys; an empty folder likewise."""
+    if not SHARED_TRACES.is_dir():
+        pytest.skip(NO_SHARED)
+    folder = tmp_path / "run"
+    folder.mkdir()
+    shutil.copy(SHARED_TRACES / RESNET50, folder / "resnet50.json.gz")
+    (folder / "notes.txt").write_text("not a trace")
+    scenario = tmp_path / "s.yaml"
+    scenario.write_text(f"trace: {folder}\ncluster: {{machine: dgx_h100, machines: [1, 8]}}\nframework: ddp\n"
+                        "parallelism: {zero: 3}\n")
+    status, out, err = run_cli(capsys, "predict", scenario)
+    assert status == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith(f"whatif: error: {scenario}: trace: {folder} holds one trace, resnet50.json.gz,")
+    assert "give that file" in err
+    (folder / "resnet50.json.gz").unlink()
+    status, _, err = run_cli(capsys, "predict", scenario)
+    assert status == 2 and err.count("\n") == 1 and f"trace: {folder} holds no trace" in err
+
+
 def test_missing_and_duplicate_ranks_are_refused(tmp_path):
     if not DLRM.is_dir():
         pytest.skip(NO_SHARED)

@@ -76,7 +76,7 @@ import numpy as np
 
 from whatif.collectors.bundle import is_bundle
 from whatif.collectors.diagnostics import plural, warn
-from whatif.collectors.ranks import is_job
+from whatif.collectors.ranks import folder_traces, is_job
 from whatif.sim.distributed import POLICIES, ClusterConfig, Straggler
 from whatif.sim.frameworks import FRAMEWORKS, FrameworkOptions
 from whatif.sim.graph import GraphError
@@ -295,6 +295,14 @@ def _job_traces(name: str, base_dir: Path, doc: dict) -> list:
     for i, path in enumerate(paths):
         if not path.exists():
             raise ScenarioError(name, f"trace[{i}]" if len(paths) > 1 else "trace", f"no such file: {path}")
+    if len(paths) == 1:  # a folder: said first, where it cannot be a job, whatever the other keys are
+        found = folder_traces(paths[0])
+        if len(found) == 1:
+            raise ScenarioError(name, "trace", f"{paths[0]} holds one trace, {found[0].name}, and a multi-rank job "
+                                               "needs two or more: give that file to study it alone")
+        if not found:
+            raise ScenarioError(name, "trace", f"{paths[0]} holds no trace (no .json or .json.gz file, no capture "
+                                               "bundle) and is no capture bundle itself (no bundle.json)")
     extra = [key for key in doc if key not in JOB_KEYS]
     if extra:
         raise ScenarioError(name, extra[0], "not for a multi-rank job's traces, which hold its framework, "
