@@ -37,6 +37,16 @@ def test_collective_prints_the_table_nccl_tests_would_print(capsys, h100):
     assert busbw == pytest.approx((8 << 20) / cost.time_us / 1e3 * 2 * 15 / 16, abs=0.01)
 
 
+@pytest.mark.parametrize("spelled, op", [("alltoall", "all_to_all"), ("sendrecv_perf", "send_recv"),
+                                          ("All-Gather", "all_gather")])
+def test_collective_takes_the_operation_as_nccl_tests_names_it(capsys, h100, spelled, op):
+    """``--op`` as nccl-tests' programs spell it (``alltoall_perf``, ``sendrecv_perf``) prints
+    the same table as the operation's own name, as ``calibrate nccl-tests --op`` reads it."""
+    argv = ("collective", str(h100), "--min-bytes", "1M", "--max-bytes", "4M", "--json")
+    (code, out, _), (code_named, named, _) = run(capsys, *argv, "--op", spelled), run(capsys, *argv, "--op", op)
+    assert code == code_named == 0 and out == named and json.loads(out)
+
+
 def test_collective_chooses_as_the_release_it_is_told(capsys, h100):
     code, out, _ = run(capsys, "collective", str(h100), "-b", "1G", "-e", "1G", "--json", "--nccl-version", "2.17.1")
     assert code == 0 and json.loads(out)["rows"][0]["algorithm"] != "nvls_tree"  # NVLS tree came with 2.18

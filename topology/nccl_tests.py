@@ -95,8 +95,10 @@ class Table:
         return len(self.rows) - len({r.size_bytes for r in self.rows})
 
 
-def _op_name(text: str) -> Optional[str]:
-    name = text.lower().replace("-", "_")
+def op_name(text: str) -> Optional[str]:
+    """The operation ``text`` names (``all_reduce``; as nccl-tests spells it too: ``allreduce``,
+    ``alltoall``, ``sendrecv``, ``all_reduce_perf``), or None."""
+    name = text.lower().replace("-", "_").removesuffix("_perf")
     if name in OPS:
         return name
     flat = name.replace("_", "")
@@ -196,7 +198,7 @@ def parse_text(text: str, path: str = "<text>", op: Optional[str] = None) -> Tab
             continue
         program = _PROGRAM.search(line)
         if program:
-            header_op = _op_name(program.group(1))
+            header_op = op_name(program.group(1))
             if header_op is None:
                 raise TopologyError(where, f"unknown nccl-tests program {program.group(1)!r}")
             continue
@@ -224,7 +226,7 @@ def parse_text(text: str, path: str = "<text>", op: Optional[str] = None) -> Tab
 
 
 def _operation(path: str, header_op: Optional[str], op: Optional[str]) -> str:
-    given = _op_name(op) if op else None
+    given = op_name(op) if op else None
     if op and given is None:
         raise TopologyError("--op", f"unknown operation {op!r}; known: {', '.join(OPS)}")
     if header_op and given and header_op != given:
@@ -262,7 +264,7 @@ def parse_json(text: str, path: str = "<json>", op: Optional[str] = None) -> Tab
         raise TopologyError(f"{path}: results", "no results list: not nccl-tests' JSON output (-J)")
     args = doc.get("args") if isinstance(doc.get("args"), list) else []
     program = _PROGRAM.search(f"Collective test starting: {Path(str(args[0])).name}") if args else None
-    header_op = _op_name(program.group(1)) if program else None
+    header_op = op_name(program.group(1)) if program else None
     rows = []
     for i, result in enumerate(doc["results"]):
         where = f"{path}: results[{i}]"

@@ -28,7 +28,7 @@ from whatif.topology.calibrate import EFFICIENCY_RANGE, LATENCY_RANGE, fit_table
 from whatif.topology.nccl.measured import BOUNDS, at_bound
 from whatif.topology.nccl.tuning import OPS, parse_choices
 from whatif.topology.nccl.versions import LATEST, parse_version, version_text
-from whatif.topology.nccl_tests import bus_factor, read_table
+from whatif.topology.nccl_tests import bus_factor, op_name, read_table
 from whatif.topology.yamlfile import read_yaml, with_cluster_file
 
 from . import refuse_inputs
@@ -45,7 +45,8 @@ def add_parsers(subparsers) -> None:
         description="Print the table nccl-tests would print on CLUSTER.yaml. algbw and busbw are in GB/s "
                     "(1e9 bytes/s), as nccl-tests prints them; busbw is nccl-tests' bus bandwidth.")
     collective.add_argument("cluster", type=Path, help="a cluster YAML (a scenario's cluster: block) or a scenario")
-    collective.add_argument("--op", default="all_reduce", help=f"one of {', '.join(OPS)} (default all_reduce)")
+    collective.add_argument("--op", default="all_reduce", help=f"one of {', '.join(OPS)}, or as nccl-tests names "
+                                                               "it (alltoall, sendrecv_perf; default all_reduce)")
     collective.add_argument("--min-bytes", "-b", default="8M", help="smallest size (default 8M; K, M, G are powers of 2)")
     collective.add_argument("--max-bytes", "-e", default="8G", help="largest size (default 8G)")
     collective.add_argument("--step-factor", "-f", type=float, default=2.0, help="multiply the size by this (default 2)")
@@ -178,8 +179,8 @@ def _sizes(args, op: str, n_ranks: int) -> list:
 
 
 def run_collective(args) -> int:
-    op = args.op.lower().replace("-", "_")
-    if op not in OPS:
+    op = op_name(args.op)
+    if op is None:
         raise TopologyError("--op", f"unknown operation {args.op!r}; known: {', '.join(OPS)}")
     cluster = _cluster(args.cluster, _with_version(load_cluster_config(args.cluster), args.nccl_version))
     ranks = _ranks(args.ranks) if args.ranks else None
