@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Optional, Sequence, Union
 
 from .bundle import is_bundle
+from .diagnostics import plural
 from .kineto import KinetoTrace, TraceError
 from .load import load_trace
 
@@ -147,7 +148,7 @@ def _check_ranks(ranks: list[RankTrace], where) -> None:
         other = next(r for r in ranks if r.world_size not in (None, first.world_size))
         raise TraceError(
             other.path,
-            f"is from a job of {other.world_size} ranks but {first.path} from one of {first.world_size}: "
+            f"is from a job of {plural(other.world_size, 'rank')} but {first.path} from one of {first.world_size}: "
             "the traces are not of one job",
         )
     by_rank: dict[int, RankTrace] = {}
@@ -159,7 +160,7 @@ def _check_ranks(ranks: list[RankTrace], where) -> None:
     missing = sorted(set(range(world)) - set(by_rank))
     extra = sorted(set(by_rank) - set(range(world)))
     if extra:
-        raise TraceError(by_rank[extra[0]].path, f"is rank {extra[0]}, outside a job of {world} ranks")
+        raise TraceError(by_rank[extra[0]].path, f"is rank {extra[0]}, outside a job of {plural(world, 'rank')}")
     if missing:
         shown = ", ".join(str(m) for m in missing[:8]) + (" ..." if len(missing) > 8 else "")
-        raise TraceError(where, f"a job of {world} ranks, but no trace of rank {shown}: every rank's trace is needed to join the collectives")
+        raise TraceError(where, f"a job of {plural(world, 'rank')}, but no trace of rank {shown}: every rank's trace is needed to join the collectives")

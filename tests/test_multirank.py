@@ -381,6 +381,17 @@ def test_traces_of_different_jobs_are_refused_in_one_line(tmp_path):
     assert "\n" not in str(err.value)
 
 
+def test_hta_sample_folder_of_two_jobs_is_refused_in_words_that_count_right():
+    """HTA's sample folder holds a 1-GPU V100 run and rank 0 of a 2-rank A100 run: not one job,
+    said of "a job of 1 rank" (not "1 ranks")."""
+    folder = SHARED_TRACES / "hta-ddp-resnet50"
+    if not folder.is_dir():
+        pytest.skip(NO_SHARED)
+    with pytest.raises(TraceError, match="not of one job") as err:
+        load_traces(folder)
+    assert "is from a job of 1 rank but" in str(err.value) and "from one of 2:" in str(err.value)
+
+
 def test_ranks_whose_collectives_differ_are_refused_in_one_line(tmp_path):
     if not DLRM.is_dir():
         pytest.skip(NO_SHARED)
