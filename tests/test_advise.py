@@ -39,6 +39,11 @@ def test_every_recipe_is_registered_for_simulate_and_scenarios():
         parse_optimization("gradient-compression=0.5")
     with pytest.raises(GraphError, match="takes no value"):
         parse_optimization("vdnn=2")
+    with pytest.raises(GraphError, match="did you mean 'fused-optimizer'"):
+        parse_optimization("fused-optimiser")  # the British spelling: the registry's is suggested
+    with pytest.raises(GraphError) as err:
+        parse_optimization("xyz")
+    assert "did you mean" not in str(err.value) and "choose from amp," in str(err.value)
 
 
 def test_restructured_batch_norm_scales_bn_forward_and_fuses_the_relus_beside_it(traces):

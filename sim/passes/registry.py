@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import difflib
 from typing import Callable, Optional
 
 import numpy as np
@@ -43,7 +44,9 @@ def parse_optimization(spec: str) -> tuple[str, Optional[float]]:
     and its value (None: none given); a :class:`GraphError` where it is not one."""
     name, value = optimization_name(spec), str(spec).partition("=")[2]
     if name not in OPTIMIZATIONS:
-        raise GraphError(f"unknown optimization {spec!r}; choose from {', '.join(OPTIMIZATIONS)}")
+        close = difflib.get_close_matches(name, OPTIMIZATIONS, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise GraphError(f"unknown optimization {spec!r}; {hint}choose from {', '.join(OPTIMIZATIONS)}")
     if not value:
         return name, None
     try:
