@@ -3,6 +3,7 @@
 import glob
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from whatif.topology import (
@@ -17,6 +18,7 @@ from whatif.topology import (
     simulate_plan,
 )
 from whatif.topology.fabric import preset_names
+from whatif.topology.nccl.graphs import Comm
 
 REPO = Path(__file__).resolve().parent.parent
 MB = 1e6
@@ -37,6 +39,21 @@ def test_every_machine_preset_builds_a_cluster_that_prices_an_all_reduce(machine
     cluster = Cluster.from_config({"machine": machine, "machines": machines})
     cost = collective_cost(cluster, "all_reduce", 64 * MB)
     assert cost.time_us > 0 and cost.channels >= 1
+
+
+@pytest.mark.parametrize("machine", preset_names("machines"))
+def test_a_communicator_counts_each_nodes_rails_as_device_of_assigns_them(machine):
+    """``Comm.of`` finds the fewest network devices the ranks of a node are rail-assigned to
+    for all ranks at once; held against ``Fabric.device_of`` rank by rank, node by node, on
+    random groups of ranks of every machine preset (some have fewer NICs than GPUs)."""
+    rng = np.random.default_rng(0)
+    for machines in (1, 3, 18):
+        fabric = Cluster.from_config({"machine": machine, "machines": machines}).fabric
+        for _ in range(10):
+            ids = np.sort(rng.choice(fabric.n_gpus, size=int(rng.integers(1, fabric.n_gpus + 1)), replace=False))
+            nodes = ids // fabric.node_size
+            fewest = min(len({fabric.device_of(int(g)) for g in ids[nodes == node]}) for node in np.unique(nodes))
+            assert Comm.of(fabric, ids.tolist()).node_nics == fewest
 
 
 def test_a_gb200_nvl72_rack_is_one_nvlink_domain_across_eighteen_trays():

@@ -108,12 +108,15 @@ class Comm:
                 raise TopologyError("ranks", "a GPU appears twice")
         nodes = ids // fabric.node_size
         _, per_node = np.unique(nodes, return_counts=True)
-        _, per_machine = np.unique(ids // fabric.gpus_per_machine, return_counts=True)
-        nics = []
-        for node in np.unique(nodes):
-            members = ids[nodes == node]
-            nics.append(len({fabric.device_of(int(g)) for g in members}))
-        return cls(fabric, tuple(int(g) for g in ids), len(per_node), int(per_node.max()), int(min(nics)),
+        machines = ids // fabric.gpus_per_machine
+        _, per_machine = np.unique(machines, return_counts=True)
+        # each rank's rail-assigned network device (Fabric.device_of, for every rank at once), and
+        # how many distinct ones the ranks of each node have: the fewest of those
+        per_device = fabric.net_devices_per_machine
+        devices = machines * per_device + (ids % fabric.gpus_per_machine) * per_device // fabric.gpus_per_machine
+        pairs = np.unique(nodes * (int(devices.max()) + 1) + devices)
+        _, nics = np.unique(pairs // (int(devices.max()) + 1), return_counts=True)
+        return cls(fabric, tuple(ids.tolist()), len(per_node), int(per_node.max()), int(nics.min()),
                    int(per_machine.max()))
 
 
