@@ -169,6 +169,11 @@ def plot_scenario(results: pd.DataFrame, path: Path, title: str = "", subtitle: 
     ideal = frame.drop_duplicates("configuration")
     for g in per_machine:
         line = ideal[ideal["gpus_per_machine"].astype(int) == g].sort_values("machines")
+        if len(line) == 1:  # one configuration: a line through one point would not show; a dash across it does
+            x = float(line["x"].iat[0])
+            curve.hlines(float(line["machines"].iat[0] * line["gpus_per_machine"].iat[0]), x - 0.4, x + 0.4,
+                         color="black", linewidth=0.8, linestyles=style[g], alpha=0.6)
+            continue
         curve.plot(line["x"], line["machines"] * line["gpus_per_machine"], color="black", linewidth=0.8,
                    linestyle=style[g], alpha=0.6)
     handles.append(Line2D([], [], color="black", linewidth=0.8, alpha=0.6, label="ideal (linear)"))

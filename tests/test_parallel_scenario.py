@@ -273,6 +273,27 @@ def test_the_plot_splits_exposed_communication_by_dimension(tmp_path):
     assert (tmp_path / "plot.png").stat().st_size > 0
 
 
+def test_the_scaling_panel_shows_ideal_scaling_for_a_single_configuration(tmp_path, monkeypatch):
+    """A grid of one cluster size (layouts compared at 1x2): ideal scaling is a dash at the GPUs'
+    count across that configuration, not a line through one point, which would not show."""
+    import matplotlib.figure
+    from whatif.report.plots import plot_scenario
+
+    drawn = []
+    save = matplotlib.figure.Figure.savefig
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: (drawn.append(fig), save(fig, *a, **k)))
+    results = pd.DataFrame({
+        "machines": [1, 1], "gpus_per_machine": [2, 2], "workers": [2, 2], "inter_node_gbps": [0.1, 0.1],
+        "framework": ["ddp", "ddp"], "policy": ["fifo", "fifo"], "parallelism": ["dp2", "dp1 tp2"],
+        "speedup": [1.8, 1.5], "compute_ms": [300.0, 200.0], "exposed_comm_ms": [20.0, 30.0], "idle_ms": [10.0, 5.0],
+    })
+    plot_scenario(results, tmp_path / "plot.png")
+    curve = drawn[0].axes[0]
+    dashes = [segment for collection in curve.collections for segment in getattr(collection, "get_segments", list)()]
+    assert any(np.allclose(segment[:, 1], 2.0) and np.ptp(segment[:, 0]) > 0.5 for segment in dashes)
+    assert curve.get_ylim()[1] >= 2.0
+
+
 def test_a_microbatch_trace_prices_the_pipeline_microbatches():
     """``parallelism.pipeline.microbatch_trace`` reaches the pipeline pass: with a trace of the
     microbatch (batch 2 of 8), a microbatch costs what it measured there, not the linear rule's
