@@ -120,7 +120,19 @@ def _read_folder(folder: Path) -> tuple[list[RankTrace], list[tuple[str, str]]]:
         except TraceError:
             raise TraceError(folder, f"holds one trace, {Path(loaded[0].path).name}, and a multi-rank job needs "
                                      "two or more: give that file to study it alone") from None
-    return [_identify(trace) for trace in loaded], skipped
+    ranks, unranked = [], []
+    for trace in loaded:
+        try:
+            ranks.append(_identify(trace))
+        except TraceError:
+            unranked.append(trace)
+    if unranked and not ranks:  # a folder of separate runs' traces, not one job's
+        raise TraceError(folder, f"none of its {len(loaded)} traces names its rank (no distributedInfo, no rankN or "
+                                 "workerN in the file name), so they are not one job's: give one trace's file to "
+                                 "study it alone")
+    if unranked:
+        _identify(unranked[0])  # its own one-line error, naming the file
+    return ranks, skipped
 
 
 def _identify(trace: KinetoTrace) -> RankTrace:

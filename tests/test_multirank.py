@@ -15,7 +15,7 @@ import shutil
 import numpy as np
 import pytest
 
-from trace_corpus import A100_DDP2, EXECUTION_TRACE, NO_SHARED, RESNET50, SHARED_TRACES
+from trace_corpus import A100_DDP2, EXECUTION_TRACE, NO_SHARED, REPO, RESNET50, SHARED_TRACES
 from whatif.cli import main
 from whatif.collectors.kineto import TraceError
 from whatif.collectors.ranks import load_traces
@@ -98,6 +98,18 @@ def test_a_rank_comes_from_the_file_name_where_the_trace_has_no_distributed_info
         rewritten(dlrm_rank(0), tmp_path / f"job_rank{rank}.json.gz")
     job = load_traces(tmp_path)
     assert [(r.rank, r.rank_from, r.world_size) for r in job.ranks] == [(0, "file name", None), (1, "file name", None)]
+
+
+def test_a_folder_of_separate_runs_traces_is_refused_as_no_job(tmp_path, capsys):
+    """A folder of traces none of which names a rank (two bundled CPU runs of different models)
+    is no job: one line about the folder, saying to give one trace's file, not the first file's
+    missing rank."""
+    for name in ("convnet_cpu.pt.trace.json.gz", "wide_mlp_cpu.pt.trace.json.gz"):
+        shutil.copy(REPO / "data" / name, tmp_path / name)
+    status, out, err = run_cli(capsys, "replay", tmp_path)
+    assert status == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith(f"whatif: error: {tmp_path}: none of its 2 traces names its rank")
+    assert "give one trace's file" in err
 
 
 def test_a_trace_whose_rank_cannot_be_told_is_refused_naming_it(tmp_path):
