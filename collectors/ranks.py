@@ -60,12 +60,25 @@ def is_job(paths: Sequence[Union[str, Path]]) -> bool:
     return len(paths) > 1 or (len(paths) == 1 and paths[0].is_dir() and not is_bundle(paths[0]))
 
 
+def _not_a_trace(path: Path) -> Optional[str]:
+    """Why a job's reader passes over ``path`` of a folder without reading it (None: it tries it)."""
+    if path.is_dir() and not is_bundle(path):
+        return "a folder, not a trace"
+    if path.is_file() and not path.name.lower().endswith(_TRACE_SUFFIXES):
+        return "not a .json or .json.gz file"
+    return None
+
+
 def folder_traces(folder: Union[str, Path]) -> list[Path]:
     """What in ``folder`` a job's reader would try as a rank's trace (its ``.json`` and
     ``.json.gz`` files and capture bundles, hidden ones left out), without reading any: a folder
     with fewer than two is no job, whatever they hold."""
-    return [path for path in sorted(Path(folder).iterdir()) if not path.name.startswith(".")
-            and ((path.is_file() and path.name.lower().endswith(_TRACE_SUFFIXES)) or is_bundle(path))]
+    return [path for path in sorted(Path(folder).iterdir()) if not path.name.startswith(".") and not _not_a_trace(path)]
+
+
+def one_trace(name: str) -> str:
+    """What is said of a folder holding one trace, ``name``, where a job's are wanted."""
+    return f"holds one trace, {name}, and a multi-rank job needs two or more: give that file to study it alone"
 
 
 def load_traces(paths_or_folder: Union[str, Path, Sequence[Union[str, Path]]]) -> JobTraces:
@@ -104,34 +117,28 @@ def _read_folder(folder: Path) -> tuple[list[RankTrace], list[tuple[str, str]]]:
     for path in sorted(folder.iterdir()):
         if path.name.startswith("."):
             continue
-        if path.is_dir() and not is_bundle(path):
-            skipped.append((str(path), "a folder, not a trace"))
-            continue
-        if path.is_file() and not path.name.lower().endswith(_TRACE_SUFFIXES):
-            skipped.append((str(path), "not a .json or .json.gz file"))
+        why = _not_a_trace(path)
+        if why:
+            skipped.append((str(path), why))
             continue
         try:
             loaded.append(load_trace(path))
         except TraceError as err:
             skipped.append((str(path), err.problem.split("; ")[0]))
-    if len(loaded) == 1:  # one trace that may name no rank: the folder is no job, whatever it says
-        try:
-            return [_identify(loaded[0])], skipped
-        except TraceError:
-            raise TraceError(folder, f"holds one trace, {Path(loaded[0].path).name}, and a multi-rank job needs "
-                                     "two or more: give that file to study it alone") from None
-    ranks, unranked = [], []
+    ranks, unranked = [], []  # the traces that name their rank, and the errors of those that do not
     for trace in loaded:
         try:
             ranks.append(_identify(trace))
-        except TraceError:
-            unranked.append(trace)
+        except TraceError as err:
+            unranked.append(err)
+    if unranked and len(loaded) == 1:  # one trace that names no rank: the folder is no job, whatever it says
+        raise TraceError(folder, one_trace(Path(loaded[0].path).name))
     if unranked and not ranks:  # a folder of separate runs' traces, not one job's
         raise TraceError(folder, f"none of its {len(loaded)} traces names its rank (no distributedInfo, no rankN or "
                                  "workerN in the file name), so they are not one job's: give one trace's file to "
                                  "study it alone")
     if unranked:
-        _identify(unranked[0])  # its own one-line error, naming the file
+        raise unranked[0]  # its own one-line error, naming the file
     return ranks, skipped
 
 

@@ -76,7 +76,7 @@ import numpy as np
 
 from whatif.collectors.bundle import is_bundle
 from whatif.collectors.diagnostics import plural, warn
-from whatif.collectors.ranks import folder_traces, is_job
+from whatif.collectors.ranks import folder_traces, is_job, one_trace
 from whatif.sim.distributed import POLICIES, ClusterConfig, Straggler
 from whatif.sim.frameworks import FRAMEWORKS, FrameworkOptions
 from whatif.sim.graph import GraphError
@@ -298,8 +298,7 @@ def _job_traces(name: str, base_dir: Path, doc: dict) -> list:
     if len(paths) == 1:  # a folder: said first, where it cannot be a job, whatever the other keys are
         found = folder_traces(paths[0])
         if len(found) == 1:
-            raise ScenarioError(name, "trace", f"{paths[0]} holds one trace, {found[0].name}, and a multi-rank job "
-                                               "needs two or more: give that file to study it alone")
+            raise ScenarioError(name, "trace", f"{paths[0]} {one_trace(found[0].name)}")
         if not found:
             raise ScenarioError(name, "trace", f"{paths[0]} holds no trace (no .json or .json.gz file, no capture "
                                                "bundle) and is no capture bundle itself (no bundle.json)")
