@@ -95,7 +95,7 @@ class Table:
         return len(self.rows) - len({r.size_bytes for r in self.rows})
 
 
-def op_name(text: str) -> Optional[str]:
+def _op_name(text: str) -> Optional[str]:
     """The operation ``text`` names (``all_reduce``; as nccl-tests spells it too: ``allreduce``,
     ``alltoall``, ``sendrecv``, ``all_reduce_perf``), or None."""
     name = text.lower().replace("-", "_").removesuffix("_perf")
@@ -103,6 +103,14 @@ def op_name(text: str) -> Optional[str]:
         return name
     flat = name.replace("_", "")
     return next((op for key, op in _FILE_OPS if flat == key), None)
+
+
+def named_operation(text: str) -> str:
+    """:func:`_op_name` of ``--op``'s value, or a one-line error naming the operations known."""
+    found = _op_name(text)
+    if found is None:
+        raise TopologyError("--op", f"unknown operation {text!r}; known: {', '.join(OPS)}")
+    return found
 
 
 def _op_from_file(path: str) -> Optional[str]:
@@ -198,7 +206,7 @@ def parse_text(text: str, path: str = "<text>", op: Optional[str] = None) -> Tab
             continue
         program = _PROGRAM.search(line)
         if program:
-            header_op = op_name(program.group(1))
+            header_op = _op_name(program.group(1))
             if header_op is None:
                 raise TopologyError(where, f"unknown nccl-tests program {program.group(1)!r}")
             continue
@@ -226,9 +234,7 @@ def parse_text(text: str, path: str = "<text>", op: Optional[str] = None) -> Tab
 
 
 def _operation(path: str, header_op: Optional[str], op: Optional[str]) -> str:
-    given = op_name(op) if op else None
-    if op and given is None:
-        raise TopologyError("--op", f"unknown operation {op!r}; known: {', '.join(OPS)}")
+    given = named_operation(op) if op else None
     if header_op and given and header_op != given:
         raise TopologyError(path, f"its header says {header_op}, but --op says {given}")
     found = header_op or given or _op_from_file(path)
@@ -264,7 +270,7 @@ def parse_json(text: str, path: str = "<json>", op: Optional[str] = None) -> Tab
         raise TopologyError(f"{path}: results", "no results list: not nccl-tests' JSON output (-J)")
     args = doc.get("args") if isinstance(doc.get("args"), list) else []
     program = _PROGRAM.search(f"Collective test starting: {Path(str(args[0])).name}") if args else None
-    header_op = op_name(program.group(1)) if program else None
+    header_op = _op_name(program.group(1)) if program else None
     rows = []
     for i, result in enumerate(doc["results"]):
         where = f"{path}: results[{i}]"

@@ -114,8 +114,8 @@ class Comm:
         # how many distinct ones the ranks of each node have: the fewest of those
         per_device = fabric.net_devices_per_machine
         devices = machines * per_device + (ids % fabric.gpus_per_machine) * per_device // fabric.gpus_per_machine
-        pairs = np.unique(nodes * (int(devices.max()) + 1) + devices)
-        _, nics = np.unique(pairs // (int(devices.max()) + 1), return_counts=True)
+        span = int(devices.max()) + 1
+        _, nics = np.unique(np.unique(nodes * span + devices) // span, return_counts=True)
         return cls(fabric, tuple(ids.tolist()), len(per_node), int(per_node.max()), int(nics.min()),
                    int(per_machine.max()))
 

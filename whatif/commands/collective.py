@@ -28,7 +28,7 @@ from whatif.topology.calibrate import EFFICIENCY_RANGE, LATENCY_RANGE, fit_table
 from whatif.topology.nccl.measured import BOUNDS, at_bound
 from whatif.topology.nccl.tuning import OPS, parse_choices
 from whatif.topology.nccl.versions import LATEST, parse_version, version_text
-from whatif.topology.nccl_tests import bus_factor, op_name, read_table
+from whatif.topology.nccl_tests import bus_factor, named_operation, read_table
 from whatif.topology.yamlfile import read_yaml, with_cluster_file
 
 from . import refuse_inputs
@@ -179,9 +179,7 @@ def _sizes(args, op: str, n_ranks: int) -> list:
 
 
 def run_collective(args) -> int:
-    op = op_name(args.op)
-    if op is None:
-        raise TopologyError("--op", f"unknown operation {args.op!r}; known: {', '.join(OPS)}")
+    op = named_operation(args.op)
     cluster = _cluster(args.cluster, _with_version(load_cluster_config(args.cluster), args.nccl_version))
     ranks = _ranks(args.ranks) if args.ranks else None
     n = len(ranks) if ranks else cluster.n_gpus
