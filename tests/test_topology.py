@@ -234,6 +234,7 @@ class TestCluster:
             ({"inter_node": {"preset": "25gbe", "efficiency": 1.2}}, "inter_node.efficiency", "(0, 1]"),
             ({"inter_node": {"bandwidth": "10", "latency": "5us"}}, "inter_node.bandwidth", "has no unit"),
             ({"inter_node": {"bandwidth": "10Gbps"}}, "inter_node.latency", "missing"),
+            ({"inter_node": {"bandwidth": "-5Gbps"}}, "inter_node.bandwidth", "must be positive"),  # before the latency
             ({"inter_node": {"bandwith": "10Gbps"}}, "inter_node.bandwith", "did you mean 'bandwidth'"),
             ({"inter_node": {"preset": "25gbe", "latency": "-1us"}}, "inter_node.latency", "must not be negative"),
             ({"gpus_per_mashine": 8}, "gpus_per_mashine", "did you mean 'gpus_per_machine'"),

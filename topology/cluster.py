@@ -234,6 +234,11 @@ class Link:
             raise TopologyError(key, f"expected a preset name or a mapping with bandwidth and latency, got {value!r}")
         _check_keys(value, _LINK_KEYS, key)
         base = _preset(value["preset"], _join(key, "preset"), kind) if "preset" in value else None
+        # what is given is checked before what is missing: a negative bandwidth is the error to
+        # name, not the latency left out beside it
+        bandwidth = parse_bandwidth(value["bandwidth"], _join(key, "bandwidth")) if "bandwidth" in value else None
+        latency = parse_latency(value["latency"], _join(key, "latency")) if "latency" in value else None
+        efficiency = parse_fraction(value["efficiency"], _join(key, "efficiency")) if "efficiency" in value else None
         if base is None:
             for required, example in (("bandwidth", "25Gbps"), ("latency", "10us")):
                 if required not in value:
@@ -243,17 +248,9 @@ class Link:
                     )
         overridden = any(k in value for k in ("bandwidth", "latency", "efficiency"))
         link = cls(
-            bandwidth_bytes_per_us=(
-                parse_bandwidth(value["bandwidth"], _join(key, "bandwidth"))
-                if "bandwidth" in value
-                else base.bandwidth_bytes_per_us
-            ),
-            latency_us=parse_latency(value["latency"], _join(key, "latency")) if "latency" in value else base.latency_us,
-            efficiency=(
-                parse_fraction(value["efficiency"], _join(key, "efficiency"))
-                if "efficiency" in value
-                else (base.efficiency if base is not None else 1.0)
-            ),
+            bandwidth_bytes_per_us=bandwidth if bandwidth is not None else base.bandwidth_bytes_per_us,
+            latency_us=latency if latency is not None else base.latency_us,
+            efficiency=efficiency if efficiency is not None else (base.efficiency if base is not None else 1.0),
             name=(f"{base.name}*" if overridden else base.name) if base is not None else "",
             **_cpu_contention(value.get("cpu_contention"), _join(key, "cpu_contention")),
         )
