@@ -230,6 +230,7 @@ def time_iterations(worker, model, optimizer, loader: DataLoader, warmup: int, s
     clock = PhaseClock()
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     process_cpu, thread_cpu = time.process_time(), time.thread_time()
+    thread_usage = resource.getrusage(resource.RUSAGE_THREAD)
     end = time.perf_counter()
     for _ in range(steps):
         start = end
@@ -239,11 +240,26 @@ def time_iterations(worker, model, optimizer, loader: DataLoader, warmup: int, s
         times_ms.append((end - start) * 1e3)
     # the two clocks are read one after the other: a few microseconds apart, never below zero
     other_threads_cpu = max((time.process_time() - process_cpu) - (time.thread_time() - thread_cpu), 0.0)
+    usage = resource.getrusage(resource.RUSAGE_THREAD)
     return times_ms, {
+        **_thread_usage(thread_usage, usage, steps),
         "page_faults_per_step": (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / steps,
         **clock.medians(),
         "other_threads_cpu_ms_per_step": other_threads_cpu / steps * 1e3,
         "losses": losses,
+    }
+
+
+def _thread_usage(before, after, steps: int) -> dict:
+    """The training thread's user and system CPU time and its context switches per timed step
+    (``getrusage(RUSAGE_THREAD)``): system time is the kernel's work in the thread's time, which
+    on a kernel without IRQ time accounting includes the network's softirqs that ran while it
+    was on the core; involuntary switches count the times another thread took its core."""
+    return {
+        "training_thread_user_ms_per_step": (after.ru_utime - before.ru_utime) / steps * 1e3,
+        "training_thread_system_ms_per_step": (after.ru_stime - before.ru_stime) / steps * 1e3,
+        "training_thread_voluntary_switches_per_step": (after.ru_nvcsw - before.ru_nvcsw) / steps,
+        "training_thread_involuntary_switches_per_step": (after.ru_nivcsw - before.ru_nivcsw) / steps,
     }
 
 
