@@ -15,14 +15,19 @@ each all-reduce by a reduce-scatter and an all-gather of the same total bytes: f
 all-gathers before each column-parallel layer and reduce-scatters after each row-parallel one;
 backward reduce-scatters after each column-parallel layer's input gradient and all-gathers the
 output gradient before each row-parallel layer's backward (8 per block and iteration). The
-parameters that stay replicated but now see only a sequence shard, each norm's weight and bias
-and each row-parallel layer's bias, get partial gradients on each rank, which are all-reduced
-over the tensor group after backward and before the optimizer step: as one flat all-reduce of
-them all (``sequence_parallel_grads: coalesced``, Megatron-LM's ``finalize_model_grads``) or one
-per parameter (``per_parameter``, as DTensor's ``SequenceParallel`` leaves them: the lab's CPU
-workers wait for each at the step). The norms are a unit's outermost forward ``layer_norm``,
-``rms_norm`` and ``group_norm`` calls, their parameters the traced 1-D operands of parameter
-shape; the biases are the row-parallel calls' 1-D operands.
+parameters that stay replicated but now see only a sequence shard get partial gradients on each
+rank, which are all-reduced over the tensor group after backward and before the optimizer step:
+as one flat all-reduce of them all (``sequence_parallel_grads: coalesced``, Megatron-LM's
+``finalize_model_grads``: each norm's weight and bias and each row-parallel layer's bias, which
+Megatron adds after the reduce-scatter) or one per parameter (``per_parameter``, as DTensor's
+``SequenceParallel`` leaves them: the norms' alone, since DTensor adds a row-parallel bias before
+the reduce-scatter and its gradient comes whole from the gathered output gradient; the lab's CPU
+workers wait for each at the step, 16 a step for its 4 blocks' norms). The norms are a unit's
+outermost forward ``layer_norm``, ``rms_norm`` and ``group_norm`` calls, their parameters the
+traced 1-D operands of parameter shape; the biases are the row-parallel calls' 1-D operands.
+Where the residual stream leaves the units it is gathered whole for what runs replicated
+(one all-gather after the last unit's forward and one after the first unit's backward, per
+iteration; :func:`_gather_at_the_ends`).
 
 **Where the pairs are.** In each unit (``units.py``) and iteration, the forward linear calls
 (``aten::linear``, or an ``aten::addmm`` / ``aten::mm`` / ``aten::matmul`` outside one, with a
@@ -59,9 +64,10 @@ resource. Bytes follow nccl-tests' convention (``docs/communication.md``): the w
 all three operations. The replicated gradients' all-reduces wait for the task before the
 iteration's first optimizer task (its first kernel on a GPU trace) on that task's resource (the
 last backward task there) and hold that optimizer task; where an iteration traced no optimizer
-step, they follow its last backward task. The layouts at the blocks' boundary (scattering the
-residual stream into the first block and gathering it after the last under sequence
-parallelism) are not modelled.
+step, they follow its last backward task. Under sequence parallelism the residual stream is
+scattered into the first unit (a local slice) and gathered after the last: an all-gather after
+the last unit's last forward task, and one after the first unit's last backward task for the
+gradient the replicated embeddings take (a replicated head's gradient enters as a slice).
 
 **The library's own host time** (``tensor_dispatch``, per pair: forward, backward, step). A
 tensor-parallel library runs on the host what a plain trace does not hold: DTensor converts each
@@ -399,6 +405,7 @@ def apply_tensor(graph: TaskGraph, units: Units, par: Parallelism, cluster, rank
     sp = par.sequence_parallel
     norms = by_unit_iteration(calls, calls.outermost(calls.rows_named(NORM_CALLS)), PHASE_FORWARD) if sp else {}
     replicated: dict[int, list] = {}  # per iteration: the bytes of each replicated parameter's gradient
+    ends: dict[int, list] = {}  # per iteration, with sequence parallelism: (start, unit, activation bytes) of each unit
     for (unit, it), fwd in forward.items():
         if (unit, it) in dispatch:
             first = calls.op_start[dispatch[unit, it][0]]
@@ -423,13 +430,17 @@ def apply_tensor(graph: TaskGraph, units: Units, par: Parallelism, cluster, rank
                             reduce_bytes=in_bytes, where=where)
         if sp:
             _shard_rest(calls, units, factor, shrink, unit, it, fwd, bwd if matched else [], paired_until)
-            replicated.setdefault(it, []).extend(
-                _replicated_gradients(ops, norms.get((unit, it), []), [row for _, row in pairs]))
+            biased = [row for _, row in pairs] if par.sequence_parallel_grads == "coalesced" else []
+            replicated.setdefault(it, []).extend(_replicated_gradients(ops, norms.get((unit, it), []), biased))
+            if pairs:
+                ends.setdefault(it, []).append((calls.op_start[pairs[0][0]], unit, np.prod(linear_shapes(ops, pairs[0][0])[::2])))
     if not change.pairs:
         raise GraphError(f"parallelism.tensor: no pair of linear layers (column- then row-parallel) found in the "
                          f"forward of the {len(units)} units ({units.pattern}) of {graph.workload.source}")
     for it, sizes in sorted(replicated.items()):
         _reduce_replicated(calls, units, comm, it, sizes, par.sequence_parallel_grads)
+    for it, entries in sorted(ends.items()):
+        _gather_at_the_ends(calls, units, comm, it, min(entries), max(entries))
     change.replicated_parameters = max((len(v) for v in replicated.values()), default=0)
     change.scaled_tasks = int((factor != 1.0).sum())
     graph.scale(np.arange(len(graph.tasks)), factor)
@@ -544,6 +555,36 @@ def _reduce_replicated(calls: Calls, units: Units, comm: "Collectives", it: int,
         last = int(backward[np.argmax(calls.graph.tasks["measured_end_us"].to_numpy()[backward])])
         for nbytes in each:
             comm.after(last, "all_reduce", nbytes, *where)
+
+
+def _gather_at_the_ends(calls: Calls, units: Units, comm: "Collectives", it: int, first: tuple, last: tuple) -> None:
+    """Sequence parallelism's two collectives at the units' boundary in iteration ``it``
+    (``first`` and ``last``: (start, unit, activation bytes) of the first and last unit): the
+    residual stream leaves the last unit's forward as each rank's sequence shard and is
+    all-gathered for what runs replicated after it (a final norm, the head), and the gradient
+    leaves the first unit's backward as a shard and is all-gathered for what runs replicated
+    before it (the embeddings). Where the units enter, a local slice; where the replicated
+    head's full gradient enters them, a local slice again: no collective (DTensor's
+    ``PrepareModuleInputOutput`` around the blocks, Megatron-LM's scatter after the embedding)."""
+    for (_, unit, nbytes), phase in ((last, PHASE_FORWARD), (first, PHASE_BACKWARD)):
+        comm.after(_unit_end(calls, units, unit, phase, it), "all_gather", nbytes, unit, phase, it)
+
+
+def _unit_end(calls: Calls, units: Units, unit: int, phase: int, it: int) -> Optional[int]:
+    """The task that ends ``unit``'s ``phase`` in iteration ``it``: its last CPU task's last GPU
+    task where it launched any (the stream's), else that CPU task; None where it has none."""
+    n = len(units.task_unit)
+    lo, hi = calls.steps[it] if it < len(calls.steps) else (-np.inf, np.inf)
+    start = calls.start[:n]
+    mine = np.flatnonzero((units.task_unit == unit) & (units.task_phase == phase) & ~calls.gpu[:n]
+                          & np.isfinite(start) & (start >= lo) & (start < hi))
+    if not len(mine):
+        return None
+    end = calls.graph.tasks["measured_end_us"].to_numpy()
+    gpu = [d for c in mine.tolist() for d in calls.launched.get(c, ())]
+    if gpu:
+        return int(max(gpu, key=lambda d: end[d]))
+    return int(mine[np.argmax(start[mine])])
 
 
 def _shard_rest(calls: Calls, units: Units, factor: np.ndarray, shrink: "Shrink", unit: int, it: int, fwd: list,
