@@ -220,13 +220,17 @@ class Calls:
     def last_task(self, row: int) -> Optional[int]:
         """The task that ends operator ``row``'s work: its last GPU task if it launched any,
         else its last CPU task."""
-        inside = self.cpu_tasks(row)
-        if not len(inside):
+        return self.ending(self.cpu_tasks(row))
+
+    def ending(self, cpu: np.ndarray) -> Optional[int]:
+        """The task that ends the work of CPU tasks ``cpu`` (in time order): the last to end of
+        the GPU tasks they launched, if any, else the last of them; None where ``cpu`` is empty."""
+        if not len(cpu):
             return None
-        gpu = [d for c in inside.tolist() for d in self.launched.get(c, ())]
+        gpu = [d for c in cpu.tolist() for d in self.launched.get(c, ())]
         if gpu:
             return max(gpu, key=lambda d: self.graph.tasks["measured_end_us"].iat[d])
-        return int(inside[-1])
+        return int(cpu[-1])
 
     def first_task(self, row: int) -> Optional[int]:
         inside = self.cpu_tasks(row)
@@ -578,13 +582,7 @@ def _unit_end(calls: Calls, units: Units, unit: int, phase: int, it: int) -> Opt
     start = calls.start[:n]
     mine = np.flatnonzero((units.task_unit == unit) & (units.task_phase == phase) & ~calls.gpu[:n]
                           & np.isfinite(start) & (start >= lo) & (start < hi))
-    if not len(mine):
-        return None
-    end = calls.graph.tasks["measured_end_us"].to_numpy()
-    gpu = [d for c in mine.tolist() for d in calls.launched.get(c, ())]
-    if gpu:
-        return int(max(gpu, key=lambda d: end[d]))
-    return int(mine[np.argmax(start[mine])])
+    return calls.ending(mine[np.argsort(start[mine], kind="stable")])
 
 
 def _shard_rest(calls: Calls, units: Units, factor: np.ndarray, shrink: "Shrink", unit: int, it: int, fwd: list,
