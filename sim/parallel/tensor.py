@@ -211,6 +211,13 @@ class Calls:
             return -1, 0
         return int(self.units.task_unit[inside[0]]), int(self.units.task_phase[inside[0]])
 
+    def in_step(self, it: int, n: int) -> np.ndarray:
+        """Which of the first ``n`` tasks start inside iteration ``it``'s ``ProfilerStep`` (every
+        timed task where the trace marks no such step)."""
+        lo, hi = self.steps[it] if it < len(self.steps) else (-np.inf, np.inf)
+        start = self.start[:n]
+        return np.isfinite(start) & (start >= lo) & (start < hi)
+
     def iteration(self, row: int) -> int:
         for i, (lo, hi) in enumerate(self.steps):
             if lo <= self.op_start[row] < hi:
@@ -504,9 +511,7 @@ def _add_dispatch(graph: TaskGraph, calls: Calls, units: Units, forward: dict, b
     n = len(units.task_unit)
     start = calls.start[:n]
     for it, pairs in pairs_of_iteration.items():
-        lo, hi = calls.steps[it] if it < len(calls.steps) else (-np.inf, np.inf)
-        optimizer = np.flatnonzero(np.isfinite(start) & (start >= lo) & (start < hi)
-                                   & (units.task_phase == PHASE_OPTIMIZER) & ~calls.gpu[:n])
+        optimizer = np.flatnonzero(calls.in_step(it, n) & (units.task_phase == PHASE_OPTIMIZER) & ~calls.gpu[:n])
         if len(optimizer):
             extra[int(optimizer[np.argmin(start[optimizer])])] += step_us * pairs
     graph.lengthen(extra)
@@ -541,9 +546,8 @@ def _reduce_replicated(calls: Calls, units: Units, comm: "Collectives", it: int,
     if not sizes:
         return
     n = len(units.task_unit)
-    lo, hi = calls.steps[it] if it < len(calls.steps) else (-np.inf, np.inf)
     start = calls.start[:n]
-    in_step = np.isfinite(start) & (start >= lo) & (start < hi)
+    in_step = calls.in_step(it, n)
     where = (-1, PHASE_OPTIMIZER, it)
     optimizer = np.flatnonzero(in_step & (units.task_phase == PHASE_OPTIMIZER))
     if calls.gpu[optimizer].any():  # on a GPU trace the step's kernels wait, not the host
@@ -578,10 +582,9 @@ def _unit_end(calls: Calls, units: Units, unit: int, phase: int, it: int) -> Opt
     """The task that ends ``unit``'s ``phase`` in iteration ``it``: its last CPU task's last GPU
     task where it launched any (the stream's), else that CPU task; None where it has none."""
     n = len(units.task_unit)
-    lo, hi = calls.steps[it] if it < len(calls.steps) else (-np.inf, np.inf)
     start = calls.start[:n]
     mine = np.flatnonzero((units.task_unit == unit) & (units.task_phase == phase) & ~calls.gpu[:n]
-                          & np.isfinite(start) & (start >= lo) & (start < hi))
+                          & calls.in_step(it, n))
     return calls.ending(mine[np.argsort(start[mine], kind="stable")])
 
 
@@ -595,9 +598,7 @@ def _shard_rest(calls: Calls, units: Units, factor: np.ndarray, shrink: "Shrink"
             continue
         n = len(units.task_unit)  # tasks a pass appended after ``units`` was found belong to none
         mine = np.flatnonzero((units.task_unit == unit) & (units.task_phase == phase) & ~calls.gpu[:n]
-                              & np.isfinite(calls.start[:n]))
-        lo, hi = (calls.steps[it] if it < len(calls.steps) else (-np.inf, np.inf))
-        mine = mine[(calls.start[mine] >= lo) & (calls.start[mine] < hi)]
+                              & calls.in_step(it, n))
         if paired_until < len(fwd):
             if phase == PHASE_FORWARD:
                 mine = mine[calls.start[mine] < calls.op_start[fwd[paired_until]]]
