@@ -36,6 +36,7 @@ import csv
 import json
 import os
 import statistics
+import subprocess
 import sys
 import traceback
 from dataclasses import asdict, dataclass, field
@@ -276,7 +277,42 @@ def measure_tensor_dispatch(model: str, batch_size: int, sequence_parallel: bool
     if not path.exists():
         options = ["--sequence-parallel"] if sequence_parallel else []
         _measure_dispatch(model, batch_size, path, "tp", "tensor_pairs", options, runs, steps, warmup)
+        measured = json.loads(path.read_text())
+        measured.update(measure_collective_issue(sequence_parallel))
+        path.write_text(json.dumps(measured, indent=1) + "\n")
     return path
+
+
+#: The ways of ``lab/probes/tp_collectives.py`` each tensor-parallel mode issues: DTensor's
+#: all-reduce (the row-parallel output, and under sequence parallelism the norms' gradients)
+#: and sequence parallelism's all-gather and reduce-scatter.
+ISSUED = {False: ("dtensor",), True: ("dtensor", "dtensor_gather", "dtensor_scatter")}
+
+
+def measure_collective_issue(sequence_parallel: bool) -> dict:
+    """``collective_us``: the training thread's CPU time per collective DTensor issues, beyond
+    what a one-rank mesh (the dispatch runs above) and the links' price hold: the probe's thread
+    time per redistribution on two ranks (after compute, as in a step), less the same on a mesh of
+    one (which skips the collective) and less a plain ``dist.all_reduce``'s (the op the links
+    were calibrated with), averaged over the ways the mode issues (:data:`ISSUED`), never below
+    0; with the probe's figures (``collective_probe``: each way's median thread milliseconds)."""
+    two, one = _probe_collectives(2), _probe_collectives(1)
+    extra = {way: two[way] - one[way] - two["dist"] for way in ISSUED[sequence_parallel]}
+    return {"collective_us": max(statistics.mean(extra.values()), 0.0) * 1e3,
+            "collective_probe": {"two_ranks_ms": two, "one_rank_ms": one}}
+
+
+def _probe_collectives(world: int) -> dict:
+    """Each way's median thread CPU milliseconds, from ``lab/probes/tp_collectives.py`` on
+    ``world`` ranks (its last line: JSON of quartiles by way)."""
+    progress(f"tensor-parallel collectives' host time on {world} rank{'s' if world > 1 else ''}")
+    out = subprocess.run([sys.executable, "-m", "whatif.lab.probes.tp_collectives"], capture_output=True, text=True,
+                         env=dict(os.environ, TP_PROBE_WORLD=str(world)), timeout=900)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    if out.returncode or not lines:
+        raise LabError(f"the collectives probe on {world} ranks failed (exit {out.returncode}): "
+                       f"{(out.stderr.strip().splitlines() or ['no output'])[-1]}")
+    return {way: quartiles["thread_cpu"][1] for way, quartiles in json.loads(lines[-1]).items()}
 
 
 def _measure_dispatch(model: str, batch_size: int, path: Path, framework: str, count_key: str, options: list,
@@ -337,7 +373,10 @@ def dispatch_block(path: Path) -> dict:
     """``measure_tensor_dispatch``'s (or ``measure_fsdp_dispatch``'s) JSON as the scenario's
     ``parallelism.tensor_dispatch`` (``fsdp_dispatch``)."""
     measured = json.loads(Path(path).read_text())
-    return {phase: f"{measured[f'{phase}_us']:.1f}us" for phase in ("forward", "backward", "step")}
+    block = {phase: f"{measured[f'{phase}_us']:.1f}us" for phase in ("forward", "backward", "step")}
+    if "collective_us" in measured:
+        block["collective"] = f"{measured['collective_us']:.1f}us"
+    return block
 
 
 def predict_point(point: ParallelPoint, predictor: Predictor, work: Path) -> None:

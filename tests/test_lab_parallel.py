@@ -143,6 +143,9 @@ def test_the_tensor_dispatch_is_the_median_phase_difference_over_the_plans_pairs
     tensor = [{"forward": 84.0, "backward": 158.0, "step": 9.0}, {"forward": 77.0, "backward": 150.0, "step": 8.0},
               {"forward": 90.0, "backward": 157.0, "step": 10.5}]
     runs = fake_dispatch_runs(monkeypatch, parallel, {"single": plain, "tp": tensor}, {"tp": {"tensor_pairs": 8}})
+    probe = {2: {"dist": 0.2, "dtensor": 0.8, "dtensor_gather": 0.9, "dtensor_scatter": 1.2},
+             1: {"dtensor": 0.3, "dtensor_gather": 0.3, "dtensor_scatter": 0.4}}
+    monkeypatch.setattr(parallel, "_probe_collectives", lambda world: probe[world])
     path = parallel.measure_tensor_dispatch("transformer", 8, True, tmp_path)
     measured = json.loads(path.read_text())
     assert [r[0] for r in runs] == ["single", "tp"] * 3 and {r[1] for r in runs} == {1}
@@ -150,7 +153,11 @@ def test_the_tensor_dispatch_is_the_median_phase_difference_over_the_plans_pairs
     assert measured["forward_us"] == pytest.approx(24e3 / 8)  # medians of 24, 22, 32 ms
     assert measured["backward_us"] == pytest.approx(40e3 / 8)  # of 38, 40, 42
     assert measured["step_us"] == 0.0  # -1, -1, -0.5: the library made the step no slower
-    assert parallel.dispatch_block(path) == {"forward": "3000.0us", "backward": "5000.0us", "step": "0.0us"}
+    # each way's thread time on two ranks less a mesh of one's and a plain all-reduce's: 0.3, 0.4, 0.6 ms
+    assert measured["collective_us"] == pytest.approx(1300.0 / 3)
+    assert parallel.dispatch_block(path) == {"forward": "3000.0us", "backward": "5000.0us", "step": "0.0us",
+                                             "collective": "433.3us"}
+    assert parallel.measure_collective_issue(False)["collective_us"] == pytest.approx(300.0)  # the all-reduce alone
     assert parallel.measure_tensor_dispatch("transformer", 8, True, tmp_path) == path and len(runs) == 6  # kept
 
 

@@ -81,6 +81,10 @@ def test_tensor_dispatch_is_three_durations_per_pair_zero_where_left_out(tensor_
     scenario = _scenario({"tensor": 2, "tensor_dispatch": {"forward": "3ms", "backward": "4.8 ms"}}, gpus=2)
     assert [p.parallelism.tensor_dispatch for p in scenario.points] == [(3000.0, 4800.0, 0.0)]
     assert _scenario({"tensor": 2}, gpus=2).points[0].parallelism.tensor_dispatch == (0.0, 0.0, 0.0)
+    point = _scenario({"tensor": 2, "tensor_dispatch": {"forward": "3ms", "collective": "450us"}}, gpus=2).points[0]
+    assert (point.parallelism.tensor_dispatch, point.parallelism.tensor_collective) == ((3000.0, 0.0, 0.0), 450.0)
+    with pytest.raises(ScenarioError, match=r"parallelism.fsdp_dispatch.collective: unknown key"):
+        _scenario({"fsdp": True, "fsdp_dispatch": {"collective": "1ms"}})
 
 
 def test_fsdp_dispatch_is_three_durations_per_unit_and_needs_fsdp():

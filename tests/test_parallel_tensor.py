@@ -258,6 +258,27 @@ def test_the_librarys_host_time_lengthens_each_pairs_row_call_backward_node_and_
     assert "host time added" in note.describe()
 
 
+def test_the_librarys_collective_host_time_lengthens_the_cpu_task_each_collective_follows(dense):
+    graph, units = dense
+    plain = tensor(graph, units, 2, sequence_parallel=True)
+    par = Parallelism(data=4, tensor=2, sequence_parallel=True, tensor_collective=250.0)
+    out = apply_tensor(graph, units, par, FAST, {"tensor": (0, 1)})
+    note = out.last_note(TensorParallelChange)
+    collectives = note.collectives["task"].to_numpy()
+    added = out.tasks["duration_us"].to_numpy()[:len(plain.tasks)] - plain.tasks["duration_us"].to_numpy()
+    assert note.issue_us == pytest.approx(added.sum()) == pytest.approx(250.0 * len(collectives))
+    edges = out.edges[out.edges["kind"] == int(EdgeKind.USER)]
+    issuers = edges[edges["dst"].isin(collectives)]["src"].to_numpy()
+    expected = np.zeros(len(plain.tasks))
+    np.add.at(expected, issuers, 250.0)
+    assert added == pytest.approx(expected)  # on the task each collective follows, once per collective it issues
+    assert int(TaskKind.COMM) not in set(out.tasks["kind"].to_numpy()[np.flatnonzero(added)])
+    assert simulate(out).makespan_us >= simulate(plain).makespan_us + 0.9 * note.issue_us  # the thread waits on them
+    assert "issuing its collectives" in note.describe()
+    with pytest.raises(Exception, match="parallelism.tensor_dispatch.collective"):
+        Parallelism(data=4, tensor=2, tensor_collective=-1.0)
+
+
 def test_the_librarys_host_time_is_three_durations_not_below_zero():
     with pytest.raises(Exception, match="parallelism.tensor_dispatch"):
         Parallelism(data=4, tensor=2, tensor_dispatch=(1.0, -1.0, 0.0))

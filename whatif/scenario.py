@@ -707,7 +707,9 @@ def _parallelism_kwargs(name: str, point: dict) -> dict:
             kwargs["zero"] = 3
     for key in ("tensor_dispatch", "fsdp_dispatch"):
         if key in kwargs:
-            kwargs[key] = _dispatch(name, kwargs[key], f"parallelism.{key}")
+            kwargs[key], collective = _dispatch(name, kwargs[key], f"parallelism.{key}", key == "tensor_dispatch")
+            if collective:
+                kwargs["tensor_collective"] = collective
     for key in ("schedule", "recompute", "partition", "sequence_parallel_grads"):
         if isinstance(kwargs.get(key), str):
             kwargs[key] = kwargs[key].strip().lower()
@@ -719,20 +721,22 @@ def _parallelism_kwargs(name: str, point: dict) -> dict:
     return kwargs
 
 
-def _dispatch(name: str, value: Any, key: str) -> tuple:
+def _dispatch(name: str, value: Any, key: str, collective: bool = False) -> tuple:
     """``parallelism.tensor_dispatch`` or ``fsdp_dispatch``: ``{forward: 2ms, backward: 4ms, step:
     500us}`` (each key optional, 0 where left out) as :class:`Parallelism`'s tuple of
-    microseconds (per column/row pair, per FSDP unit)."""
+    microseconds (per column/row pair, per FSDP unit), and with ``collective`` (the tensor
+    library's) the microseconds of its ``collective`` key (per collective issued; 0 without)."""
     if not isinstance(value, dict):
         raise ScenarioError(name, key, f"expected {{forward: DURATION, backward: DURATION, step: DURATION}}, got {value!r}")
-    _check_keys(name, value, ("forward", "backward", "step"), key)
+    keys = ("forward", "backward", "step") + (("collective",) if collective else ())
+    _check_keys(name, value, keys, key)
     out = []
-    for phase in ("forward", "backward", "step"):
+    for phase in keys:
         try:
             out.append(parse_latency(value.get(phase, 0), f"{key}.{phase}"))
         except TopologyError as err:
             raise ScenarioError(name, err.key, err.message) from None
-    return tuple(out)
+    return tuple(out[:3]), (out[3] if collective else 0.0)
 
 
 def _parallelisms(name: str, grid: list[dict], cluster: Cluster) -> list[Optional[Parallelism]]:

@@ -20,6 +20,14 @@ step's forward does between its row-parallel layers):
 * ``one_way``: rank 0 sends, rank 1 receives (``batch_isend_irecv`` of one op each, as
   ``torch.distributed.pipelining`` moves an activation between two stages).
 
+* ``dtensor_gather`` and ``dtensor_scatter``: sequence parallelism's ``Shard(1) -> Replicate``
+  and ``Partial -> Shard(1)`` of the activation.
+
+After compute each way is also timed in the training thread's CPU (``thread_cpu``,
+``time.thread_time``): what the library spends on the host per collective, the transfer's wait
+left out. With ``TP_PROBE_WORLD=1`` the DTensor ways run on a mesh of one, which skips the
+collective (``lab/parallel.py``'s ``measure_collective_issue`` takes the difference).
+
 Rank 0 prints one line per way and setting: the median and the quartiles in milliseconds
 (``one_way``: rank 0 is the receiver). ``lab/cluster.py``'s ``run_job`` runs it across the
 emulated machines (``TP_PROBE_WORKER=1`` in the job's environment).
@@ -30,7 +38,12 @@ three ways of all-reducing took the same, medians 3.6, 3.0 and 3.7 ms idle and 3
 about 1.5 or about 3.7 ms), so DTensor's functional collectives cost what ``dist.all_reduce``
 costs and the calibrated all-reduce prices them; at 128 kB the exchange took 1.3 ms idle and
 2.6 ms after compute, the one-way send 0.3 and 0.7 ms, which is why the collectives probe times
-a one-way ``send`` for the pipeline's transfers.
+a one-way ``send`` for the pipeline's transfers. On 2026-12-03 (loopback, 512 kB, a box 1.5x
+faster than that day's): the training thread's CPU per collective after compute 0.18 ms for
+``dist.all_reduce``, 0.31 functional, 0.60 to 0.75 DTensor's all-reduce, 0.69 to 0.91 its
+all-gather and 0.72 to 1.13 its reduce-scatter, against 0.25 to 0.29 on a mesh of one; and
+``dist.all_reduce`` took 0.63 ms idle but 3.87 ms after compute (quartiles 2.35 to 3.99): a
+collective that follows compute waits for the peer's sleeping threads to wake.
 """
 
 from __future__ import annotations
@@ -55,7 +68,7 @@ def worker(size: int) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Partial, Replicate
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -82,6 +95,17 @@ def worker(size: int) -> None:
         t = DTensor.from_local(torch.ones(elements), mesh, [Partial()])
         t.redistribute(mesh, [Replicate()]).to_local().add_(0)
 
+    world = dist.get_world_size()
+    rows = 16 * world  # the transformer's activation is [batch, sequence, hidden]; shard its sequence
+
+    def by_dtensor_gather():  # sequence parallelism's all-gather: Shard(1) -> Replicate
+        t = DTensor.from_local(torch.ones(8, rows // world, elements // (8 * rows)), mesh, [Shard(1)])
+        t.redistribute(mesh, [Replicate()]).to_local().add_(0)
+
+    def by_dtensor_scatter():  # its reduce-scatter: Partial -> Shard(1)
+        t = DTensor.from_local(torch.ones(8, rows, elements // (8 * rows)), mesh, [Partial()])
+        t.redistribute(mesh, [Shard(1)]).to_local().add_(0)
+
     peer = 1 - rank
     into = torch.empty(elements)
 
@@ -96,8 +120,11 @@ def worker(size: int) -> None:
             work.wait()
 
     results = {}
-    ways = (("dist", by_dist), ("functional", by_functional), ("dtensor", by_dtensor), ("exchange", by_exchange),
+    ways = (("dist", by_dist), ("functional", by_functional), ("dtensor", by_dtensor),
+            ("dtensor_gather", by_dtensor_gather), ("dtensor_scatter", by_dtensor_scatter), ("exchange", by_exchange),
             ("one_way", by_one_way))
+    if world == 1:  # a mesh of one: DTensor's own host path, no collective (what the dispatch measurement sees)
+        ways = tuple((name, op) for name, op in ways if name.startswith("dtensor"))
     for name, op in ways:
         for _ in range(3):
             op()
@@ -108,29 +135,30 @@ def worker(size: int) -> None:
             op()
             idle.append((time.perf_counter() - start) * 1e3)
         dist.barrier()
-        looped = []
+        looped, cpu = [], []
         for _ in range(REPEATS):
             compute(COMPUTE_MS)
-            start = time.perf_counter()
+            start, thread = time.perf_counter(), time.thread_time()
             op()
+            cpu.append((time.thread_time() - thread) * 1e3)
             looped.append((time.perf_counter() - start) * 1e3)
-        results[name] = {"idle": quartiles(idle), "after_compute": quartiles(looped)}
+        results[name] = {"idle": quartiles(idle), "after_compute": quartiles(looped), "thread_cpu": quartiles(cpu)}
     if rank == 0:
         for name, r in results.items():
             for where, (q1, med, q3) in r.items():
-                print(f"{name:11} {where:14} median {med:7.2f} ms  (quartiles {q1:.2f} to {q3:.2f})", flush=True)
+                print(f"{name:15} {where:14} median {med:7.2f} ms  (quartiles {q1:.2f} to {q3:.2f})", flush=True)
         print(json.dumps(results))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def launch(size: int) -> int:
+def launch(size: int, world: int = 2) -> int:
     from whatif.lab.cluster import carry_priority
 
     carry_priority()
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT="29533", WORLD_SIZE="2", OMP_NUM_THREADS="1")
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT="29533", WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
     procs = [subprocess.Popen(["taskset", "-c", str(rank), sys.executable, "-m", __spec__.name, str(size)],
-                              env=dict(env, RANK=str(rank), TP_PROBE_WORKER="1")) for rank in range(2)]
+                              env=dict(env, RANK=str(rank), TP_PROBE_WORKER="1")) for rank in range(world)]
     return max(p.wait() for p in procs)
 
 
@@ -139,4 +167,4 @@ if __name__ == "__main__":
     if os.environ.get("TP_PROBE_WORKER"):
         worker(size_bytes)
     else:
-        sys.exit(launch(size_bytes))
+        sys.exit(launch(size_bytes, int(os.environ.get("TP_PROBE_WORLD", "2"))))

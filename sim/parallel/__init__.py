@@ -24,7 +24,10 @@ The families and their knobs:
   beyond the traced operators, in forward, in backward and in the optimizer step (``(forward_us,
   backward_us, step_us)``; DTensor on a CPU routes every operator of a parallelized layer and
   every sharded parameter's update through its sharding propagation in Python); a plain trace
-  lacks it. Default none; the lab measures it (``lab/parallel.py``'s ``measure_tensor_dispatch``).
+  lacks it. ``tensor_collective`` (scenario: ``tensor_dispatch.collective``) is the host time the
+  library spends issuing and completing each collective beyond what the collective's own price
+  holds (DTensor's functional collectives on top of c10d's: 0.3 to 0.7 ms each on the lab's
+  CPU). Default none; the lab measures both (``lab/parallel.py``'s ``measure_tensor_dispatch``).
 * pipeline: ``pipeline`` stages, ``microbatches`` per step, ``schedule`` ``gpipe``, ``1f1b`` or
   ``interleaved`` (with ``virtual_stages`` model chunks per rank, Narayanan et al. 2021),
   ``partition`` ``balanced`` (by time) or the number of units per stage.
@@ -83,6 +86,7 @@ class Parallelism:
     sequence_parallel: bool = False
     sequence_parallel_grads: str = "coalesced"
     tensor_dispatch: tuple = (0.0, 0.0, 0.0)  # host us per column/row pair: forward, backward, step
+    tensor_collective: float = 0.0  # host us per tensor-parallel collective, beyond its price
     fsdp_dispatch: tuple = (0.0, 0.0, 0.0)  # FSDP2's host us per unit: forward, backward, step
     microbatches: int = 1
     schedule: str = "1f1b"
@@ -135,6 +139,9 @@ class Parallelism:
                             for v in dispatch)):
                 raise ParallelismError(f"parallelism.{key}",
                                        f"expected three durations >= 0 (forward, backward, step), got {dispatch!r}")
+        collective = self.tensor_collective
+        if isinstance(collective, bool) or not isinstance(collective, (int, float)) or not 0 <= collective < float("inf"):
+            raise ParallelismError("parallelism.tensor_dispatch.collective", f"expected a duration >= 0, got {collective!r}")
         if any(self.fsdp_dispatch) and self.zero != 3:
             raise ParallelismError("parallelism.fsdp_dispatch", f"FSDP2's host time needs fsdp (zero 3), not zero {self.zero}")
         if self.sequence_parallel and self.tensor == 1:

@@ -157,7 +157,7 @@ def _leading_key(key: Optional[tuple], family: str, par: Parallelism, mine: dict
         return None
     if family == "tensor":
         return (*key, family, par.tensor, par.sequence_parallel, par.sequence_parallel_grads, par.tensor_dispatch,
-                tuple(mine.get(family, ())))
+                par.tensor_collective, tuple(mine.get(family, ())))
     if family == "expert":
         return (*key, family, par.expert, tuple(mine.get(family, ())))
     return None

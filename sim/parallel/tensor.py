@@ -81,6 +81,16 @@ trace the host is late by as much, the kernels only where it holds them up. The 
 three on its CPU (``lab/parallel.py``'s ``measure_tensor_dispatch``): the example transformer
 under its tensor-parallel plan on a one-rank mesh (no communication, every operator at full
 size) against the plain model, the phases' difference over the pairs.
+
+A one-rank mesh skips each collective, and with it what the library does on the host to issue
+and complete one: DTensor's functional collectives, their c10d call and the wait on their
+result (0.5 to 0.8 ms of the training thread's CPU each on the lab's, against 0.2 for a plain
+``dist.all_reduce``, whose time the links' price holds). Where ``tensor_dispatch.collective``
+is given, each collective the pass inserts adds it to the CPU task that issues it: the task the
+collective follows on a thread, the one that launched that kernel on a stream. The lab
+measures it (``lab/probes/tp_collectives.py``): the training thread's CPU time per
+redistribution of the activation on two ranks, less the same on a mesh of one and less a plain
+all-reduce's issue.
 """
 
 from __future__ import annotations
@@ -131,6 +141,7 @@ class TensorParallelChange:
     scaled_tasks: int = 0
     unmatched_backward: int = 0  # unit-iterations whose backward linears did not match forward
     dispatch_us: float = 0.0  # the library's host time added over all iterations (tensor_dispatch)
+    issue_us: float = 0.0  # the library's host time for its collectives over all iterations (its collective key)
     collectives: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=COLLECTIVE_COLUMNS))
     rule: str = "compute of the sharded spans x 1/t (no operator models)"
 
@@ -144,6 +155,8 @@ class TensorParallelChange:
                      f" ({self.sequence_parallel_grads.replace('_', ' ')})")
         if self.dispatch_us:
             text += f"; the library's host time added: {self.dispatch_us / 1e3:.3g} ms"
+        if self.issue_us:
+            text += f"; issuing its collectives: {self.issue_us / 1e3:.3g} ms"
         if self.unmatched_backward:
             text += f"; {self.unmatched_backward} unit backwards left as traced (linears unmatched)"
         return text
@@ -166,8 +179,10 @@ class Calls:
         self.resource = tasks["resource"].astype(str).to_numpy()
         launch = graph.edges[graph.edges["kind"] == int(EdgeKind.LAUNCH)]
         self.launched: dict[int, list] = {}
+        self.launcher: dict[int, int] = {}
         for s, d in zip(launch["src"].to_numpy().tolist(), launch["dst"].to_numpy().tolist()):
             self.launched.setdefault(s, []).append(d)
+            self.launcher[d] = s
         self.by_thread: dict[str, tuple] = {}
         cpu = np.flatnonzero(~self.gpu & np.isfinite(self.start))
         for thread in np.unique(self.resource[cpu]):
@@ -315,6 +330,7 @@ class Collectives:
         self.graph, self.calls, self.cluster, self.group = graph, calls, cluster, group
         self.ranks, self.resource = tuple(ranks), resource
         self.rows, self.edges, self.records = [], [], []
+        self.issuers: list[int] = []  # per collective, the CPU task that issues it (where known)
 
         @lru_cache(maxsize=None)
         def price(op: str, nbytes: float):
@@ -349,12 +365,24 @@ class Collectives:
             "context": t["context"].iat[anchor], "operator": t["operator"].iat[anchor], "layer": t["layer"].iat[anchor],
             "event": -1,
         })
+        issuer = self.issuer(src)
+        if issuer is not None:
+            self.issuers.append(issuer)
         if src is not None:
             self.edges.append((int(src), tid, 0.0, int(EdgeKind.USER)))
         if dst is not None:
             self.edges.append((tid, int(dst), 0.0, int(EdgeKind.USER)))
         self.records.append((tid, op, float(nbytes), self.group, cost.algorithm, cost.protocol, float(cost.time_us),
                              unit, phase, iteration))
+
+    def issuer(self, task: Optional[int]) -> Optional[int]:
+        """The CPU task that issues a collective starting after ``task``: ``task`` itself on a
+        thread, the CPU task that launched it on a stream (None where neither is known)."""
+        if task is None or task >= len(self.calls.gpu):
+            return None
+        if not self.calls.gpu[task]:
+            return int(task)
+        return self.calls.launcher.get(int(task))
 
     def commit(self) -> pd.DataFrame:
         """Add the tasks and edges to the graph; their records, one row each."""
@@ -456,6 +484,11 @@ def apply_tensor(graph: TaskGraph, units: Units, par: Parallelism, cluster, rank
     change.scaled_tasks = int((factor != 1.0).sum())
     graph.scale(np.arange(len(graph.tasks)), factor)
     change.dispatch_us = _add_dispatch(graph, calls, units, forward, backward, dispatch, par.tensor_dispatch)
+    if par.tensor_collective:
+        extra = np.zeros(len(graph.tasks))
+        np.add.at(extra, np.asarray(comm.issuers, dtype=np.int64), par.tensor_collective)
+        graph.lengthen(extra)
+        change.issue_us = float(extra.sum())
     change.collectives = comm.commit()
     graph.notes.append(change)
     return graph
