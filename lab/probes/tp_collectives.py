@@ -43,7 +43,10 @@ faster than that day's): the training thread's CPU per collective after compute 
 ``dist.all_reduce``, 0.31 functional, 0.60 to 0.75 DTensor's all-reduce, 0.69 to 0.91 its
 all-gather and 0.72 to 1.13 its reduce-scatter, against 0.25 to 0.29 on a mesh of one; and
 ``dist.all_reduce`` took 0.63 ms idle but 3.87 ms after compute (quartiles 2.35 to 3.99): a
-collective that follows compute waits for the peer's sleeping threads to wake.
+collective that follows compute waits about a tick for threads to wake on a core gone idle.
+With a ``SCHED_IDLE`` spinner on each core it took 0.61 ms after compute, but the spinners
+slowed every lab run (one-worker steps 15 to 30 %, two-rank TP steps 18 to 69 %), so the lab
+does not use them (``docs/validation/parallel.md``, "Campaign F").
 """
 
 from __future__ import annotations
