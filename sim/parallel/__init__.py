@@ -26,8 +26,8 @@ The families and their knobs:
   every sharded parameter's update through its sharding propagation in Python); a plain trace
   lacks it. ``tensor_collective`` (scenario: ``tensor_dispatch.collective``) is the host time the
   library spends issuing and completing each collective beyond what the collective's own price
-  holds (DTensor's functional collectives on top of c10d's: 0.3 to 0.7 ms each on the lab's
-  CPU). Default none; the lab measures both (``lab/parallel.py``'s ``measure_tensor_dispatch``).
+  holds (DTensor's functional collectives on top of c10d's: 0.1 to 0.3 ms each as the lab
+  measured it). Default none; the lab measures both (``lab/parallel.py``'s ``measure_tensor_dispatch``).
 * pipeline: ``pipeline`` stages, ``microbatches`` per step, ``schedule`` ``gpipe``, ``1f1b`` or
   ``interleaved`` (with ``virtual_stages`` model chunks per rank, Narayanan et al. 2021),
   ``partition`` ``balanced`` (by time) or the number of units per stage.

@@ -84,8 +84,8 @@ size) against the plain model, the phases' difference over the pairs.
 
 A one-rank mesh skips each collective, and with it what the library does on the host to issue
 and complete one: DTensor's functional collectives, their c10d call and the wait on their
-result (0.5 to 0.8 ms of the training thread's CPU each on the lab's, against 0.2 for a plain
-``dist.all_reduce``, whose time the links' price holds). Where ``tensor_dispatch.collective``
+result (0.6 to 1.1 ms of the training thread's CPU each on the lab's two ranks, against 0.25 to
+0.3 on a mesh of one and 0.2 for a plain ``dist.all_reduce``, whose time the links' price holds). Where ``tensor_dispatch.collective``
 is given, each collective the pass inserts adds it to the CPU task that issues it: the task the
 collective follows on a thread, the one that launched that kernel on a stream. The lab
 measures it (``lab/probes/tp_collectives.py``): the training thread's CPU time per
