@@ -45,8 +45,10 @@ the memory bandwidth (53.8 GB/s).
 
 from __future__ import annotations
 
+import datetime
 import importlib.util
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -290,12 +292,28 @@ def calibrate(bandwidth_mbit: float, out_yaml: Path, work_dir: Path = None, horo
     for where, spec in specs.items():
         measured[where]["small_allreduce"] = measure_floor(spec, work_dir / f"small_allreduce_{where}", runs)
     doc = fit_links(bandwidth_mbit, measured, shared, ops)
+    doc = {"name": doc.pop("name"), "calibrated": calibrated_on(), **doc}
     floors = {where: probe["small_allreduce"] for where, probe in measured.items()}
     doc["runs"] = [{k: v for k, v in run.items() if k != "measured"}
                    for run in calibrations_of_runs(work_dir, bandwidth_mbit, ops, floors)]
     out_yaml.write_text(yaml.safe_dump(doc, sort_keys=False))
     progress(f"calibration at {bandwidth_mbit:g} Mbps done: {out_yaml}")
     return doc
+
+
+def calibrated_on() -> dict:
+    """When and on what the calibration ran (the links file's ``calibrated``): the UTC date and
+    the CPU's model, which ``lab.validate.links`` holds against the day it is used on."""
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(), "cpu": cpu,
+            "cores": os.cpu_count() or 1}
 
 
 def fit_links(bandwidth_mbit: float, measured: dict, shared: dict, ops: Optional[dict] = None) -> dict:

@@ -25,6 +25,7 @@ For one example model (``examples/``) and one configuration:
 
 from __future__ import annotations
 
+import datetime
 import json
 import shutil
 import statistics
@@ -32,6 +33,8 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
+
+import yaml
 
 from whatif.collectors.bundle import is_bundle, read_bundle, record_processes
 from whatif.collectors.capture import STEADY_ALLOCATOR, CaptureError, collect
@@ -168,13 +171,42 @@ def plain_step_spread(times: list[float]) -> float:
 
 
 def links(bandwidth_mbps: float, work: Path) -> Path:
-    """The lab network calibrated at ``bandwidth_mbps`` (kept in ``work``)."""
+    """The lab network calibrated at ``bandwidth_mbps`` (kept in ``work``); a kept calibration
+    of another day is used, with a warning (:func:`stale_links`)."""
     path = links_path(bandwidth_mbps, work)
+    if path.exists() and path not in _WARNED:
+        _WARNED.add(path)
+        warning = stale_links(path)
+        if warning:
+            progress(warning)
     if not path.exists():
         progress(f"calibrating the lab's network at {bandwidth_mbps:g} Mbps (once per bandwidth; kept in {path})")
         path.parent.mkdir(parents=True, exist_ok=True)
         calibrate(bandwidth_mbps, path, path.parent / f"calibration_{bandwidth_mbps:g}", horovod_cycle_ms=CYCLE_TIME_MS)
     return path
+
+
+_WARNED: set = set()  # the links files this process has already said were stale
+
+
+def stale_links(path: Path, today: Optional[str] = None) -> Optional[str]:
+    """One line saying that the links file ``path`` was not calibrated ``today`` (UTC, ISO) on
+    this box, or None where it was. The lab's virtual machine changes speed between days: links
+    calibrated five days before a campaign priced its loopback points up to 17 points off
+    (``docs/validation/parallel.md``, campaign F), so a kept calibration is named, not trusted."""
+    try:
+        doc = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return f"warning: {path}: unreadable; delete it to calibrate again"
+    when = doc.get("calibrated") if isinstance(doc, dict) else None
+    today = today or datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+    if not isinstance(when, dict) or "date" not in when:
+        return (f"warning: {path} carries no calibration date (written before 2026-12-03): the box's speed "
+                f"drifts between days; delete it to calibrate again")
+    if str(when["date"]) != today:
+        return (f"warning: {path} was calibrated on {when['date']}, not today: the box's speed drifts between "
+                f"days; delete it to calibrate again")
+    return None
 
 
 def predict(trace: Path, links_file: Path, machines: int, gpus: int, bandwidth_mbps: float, framework: str,

@@ -257,6 +257,22 @@ def test_calibrate_writes_links_a_scenario_can_use(tmp_path):
     assert all(p.cluster.shared_memory.memory_slowdown(2) >= 1 for p in points)
     assert len(doc["runs"]) == 3, "each run's own links are kept, for the prediction interval"
     assert all(len(p.calibrations) == 3 for p in points)
+    assert list(doc)[:2] == ["name", "calibrated"] and doc["calibrated"]["cores"] >= 1
+    from whatif.lab.validate import stale_links
+    assert stale_links(links) is None, "calibrated today, on this box"
+
+
+def test_kept_links_of_another_day_or_of_no_day_are_named_stale(tmp_path):
+    from whatif.lab.validate import stale_links
+
+    links = tmp_path / "links_1000mbps.yaml"
+    links.write_text("name: lab\ncalibrated: {date: 2026-11-28, cpu: x, cores: 2}\nintra_node: {}\ninter_node: {}\n")
+    assert stale_links(links, today="2026-11-28") is None
+    assert f"{links} was calibrated on 2026-11-28, not today" in stale_links(links, today="2026-12-03")
+    links.write_text("name: lab\nintra_node: {}\ninter_node: {}\n")
+    assert "carries no calibration date" in stale_links(links, today="2026-12-03")
+    links.write_text("name: [unclosed\n")
+    assert stale_links(links).endswith("unreadable; delete it to calibrate again")
 
 
 @can_run
