@@ -276,10 +276,8 @@ def measure_tensor_dispatch(model: str, batch_size: int, sequence_parallel: bool
     path = tensor_dispatch_path(model, batch_size, sequence_parallel, work)
     if not path.exists():
         options = ["--sequence-parallel"] if sequence_parallel else []
-        _measure_dispatch(model, batch_size, path, "tp", "tensor_pairs", options, runs, steps, warmup)
-        measured = json.loads(path.read_text())
-        measured.update(measure_collective_issue(sequence_parallel))
-        path.write_text(json.dumps(measured, indent=1) + "\n")
+        issue = measure_collective_issue(sequence_parallel)  # before the file exists: kept whole or not at all
+        _measure_dispatch(model, batch_size, path, "tp", "tensor_pairs", options, runs, steps, warmup, issue)
     return path
 
 
@@ -316,11 +314,11 @@ def _probe_collectives(world: int) -> dict:
 
 
 def _measure_dispatch(model: str, batch_size: int, path: Path, framework: str, count_key: str, options: list,
-                      runs: int, steps: int, warmup: int) -> None:
+                      runs: int, steps: int, warmup: int, extra: Optional[dict] = None) -> None:
     """Plain runs and ``framework``'s in a world of one, alternating, ``runs`` each (one worker
     on one core); each phase's median difference over the runs, divided by the count the
     framework's report gives as ``count_key``, in microseconds, written to ``path`` with the
-    runs' phases."""
+    runs' phases and ``extra`` (what else was measured for the file)."""
     spec = LabSpec(1, 1, LOOPBACK_MBPS)
     phases: dict = {"single": [], framework: []}
     count = 0
@@ -343,8 +341,8 @@ def _measure_dispatch(model: str, batch_size: int, path: Path, framework: str, c
     plain, parallel = phases["single"], phases[framework]
     per = {f"{phase}_us": max(statistics.median(t[phase] - p[phase] for p, t in zip(plain, parallel)), 0.0) * 1e3 / count
            for phase in ("forward", "backward", "step")}
-    path.write_text(json.dumps({**per, count_key: count, "plain_phase_ms": plain, f"{framework}_phase_ms": parallel},
-                               indent=1) + "\n")
+    path.write_text(json.dumps({**per, count_key: count, "plain_phase_ms": plain, f"{framework}_phase_ms": parallel,
+                                **(extra or {})}, indent=1) + "\n")
 
 
 def fsdp_dispatch_path(model: str, batch_size: int, work: Path) -> Path:

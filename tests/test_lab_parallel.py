@@ -158,6 +158,14 @@ def test_the_tensor_dispatch_is_the_median_phase_difference_over_the_plans_pairs
     assert parallel.dispatch_block(path) == {"forward": "3000.0us", "backward": "5000.0us", "step": "0.0us",
                                              "collective": "433.3us"}
     assert parallel.measure_collective_issue(False)["collective_us"] == pytest.approx(300.0)  # the all-reduce alone
+
+    def failing(world):
+        raise parallel.LabError("the collectives probe on 2 ranks failed")
+
+    monkeypatch.setattr(parallel, "_probe_collectives", failing)
+    with pytest.raises(parallel.LabError):
+        parallel.measure_tensor_dispatch("transformer", 8, False, tmp_path)
+    assert not parallel.tensor_dispatch_path("transformer", 8, False, tmp_path).exists()  # no file kept without it
     assert parallel.measure_tensor_dispatch("transformer", 8, True, tmp_path) == path and len(runs) == 6  # kept
 
 
