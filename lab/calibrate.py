@@ -301,6 +301,12 @@ def calibrate(bandwidth_mbit: float, out_yaml: Path, work_dir: Path = None, horo
     return doc
 
 
+def calibration_day() -> str:
+    """Today as a calibration is dated (UTC, ISO): what ``calibrated.date`` holds and what
+    ``lab.validate.stale_links`` compares it with."""
+    return datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+
+
 def calibrated_on() -> dict:
     """When and on what the calibration ran (the links file's ``calibrated``): the UTC date and
     the CPU's model, which ``lab.validate.links`` holds against the day it is used on."""
@@ -312,8 +318,7 @@ def calibrated_on() -> dict:
                 break
     except OSError:
         pass
-    return {"date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(), "cpu": cpu,
-            "cores": os.cpu_count() or 1}
+    return {"date": calibration_day(), "cpu": cpu, "cores": os.cpu_count() or 1}
 
 
 def fit_links(bandwidth_mbit: float, measured: dict, shared: dict, ops: Optional[dict] = None) -> dict:

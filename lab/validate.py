@@ -25,7 +25,6 @@ For one example model (``examples/``) and one configuration:
 
 from __future__ import annotations
 
-import datetime
 import json
 import shutil
 import statistics
@@ -41,7 +40,7 @@ from whatif.collectors.capture import STEADY_ALLOCATOR, CaptureError, collect
 from whatif.pipeline import predict as run_pipeline
 from whatif.scenario import Scenario
 
-from .calibrate import calibrate
+from .calibrate import calibrate, calibration_day
 from .cluster import LabError, LabSpec, carry_priority, check_can_run, progress, run_job
 
 REPO = Path(__file__).resolve().parents[1]
@@ -199,7 +198,7 @@ def stale_links(path: Path, today: Optional[str] = None) -> Optional[str]:
     except (OSError, yaml.YAMLError):
         return f"warning: {path}: unreadable; delete it to calibrate again"
     when = doc.get("calibrated") if isinstance(doc, dict) else None
-    today = today or datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+    today = today or calibration_day()
     if not isinstance(when, dict) or "date" not in when:
         return (f"warning: {path} carries no calibration date (written before 2026-12-03): the box's speed "
                 f"drifts between days; delete it to calibrate again")
