@@ -459,8 +459,9 @@ def apply_tensor(graph: TaskGraph, units: Units, par: Parallelism, cluster, rank
         if not matched:
             change.unmatched_backward += 1
         back_of = {f: b for f, b in zip(fwd, reversed(bwd))} if matched else {}
-        for col, row in pairs:
-            in_bytes, out_bytes = np.prod(linear_shapes(ops, col)[::2]), np.prod(linear_shapes(ops, row)[1:])
+        activation = [np.prod(linear_shapes(ops, col)[::2]) for col, _ in pairs]  # each pair's input bytes
+        for (col, row), in_bytes in zip(pairs, activation):
+            out_bytes = np.prod(linear_shapes(ops, row)[1:])
             where = (unit, PHASE_FORWARD, it)
             _shard_pair(calls, comm, factor, shrink, sp, col, row, gather_bytes=in_bytes, reduce_bytes=out_bytes, where=where)
             if matched:
@@ -472,7 +473,7 @@ def apply_tensor(graph: TaskGraph, units: Units, par: Parallelism, cluster, rank
             biased = [row for _, row in pairs] if par.sequence_parallel_grads == "coalesced" else []
             replicated.setdefault(it, []).extend(_replicated_gradients(ops, norms.get((unit, it), []), biased))
             if pairs:
-                ends.setdefault(it, []).append((calls.op_start[pairs[0][0]], unit, np.prod(linear_shapes(ops, pairs[0][0])[::2])))
+                ends.setdefault(it, []).append((calls.op_start[pairs[0][0]], unit, activation[0]))
     if not change.pairs:
         raise GraphError(f"parallelism.tensor: no pair of linear layers (column- then row-parallel) found in the "
                          f"forward of the {len(units)} units ({units.pattern}) of {graph.workload.source}")
