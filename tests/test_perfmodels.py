@@ -237,8 +237,29 @@ def test_a_quick_fit_predicts_held_out_shapes_of_every_family(quick_models_file)
         assert row["gmae_pct"] < QUICK_FAMILY_BOUND_PCT, f"{family}: {row['gmae_pct']:.1f} %"
 
 
+def _give_trees_to_one_family(models):
+    """The fit keeps a family's trees only where they beat its roofline on the timings of this
+    run, which a loaded machine may not give in any family: fit trees for the GEMM family on its
+    held-out calls then, so that the round trip always carries some."""
+    from whatif.sim.perfmodels.fit import _fit_trees
+    from whatif.sim.perfmodels.models import tree_features
+    from whatif.sim.perfmodels.work import read_call
+
+    if any(f.trees for f in models.families.values()):
+        return
+    held = models.held_out[models.held_out["op"].map(FAMILY_OF) == "gemm"]
+    done = [read_call(*call, models.threads) for call in zip(held["op"], held["dims"], held["types"], held["args"])]
+    family = models.families["gemm"]
+    family.op_codes = sorted({d[4] for d in done})
+    features = np.array([tree_features(family.op_codes.index(d[4]), d[0], d[1], d[3]) for d in done])
+    roof = family.pooled.predict_us(*np.array([d[:3] for d in done], dtype=float).T, models.peak_flops_per_us,
+                                    models.bytes_per_us)
+    family.trees = _fit_trees(features, np.log(held["duration_us"].to_numpy()) - np.log(roof), seed=0)
+
+
 def test_the_models_file_round_trips_and_holds_no_pickle(quick_models_file, tmp_path):
     models = load_models(quick_models_file)
+    _give_trees_to_one_family(models)
     copy = tmp_path / "copy.json"
     models.save(copy)
     again = load_models(copy)
