@@ -168,6 +168,34 @@ def test_the_installed_command_runs_a_replay(tmp_path):
     assert [it["name"] for it in json.loads(result.stdout)["iterations"]] == BUNDLED_STEPS
 
 
+def test_the_installed_predict_ends_without_teardown_and_leaves_its_files_whole(tmp_path, capsys):
+    """``whatif predict`` as the process's own command ends once its output is flushed
+    (``ends_quickly``): every file it wrote is whole, and it prints what ``main`` returns in a
+    process that goes on; a failure keeps its status and its one line."""
+    import yaml
+
+    scenario = tmp_path / "grid.yaml"
+    scenario.write_text(yaml.safe_dump({"trace": str(BUNDLED_TRACE), "framework": "horovod", "cluster": {
+        "machines": [1, 2], "gpus_per_machine": 2, "intra_node": "nvlink2", "inter_node": ["10gbe", "40gbe"]}}))
+    out = {kind: tmp_path / f"out.{kind}" for kind in ("csv", "png")}
+    timeline = tmp_path / "run.json.gz"
+    command = ["predict", str(scenario), "--json", "--jobs", "2", "--csv", str(out["csv"]), "--plot", str(out["png"]),
+               "--timeline", str(timeline)]
+    result = subprocess.run([sys.executable, "-m", "whatif.cli", *command], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    written = {path.name: path.read_bytes() for path in tmp_path.iterdir() if path.name != scenario.name}
+    timelines = sorted(name for name in written if name.endswith(".json.gz"))
+    assert len(timelines) == 4 and not [name for name in written if name.startswith(".")]  # no half-written file left
+    for name in timelines:
+        assert json.loads(gzip.decompress(written[name]))["traceEvents"]
+    assert written["out.png"].startswith(b"\x89PNG") and written["out.csv"].count(b"\n") == 5
+    assert main(command[:5]) == 0  # the same grid, no files
+    assert json.loads(result.stdout)["results"] == json.loads(capsys.readouterr().out)["results"]
+    failed = subprocess.run([sys.executable, "-m", "whatif.cli", "predict", str(tmp_path / "absent.yaml")],
+                            capture_output=True, text=True, timeout=120)
+    assert (failed.returncode, failed.stdout, failed.stderr.count("\n")) == (2, "", 1)
+
+
 def test_the_installed_command_reads_its_trace_ahead_and_says_what_it_met(tmp_path):
     """``whatif replay T`` as the process's own command reads T on a thread while its modules
     import (``collectors/tracefile.py``); a problem the thread meets is the command's one line."""
