@@ -181,14 +181,20 @@ def test_the_installed_predict_ends_without_teardown_and_leaves_its_files_whole(
     timeline = tmp_path / "run.json.gz"
     command = ["predict", str(scenario), "--json", "--jobs", "2", "--csv", str(out["csv"]), "--plot", str(out["png"]),
                "--timeline", str(timeline)]
-    result = subprocess.run([sys.executable, "-m", "whatif.cli", *command], capture_output=True, text=True, timeout=300)
+    # the command as the console script runs it, with an object that says so when the teardown frees it
+    code = ("import sys; from whatif.cli import main\n"
+            "class Freed:\n    def __del__(self): print('torn down', file=sys.stderr)\n"
+            "kept = Freed(); sys.argv[1:] = sys.argv[2:]; sys.exit(main())")
+    result = subprocess.run([sys.executable, "-c", code, "whatif", *command], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
+    assert "torn down" not in result.stderr
     written = {path.name: path.read_bytes() for path in tmp_path.iterdir() if path.name != scenario.name}
     timelines = sorted(name for name in written if name.endswith(".json.gz"))
     assert len(timelines) == 4 and not [name for name in written if name.startswith(".")]  # no half-written file left
     for name in timelines:
         assert json.loads(gzip.decompress(written[name]))["traceEvents"]
-    assert written["out.png"].startswith(b"\x89PNG") and written["out.csv"].count(b"\n") == 5
+    assert written["out.png"].startswith(b"\x89PNG") and written["out.png"].endswith(b"IEND\xaeB`\x82")
+    assert written["out.csv"].count(b"\n") == 5
     assert main(command[:5]) == 0  # the same grid, no files
     assert json.loads(result.stdout)["results"] == json.loads(capsys.readouterr().out)["results"]
     failed = subprocess.run([sys.executable, "-m", "whatif.cli", "predict", str(tmp_path / "absent.yaml")],
