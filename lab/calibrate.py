@@ -89,9 +89,36 @@ def median_of_runs(runs: list) -> dict:
     return combined
 
 
+#: Runs of the collectives probe across machines whose times for one op and size (from
+#: ``SPREAD_FROM_BYTES`` on, where the bytes, not the host, set the time) lie this far apart are
+#: named (:func:`runs_apart`): Gloo's two-rank all-to-all and all-gather run the two directions
+#: at once or one after the other (16 MB at 200 Mbps: 340 or 590 to 666 ms), and the median of
+#: three runs then picks a mode.
+SPREAD_RATIO = 1.4
+SPREAD_FROM_BYTES = 4e6
+
+
+def runs_apart(runs: list, from_bytes: float = SPREAD_FROM_BYTES, ratio: float = SPREAD_RATIO) -> list[str]:
+    """Each op and size of a probe's ``runs`` (records with ``sizes_bytes`` and a list of
+    seconds per op) whose slowest run took ``ratio`` times the fastest or more, from
+    ``from_bytes`` on: one phrase each, e.g. ``all_to_all at 16 MB: 69 to 108 ms``."""
+    first = runs[0]
+    sizes = first.get("sizes_bytes") or []
+    out = []
+    for key, value in first.items():
+        if key == "sizes_bytes" or not isinstance(value, list) or len(value) != len(sizes):
+            continue
+        for i, size in enumerate(sizes):
+            times = [run[key][i] for run in runs]
+            if size >= from_bytes and min(times) > 0 and max(times) >= ratio * min(times):
+                out.append(f"{key} at {size / 1e6:g} MB: {min(times) * 1e3:.0f} to {max(times) * 1e3:.0f} ms")
+    return out
+
+
 def run_probe(spec: LabSpec, framework: str, argv: list, out_dir: Path, result_file: str, runs: int, what: str,
-              timeout_s: int, env: dict = None) -> dict:
-    """``runs`` jobs of a probe, each in its own folder under ``out_dir``, combined."""
+              timeout_s: int, env: dict = None, name_spread: bool = False) -> dict:
+    """``runs`` jobs of a probe, each in its own folder under ``out_dir``, combined. With
+    ``name_spread``, a line names the op and sizes whose runs lie far apart (:func:`runs_apart`)."""
     records = []
     for run in range(runs):
         run_dir = out_dir / f"run{run}"
@@ -100,6 +127,11 @@ def run_probe(spec: LabSpec, framework: str, argv: list, out_dir: Path, result_f
         if any(result.exit_codes):
             raise LabError(f"{what} failed; see the logs in {run_dir}")
         records.append(json.loads((run_dir / result_file).read_text()))
+    apart = runs_apart(records) if name_spread and len(records) > 1 else []
+    if apart:
+        progress(f"warning: {what} on {spec.machines}x{spec.gpus_per_machine}: runs far apart, "
+                 f"{'; '.join(apart)} over {len(records)} runs; the links take each size's median, so a "
+                 f"calibration again may price these ops differently (the runs are in {out_dir})")
     return median_of_runs(records)
 
 
@@ -141,7 +173,8 @@ def measure(spec: LabSpec, out_dir: Path, sizes=SIZES_BYTES, runs: int = RUNS) -
 
 def measure_collectives(spec: LabSpec, out_dir: Path, sizes=COLLECTIVE_SIZES_BYTES, runs: int = RUNS) -> dict:
     argv = [sys.executable, "-m", "whatif.lab.probes.collectives", *[str(int(s)) for s in sizes]]
-    return run_probe(spec, "ddp", argv, out_dir, "collectives.json", runs, "the collectives probe", 600)
+    return run_probe(spec, "ddp", argv, out_dir, "collectives.json", runs, "the collectives probe", 600,
+                     name_spread=spec.machines > 1)  # loopback's are noisy at every size: not named
 
 
 def measure_floor(spec: LabSpec, out_dir: Path, runs: int = RUNS) -> dict:

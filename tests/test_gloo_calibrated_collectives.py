@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from whatif.lab.calibrate import fit_collectives, fit_floor, median_of_runs, op_shape
+from whatif.lab.calibrate import fit_collectives, fit_floor, median_of_runs, op_shape, runs_apart
 from whatif.topology import Cluster, Link, TopologyError, collective_cost, collective_plan
 from whatif.topology.cluster import CALIBRATED_OPS
 from whatif.topology.collectives import allreduce_time_us
@@ -138,6 +138,20 @@ def test_probe_runs_combine_by_the_median_of_each_size():
     combined = median_of_runs(runs)
     assert combined["all_gather"] == [2.0, 5.0] and combined["sizes_bytes"] == [1, 2]
     assert np.isfinite(combined["all_gather"]).all()
+
+
+def test_probe_runs_far_apart_are_named_by_op_and_size():
+    """Campaign G's calibration at 1000 Mbps (2026-12-03, docs/validation/parallel.md): the
+    collectives probe across machines, seconds of three runs; the 16 MB all-to-all fell into
+    Gloo's two modes and its median priced the op at 0.60 of the link."""
+    sizes = [64000, 256000, 1000000, 4000000, 16000000]
+    runs = [{"sizes_bytes": sizes, "world_size": 2, "all_to_all": a2a, "all_reduce": ar}
+            for a2a, ar in (([0.00017, 0.00059, 0.00601, 0.01969, 0.10779], [0.00428, 0.00206, 0.00797, 0.03319, 0.13361]),
+                            ([0.00013, 0.00042, 0.00404, 0.01986, 0.10602], [0.00030, 0.00190, 0.00810, 0.03290, 0.13420]),
+                            ([0.00023, 0.00027, 0.00778, 0.02028, 0.06935], [0.00025, 0.00200, 0.00820, 0.03310, 0.13360]))]
+    assert runs_apart(runs) == ["all_to_all at 16 MB: 69 to 108 ms"]  # 1 MB's spread is the host's: not named
+    assert runs_apart(runs, from_bytes=1e6) == ["all_to_all at 1 MB: 4 to 8 ms", "all_to_all at 16 MB: 69 to 108 ms"]
+    assert runs_apart(runs[:2]) == []
 
 
 # -- the all-reduce's floor (``Link.floors_us``) -------------------------------------------------
