@@ -109,7 +109,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     status. Run as the process's own command (no ``argv``), a command its module lists in
     ``QUICK_EXIT`` ends the process here once its output is flushed: the interpreter's teardown,
     freeing every object the command made one by one, is a tenth of a replay's time on a large
-    trace, and such a command leaves nothing for it to do (no exit handlers, no temporary files).
+    trace, and such a command leaves nothing for it to do (its exit handlers run first, and it
+    leaves no temporary files).
     Such a command also runs, its imports included, without Python's cyclic garbage collector:
     what it makes lives until the process ends, so the collector's passes over the objects of a
     large trace and of the imported libraries would find next to nothing to free. A command
