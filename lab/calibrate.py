@@ -57,6 +57,7 @@ from typing import Optional
 import numpy as np
 import yaml
 
+from whatif.collectors.host import cpu_model
 from whatif.topology import Cluster, Link, collective_cost
 from whatif.topology.cluster import CALIBRATED_OPS
 from whatif.topology.units import TopologyError
@@ -343,15 +344,7 @@ def calibration_day() -> str:
 def calibrated_on() -> dict:
     """When and on what the calibration ran (the links file's ``calibrated``): the UTC date and
     the CPU's model, which ``lab.validate.links`` holds against the day it is used on."""
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"date": calibration_day(), "cpu": cpu, "cores": os.cpu_count() or 1}
+    return {"date": calibration_day(), "cpu": cpu_model(), "cores": os.cpu_count() or 1}
 
 
 def fit_links(bandwidth_mbit: float, measured: dict, shared: dict, ops: Optional[dict] = None) -> dict:
