@@ -248,13 +248,12 @@ def _give_trees_to_one_family(models):
     if any(f.trees for f in models.families.values()):
         return
     held = models.held_out[models.held_out["op"].map(FAMILY_OF) == "gemm"]
-    done = [read_call(*call, models.threads) for call in zip(held["op"], held["dims"], held["types"], held["args"])]
+    calls = (held["op"].tolist(), held["dims"].tolist(), held["types"].tolist(), held["args"].tolist())
+    roof = models.predict_us(*calls, learned=False)  # each call's roofline, as predict_us picks it
+    done = [read_call(*call, models.threads) for call in zip(*calls)]
     family = models.families["gemm"]
     family.op_codes = sorted({d[4] for d in done})
     features = np.array([tree_features(family.op_codes.index(d[4]), d[0], d[1], d[3]) for d in done])
-    roof = np.array([  # each call's roofline as the fit and predict_us pick it
-        (family.ops.get(d[4]) or family.ops.get(d[4].split("/")[0], family.pooled)).predict_us(
-            *np.array([d[:3]], dtype=float).T, models.peak_flops_per_us, models.bytes_per_us)[0] for d in done])
     family.trees = _fit_trees(features, np.log(held["duration_us"].to_numpy()) - np.log(roof), seed=0)
 
 
