@@ -113,10 +113,21 @@ class Structure:
     run (a grid's cluster configurations, which differ only in durations) can share them: a
     caller that knows it keeps one (:func:`compile_structure`) and passes it to
     :func:`simulate`; the last few built are kept too, found by a digest of the arrays they are
-    built from."""
+    built from. ``release``, where given, is every task's release time (us) as a list, which
+    the graphs simulated with this structure share (:meth:`with_release`)."""
 
-    def __init__(self, sequences: list, resource_of_sequence: list, preds: list):
+    def __init__(self, sequences: list, resource_of_sequence: list, preds: list, release: Optional[list] = None):
         self.sequences, self.resource_of_sequence, self.preds = sequences, resource_of_sequence, preds
+        self.release = release
+
+    def with_release(self, release_us: np.ndarray) -> "Structure":
+        """This structure for graphs that share their release times ``release_us`` too (a
+        grid's cluster graph, whose configurations differ in durations alone): each simulation
+        reads them from here instead of converting the column again."""
+        release = np.asarray(release_us, dtype=np.float64).tolist()
+        if len(release) != len(self.preds):
+            raise ValueError(f"{len(release)} release times for a structure of {len(self.preds)} tasks")
+        return Structure(self.sequences, self.resource_of_sequence, self.preds, release)
 
 
 @gc_paused()  # lists of a task's predecessors, no cycles: the collector would only walk them
@@ -225,7 +236,10 @@ class _Run:
         tasks = graph.tasks
         n = len(tasks)
         self.duration = tasks["duration_us"].to_numpy(dtype=np.float64).tolist()
-        self.release = tasks["release_us"].to_numpy(dtype=np.float64).tolist()
+        if self.c.release is not None and len(self.c.release) == n:
+            self.release = self.c.release
+        else:
+            self.release = tasks["release_us"].to_numpy(dtype=np.float64).tolist()
         self.env = simpy.Environment()
         self.start: list = [None] * n
         self.end: list = [None] * n
@@ -271,21 +285,22 @@ class _Run:
         free = 0.0  # simulated time starts at the trace's first event
         for t in ids:
             ready = release[t]
-            for d, lag in preds[t]:
-                e = end[d]
-                if e is None:
-                    yield self._done_event(d)
+            own = preds[t]
+            if own:  # most tasks have none but the one before on their resource: no iterator made
+                for d, lag in own:
                     e = end[d]
-                e += lag
-                if e > ready:
-                    ready = e
+                    if e is None:
+                        yield self._done_event(d)
+                        e = end[d]
+                    e += lag
+                    if e > ready:
+                        ready = e
             s = free if free > ready else ready
             free = s + duration[t]
             start[t] = s  # _finish, inlined: the innermost loop of the engine
             end[t] = free
-            w = waiting.pop(t, None)
-            if w is not None:
-                w.wake()
+            if t in waiting:  # a test, not a call, for the many tasks nobody waits on
+                waiting.pop(t).wake()
 
     def _run_event_per_task(self, ids: list):
         env, end, release, duration, preds = self.env, self.end, self.release, self.duration, self.c.preds
@@ -413,7 +428,8 @@ class _Run:
 def simulate(graph: TaskGraph, policies: Optional[dict] = None, structure: Optional[Structure] = None) -> Schedule:
     """Schedule ``graph``; ``policies`` maps resource names to :class:`Policy` objects;
     ``structure``, where given, is ``graph``'s (:func:`compile_structure`, of this graph or of
-    one with the same tasks, resources, orders and edges)."""
+    one with the same tasks, resources, orders and edges, and the same release times where it
+    carries them: :meth:`Structure.with_release`)."""
     # the collector's walks of the run's lists cost half of it (a tenth with a policy's SimPy
     # events, whose cycles wait for the collector until the run is over); with every worker
     # replicated and a policy, it collects as it goes, for memory
