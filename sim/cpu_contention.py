@@ -76,8 +76,22 @@ def with_cpu_contention(graph: TaskGraph, schedule: Schedule, comm: np.ndarray, 
 def fused_bytes(resource: np.ndarray, start_us: np.ndarray, end_us: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
     """The bytes of the all-reduce each transfer went in: transfers on one resource that start
     and end together were fused into one."""
-    batches = pd.DataFrame({"resource": resource, "start": start_us, "end": end_us, "nbytes": nbytes})
-    return batches.groupby(["resource", "start", "end"])["nbytes"].transform("sum").to_numpy(dtype=float)
+    start_us, end_us = np.asarray(start_us, dtype=float), np.asarray(end_us, dtype=float)
+    nbytes = np.asarray(nbytes, dtype=float)
+    if not len(nbytes):
+        return np.zeros(0)
+    if np.isnan(start_us).any() or np.isnan(end_us).any() or np.isnan(nbytes).any():
+        # pandas' rules for missing keys and values (a row without a time has no batch)
+        batches = pd.DataFrame({"resource": resource, "start": start_us, "end": end_us, "nbytes": nbytes})
+        return batches.groupby(["resource", "start", "end"])["nbytes"].transform("sum").to_numpy(dtype=float)
+    _, code = np.unique(np.asarray(resource), return_inverse=True)
+    order = np.lexsort((end_us, start_us, code.ravel()))  # stable: a batch's transfers in their own order
+    key = (code.ravel()[order], start_us[order], end_us[order])
+    first = np.flatnonzero(np.r_[True, (key[0][1:] != key[0][:-1]) | (key[1][1:] != key[1][:-1])
+                                 | (key[2][1:] != key[2][:-1])])
+    total = np.empty(len(nbytes))
+    total[order] = np.repeat(np.add.reduceat(nbytes[order], first), np.diff(np.r_[first, len(nbytes)]))
+    return total
 
 
 class _CommWaits:
