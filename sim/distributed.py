@@ -277,8 +277,9 @@ class _ClusterGraph:
         for it in range(len(iterations)):
             of_iteration = gradients.of_iteration(it)
             per_iteration[it], layers[it] = fw.messages(of_iteration, config.options, self.sliced), len(of_iteration)
-        barrier = sync.barrier(graph) if any(per_iteration.values()) else None
-        base = len(graph.tasks)
+        closing = sync.barrier(graph) if any(per_iteration.values()) else None  # (its task before, its row)
+        barrier = len(graph.tasks) if closing is not None else None
+        base = len(graph.tasks) + (closing is not None)
         measured_end = worker.tasks["measured_end_us"].to_numpy()
         last_iteration = max((it for it, messages in per_iteration.items() if messages), default=-1)
         for it, messages in per_iteration.items():
@@ -304,9 +305,10 @@ class _ClusterGraph:
                     # on the CPU would, and the last iteration's span would miss it
                     targets.append(barrier)
                 edges += [(tid, c, 0.0) for c in targets]
-        _add_comm_tasks(graph, rows, edges)
+        if closing is not None:  # the barrier and the messages join the graph together, the table rebuilt once
+            _add_comm_tasks(graph, [closing[1], *rows], [(closing[0], barrier, 0.0), *edges])
         self.graph, self.base = graph, base
-        self.structure = compile_structure(graph)
+        self.structure = compile_structure(graph).with_release(graph.tasks["release_us"].to_numpy())
         self.comm = _read_only(np.arange(base, base + len(rows)))
         comm = self.comm.tolist()
         self.phases, self.nbytes = phases, nbytes

@@ -159,6 +159,20 @@ class TaskGraph:
         The new task runs on ``resource`` (default: the resource of ``after``), placed in that
         resource's order just behind ``after`` when they share it. Returns the new task's id.
         """
+        row = self.inserted_row(after, name, duration_us, resource, kind)
+        new_id = len(self.tasks)
+        self.tasks = concat_tasks([self.tasks, pd.DataFrame([row], index=[new_id])])
+        new_edges = [(after, new_id, 0.0, int(EdgeKind.USER))]
+        if before is not None:
+            new_edges.append((new_id, int(before), 0.0, int(EdgeKind.USER)))
+        self.add_edges(new_edges)
+        return new_id
+
+    def inserted_row(self, after: int, name: str, duration_us: float, resource: Optional[str] = None,
+                     kind: TaskKind = TaskKind.INSERTED) -> dict:
+        """The task-table row :meth:`insert` adds, its order key placing it just behind
+        ``after``, without adding it: for a caller that adds it with other rows in one go (the
+        table is rebuilt once), as the next task id, and its edge from ``after`` itself."""
         if duration_us < 0 or not np.isfinite(duration_us):
             raise GraphError(f"inserted task {name!r} needs a non-negative duration, got {duration_us}")
         t = self.tasks
@@ -170,15 +184,8 @@ class TaskGraph:
             key = (t["order_key"].iat[after] + nxt) / 2.0
         else:
             key = float(t.loc[on_resource, "order_key"].max()) + 1.0 if on_resource.any() else 0.0
-        new_id = len(t)
-        row = _inserted_row(name, kind, resource, duration_us, key,
-                            t["context"].iat[after], t["operator"].iat[after], t["layer"].iat[after])
-        self.tasks = concat_tasks([t, pd.DataFrame([row], index=[new_id])])
-        new_edges = [(after, new_id, 0.0, int(EdgeKind.USER))]
-        if before is not None:
-            new_edges.append((new_id, int(before), 0.0, int(EdgeKind.USER)))
-        self.add_edges(new_edges)
-        return new_id
+        return _inserted_row(name, kind, resource, duration_us, key,
+                             t["context"].iat[after], t["operator"].iat[after], t["layer"].iat[after])
 
     def insert_many(self, inserts: Sequence[tuple], edges: Sequence[Sequence[tuple]] = ()) -> list[int]:
         """``insert(after, None, name, duration_us, kind=kind)`` for each ``(after, name,

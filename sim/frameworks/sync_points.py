@@ -124,11 +124,13 @@ class SyncPoints:
         position = min(message.layers) if message.layers else message.priority
         return int(ops[min(position * len(ops) // max(layers, 1), len(ops) - 1)])
 
-    def barrier(self, graph: TaskGraph) -> int:
-        """A zero-length task closing the last iteration, for communication nothing else awaits."""
+    def barrier(self, graph: TaskGraph) -> tuple[int, dict]:
+        """A zero-length task closing the last iteration, for communication nothing else awaits:
+        the task it follows, and its row (``TaskGraph.inserted_row``, measured at the
+        iteration's end), which the caller adds to ``graph`` with an edge from that task."""
         last = self.iterations.iloc[-1]
         ids = np.flatnonzero(self.on_thread & (self.start < last.end_us))
         after = int(ids[np.argmax(self.start[ids])])
-        barrier = graph.insert(after, None, "end of training step", 0.0)
-        graph.tasks.loc[barrier, ["measured_start_us", "measured_end_us"]] = last.end_us
-        return barrier
+        row = graph.inserted_row(after, "end of training step", 0.0)
+        row.update(measured_start_us=last.end_us, measured_end_us=last.end_us)
+        return after, row
