@@ -163,3 +163,30 @@ def test_a_slowdown_by_size_is_read_between_its_sizes_by_log_size_and_as_the_nea
     cluster = Cluster.from_config({"machines": 2, "gpus_per_machine": 1, "intra_node": "pcie3", "inter_node": link})
     assert cluster.inter_node.comm_slowdown_at([1e6, 4e6, 8e6, 16e6, 1e9]) == pytest.approx([1.2, 1.2, 1.4, 1.6, 1.6])
     assert cluster.inter_node.has_cpu_contention
+
+
+def test_fused_bytes_sums_each_batch_as_a_groupby_would():
+    """The bytes of the all-reduce each transfer went in (transfers on one queue that start and
+    end together), summed with numpy: held to pandas' groupby on random batches, ties of time
+    across queues included, and to its rules where a time is missing (no batch: NaN)."""
+    import numpy as np
+    import pandas as pd
+
+    from whatif.sim.cpu_contention import fused_bytes
+
+    def by_groupby(resource, start, end, nbytes):
+        frame = pd.DataFrame({"resource": resource, "start": start, "end": end, "nbytes": nbytes})
+        return frame.groupby(["resource", "start", "end"])["nbytes"].transform("sum").to_numpy(dtype=float)
+
+    rng = np.random.default_rng(7)
+    queues = np.array(["network", "network push", "network pull"], dtype=object)
+    for _ in range(200):
+        n = int(rng.integers(1, 40))
+        start = rng.integers(0, 4, n).astype(float)
+        end = start + rng.integers(0, 3, n)
+        resource, nbytes = rng.choice(queues, n), rng.integers(1, 2**40, n).astype(float)
+        assert np.array_equal(fused_bytes(resource, start, end, nbytes), by_groupby(resource, start, end, nbytes))
+    start, end = np.array([0.0, np.nan, 0.0]), np.array([1.0, np.nan, 1.0])
+    resource, nbytes = queues[[0, 0, 0]], np.array([1.0, 2.0, 4.0])
+    assert np.array_equal(fused_bytes(resource, start, end, nbytes), by_groupby(resource, start, end, nbytes), equal_nan=True)
+    assert fused_bytes(queues[:0], np.zeros(0), np.zeros(0), np.zeros(0)).shape == (0,)
