@@ -42,11 +42,10 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
 import numpy as np
-import yaml
 
 from .fabric import FABRIC_KEYS, Fabric, fabric_from_links, wants_fabric
 from .fabric import Calibration
-from .yamlfile import read_yaml
+from .yamlfile import load_preset, read_yaml
 from .units import (
     TopologyError,
     format_bandwidth,
@@ -331,7 +330,7 @@ def _slowdown(raw: Any, key: str) -> float:
 def link_presets() -> dict:
     """``{"inter_node": {name: Link}, "intra_node": {name: Link}}`` from ``presets/links.yaml``."""
     source = resources.files(__package__).joinpath("presets", "links.yaml")
-    data = yaml.safe_load(source.read_text(encoding="utf-8"))
+    data = load_preset(source.read_text(encoding="utf-8"))
     presets = {}
     for kind in LINK_KINDS:
         presets[kind] = {}

@@ -40,13 +40,13 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any, Mapping, Optional
 
-import yaml
 
 from .nccl.tuning import ALGORITHMS, LINK_CLASSES, PROTOCOLS, parse_choices
 from .nccl.measured import KINDS as MEASURED_KINDS
 from .nccl.measured import SPEC, Measured, public
 from .nccl.versions import parse_version
 from .units import TopologyError, gigabytes_per_s, parse_bandwidth, parse_fraction, parse_latency
+from .yamlfile import load_preset
 
 FABRIC_KEYS = ("machine", "gpu", "nvlink_domain", "nvswitch", "nics_per_machine", "nic", "cpu", "network", "nccl")
 _MACHINE_KEYS = ("gpu", "gpus_per_machine", "nvlink_domain", "nvswitch", "nics_per_machine", "nic", "cpu")
@@ -76,7 +76,7 @@ def _check_keys(config: Mapping, allowed: tuple, key: str) -> None:
 @functools.lru_cache(maxsize=None)
 def _presets(kind: str) -> dict:
     source = resources.files(__package__).joinpath("presets", f"{kind}.yaml")
-    data = yaml.safe_load(source.read_text(encoding="utf-8")) or {}
+    data = load_preset(source.read_text(encoding="utf-8")) or {}
     return {_normalize(name): (str(name), entry) for name, entry in data.items()}
 
 

@@ -38,6 +38,16 @@ class _BoundedLoader(yaml.SafeLoader):
         return super().compose_node(parent, index)
 
 
+#: libyaml's safe loader where PyYAML was built with it: the same documents, parsed in C
+_FAST_SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+def load_preset(text: str) -> Any:
+    """A preset file of ours (``topology/presets/``): trusted and small, so parsed by libyaml
+    where PyYAML has it, five to ten times faster than its Python loader (a few ms a command)."""
+    return yaml.load(text, Loader=_FAST_SAFE_LOADER)
+
+
 def read_yaml(path: Path) -> Any:
     """The document in ``path``; a :class:`TopologyError` whose key is "" and whose message
     says what is wrong with the file (not its name: the caller says which file and key)."""

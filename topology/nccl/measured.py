@@ -44,9 +44,9 @@ from importlib import resources
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
-import yaml
 
 from ..units import TopologyError
+from ..yamlfile import load_preset
 
 ARCHS = ("volta", "turing", "ampere", "hopper", "blackwell")
 KINDS = ("ib", "roce", "gib", "efa1", "efa2", "efa3", "efa", "tcpx", "tcpxo", "socket", "slingshot", "ofi")
@@ -175,7 +175,7 @@ def public() -> Measured:
     """The constants fitted to the public tables (``presets/measured.yaml``)."""
     source = resources.files(__package__.rsplit(".", 1)[0]).joinpath("presets", "measured.yaml")
     try:
-        data = yaml.safe_load(source.read_text(encoding="utf-8")) or {}
+        data = load_preset(source.read_text(encoding="utf-8")) or {}
     except FileNotFoundError:
         return SPEC
     return Measured.from_config(data, "measured.yaml")
