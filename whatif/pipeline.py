@@ -456,7 +456,7 @@ def _simulate_clusters(prediction: Prediction, sweep: Sweep) -> None:
     microbatch = _microbatch_graph(request)
     grid = _Grid(worker, without_comm, gradients, study.iterations, pass_rate_bytes_per_us(study.graph),
                  prediction.iteration_ms, prediction.iteration_interval, request.optimizer, request.gpu_memory_bytes,
-                 microbatch, alone=prediction.schedule,
+                 microbatch, alone=prediction.schedule, alone_report=prediction.report,
                  microbatch_fits=_microbatch_fits(request, without_comm, microbatch),
                  dtype_bytes=_amp_dtype_bytes(request, study), keep_runs=request.keep_runs)
     if request.keep_runs and runs_elsewhere(sweep, len(request.clusters)):
@@ -487,6 +487,7 @@ class _Grid:
     microbatch: Optional[TaskGraph] = None  # the microbatch trace's graph, without its communication
     microbatch_fits: dict = field(default_factory=dict)  # microbatches -> whether the microbatch trace is at batch / m
     alone: Optional[Schedule] = None  # the worker simulated alone: every 1x1 configuration's schedule
+    alone_report: Optional[pd.DataFrame] = None  # and its iterations' report (iteration_report), read only
     units: dict = field(default_factory=dict)  # parallelism.units -> the worker's units, found once
     passes: dict = field(default_factory=dict)  # the leading parallel passes' graphs (parallelize's cache)
     laid: dict = field(default_factory=dict)  # the cluster graphs built, which simulate_cluster keeps
@@ -557,7 +558,12 @@ def _simulated(grid: _Grid, config: ClusterConfig) -> tuple[dict, ClusterSchedul
         laid = grid.laid_recomputed.setdefault((par.recompute, par.units), {})  # (one worker lays none)
         alone = None
     run = simulate_cluster(worker, grid.gradients, grid.iterations, config, laid, alone)
-    report = _spans(grid, run).report(run.schedule) if config.workers > 1 else iteration_report(run.schedule, grid.iterations)
+    if config.workers > 1:
+        report = _spans(grid, run).report(run.schedule)
+    elif run.schedule is grid.alone and grid.alone_report is not None:
+        report = grid.alone_report  # the worker alone, whose report the prediction made already
+    else:
+        report = iteration_report(run.schedule, grid.iterations)
     row = configuration_row(config, run, report, grid.iteration_ms)
     if par is not None:  # plain data parallelism: the cluster path, and its memory
         memory = memory_per_gpu(grid.without_comm, _units(grid.units, grid.without_comm, par, False), par,
