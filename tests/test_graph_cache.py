@@ -110,6 +110,34 @@ def test_the_folder_keeps_the_entries_used_last_within_its_limit(cache, tmp_path
     os.utime(names[0])  # changed: its entry is stale, a new one is written and the oldest go
     TraceStudy.from_trace(names[0])
     assert len(entries(cache)) == 1
+    assert len(list(cache.glob("held-*.mark"))) == 1  # the marks of traces whose entries went, gone too
+
+
+def test_a_trace_whose_graph_is_kept_is_not_read_ahead(cache, tmp_path, monkeypatch):
+    """The command line reads a trace ahead while it imports; a trace whose graph the cache
+    keeps (its mark, collectors/cache_folder.py) is not, since its bytes would be thrown away;
+    a changed trace, or any with the cache off, is."""
+    from whatif import cli
+
+    trace = tmp_path / "t.json.gz"
+    shutil.copy(BUNDLED_TRACE, trace)
+    asked = []
+    monkeypatch.setattr(cli, "read_ahead", asked.append)
+    cli._read_ahead(["replay", str(trace)])
+    assert asked == [str(trace)]  # nothing kept yet
+    TraceStudy.from_trace(trace)
+    asked.clear()
+    cli._read_ahead(["replay", str(trace)])
+    assert asked == []
+    st = trace.stat()
+    os.utime(trace, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # another trace now
+    cli._read_ahead(["replay", str(trace)])
+    assert asked == [str(trace)]
+    TraceStudy.from_trace(trace)
+    asked.clear()
+    monkeypatch.setenv("WHATIF_GRAPH_CACHE", "0")
+    cli._read_ahead(["replay", str(trace)])
+    assert asked == [str(trace)]
 
 
 def test_the_cache_off_writes_nothing(cache, tmp_path, monkeypatch):

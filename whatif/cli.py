@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from whatif.collectors.cache_folder import is_held
 from whatif.collectors.diagnostics import Diagnostics, collecting
 from whatif.collectors.tracefile import read_ahead
 
@@ -49,7 +50,8 @@ ERRORS = {
 #: The commands whose first positional argument is a trace file, each with its options that take a
 #: value (so that ``--timeline OUT.json.gz`` is not taken for the trace): run as the process's own
 #: command, the file is read and decompressed on a thread (``collectors/tracefile.py``) while the
-#: command's modules import. Only a file that exists is read ahead; the command reads its trace as
+#: command's modules import. Only a file that exists, and whose graph the graph cache does not
+#: hold (``collectors/cache_folder.py``), is read ahead; the command reads its trace as
 #: ever, taking those bytes where they are of its path. A test holds the options to the parser's.
 READ_AHEAD = {
     "replay": ("--iteration", "--timeline"),
@@ -150,7 +152,7 @@ def _read_ahead(argv: Sequence[str]) -> None:
             command, valued = word, READ_AHEAD.get(word) or SCENARIO_READ_AHEAD[word]
         else:
             trace = _scenario_trace(word) if command in SCENARIO_READ_AHEAD else word
-            if trace is not None and os.path.isfile(trace):
+            if trace is not None and os.path.isfile(trace) and not is_held(trace):  # a cached graph needs no bytes
                 read_ahead(trace)
             return
 

@@ -40,13 +40,13 @@ import tempfile
 from pathlib import Path
 from typing import Optional, Union
 
+from whatif.collectors.cache_folder import MARK_PREFIX, MARK_SUFFIX, graph_cache_enabled, graph_folder, mark_held
 from whatif.collectors.diagnostics import recording, report
 from whatif.collectors.kineto import KinetoTrace
 from whatif.collectors.load import load_trace
 from whatif.collectors.tracefile import discard_read_ahead
 from whatif.sim.build import build_graph
 from whatif.sim.graph import TaskGraph
-from whatif.sim.perfmodels.cache import cache_dir
 
 FORMAT = 1  # what an entry holds; a new layout gets a new number
 REPLAY_FORMAT = 1  # what a replay file holds
@@ -56,11 +56,11 @@ MAX_BUNDLE_FILES = 1000  # a folder with more is no bundle: not cached
 
 def cache_folder() -> Path:
     """Where the graphs are kept: ``graphs`` in whatif's cache folder (``cache_dir``)."""
-    return cache_dir() / "graphs"
+    return graph_folder()
 
 
 def enabled() -> bool:
-    return os.environ.get("WHATIF_GRAPH_CACHE", "1").strip().lower() not in ("0", "no", "off", "false")
+    return graph_cache_enabled()
 
 
 def read_and_build(path: Union[str, Path]) -> tuple[KinetoTrace, TaskGraph]:
@@ -77,6 +77,7 @@ def read_build_and_key(path: Union[str, Path]) -> tuple[KinetoTrace, TaskGraph, 
     entry = _load(key) if key else None
     if entry is not None:
         discard_read_ahead(path)  # the file the command line began reading: not needed now
+        mark_held(path)  # and the next command on it will not begin (collectors/cache_folder.py)
         for text in entry["warnings"]:
             report(text)
         return entry["trace"], entry["graph"], key
@@ -85,6 +86,7 @@ def read_build_and_key(path: Union[str, Path]) -> tuple[KinetoTrace, TaskGraph, 
         graph = build_graph(trace)
     if key:
         _store(key, {"format": FORMAT, "trace": trace, "graph": graph, "warnings": list(texts)})
+        mark_held(path)
     return trace, graph, key
 
 
@@ -227,7 +229,8 @@ def limit_bytes() -> float:
 
 
 def trim(folder: Path) -> None:
-    """Remove the entries used longest ago until the folder holds at most :func:`limit_bytes`."""
+    """Remove the entries used longest ago until the folder holds at most :func:`limit_bytes`,
+    and the marks of traces (``collectors/cache_folder.py``) last used before every entry kept."""
     entries = []
     for path in [*folder.glob("*.pickle"), *folder.glob("*.replay")]:
         try:
@@ -236,11 +239,18 @@ def trim(folder: Path) -> None:
             continue
         entries.append((st.st_mtime_ns, st.st_size, path))
     total, limit = sum(size for _, size, _ in entries), limit_bytes()
-    for _, size, path in sorted(entries):
-        if total <= limit:
-            break
+    kept = sorted(entries)
+    while kept and total > limit:
+        _, size, path = kept.pop(0)
         _remove(path)
         total -= size
+    oldest_kept = kept[0][0] if kept else None
+    for mark in folder.glob(f"{MARK_PREFIX}*{MARK_SUFFIX}"):
+        try:
+            if oldest_kept is None or mark.stat().st_mtime_ns < oldest_kept:
+                _remove(mark)
+        except OSError:
+            continue
 
 
 def _remove(path: Path) -> None:

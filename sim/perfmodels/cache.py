@@ -15,19 +15,12 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
+from whatif.collectors.cache_folder import cache_dir  # where whatif caches (the models here)
+
 from .device import current_device, device_mismatch
 
 if TYPE_CHECKING:
     from .models import PerfModels
-
-
-def cache_dir() -> Path:
-    """Where whatif caches: $WHATIF_CACHE_DIR, else $XDG_CACHE_HOME/whatif or ~/.cache/whatif (the
-    fitted models here, the graphs of ``whatif/graph_cache.py`` in ``graphs``). The models are
-    imported where they are used, so that finding this folder costs every command nothing."""
-    if os.environ.get("WHATIF_CACHE_DIR"):
-        return Path(os.environ["WHATIF_CACHE_DIR"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "whatif"
 
 
 def cached_models_path(device: Optional[dict] = None) -> Path:
