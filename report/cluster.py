@@ -28,14 +28,7 @@ def cluster_breakdown(run: ClusterSchedule, report: pd.DataFrame) -> pd.DataFram
     while worker 0 computes nothing on its GPU or CPU threads: communication the iteration
     waits for) and ``idle_ms`` (the rest of the span); the three add up to the iteration."""
     schedule = run.schedule
-    tasks = schedule.graph.tasks
-    kinds = tasks["kind"].to_numpy()
-    on_network = np.zeros(len(tasks), dtype=bool)
-    on_network[run.comm_tasks] = True
-    gpu = np.isin(kinds, [int(k) for k in GPU_TASK_KINDS]) & run.worker0 & ~on_network
-    cpu = np.isin(kinds, [int(TaskKind.CPU), int(TaskKind.RUNTIME)]) & run.worker0
-    compute = gpu if gpu.any() else cpu
-    working = gpu | cpu
+    compute, working, on_network = _breakdown_tasks(run)
     start, end = schedule.start_us, schedule.end_us
     computing = IntervalUnion(start[compute], end[compute])
     communicating = IntervalUnion(start[on_network], end[on_network])
@@ -62,6 +55,36 @@ def cluster_breakdown(run: ClusterSchedule, report: pd.DataFrame) -> pd.DataFram
             }
         )
     return pd.DataFrame(rows)
+
+
+#: The tasks :func:`cluster_breakdown` reads of the last few cluster graphs, by their worker-0
+#: mask and communication tasks (arrays a grid's configurations on one cluster graph share):
+#: ``(worker0, comm_tasks, (compute, working, on_network))``
+_BREAKDOWN_TASKS: list = []
+_BREAKDOWN_KEPT = 4
+
+
+def _breakdown_tasks(run: ClusterSchedule) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The ids of worker 0's compute tasks (its GPU's, or its CPU threads' where it has no GPU
+    task), of its working tasks (GPU and CPU) and of the communication tasks, each resource's
+    in the order it runs them: a union of their intervals then sorts runs that are sorted
+    already, and is the same union whatever the order. Kept for the graph of ``run`` while its
+    mask and communication tasks are the same arrays (the graph's durations alone change)."""
+    for worker0, comm, ids in _BREAKDOWN_TASKS:
+        if worker0 is run.worker0 and comm is run.comm_tasks:
+            return ids
+    graph = run.schedule.graph
+    kinds = graph.tasks["kind"].to_numpy()
+    on_network = np.zeros(len(kinds), dtype=bool)
+    on_network[run.comm_tasks] = True
+    gpu = np.isin(kinds, [int(k) for k in GPU_TASK_KINDS]) & run.worker0 & ~on_network
+    cpu = np.isin(kinds, [int(TaskKind.CPU), int(TaskKind.RUNTIME)]) & run.worker0
+    compute = gpu if gpu.any() else cpu
+    order = np.concatenate(graph.resource_order()) if len(kinds) else np.zeros(0, dtype=np.int64)
+    ids = tuple(order[mask[order]] for mask in (compute, gpu | cpu, on_network))
+    _BREAKDOWN_TASKS.insert(0, (run.worker0, run.comm_tasks, ids))
+    del _BREAKDOWN_TASKS[_BREAKDOWN_KEPT:]
+    return ids
 
 
 def configuration_row(config: ClusterConfig, run: ClusterSchedule, report: pd.DataFrame, baseline_ms: float) -> dict:
