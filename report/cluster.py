@@ -6,20 +6,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import fields
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 import pandas as pd
 
 from whatif.sim.distributed import ClusterConfig, ClusterSchedule
 from whatif.sim.graph import GPU_TASK_KINDS, GraphError, TaskKind
-from whatif.sim.parallel.job import ParallelJob, comm_bytes, comm_dimension
 from whatif.sim.parallel.memory import MemoryBreakdown, fits
-from whatif.sim.parallel.pipeline import bubbles
 from whatif.topology import Cluster, as_gbps
 
 from .intervals import steady_interval
 from .iterations import IntervalUnion, steady_median, union_within
+
+if TYPE_CHECKING:  # the parallel passes are imported by the functions of parallel jobs, where a grid has one
+    from whatif.sim.parallel.job import ParallelJob
 
 
 def cluster_breakdown(run: ClusterSchedule, report: pd.DataFrame) -> pd.DataFrame:
@@ -133,6 +134,8 @@ def parallel_row(config: ClusterConfig, job: ParallelJob, run: ClusterSchedule, 
     communication by dimension (``exposed_tensor_ms``, ...: the time the dimension's
     communication runs while rank 0 computes nothing; dimensions that overlap each other count
     in each)."""
+    from whatif.sim.parallel.job import comm_bytes
+
     run.messages_per_iteration = len(run.comm_tasks) / max(1, int(report["predicted_ms"].notna().sum()))
     names = job.graph.tasks["name"].astype(str).to_numpy()
     run.bytes_per_iteration = sum(comm_bytes(n) for n in names[run.comm_tasks]) / max(
@@ -156,6 +159,8 @@ def pipeline_bubble_ms(run: ClusterSchedule, idle_ms: float) -> float:
     ``(p - 1) / (m + p - 1)`` of the step with equal stages under GPipe and 1F1B), in ms, at most
     ``idle_ms``; the rest of rank 0's idle is its stage's imbalance and its waits. NaN where the
     schedule is not a pipeline's."""
+    from whatif.sim.parallel.pipeline import bubbles
+
     try:
         table = bubbles(run.schedule)
     except GraphError:
@@ -172,6 +177,8 @@ def exposed_by_dimension(run: ClusterSchedule, report: pd.DataFrame, names: np.n
     working = (np.isin(kinds, [int(k) for k in GPU_TASK_KINDS]) | np.isin(kinds, [int(TaskKind.CPU), int(TaskKind.RUNTIME)]))
     working &= run.worker0 & ~comm
     start, end = schedule.start_us, schedule.end_us
+    from whatif.sim.parallel.job import comm_dimension
+
     dimension = np.array([comm_dimension(n) for n in names[run.comm_tasks]], dtype=object)
     out = {}
     for dim in sorted(set(dimension.tolist())):

@@ -68,7 +68,6 @@ from whatif.sim.frameworks.copies import pass_rate_bytes_per_us
 from whatif.sim.gradients import Gradients, find_gradients
 from whatif.sim.graph import GraphError, TaskGraph, TaskKind
 from whatif.sim.parallel import Parallelism, is_parallel_job
-from whatif.sim.parallel.job import at_pace, parallelize, simulate_job
 from whatif.sim.parallel.memory import gpu_memory_bytes, memory_per_gpu
 from whatif.sim.parallel.recompute import apply_recompute
 from whatif.sim.parallel.units import Units, UnitsError, find_units, no_units, parameters_from_shapes
@@ -540,6 +539,8 @@ def _configuration(grid: _Grid, config: ClusterConfig) -> tuple[dict, Optional[C
 def _simulated(grid: _Grid, config: ClusterConfig) -> tuple[dict, ClusterSchedule]:
     par = config.parallelism
     if is_parallel_job(par):
+        from whatif.sim.parallel.job import at_pace, parallelize, simulate_job  # imported where a grid has a parallel job
+
         microbatch = grid.microbatch if grid.microbatch_fits.get(int(par.microbatches), True) else None
         job = parallelize(*_job_graph(grid, par), par, config.cluster, grid.optimizer, grid.gpu_memory_bytes, microbatch,
                           cache=grid.passes, dtype_bytes=grid.dtype_bytes)
