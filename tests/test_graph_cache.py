@@ -70,6 +70,28 @@ def test_a_second_study_of_a_trace_is_the_first_ones_graph_and_replay(cache, tmp
     pd.testing.assert_frame_equal(first.iterations, second.iterations)
 
 
+def test_a_cached_traces_recorded_inputs_are_unpacked_when_first_read(cache, tmp_path):
+    """A cached trace's recorded inputs come back as one blob, unpacked the first time one of
+    them is read, equal to the fresh trace's; pickled again before or after, they survive."""
+    import pickle
+
+    trace = tmp_path / BUNDLED_TRACE.name
+    shutil.copy(BUNDLED_TRACE, trace)
+    fresh = TraceStudy.from_trace(trace).trace
+    assert fresh.input_dims, "the bundled trace records its operators' inputs"
+    cached = TraceStudy.from_trace(trace).trace
+    assert "_packed_inputs" in cached.__dict__ and "input_dims" not in cached.__dict__
+    again = pickle.loads(pickle.dumps(cached))  # still packed: passed on as it is
+    for got in (cached, again):
+        assert got.input_dims == fresh.input_dims
+        assert got.input_types == fresh.input_types
+        assert got.concrete_inputs == fresh.concrete_inputs
+        assert "_packed_inputs" not in got.__dict__
+    assert pickle.loads(pickle.dumps(cached)).input_dims == fresh.input_dims
+    with pytest.raises(AttributeError):
+        cached.no_such_field
+
+
 def test_a_changed_trace_is_read_again(cache, tmp_path):
     trace = tmp_path / "trace.json"
     doc = json.loads(gzip.decompress(BUNDLED_TRACE.read_bytes()))
