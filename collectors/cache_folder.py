@@ -15,6 +15,7 @@ again from a trace that was not read ahead, which is the only cost of a wrong on
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 from typing import Optional, Union
 
@@ -46,7 +47,7 @@ def _mark(path: Union[str, Path]) -> Optional[Path]:
         st = os.stat(path)
     except OSError:
         return None
-    if not os.path.isfile(path):
+    if not stat.S_ISREG(st.st_mode):
         return None
     name = f"{MARK_PREFIX}{st.st_dev}-{st.st_ino}-{st.st_size}-{st.st_mtime_ns}-{st.st_ctime_ns}{MARK_SUFFIX}"
     return graph_folder() / name

@@ -170,6 +170,8 @@ def pipeline_bubble_ms(run: ClusterSchedule, idle_ms: float) -> float:
 
 def exposed_by_dimension(run: ClusterSchedule, report: pd.DataFrame, names: np.ndarray) -> dict:
     """Per dimension of the run's communication tasks, the steady median of its exposed time."""
+    from whatif.sim.parallel.job import comm_dimension
+
     schedule = run.schedule
     kinds = schedule.graph.tasks["kind"].to_numpy()
     comm = np.zeros(len(kinds), dtype=bool)
@@ -177,8 +179,6 @@ def exposed_by_dimension(run: ClusterSchedule, report: pd.DataFrame, names: np.n
     working = (np.isin(kinds, [int(k) for k in GPU_TASK_KINDS]) | np.isin(kinds, [int(TaskKind.CPU), int(TaskKind.RUNTIME)]))
     working &= run.worker0 & ~comm
     start, end = schedule.start_us, schedule.end_us
-    from whatif.sim.parallel.job import comm_dimension
-
     dimension = np.array([comm_dimension(n) for n in names[run.comm_tasks]], dtype=object)
     out = {}
     for dim in sorted(set(dimension.tolist())):

@@ -40,7 +40,6 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any, Mapping, Optional
 
-
 from .nccl.tuning import ALGORITHMS, LINK_CLASSES, PROTOCOLS, parse_choices
 from .nccl.measured import KINDS as MEASURED_KINDS
 from .nccl.measured import SPEC, Measured, public

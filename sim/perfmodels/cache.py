@@ -10,7 +10,6 @@ does. They are cached per device and per version of the code that measures and f
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
