@@ -80,8 +80,11 @@ def fused_bytes(resource: np.ndarray, start_us: np.ndarray, end_us: np.ndarray, 
     nbytes = np.asarray(nbytes, dtype=float)
     if not len(nbytes):
         return np.zeros(0)
-    if np.isnan(start_us).any() or np.isnan(end_us).any() or np.isnan(nbytes).any():
-        # pandas' rules for missing keys and values (a row without a time has no batch)
+    whole = bool(np.all(nbytes >= 0) and np.all(nbytes == np.floor(nbytes)) and nbytes.sum() < 2**53)
+    if not whole or np.isnan(start_us).any() or np.isnan(end_us).any():
+        # pandas' rules for missing keys and values (a row without a time has no batch), and its
+        # compensated sum for fractional bytes (scaled gradients, P3's slices), whose plain sum
+        # may differ in the last bit; whole bytes sum exactly in any order
         batches = pd.DataFrame({"resource": resource, "start": start_us, "end": end_us, "nbytes": nbytes})
         return batches.groupby(["resource", "start", "end"])["nbytes"].transform("sum").to_numpy(dtype=float)
     _, code = np.unique(np.asarray(resource), return_inverse=True)

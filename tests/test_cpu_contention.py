@@ -167,8 +167,9 @@ def test_a_slowdown_by_size_is_read_between_its_sizes_by_log_size_and_as_the_nea
 
 def test_fused_bytes_sums_each_batch_as_a_groupby_would():
     """The bytes of the all-reduce each transfer went in (transfers on one queue that start and
-    end together), summed with numpy: held to pandas' groupby on random batches, ties of time
-    across queues included, and to its rules where a time is missing (no batch: NaN)."""
+    end together): held to pandas' groupby, bit for bit, on random batches of whole and of
+    fractional bytes (pandas sums those with compensation), ties of time across queues
+    included, and to its rules where a time is missing (no batch: NaN)."""
     import numpy as np
     import pandas as pd
 
@@ -180,12 +181,14 @@ def test_fused_bytes_sums_each_batch_as_a_groupby_would():
 
     rng = np.random.default_rng(7)
     queues = np.array(["network", "network push", "network pull"], dtype=object)
-    for _ in range(200):
-        n = int(rng.integers(1, 40))
-        start = rng.integers(0, 4, n).astype(float)
-        end = start + rng.integers(0, 3, n)
-        resource, nbytes = rng.choice(queues, n), rng.integers(1, 2**40, n).astype(float)
-        assert np.array_equal(fused_bytes(resource, start, end, nbytes), by_groupby(resource, start, end, nbytes))
+    for fractional in (False, True):  # whole bytes, and scaled gradients' or P3 slices' fractional ones
+        for _ in range(200):
+            n = int(rng.integers(1, 40))
+            start = rng.integers(0, 4, n).astype(float)
+            end = start + rng.integers(0, 3, n)
+            nbytes = rng.random(n) * 1e6 if fractional else rng.integers(1, 2**40, n).astype(float)
+            resource = rng.choice(queues, n)
+            assert np.array_equal(fused_bytes(resource, start, end, nbytes), by_groupby(resource, start, end, nbytes))
     start, end = np.array([0.0, np.nan, 0.0]), np.array([1.0, np.nan, 1.0])
     resource, nbytes = queues[[0, 0, 0]], np.array([1.0, 2.0, 4.0])
     assert np.array_equal(fused_bytes(resource, start, end, nbytes), by_groupby(resource, start, end, nbytes), equal_nan=True)
