@@ -113,21 +113,31 @@ class Structure:
     run (a grid's cluster configurations, which differ only in durations) can share them: a
     caller that knows it keeps one (:func:`compile_structure`) and passes it to
     :func:`simulate`; the last few built are kept too, found by a digest of the arrays they are
-    built from. ``release``, where given, is every task's release time (us) as a list, which
-    the graphs simulated with this structure share (:meth:`with_release`)."""
+    built from. ``release``, where given, is every task's release time (us) as a list, read
+    from the array ``release_of``, which the graphs simulated with this structure share
+    (:meth:`with_release`)."""
 
-    def __init__(self, sequences: list, resource_of_sequence: list, preds: list, release: Optional[list] = None):
+    def __init__(self, sequences: list, resource_of_sequence: list, preds: list, release: Optional[list] = None,
+                 release_of: Optional[np.ndarray] = None):
         self.sequences, self.resource_of_sequence, self.preds = sequences, resource_of_sequence, preds
-        self.release = release
+        self.release, self.release_of = release, release_of
 
     def with_release(self, release_us: np.ndarray) -> "Structure":
-        """This structure for graphs that share their release times ``release_us`` too (a
-        grid's cluster graph, whose configurations differ in durations alone): each simulation
-        reads them from here instead of converting the column again."""
+        """This structure for graphs that share their release times, the array ``release_us``
+        (a grid's cluster graph, whose configurations differ in durations alone): each
+        simulation of a graph whose column is that array reads them from here instead of
+        converting the column again."""
         release = np.asarray(release_us, dtype=np.float64).tolist()
         if len(release) != len(self.preds):
             raise ValueError(f"{len(release)} release times for a structure of {len(self.preds)} tasks")
-        return Structure(self.sequences, self.resource_of_sequence, self.preds, release)
+        return Structure(self.sequences, self.resource_of_sequence, self.preds, release, release_us)
+
+    def releases_of(self, column: np.ndarray) -> Optional[list]:
+        """The release times as a list where ``column`` (a graph's) is the array they were read
+        from (the same memory, the same length); else None."""
+        if self.release is None or len(column) != len(self.release) or not np.may_share_memory(column, self.release_of):
+            return None
+        return self.release
 
 
 @gc_paused()  # lists of a task's predecessors, no cycles: the collector would only walk them
@@ -236,10 +246,9 @@ class _Run:
         tasks = graph.tasks
         n = len(tasks)
         self.duration = tasks["duration_us"].to_numpy(dtype=np.float64).tolist()
-        if self.c.release is not None and len(self.c.release) == n:
-            self.release = self.c.release
-        else:
-            self.release = tasks["release_us"].to_numpy(dtype=np.float64).tolist()
+        column = tasks["release_us"].to_numpy(dtype=np.float64)
+        shared = self.c.releases_of(column)
+        self.release = shared if shared is not None else column.tolist()
         self.env = simpy.Environment()
         self.start: list = [None] * n
         self.end: list = [None] * n

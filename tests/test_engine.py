@@ -110,6 +110,22 @@ def test_a_release_time_holds_back_a_task_whose_predecessors_are_done(run):
     assert starts(s) == [0.0, 50.0]
 
 
+def test_a_structure_hands_over_release_times_only_to_graphs_that_share_them():
+    """A structure with the release times of one graph (``Structure.with_release``, a grid's
+    cluster graph) gives them to that graph and to copies sharing its column; a graph of the
+    same tasks and edges whose releases are its own is simulated with its own."""
+    from whatif.sim.engine import compile_structure
+
+    g = make_graph([("a", "r1", 1, 0.0), ("b", "r2", 1, 50.0)], [(0, 1, 0.0)])
+    structure = compile_structure(g).with_release(g.tasks["release_us"].to_numpy())
+    shared = g.copy()
+    shared.tasks = g.tasks.copy(deep=False)
+    shared.tasks["duration_us"] = [2.0, 1.0]  # the column of releases is still g's
+    assert starts(simulate(shared, structure=structure)) == [0.0, 50.0]
+    other = make_graph([("a", "r1", 1, 0.0), ("b", "r2", 1, 80.0)], [(0, 1, 0.0)])
+    assert starts(simulate(other, structure=structure)) == [0.0, 80.0]
+
+
 @pytest.mark.parametrize("run", ENGINES, ids=ENGINE_IDS)
 def test_a_chain_across_resources_adds_up_durations_and_lags(run):
     g = make_graph(
