@@ -162,6 +162,22 @@ def test_a_trace_whose_graph_is_kept_is_not_read_ahead(cache, tmp_path, monkeypa
     assert asked == [str(trace)]
 
 
+def test_no_mark_is_left_for_a_graph_the_cache_could_not_keep(cache, tmp_path, monkeypatch):
+    """An entry larger than the folder's limit is trimmed as soon as it is written: no mark
+    says it is kept, so the next command still reads the trace ahead."""
+    from whatif import cli
+
+    trace = tmp_path / "t.json.gz"
+    shutil.copy(BUNDLED_TRACE, trace)
+    monkeypatch.setenv("WHATIF_GRAPH_CACHE_MB", "0.001")
+    TraceStudy.from_trace(trace)
+    assert entries(cache) == [] and list(cache.glob("held-*.mark")) == []
+    asked = []
+    monkeypatch.setattr(cli, "read_ahead", asked.append)
+    cli._read_ahead(["replay", str(trace)])
+    assert asked == [str(trace)]
+
+
 def test_the_cache_off_writes_nothing(cache, tmp_path, monkeypatch):
     monkeypatch.setenv("WHATIF_GRAPH_CACHE", "0")
     TraceStudy.from_trace(BUNDLED_TRACE).replay

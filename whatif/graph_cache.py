@@ -85,8 +85,8 @@ def read_build_and_key(path: Union[str, Path]) -> tuple[KinetoTrace, TaskGraph, 
         trace = load_trace(path)
         graph = build_graph(trace)
     if key:
-        _store(key, {"format": FORMAT, "trace": trace, "graph": graph, "warnings": list(texts)})
-        mark_held(path)
+        if _store(key, {"format": FORMAT, "trace": trace, "graph": graph, "warnings": list(texts)}):
+            mark_held(path)  # only where the entry was kept: a mark without one would cost the read-ahead
     return trace, graph, key
 
 
@@ -198,13 +198,14 @@ def _read(path: Path, valid) -> Optional[dict]:
     return value
 
 
-def _store(key: str, entry: dict) -> None:
-    _write(_entry_path(key), entry)
+def _store(key: str, entry: dict) -> bool:
+    return _write(_entry_path(key), entry)
 
 
-def _write(path: Path, value) -> None:
+def _write(path: Path, value) -> bool:
     """``value`` pickled to ``path`` whole or not at all, then the folder trimmed; nothing where
-    it cannot be written (the next command makes it again)."""
+    it cannot be written (the next command makes it again). Whether ``path`` is there after the
+    trim (one entry larger than the folder's limit is not)."""
     folder = path.parent
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -218,7 +219,8 @@ def _write(path: Path, value) -> None:
             raise
         trim(folder)
     except (OSError, pickle.PicklingError):
-        pass
+        return False
+    return path.exists()
 
 
 def limit_bytes() -> float:
