@@ -17,6 +17,7 @@ from __future__ import annotations
 import enum
 import pickle
 import re
+import threading
 from dataclasses import dataclass, field
 from operator import attrgetter, itemgetter
 from pathlib import Path
@@ -161,16 +162,20 @@ class KinetoTrace:
         self.__dict__.update(state)
 
     def __getattr__(self, name: str):
-        packed = self.__dict__.get("_packed_inputs") if name in _PACKED_INPUTS else None
-        if packed is None:
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        self.__dict__.update(zip(_PACKED_INPUTS, pickle.loads(packed)))
-        del self.__dict__["_packed_inputs"]
-        return self.__dict__[name]
+        state = self.__dict__
+        if name in _PACKED_INPUTS:
+            with _UNPACKING:  # one thread unpacks; another waits and finds them unpacked
+                packed = state.pop("_packed_inputs", None)
+                if packed is not None:
+                    state.update(zip(_PACKED_INPUTS, pickle.loads(packed)))
+            if name in state:
+                return state[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
 
-#: the fields of :class:`KinetoTrace` pickled as one blob
+#: the fields of :class:`KinetoTrace` pickled as one blob, and the lock of their unpacking
 _PACKED_INPUTS = ("input_dims", "input_types", "concrete_inputs")
+_UNPACKING = threading.Lock()
 
 
 #: the whitespace ``bytes.lstrip`` strips, matched rather than stripped (a copy of the whole text)

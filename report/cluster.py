@@ -67,14 +67,15 @@ _BREAKDOWN_KEPT = 4
 
 def _breakdown_tasks(run: ClusterSchedule) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The ids of worker 0's compute tasks (its GPU's, or its CPU threads' where it has no GPU
-    task), of its working tasks (GPU and CPU) and of the communication tasks, each resource's
-    in the order it runs them: a union of their intervals then sorts runs that are sorted
-    already, and is the same union whatever the order. Kept for the graph of ``run`` while its
-    mask and communication tasks are the same arrays (the graph's durations alone change)."""
-    for worker0, comm, ids in _BREAKDOWN_TASKS:
-        if worker0 is run.worker0 and comm is run.comm_tasks:
-            return ids
+    task), of its working tasks (GPU and CPU) and of the communication tasks, resource by
+    resource in each one's order (a policy's queue may run its own otherwise): a union of
+    their intervals then mostly sorts runs that are sorted already, and is the same union
+    whatever the order. Kept while ``run``'s mask and communication tasks are the same
+    read-only arrays (a laid cluster graph's, whose configurations differ in durations alone)."""
     graph = run.schedule.graph
+    for worker0, comm, ids in _BREAKDOWN_TASKS:
+        if worker0 is run.worker0 and comm is run.comm_tasks and len(worker0) == len(graph.tasks):
+            return ids
     kinds = graph.tasks["kind"].to_numpy()
     on_network = np.zeros(len(kinds), dtype=bool)
     on_network[run.comm_tasks] = True
@@ -83,8 +84,9 @@ def _breakdown_tasks(run: ClusterSchedule) -> tuple[np.ndarray, np.ndarray, np.n
     compute = gpu if gpu.any() else cpu
     order = np.concatenate(graph.resource_order()) if len(kinds) else np.zeros(0, dtype=np.int64)
     ids = tuple(order[mask[order]] for mask in (compute, gpu | cpu, on_network))
-    _BREAKDOWN_TASKS.insert(0, (run.worker0, run.comm_tasks, ids))
-    del _BREAKDOWN_TASKS[_BREAKDOWN_KEPT:]
+    if not (run.worker0.flags.writeable or run.comm_tasks.flags.writeable):  # arrays no one can change
+        _BREAKDOWN_TASKS.insert(0, (run.worker0, run.comm_tasks, ids))
+        del _BREAKDOWN_TASKS[_BREAKDOWN_KEPT:]
     return ids
 
 
