@@ -158,9 +158,6 @@ class KinetoTrace:
             state["_packed_inputs"] = pickle.dumps(inputs, protocol=pickle.HIGHEST_PROTOCOL)
         return state
 
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-
     def __getattr__(self, name: str):
         state = self.__dict__
         if name in _PACKED_INPUTS:

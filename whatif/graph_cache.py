@@ -54,15 +54,6 @@ DEFAULT_LIMIT_MB = 2048
 MAX_BUNDLE_FILES = 1000  # a folder with more is no bundle: not cached
 
 
-def cache_folder() -> Path:
-    """Where the graphs are kept: ``graphs`` in whatif's cache folder (``cache_dir``)."""
-    return graph_folder()
-
-
-def enabled() -> bool:
-    return graph_cache_enabled()
-
-
 def read_and_build(path: Union[str, Path]) -> tuple[KinetoTrace, TaskGraph]:
     """``path``'s trace (``collectors/load.py``) and its graph (``sim/build.py``), from the cache
     where an entry for this trace and this code is kept, else read, built and kept."""
@@ -73,7 +64,7 @@ def read_and_build(path: Union[str, Path]) -> tuple[KinetoTrace, TaskGraph]:
 def read_build_and_key(path: Union[str, Path]) -> tuple[KinetoTrace, TaskGraph, Optional[str]]:
     """:func:`read_and_build`, and the entry's key (None with the cache off, or for a trace it
     cannot name), which names the replay kept with it (:func:`kept_replay`)."""
-    key = entry_key(path) if enabled() else None
+    key = entry_key(path) if graph_cache_enabled() else None
     entry = _load(key) if key else None
     if entry is not None:
         discard_read_ahead(path)  # the file the command line began reading: not needed now
@@ -165,11 +156,11 @@ def _library_versions() -> list:
 
 
 def _entry_path(key: str) -> Path:
-    return cache_folder() / f"{key}.pickle"
+    return graph_folder() / f"{key}.pickle"
 
 
 def _replay_path(key: str) -> Path:
-    return cache_folder() / f"{key}.replay"
+    return graph_folder() / f"{key}.replay"
 
 
 def _load(key: str) -> Optional[dict]:
