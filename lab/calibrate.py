@@ -33,8 +33,13 @@ which the line through the large sizes misses across machines (2.6 to 3.0 ms aga
 1.0). ``--floor-into`` measures it into a links file calibrated before it (:func:`add_floor`).
 
 Every probe job runs ``runs`` times (default ``RUNS``) and each of its figures is the median of
-the runs; the links each run alone gives are kept too, under ``runs`` (``calibrations_of_runs``),
-and ``whatif predict`` predicts with each of them to widen its interval by the calibration's
+the runs, but for the collectives probe's, which are the mean: Gloo's all-gather, all-to-all and
+send/recv between two machines run the two directions at once or one after the other, and the
+median of three runs priced them at whichever mode two runs fell into (the FSDP steps of
+campaigns G and H ran their all-gathers mostly in the slow mode and were predicted 10 to 15 %
+short); the mean is the op's expected time, what a step of many of them adds up to. The
+links each run alone gives are kept too, under ``runs`` (``calibrations_of_runs``), and
+``whatif predict`` predicts with each of them to widen its interval by the calibration's
 spread: on the virtual machine this was built on, four calibrations at 400 Mbps taken one
 after another fitted the loopback's bandwidth at 1.1 to 2.0 GB/s, its ``comm`` contention at 1.08
 to 2.31 and the total memory bandwidth at 52 to 82 GB/s, and the 1x2 predictions made from them
@@ -73,10 +78,10 @@ RUNS = 3
 FLOOR_MAX_BYTES = 16384
 
 
-def median_of_runs(runs: list) -> dict:
+def combine_runs(runs: list, combine=np.median) -> dict:
     """One probe's record from several runs of it: every number, and every number of a list,
-    the median over the runs; anything the runs agree on, or that is not a number, as the first
-    run has it."""
+    the median over the runs (or ``combine``'s figure, e.g. ``np.mean``); anything the runs agree
+    on, or that is not a number, as the first run has it."""
     first = runs[0]
     combined = {}
     for key, value in first.items():
@@ -84,17 +89,17 @@ def median_of_runs(runs: list) -> dict:
         if all(v == value for v in values) or isinstance(value, bool) or not isinstance(value, (int, float, list)):
             combined[key] = value
         elif isinstance(value, list):
-            combined[key] = [float(np.median(column)) for column in zip(*values)]
+            combined[key] = [float(combine(column)) for column in zip(*values)]
         else:
-            combined[key] = float(np.median(values))
+            combined[key] = float(combine(values))
     return combined
 
 
 #: Runs of the collectives probe across machines whose times for one op and size (from
 #: ``SPREAD_FROM_BYTES`` on, where the bytes, not the host, set the time) lie this far apart are
 #: named (:func:`runs_apart`): Gloo's two-rank all-to-all and all-gather run the two directions
-#: at once or one after the other (16 MB at 200 Mbps: 340 or 590 to 666 ms), and the median of
-#: three runs then picks a mode.
+#: at once or one after the other (16 MB at 200 Mbps: 340 or 590 to 666 ms), and three runs
+#: may see one mode only.
 SPREAD_RATIO = 1.4
 SPREAD_FROM_BYTES = 4e6
 
@@ -117,9 +122,10 @@ def runs_apart(runs: list, from_bytes: float = SPREAD_FROM_BYTES, ratio: float =
 
 
 def run_probe(spec: LabSpec, framework: str, argv: list, out_dir: Path, result_file: str, runs: int, what: str,
-              timeout_s: int, env: dict = None, name_spread: bool = False) -> dict:
-    """``runs`` jobs of a probe, each in its own folder under ``out_dir``, combined. With
-    ``name_spread``, a line names the op and sizes whose runs lie far apart (:func:`runs_apart`)."""
+              timeout_s: int, env: dict = None, name_spread: bool = False, combine=np.median) -> dict:
+    """``runs`` jobs of a probe, each in its own folder under ``out_dir``, combined by
+    ``combine`` (:func:`combine_runs`). With ``name_spread``, a line names the op and sizes
+    whose runs lie far apart (:func:`runs_apart`)."""
     records = []
     for run in range(runs):
         run_dir = out_dir / f"run{run}"
@@ -131,9 +137,10 @@ def run_probe(spec: LabSpec, framework: str, argv: list, out_dir: Path, result_f
     apart = runs_apart(records) if name_spread and len(records) > 1 else []
     if apart:
         progress(f"warning: {what} on {spec.machines}x{spec.gpus_per_machine}: runs far apart, "
-                 f"{'; '.join(apart)} over {len(records)} runs; the links take each size's median, so a "
-                 f"calibration again may price these ops differently (the runs are in {out_dir})")
-    return median_of_runs(records)
+                 f"{'; '.join(apart)} over {len(records)} runs; the links take each size's "
+                 f"{'mean' if combine is np.mean else 'median'}, so a calibration again may price these ops "
+                 f"differently (the runs are in {out_dir})")
+    return combine_runs(records, combine)
 
 
 def fit_ring(sizes_bytes, seconds, workers: int, bandwidth_bytes_per_s: float) -> dict:
@@ -175,7 +182,8 @@ def measure(spec: LabSpec, out_dir: Path, sizes=SIZES_BYTES, runs: int = RUNS) -
 def measure_collectives(spec: LabSpec, out_dir: Path, sizes=COLLECTIVE_SIZES_BYTES, runs: int = RUNS) -> dict:
     argv = [sys.executable, "-m", "whatif.lab.probes.collectives", *[str(int(s)) for s in sizes]]
     return run_probe(spec, "ddp", argv, out_dir, "collectives.json", runs, "the collectives probe", 600,
-                     name_spread=spec.machines > 1)  # loopback's are noisy at every size: not named
+                     name_spread=spec.machines > 1,  # loopback's are noisy at every size: not named
+                     combine=np.mean)  # an op's expected time, whichever of Gloo's modes a run fell into
 
 
 def measure_floor(spec: LabSpec, out_dir: Path, runs: int = RUNS) -> dict:

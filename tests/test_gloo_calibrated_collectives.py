@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from whatif.lab.calibrate import fit_collectives, fit_floor, median_of_runs, op_shape, runs_apart
+from whatif.lab.calibrate import fit_collectives, fit_floor, combine_runs, op_shape, runs_apart
 from whatif.topology import Cluster, Link, TopologyError, collective_cost, collective_plan
 from whatif.topology.cluster import CALIBRATED_OPS
 from whatif.topology.collectives import allreduce_time_us
@@ -135,9 +135,30 @@ def test_probe_runs_combine_by_the_median_of_each_size():
     runs = [{"sizes_bytes": [1, 2], "world_size": 2, "all_gather": [1.0, 5.0]},
             {"sizes_bytes": [1, 2], "world_size": 2, "all_gather": [3.0, 4.0]},
             {"sizes_bytes": [1, 2], "world_size": 2, "all_gather": [2.0, 9.0]}]
-    combined = median_of_runs(runs)
+    combined = combine_runs(runs)
     assert combined["all_gather"] == [2.0, 5.0] and combined["sizes_bytes"] == [1, 2]
     assert np.isfinite(combined["all_gather"]).all()
+
+
+def test_the_collectives_probe_prices_a_two_mode_op_at_its_mean():
+    """Campaign G's 16 MB all-to-all across machines at 1000 Mbps, three runs in Gloo's two modes
+    (107.8, 106.0, 69.4 ms): the median takes the slow mode, the mean the op's expected time."""
+    runs = [{"sizes_bytes": [16000000], "world_size": 2, "all_to_all": [t]} for t in (0.1078, 0.1060, 0.0694)]
+    assert combine_runs(runs)["all_to_all"] == [pytest.approx(0.1060)]
+    assert combine_runs(runs, np.mean)["all_to_all"] == [pytest.approx(0.0944)]
+
+
+
+def test_the_calibration_takes_the_collectives_probes_mean_and_the_others_median(monkeypatch, tmp_path):
+    from whatif.lab import calibrate
+    from whatif.lab.cluster import LabSpec
+    asked = {}
+    monkeypatch.setattr(calibrate, "run_probe", lambda *a, **kw: asked.setdefault(a[6], kw.get("combine", np.median)))
+    calibrate.measure_collectives(LabSpec(2, 1, 200), tmp_path)
+    calibrate.measure(LabSpec(2, 1, 200), tmp_path)
+    calibrate.measure_floor(LabSpec(2, 1, 200), tmp_path)
+    assert asked == {"the collectives probe": np.mean, "calibration workers": np.median,
+                     "the small all-reduce probe": np.median}
 
 
 def test_probe_runs_far_apart_are_named_by_op_and_size():

@@ -216,14 +216,14 @@ def test_contention_is_the_busy_to_idle_ratio_of_each_large_all_reduce_and_the_l
 @can_run
 @needs_torch
 def test_a_probe_run_several_times_gives_the_median_of_every_figure():
-    from whatif.lab.calibrate import median_of_runs
+    from whatif.lab.calibrate import combine_runs
 
     runs = [
         {"sizes_bytes": [1, 2], "seconds": [0.1, 1.0], "compute_rate_alone": 900.0, "world_size": 2},
         {"sizes_bytes": [1, 2], "seconds": [0.3, 2.0], "compute_rate_alone": 3000.0, "world_size": 2},
         {"sizes_bytes": [1, 2], "seconds": [0.2, 1.5], "compute_rate_alone": 1000.0, "world_size": 2},
     ]
-    assert median_of_runs(runs) == {"sizes_bytes": [1, 2], "seconds": [0.2, 1.5], "compute_rate_alone": 1000.0,
+    assert combine_runs(runs) == {"sizes_bytes": [1, 2], "seconds": [0.2, 1.5], "compute_rate_alone": 1000.0,
                                     "world_size": 2}
 
 

@@ -22,8 +22,9 @@ SIZE_BYTES ...``). Each size is timed, on an otherwise idle worker, for what
 
 The nccl-tests convention for ``SIZE`` is ``topology/cost.py``'s. Rank 0 writes
 ``$WHATIF_LAB_OUT/collectives.json``: ``sizes_bytes``, ``world_size`` and, per op,
-``seconds`` (the median of ``REPEATS`` after one that warms the connections, each started
-after a barrier).
+``seconds`` (the mean of ``REPEATS`` after one that warms the connections, each started
+after a barrier: between two machines Gloo runs the two directions of an exchange at once or
+one after the other, and the mean, not a median that picks one mode, is the op's expected time).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import statistics
 import sys
 import time
 
-REPEATS = 3
+REPEATS = 5
 OPS = ("all_gather", "reduce_scatter", "all_to_all", "send_recv", "send", "all_reduce")
 
 
@@ -71,7 +72,7 @@ def run_op(dist, torch, op: str, size: int):
 
 
 def time_op(dist, torch, op: str, sizes: list) -> list:
-    """Median seconds of ``op`` at each size."""
+    """Mean seconds of ``op`` at each size."""
     seconds = []
     for size in sizes:
         run = run_op(dist, torch, op, size)
@@ -82,7 +83,7 @@ def time_op(dist, torch, op: str, sizes: list) -> list:
             start = time.perf_counter()
             run()
             repeats.append(time.perf_counter() - start)
-        seconds.append(statistics.median(repeats))
+        seconds.append(statistics.fmean(repeats))
     return seconds
 
 
