@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from whatif.lab.calibrate import fit_collectives, fit_floor, combine_runs, op_shape, runs_apart
+from whatif.lab.calibrate import combine_runs, fit_collectives, fit_floor, op_shape, runs_apart
 from whatif.topology import Cluster, Link, TopologyError, collective_cost, collective_plan
 from whatif.topology.cluster import CALIBRATED_OPS
 from whatif.topology.collectives import allreduce_time_us
@@ -146,7 +146,6 @@ def test_the_collectives_probe_prices_a_two_mode_op_at_its_mean():
     runs = [{"sizes_bytes": [16000000], "world_size": 2, "all_to_all": [t]} for t in (0.1078, 0.1060, 0.0694)]
     assert combine_runs(runs)["all_to_all"] == [pytest.approx(0.1060)]
     assert combine_runs(runs, np.mean)["all_to_all"] == [pytest.approx(0.0944)]
-
 
 
 def test_the_calibration_takes_the_collectives_probes_mean_and_the_others_median(monkeypatch, tmp_path):
