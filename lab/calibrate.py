@@ -36,7 +36,7 @@ Every probe job runs ``runs`` times (default ``RUNS``) and each of its figures i
 the runs, but for the collectives probe's, which are the mean: Gloo's all-gather, all-to-all and
 send/recv between two machines run the two directions at once or one after the other, and the
 median of three runs priced them at whichever mode two runs fell into (the FSDP steps of
-campaigns G and H ran their all-gathers mostly in the slow mode and were predicted 10 to 15 %
+campaigns G and H ran their all-gathers mostly in the slow mode and were predicted 7 to 15 %
 short); the mean is the op's expected time, what a step of many of them adds up to. The
 links each run alone gives are kept too, under ``runs`` (``calibrations_of_runs``), and
 ``whatif predict`` predicts with each of them to widen its interval by the calibration's
@@ -138,7 +138,7 @@ def run_probe(spec: LabSpec, framework: str, argv: list, out_dir: Path, result_f
     if apart:
         progress(f"warning: {what} on {spec.machines}x{spec.gpus_per_machine}: runs far apart, "
                  f"{'; '.join(apart)} over {len(records)} runs; the links take each size's "
-                 f"{'mean' if combine is np.mean else 'median'}, so a calibration again may price these ops "
+                 f"{combine.__name__}, so a calibration again may price these ops "
                  f"differently (the runs are in {out_dir})")
     return combine_runs(records, combine)
 

@@ -10,6 +10,7 @@ probe times through each op's own closed form, so the topology gives back the ti
 from __future__ import annotations
 
 from dataclasses import replace
+import json
 from pathlib import Path
 
 import numpy as np
@@ -158,6 +159,30 @@ def test_the_calibration_takes_the_collectives_probes_mean_and_the_others_median
     calibrate.measure_floor(LabSpec(2, 1, 200), tmp_path)
     assert asked == {"the collectives probe": np.mean, "calibration workers": np.median,
                      "the small all-reduce probe": np.median}
+
+
+def test_a_probe_whose_runs_lie_far_apart_says_how_its_links_combine_them(monkeypatch, tmp_path):
+    """The warning names the figure the links took, the mean for the collectives probe."""
+    from types import SimpleNamespace
+
+    from whatif.lab import calibrate
+    from whatif.lab.cluster import LabSpec
+    seconds = iter((0.1078, 0.1060, 0.0694))
+
+    def fake_job(spec, framework, argv, run_dir, timeout_s, env):
+        run_dir.mkdir(parents=True)
+        record = {"sizes_bytes": [16000000], "world_size": 2, "all_to_all": [next(seconds)]}
+        (run_dir / "collectives.json").write_text(json.dumps(record))
+        return SimpleNamespace(exit_codes=[0, 0])
+
+    said = []
+    monkeypatch.setattr(calibrate, "run_job", fake_job)
+    monkeypatch.setattr(calibrate, "progress", said.append)
+    combined = calibrate.measure_collectives(LabSpec(2, 1, 1000), tmp_path)
+    assert combined["all_to_all"] == [pytest.approx(0.0944)]
+    warning = [line for line in said if line.startswith("warning:")]
+    assert len(warning) == 1 and "all_to_all at 16 MB" in warning[0]
+    assert "the links take each size's mean," in warning[0]
 
 
 def test_probe_runs_far_apart_are_named_by_op_and_size():

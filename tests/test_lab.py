@@ -224,7 +224,7 @@ def test_a_probe_run_several_times_gives_the_median_of_every_figure():
         {"sizes_bytes": [1, 2], "seconds": [0.2, 1.5], "compute_rate_alone": 1000.0, "world_size": 2},
     ]
     assert combine_runs(runs) == {"sizes_bytes": [1, 2], "seconds": [0.2, 1.5], "compute_rate_alone": 1000.0,
-                                    "world_size": 2}
+                                  "world_size": 2}
 
 
 def test_calibrate_writes_links_a_scenario_can_use(tmp_path):
