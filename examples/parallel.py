@@ -314,12 +314,8 @@ class PipelineWorker(DistributedWorker):
         if inputs.shape[0] % self.options.microbatches:
             raise SystemExit(f"the batch of {inputs.shape[0]} does not split into {self.options.microbatches} microbatches")
         losses: list = []
-        if self.rank == 0:
-            self.schedule.step(inputs)
-        elif self.rank == self.size - 1:
-            self.schedule.step(target=labels, losses=losses)
-        else:
-            self.schedule.step()
+        first, last = self.rank == 0, self.rank == self.size - 1  # a one-stage pipeline is both
+        self.schedule.step(*([inputs] if first else []), **({"target": labels, "losses": losses} if last else {}))
         mark("schedule")
         optimizer.step()
         mark("step")

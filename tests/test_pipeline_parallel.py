@@ -293,6 +293,47 @@ def test_interleaved_stages_alternate_devices(real):
 # -- a microbatch trace ----------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_later_backwards_of_a_chunk_add_their_gradients_into_the_first(real, schedule):
+    """An ``AccumulateGrad`` of a stage's backward after its first (microbatch 0's) takes its
+    gradient's bytes (the operator's recorded input, counted here from its shape) at the trace's
+    in-place update rate longer than in the first; nothing else changes between microbatches. A
+    GPU trace (no such rate) adds nothing."""
+    import json
+
+    from whatif.sim.frameworks.copies import pass_rate_bytes_per_us
+    from whatif.sim.parallel.pipeline import ACCUMULATE_GRAD
+
+    graph, units, _ = real
+    p, m = min(len(units.table), 2), 4
+    built = apply_pipeline(graph, units, par(p, m, schedule), None, {})
+    note = built.last_note(PipelineSchedule)
+    duration = built.tasks["duration_us"].to_numpy()
+    backward = (note.task_phase == BACKWARD) & (note.task_source >= 0)
+    first = {(d, s): t for t, d, s in zip(np.flatnonzero(backward & (note.task_microbatch == 0)),
+                                          note.task_device[backward & (note.task_microbatch == 0)],
+                                          note.task_source[backward & (note.task_microbatch == 0)])}
+    rate = pass_rate_bytes_per_us(graph)
+    names = graph.tasks["name"].astype(str).to_numpy()
+    events = graph.tasks["event"].to_numpy()
+    seen, added = set(), 0
+    for t in np.flatnonzero(backward & (note.task_microbatch > 0)):
+        source = note.task_source[t]
+        extra = duration[t] - duration[first[(note.task_device[t], source)]]
+        expected = 0.0
+        if rate and names[source] == ACCUMULATE_GRAD and (note.task_microbatch[t], events[source]) not in seen:
+            seen.add((note.task_microbatch[t], events[source]))  # an operator cut into several tasks: once
+            dims, types = (json.loads(graph.ops.loc[events[source], c]) for c in ("input_dims", "input_types"))
+            assert types[0] == "float"
+            expected = float(np.prod(dims[0])) * 4 / rate
+            added += expected > 0
+        assert extra == pytest.approx(expected, rel=1e-9, abs=1e-9), names[source]
+    if graph.workload.has_gpu:
+        assert rate is None and added == 0
+    else:
+        assert added >= (m - 1) * p  # every stage holds parameters
+
+
 def _rescaled(graph, factor: float):
     """``graph`` with every task ``factor`` times as long: a stand-in for the same model traced at
     a microbatch (the same units, tasks and order)."""
