@@ -141,6 +141,17 @@ def test_probe_runs_combine_by_the_median_of_each_size():
     assert np.isfinite(combined["all_gather"]).all()
 
 
+def test_a_probe_run_several_times_gives_the_median_of_every_figure():
+    """Lists by position, single figures alike; what names the run (its world) is kept."""
+    runs = [
+        {"sizes_bytes": [1, 2], "seconds": [0.1, 1.0], "compute_rate_alone": 900.0, "world_size": 2},
+        {"sizes_bytes": [1, 2], "seconds": [0.3, 2.0], "compute_rate_alone": 3000.0, "world_size": 2},
+        {"sizes_bytes": [1, 2], "seconds": [0.2, 1.5], "compute_rate_alone": 1000.0, "world_size": 2},
+    ]
+    assert combine_runs(runs) == {"sizes_bytes": [1, 2], "seconds": [0.2, 1.5], "compute_rate_alone": 1000.0,
+                                  "world_size": 2}
+
+
 def test_the_collectives_probe_prices_a_two_mode_op_at_its_mean():
     """Campaign G's 16 MB all-to-all across machines at 1000 Mbps, three runs in Gloo's two modes
     (107.8, 106.0, 69.4 ms): the median takes the slow mode, the mean the op's expected time."""

@@ -213,20 +213,6 @@ def test_contention_is_the_busy_to_idle_ratio_of_each_large_all_reduce_and_the_l
     assert fit_contention(quiet) == {"comm": {"4MB": 1.0, "16MB": 1.0, "32MB": 1.0}, "compute": 1.0}
 
 
-@can_run
-@needs_torch
-def test_a_probe_run_several_times_gives_the_median_of_every_figure():
-    from whatif.lab.calibrate import combine_runs
-
-    runs = [
-        {"sizes_bytes": [1, 2], "seconds": [0.1, 1.0], "compute_rate_alone": 900.0, "world_size": 2},
-        {"sizes_bytes": [1, 2], "seconds": [0.3, 2.0], "compute_rate_alone": 3000.0, "world_size": 2},
-        {"sizes_bytes": [1, 2], "seconds": [0.2, 1.5], "compute_rate_alone": 1000.0, "world_size": 2},
-    ]
-    assert combine_runs(runs) == {"sizes_bytes": [1, 2], "seconds": [0.2, 1.5], "compute_rate_alone": 1000.0,
-                                  "world_size": 2}
-
-
 def test_calibrate_writes_links_a_scenario_can_use(tmp_path):
     from whatif.lab.calibrate import calibrate
     from whatif.scenario import Scenario
