@@ -17,7 +17,7 @@ from whatif.sim.parallel.memory import MemoryBreakdown, fits
 from whatif.topology import Cluster, as_gbps
 
 from .intervals import steady_interval
-from .iterations import IntervalUnion, steady_median, union_within
+from .iterations import IntervalUnion, steady_median
 
 if TYPE_CHECKING:  # the parallel passes are imported by the functions of parallel jobs, where a grid has one
     from whatif.sim.parallel.job import ParallelJob
@@ -175,24 +175,17 @@ def exposed_by_dimension(run: ClusterSchedule, report: pd.DataFrame, names: np.n
     from whatif.sim.parallel.job import comm_dimension
 
     schedule = run.schedule
-    kinds = schedule.graph.tasks["kind"].to_numpy()
-    comm = np.zeros(len(kinds), dtype=bool)
-    comm[run.comm_tasks] = True
-    working = (np.isin(kinds, [int(k) for k in GPU_TASK_KINDS]) | np.isin(kinds, [int(TaskKind.CPU), int(TaskKind.RUNTIME)]))
-    working &= run.worker0 & ~comm
+    _, working, _ = _breakdown_tasks(run)  # worker 0's GPU and CPU tasks, as the breakdown reads them
     start, end = schedule.start_us, schedule.end_us
+    worked = IntervalUnion(start[working], end[working])
     dimension = np.array([comm_dimension(n) for n in names[run.comm_tasks]], dtype=object)
     out = {}
     for dim in sorted(set(dimension.tolist())):
         mine = run.comm_tasks[dimension == dim]
-        per_iteration = []
-        for lo, hi in zip(report["span_start_us"], report["span_end_us"]):
-            if not np.isfinite(lo):
-                per_iteration.append(np.nan)
-                continue
-            worked = union_within(start[working], end[working], lo, hi)
-            both = union_within(np.r_[start[working], start[mine]], np.r_[end[working], end[mine]], lo, hi)
-            per_iteration.append((both - worked) / 1e3)
+        # the worked blocks stand for the intervals they merge, as in the breakdown
+        both = IntervalUnion(np.r_[worked.start, start[mine]], np.r_[worked.end, end[mine]])
+        per_iteration = [(both.within(lo, hi) - worked.within(lo, hi)) / 1e3 if np.isfinite(lo) else np.nan
+                         for lo, hi in zip(report["span_start_us"], report["span_end_us"])]
         out[f"exposed_{dim}_ms"] = steady_median(pd.Series(per_iteration))
     return out
 
