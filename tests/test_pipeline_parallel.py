@@ -302,7 +302,7 @@ def test_later_backwards_of_a_chunk_add_their_gradients_into_the_first(real, sch
     import json
 
     from whatif.sim.frameworks.copies import pass_rate_bytes_per_us
-    from whatif.sim.parallel.pipeline import ACCUMULATE_GRAD
+    from whatif.sim.gradients import ACCUMULATE_GRAD
 
     graph, units, _ = real
     p, m = min(len(units.table), 2), 4

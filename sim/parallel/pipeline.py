@@ -91,6 +91,7 @@ from whatif.topology import CollectiveCost, collective_cost
 
 from ..engine import Schedule
 from ..frameworks.copies import pass_rate_bytes_per_us
+from ..gradients import ACCUMULATE_GRAD
 from ..graph import GPU_TASK_KINDS, EdgeKind, GraphError, TaskGraph, TaskKind, concat_tasks
 from ..workload import first_inputs_bytes
 from ..passes.batch_size import change_batch_size, infer_batch_size, parameter_shapes
@@ -310,9 +311,6 @@ def apply_pipeline(graph: TaskGraph, units, par, cluster, ranks_of: dict, *, mod
     return out
 
 
-ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
-
-
 def accumulation_us(graph: TaskGraph, among: np.ndarray) -> Optional[np.ndarray]:
     """Per task of ``graph``, what adding a microbatch's gradient into the one already written
     costs (see the module doc): for the first task of each ``AccumulateGrad`` operator among
@@ -323,7 +321,7 @@ def accumulation_us(graph: TaskGraph, among: np.ndarray) -> Optional[np.ndarray]
         return None
     tasks = graph.tasks
     events = tasks["event"].to_numpy()
-    chosen = np.flatnonzero(among & (tasks["name"].astype(str).to_numpy() == ACCUMULATE_GRAD) & (events >= 0))
+    chosen = np.flatnonzero(among & (tasks["name"] == ACCUMULATE_GRAD).to_numpy() & (events >= 0))
     if not len(chosen):
         return None
     firsts = chosen[np.unique(events[chosen], return_index=True)[1]]  # an operator cut into several tasks: once

@@ -59,6 +59,7 @@ from typing import Optional
 import numpy as np
 import pandas as pd
 
+from ..gradients import ACCUMULATE_GRAD
 from ..graph import GraphError, TaskGraph, TaskKind
 from .optimizations import DATA_LOADING
 from ..perfmodels.families import FAMILY_OF, VIEW_OPS
@@ -67,7 +68,6 @@ from ..perfmodels.shapes import operator_units
 from .shared_memory import MEMORY_BYTES
 from ..workload import decode_inputs
 
-_ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
 _OUTSIDE_MODEL = re.compile(DATA_LOADING + r"|Optimizer\.|whatif\.capture")
 
 
@@ -101,7 +101,7 @@ def parameter_shapes(graph: TaskGraph) -> set[tuple]:
     if len(parameters):
         shapes |= {tuple(int(v) for v in s) for s in parameters["shape"]}
     ops = graph.ops
-    for text in ops.loc[(ops["name"] == _ACCUMULATE_GRAD).to_numpy(), "input_dims"]:
+    for text in ops.loc[(ops["name"] == ACCUMULATE_GRAD).to_numpy(), "input_dims"]:
         dims = decode_inputs(text)
         if dims and isinstance(dims[0], list) and dims[0]:
             shapes.add(tuple(int(v) for v in dims[0]))
