@@ -132,24 +132,21 @@ def test_a_pipeline_prices_its_one_way_transfers_where_the_links_time_them():
     assert collective_cost(both, "send_recv", size).time_us == pytest.approx(3500 + size / 1300.0)  # the link's own
 
 
-def test_probe_runs_combine_by_the_median_of_each_size():
-    runs = [{"sizes_bytes": [1, 2], "world_size": 2, "all_gather": [1.0, 5.0]},
-            {"sizes_bytes": [1, 2], "world_size": 2, "all_gather": [3.0, 4.0]},
-            {"sizes_bytes": [1, 2], "world_size": 2, "all_gather": [2.0, 9.0]}]
-    combined = combine_runs(runs)
-    assert combined["all_gather"] == [2.0, 5.0] and combined["sizes_bytes"] == [1, 2]
-    assert np.isfinite(combined["all_gather"]).all()
-
-
 def test_a_probe_run_several_times_gives_the_median_of_every_figure():
-    """Lists by position, single figures alike; what names the run (its world) is kept."""
+    """Lists by position (each size's median), single figures alike; what names the run (its
+    sizes, its world) is kept."""
     runs = [
-        {"sizes_bytes": [1, 2], "seconds": [0.1, 1.0], "compute_rate_alone": 900.0, "world_size": 2},
-        {"sizes_bytes": [1, 2], "seconds": [0.3, 2.0], "compute_rate_alone": 3000.0, "world_size": 2},
-        {"sizes_bytes": [1, 2], "seconds": [0.2, 1.5], "compute_rate_alone": 1000.0, "world_size": 2},
+        {"sizes_bytes": [1, 2], "seconds": [0.1, 1.0], "compute_rate_alone": 900.0, "world_size": 2,
+         "all_gather": [1.0, 5.0]},
+        {"sizes_bytes": [1, 2], "seconds": [0.3, 2.0], "compute_rate_alone": 3000.0, "world_size": 2,
+         "all_gather": [3.0, 4.0]},
+        {"sizes_bytes": [1, 2], "seconds": [0.2, 1.5], "compute_rate_alone": 1000.0, "world_size": 2,
+         "all_gather": [2.0, 9.0]},
     ]
-    assert combine_runs(runs) == {"sizes_bytes": [1, 2], "seconds": [0.2, 1.5], "compute_rate_alone": 1000.0,
-                                  "world_size": 2}
+    combined = combine_runs(runs)
+    assert combined == {"sizes_bytes": [1, 2], "seconds": [0.2, 1.5], "compute_rate_alone": 1000.0,
+                        "world_size": 2, "all_gather": [2.0, 5.0]}
+    assert np.isfinite(combined["all_gather"]).all()
 
 
 def test_the_collectives_probe_prices_a_two_mode_op_at_its_mean():
