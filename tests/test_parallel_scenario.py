@@ -517,3 +517,16 @@ def test_what_a_parallel_job_cannot_use_is_left_out_or_said_never_dropped(recwar
     assert [p.parallelism.describe() for p in left.points] == ["dp4"]
     assert [str(w.message)[:52] for w in recwarn] == ["s.yaml: left out 1 configuration of a parallel job w"], \
         "no parallel configuration is left for the gradients to miss: nothing more to say"
+
+
+def test_a_pipelines_gradient_adds_are_said_with_their_price():
+    """A prediction that pipelines several microbatches says how their later backwards' gradient
+    adds were priced (``sim/parallel/accumulation.py``): on the CPU transformer, at its
+    optimizer's in-place rate; one that does not pipeline says nothing."""
+    from whatif.pipeline import pipeline_note
+    from whatif.sim.frameworks.copies import pass_rate_bytes_per_us
+
+    piped = predict(_scenario({"pipeline": {"stages": 2, "microbatches": 4}}, gpus=2).request())
+    rate = pass_rate_bytes_per_us(piped.study.graph)
+    assert rate and f"in-place add at the optimizer's {rate / 1e3:.3g} GB/s" in pipeline_note(piped)
+    assert pipeline_note(predict(_scenario({"tensor": 2}, gpus=2).request())) == ""

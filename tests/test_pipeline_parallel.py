@@ -295,14 +295,17 @@ def test_interleaved_stages_alternate_devices(real):
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_later_backwards_of_a_chunk_add_their_gradients_into_the_first(real, schedule):
-    """An ``AccumulateGrad`` of a stage's backward after its first (microbatch 0's) takes its
-    gradient's bytes (the operator's recorded input, counted here from its shape) at the trace's
-    in-place update rate longer than in the first; nothing else changes between microbatches. A
-    GPU trace (no such rate) adds nothing."""
+    """A stage's backward after its first (microbatch 0's) adds each gradient into the one
+    written: on a CPU trace each ``AccumulateGrad`` takes its gradient's bytes (counted here from
+    its recorded shape) at the trace's in-place update rate longer; on the GPU trace (whose
+    ``AccumulateGrad`` keeps the tensor) each takes one operator's CPU time longer and the
+    stage's kernels of that backward together take three times the gradients' bytes at the
+    trace's element-wise rate longer. Nothing else changes between microbatches."""
     import json
 
     from whatif.sim.frameworks.copies import pass_rate_bytes_per_us
     from whatif.sim.gradients import ACCUMULATE_GRAD
+    from whatif.sim.parallel.accumulation import elementwise_rate
 
     graph, units, _ = real
     p, m = min(len(units.table), 2), 4
@@ -313,25 +316,82 @@ def test_later_backwards_of_a_chunk_add_their_gradients_into_the_first(real, sch
     first = {(d, s): t for t, d, s in zip(np.flatnonzero(backward & (note.task_microbatch == 0)),
                                           note.task_device[backward & (note.task_microbatch == 0)],
                                           note.task_source[backward & (note.task_microbatch == 0)])}
-    rate = pass_rate_bytes_per_us(graph)
+    gpu = graph.workload.has_gpu
+    if gpu:
+        bytes_per_us, cpu_us = elementwise_rate(graph)
+    else:
+        rate = pass_rate_bytes_per_us(graph)
+    kernel = np.isin(graph.tasks["kind"].to_numpy(), [int(TaskKind.KERNEL)])
     names = graph.tasks["name"].astype(str).to_numpy()
     events = graph.tasks["event"].to_numpy()
     seen, added = set(), 0
+    kernels_extra, kernels_expected = {}, {}
     for t in np.flatnonzero(backward & (note.task_microbatch > 0)):
         source = note.task_source[t]
+        slot = (note.task_device[t], note.task_microbatch[t])
         extra = duration[t] - duration[first[(note.task_device[t], source)]]
+        if kernel[source]:
+            kernels_extra[slot] = kernels_extra.get(slot, 0.0) + extra
+            continue
         expected = 0.0
-        if rate and names[source] == ACCUMULATE_GRAD and (note.task_microbatch[t], events[source]) not in seen:
-            seen.add((note.task_microbatch[t], events[source]))  # an operator cut into several tasks: once
+        if names[source] == ACCUMULATE_GRAD and (slot, events[source]) not in seen:
+            seen.add((slot, events[source]))  # an operator cut into several tasks: once
             dims, types = (json.loads(graph.ops.loc[events[source], c]) for c in ("input_dims", "input_types"))
             assert types[0] == "float"
-            expected = float(np.prod(dims[0])) * 4 / rate
+            nbytes = float(np.prod(dims[0])) * 4
+            expected = cpu_us if gpu else nbytes / rate
+            if gpu:
+                kernels_expected[slot] = kernels_expected.get(slot, 0.0) + 3 * nbytes / bytes_per_us
             added += expected > 0
         assert extra == pytest.approx(expected, rel=1e-9, abs=1e-9), names[source]
-    if graph.workload.has_gpu:
-        assert rate is None and added == 0
+    assert added >= (m - 1) * (1 if gpu else p)  # every stage holds parameters (the GPU trace's backward: the last)
+    if gpu:
+        assert kernels_extra.keys() == kernels_expected.keys()
+        for slot, expected in kernels_expected.items():
+            assert kernels_extra[slot] == pytest.approx(expected, rel=1e-9), slot
     else:
-        assert added >= (m - 1) * p  # every stage holds parameters
+        assert not any(kernels_extra.values())
+
+
+def test_a_gpu_traces_element_wise_kernels_move_memory_near_its_gpus_bandwidth():
+    """The rate a GPU trace's gradient adds are priced at (bytes read and written over the time
+    of its element-wise kernels) is a large part of its GPU's memory bandwidth and no more: the
+    VGG13 H100 trace's bias adds against the H100 SXM's 3.35 TB/s, the ResNet-50 V100 trace's
+    gradient adds against the V100's 900 GB/s (the datasheets)."""
+    from trace_corpus import REPO
+    from whatif import TraceStudy
+    from whatif.sim.parallel.accumulation import elementwise_rate
+
+    for path, bandwidth in (("../shared/traces/triosim-vgg13-h100/vgg13_bs512_iter41.json.gz", 3.35e6),
+                            ("../shared/traces/kineto-resnet50-v100/resnet50_bs32_workers0.pt.trace.json.gz", 0.9e6)):
+        if not (REPO / path).exists():
+            pytest.skip(f"{path} is absent (the shared traces are checked out beside the repository)")
+        bytes_per_us, cpu_us = elementwise_rate(TraceStudy.from_trace(REPO / path).graph)
+        assert 0.5 * bandwidth < bytes_per_us <= bandwidth, path
+        assert 2.0 < cpu_us < 200.0  # an operator's dispatch and launch
+
+
+def test_a_traced_accumulate_grad_that_adds_already_is_not_priced_again():
+    """The ResNet-50 V100 trace zeroed its gradients (each ``AccumulateGrad`` runs an
+    ``aten::add_``): a pipeline's later backwards hold that add already, and nothing is added;
+    the VGG13 H100 trace's ``AccumulateGrad`` keeps the tensor (``aten::detach`` inside): none
+    adds."""
+    from trace_corpus import REPO
+    from whatif import TraceStudy
+    from whatif.sim.gradients import ACCUMULATE_GRAD
+    from whatif.sim.parallel.accumulation import accumulation, already_adds
+
+    for path, adds in (("../shared/traces/kineto-resnet50-v100/resnet50_bs32_workers0.pt.trace.json.gz", True),
+                       ("../shared/traces/triosim-vgg13-h100/vgg13_bs512_iter41.json.gz", False)):
+        if not (REPO / path).exists():
+            pytest.skip(f"{path} is absent (the shared traces are checked out beside the repository)")
+        graph = TraceStudy.from_trace(REPO / path).graph
+        events = graph.ops.index[graph.ops["name"] == ACCUMULATE_GRAD].to_numpy()
+        assert len(events) > 20
+        assert (already_adds(graph, events) == adds).all(), path
+        everything = accumulation(graph, np.ones(len(graph.tasks), dtype=bool))
+        assert (everything.extra_us is None) == adds, everything.rule
+        assert ("already adds" in everything.rule) == adds
 
 
 def _rescaled(graph, factor: float):

@@ -68,6 +68,7 @@ from whatif.sim.frameworks.copies import pass_rate_bytes_per_us
 from whatif.sim.gradients import Gradients, find_gradients
 from whatif.sim.graph import GraphError, TaskGraph, TaskKind
 from whatif.sim.parallel import Parallelism, is_parallel_job
+from whatif.sim.parallel.accumulation import accumulation
 from whatif.sim.parallel.memory import gpu_memory_bytes, memory_per_gpu
 from whatif.sim.parallel.recompute import apply_recompute
 from whatif.sim.parallel.units import Units, UnitsError, find_units, no_units, parameters_from_shapes
@@ -349,6 +350,18 @@ def slowest_rank_note(prediction: "Prediction") -> str:
         return ""
     return ("stragglers / gpu_variation: a parallel job's ranks wait for each other at every collective, so each job "
             f"is simulated as one rank at its slowest rank's pace, on all its work (and on its GPU's): {'; '.join(paced)}")
+
+
+def pipeline_note(prediction: "Prediction") -> str:
+    """How a pipeline's later microbatches add their gradients into those the first wrote, and
+    at what price (``sim/parallel/accumulation.py``), where a configuration pipelines more than
+    one microbatch; empty otherwise."""
+    if not any(c.parallelism is not None and int(c.parallelism.pipeline) > 1 and int(c.parallelism.microbatches) > 1
+               for c in prediction.request.clusters):
+        return ""
+    graph = prediction.study.graph
+    rule = accumulation(graph, np.ones(len(graph.tasks), dtype=bool)).rule
+    return f"pipeline: each later microbatch's backward adds its gradients into the first's: {rule}"
 
 
 def _hierarchical(config: ClusterConfig) -> bool:

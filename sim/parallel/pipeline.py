@@ -40,16 +40,15 @@ holding every device, whose resources are named ``stage D: <the traced resource>
   optimizer step once on every device after its last backward, its tasks scaled by the device's
   share of the units' parameter bytes.
 * **Gradients accumulate across microbatches.** The traced iteration's backward writes each
-  gradient once (after ``zero_grad`` PyTorch's ``AccumulateGrad`` keeps the incoming tensor,
-  which costs next to nothing); in a pipeline every later backward of a chunk adds into it, an
-  in-place add over the parameter's bytes. Each ``AccumulateGrad`` of a chunk's backward after
-  its first takes that much longer: its gradient's bytes (the operator's recorded input) at
-  the rate the trace's optimizer updates parameters in place (``frameworks/copies.py``'s
-  ``pass_rate_bytes_per_us``, the same reads and write per byte). On the lab's transformer
+  gradient once; in a pipeline every later backward of a chunk adds into it. Where the traced
+  ``AccumulateGrad`` keeps the incoming tensor (``zero_grad(set_to_none=True)``), each copy of it
+  in a chunk's backward after its first pays an in-place add over the gradient's bytes: on a CPU
+  trace at the rate its optimizer updates in place, on a GPU trace as a kernel at the rate of the
+  trace's own element-wise kernels (``accumulation.py`` has the rule). On the lab's transformer
   (2 stages, 4 microbatches) the first stage's three accumulations measured 6.3 ms a step more
-  than its first backward's (``aten::add_``, ``lab/probes/parallel_profile.py``). A GPU trace's
-  accumulation is a kernel that the trace does not hold and the pass does not price (no rate:
-  nothing is added); nor a microbatch trace's, whose backward is a first one too.
+  than its first backward's (``aten::add_``, ``lab/probes/parallel_profile.py``). Where the traced
+  one already adds (a zeroed gradient), its copies hold the add and nothing is added; nor to a
+  microbatch trace's backward, whose backward is a first one too.
 * **The schedule** orders each device's (forward|backward, microbatch, chunk) slots, and every
   resource of the device runs its copies in slot order (its traced order inside a slot):
   GPipe (all forwards, then all backwards, Huang et al. 2019); 1F1B (PipeDream-flush, Narayanan
@@ -90,12 +89,10 @@ import pandas as pd
 from whatif.topology import CollectiveCost, collective_cost
 
 from ..engine import Schedule
-from ..frameworks.copies import pass_rate_bytes_per_us
-from ..gradients import ACCUMULATE_GRAD
 from ..graph import GPU_TASK_KINDS, EdgeKind, GraphError, TaskGraph, TaskKind, concat_tasks
-from ..workload import first_inputs_bytes
 from ..passes.batch_size import change_batch_size, infer_batch_size, parameter_shapes
 from . import PASSES
+from .accumulation import accumulation
 from .units import Units, find_units
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -204,6 +201,7 @@ class PipelineSchedule:
     task_phase: np.ndarray = field(repr=False)
     task_source: np.ndarray = field(repr=False)
     units: Optional[Units] = field(default=None, repr=False)
+    accumulation: str = ""  # how the later backwards' gradient adds were priced (sim/parallel/accumulation.py)
 
     def describe(self) -> str:
         v = f", {self.virtual_stages} virtual stages each" if self.virtual_stages > 1 else ""
@@ -211,6 +209,7 @@ class PipelineSchedule:
             f"pipeline: {self.stages_count} stages{v}, {self.microbatches} microbatches, {self.schedule}; "
             f"units per virtual stage {self.stages['last_unit'].sub(self.stages['first_unit']).add(1).tolist()}; "
             f"{len(self.transfers)} activation/gradient transfers; microbatch times {self.scaling}"
+            + (f"; gradients accumulated: {self.accumulation}" if self.accumulation else "")
         )
 
 
@@ -255,7 +254,8 @@ def apply_pipeline(graph: TaskGraph, units, par, cluster, ranks_of: dict, *, mod
     share = np.array([param_bytes[device_of_stage[stage_of_unit] == d].sum() for d in range(p)])
     share = share / share.sum() if share.sum() > 0 else np.full(p, 1.0 / p)
 
-    accumulate = accumulation_us(graph, in_iteration & (phase == BACKWARD)) if m > 1 else None
+    added = accumulation(graph, in_iteration & (phase == BACKWARD), stage) if m > 1 else None
+    accumulate = added.extra_us if added is not None else None
     builder = _Builder(graph, duration, window[0], _main_thread(graph, in_iteration))
     for d in range(p):
         slots = orders[d]
@@ -307,28 +307,9 @@ def apply_pipeline(graph: TaskGraph, units, par, cluster, ranks_of: dict, *, mod
                                          "nbytes", "time_us", "algorithm", "protocol"]),
         np.concatenate(builder.device), np.concatenate(builder.microbatch),
         task_phase, source, Units(units.pattern, task_unit, task_phase, units.table),
+        added.rule if added is not None else "",
     ))
     return out
-
-
-def accumulation_us(graph: TaskGraph, among: np.ndarray) -> Optional[np.ndarray]:
-    """Per task of ``graph``, what adding a microbatch's gradient into the one already written
-    costs (see the module doc): for the first task of each ``AccumulateGrad`` operator among
-    ``among`` (a mask), its gradient's bytes at the trace's in-place update rate; 0 elsewhere.
-    None where there is no rate (a GPU trace, or no optimizer updates in place)."""
-    rate = pass_rate_bytes_per_us(graph)
-    if not rate:
-        return None
-    tasks = graph.tasks
-    events = tasks["event"].to_numpy()
-    chosen = np.flatnonzero(among & (tasks["name"] == ACCUMULATE_GRAD).to_numpy() & (events >= 0))
-    if not len(chosen):
-        return None
-    firsts = chosen[np.unique(events[chosen], return_index=True)[1]]  # an operator cut into several tasks: once
-    nbytes = np.array([b or 0.0 for b in first_inputs_bytes(graph.ops, events[firsts].tolist())], dtype=float)
-    extra = np.zeros(len(tasks))
-    extra[firsts] = nbytes / rate
-    return extra
 
 
 def _pipeline_pass(graph: TaskGraph, units, par, cluster, ranks_of: dict, microbatch: Optional[TaskGraph] = None) -> tuple:

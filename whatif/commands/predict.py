@@ -12,7 +12,7 @@ from pathlib import Path
 import msgspec
 import yaml
 
-from whatif.pipeline import predict, slowest_rank_note, traced_gpu_note
+from whatif.pipeline import pipeline_note, predict, slowest_rank_note, traced_gpu_note
 from whatif.report.cluster import collective_notes
 from whatif.report.intervals import LEVEL, describe
 from whatif.report.plots import plot_scenario
@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     except (GraphError, TopologyError) as err:  # the scenario's parallelism, cluster or what-ifs on this trace
         raise UsageError(f"{args.scenario}: {err}") from None
     results = prediction.results
-    for note in (traced_gpu_note(prediction), slowest_rank_note(prediction)):
+    for note in (traced_gpu_note(prediction), slowest_rank_note(prediction), pipeline_note(prediction)):
         if note:
             print(f"whatif: note: {note}", file=sys.stderr)
     if args.csv is not None:
