@@ -426,6 +426,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folder", nargs="?", type=Path, default=REPO / "bench" / "nccl_tests")
     parser.add_argument("--rows", metavar="TABLE", help="print one table's rows")
+    parser.add_argument("--env", metavar="KEY=VALUE", action="append", default=[],
+                        help="with --rows: predict that table as if its run's NCCL environment also set KEY=VALUE "
+                             "(NCCL_ALGO, NCCL_PROTO, NCCL_NVLS_ENABLE=0, NCCL_TREE_THRESHOLD=0); repeatable")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--no-cross-scale", action="store_true")
     parser.add_argument("--unprinted-as-newest", action="store_true",
@@ -449,6 +452,13 @@ def main(argv=None) -> int:
         print(f"written to topology/presets/measured.yaml ({len(found.fitted_on)} tables)")
         return 0
     constants = held_out(loaded, rows)
+    if args.env:
+        if not args.rows or any("=" not in pair for pair in args.env):
+            print("nccl_accuracy: --env KEY=VALUE goes with --rows TABLE", file=sys.stderr)
+            return 2
+        for entry, _, _ in loaded:
+            if args.rows in entry["file"]:
+                entry["env"] = {**(entry.get("env") or {}), **dict(pair.split("=", 1) for pair in args.env)}
     spec = [evaluate(entry, table, cluster) for entry, table, cluster in loaded]
     held = [evaluate(entry, table, with_measured(cluster, constants[entry.get("source_id")]))
             for entry, table, cluster in loaded]
