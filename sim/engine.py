@@ -25,7 +25,6 @@ lag cannot pull it before them).
 from __future__ import annotations
 
 import bisect
-import functools
 import hashlib
 import heapq
 import time
@@ -122,22 +121,6 @@ class Structure:
                  release_of: Optional[np.ndarray] = None):
         self.sequences, self.resource_of_sequence, self.preds = sequences, resource_of_sequence, preds
         self.release, self.release_of = release, release_of
-        self._in_order: Optional[tuple] = None
-
-    def in_order(self) -> tuple:
-        """Per resource, its task ids, their predecessors and (shared releases only, else None)
-        their release times, as lists in the resource's order: what a resource that runs its
-        tasks in order walks through together, rather than indexing three lists a task. Made once
-        and kept, as the structure is."""
-        if self._in_order is None:
-            ids = [seq.tolist() for seq in self.sequences]
-            preds = [[self.preds[t] for t in seq] for seq in ids]
-            releases = None
-            if self.release_of is not None:
-                column = np.asarray(self.release_of, dtype=np.float64)
-                releases = [column[seq].tolist() for seq in self.sequences]
-            self._in_order = (ids, preds, releases)
-        return self._in_order
 
     def with_release(self, release_us: np.ndarray) -> "Structure":
         """This structure for graphs that share their release times, the array ``release_us``
@@ -262,12 +245,10 @@ class _Run:
         self.c = structure if structure is not None else compile_structure(graph)
         tasks = graph.tasks
         n = len(tasks)
-        durations = tasks["duration_us"].to_numpy(dtype=np.float64)
-        self._durations = durations
+        self.duration = tasks["duration_us"].to_numpy(dtype=np.float64).tolist()
         column = tasks["release_us"].to_numpy(dtype=np.float64)
         shared = self.c.releases_of(column)
-        self._release_column = column
-        self._shared_release = shared
+        self.release = shared if shared is not None else column.tolist()
         self.env = simpy.Environment()
         self.start: list = [None] * n
         self.end: list = [None] * n
@@ -278,28 +259,14 @@ class _Run:
         unknown = set(policies) - set(self.c.resource_of_sequence)
         if unknown:
             raise GraphError(f"policy given for resources that have no tasks: {sorted(unknown)}")
-        id_lists, pred_lists, release_lists = self.c.in_order()
-        if shared is None:
-            release_lists = None
-        for k, (seq, resource) in enumerate(zip(self.c.sequences, self.c.resource_of_sequence)):
-            ids = id_lists[k]
+        for seq, resource in zip(self.c.sequences, self.c.resource_of_sequence):
+            ids = seq.tolist()
             if resource in policies:
                 self.env.process(self._run_with_policy(ids, policies[resource]))
             elif event_per_task:
                 self.env.process(self._run_event_per_task(ids))
             else:
-                releases = release_lists[k] if release_lists is not None else column[seq].tolist()
-                self.env.process(self._run_in_order(ids, durations[seq].tolist(), releases, pred_lists[k]))
-
-    @functools.cached_property
-    def duration(self) -> list:
-        """Every task's duration (us), for the resources that do not run in order."""
-        return self._durations.tolist()
-
-    @functools.cached_property
-    def release(self) -> list:
-        """Every task's release time (us), for the resources that do not run in order."""
-        return self._shared_release if self._shared_release is not None else self._release_column.tolist()
+                self.env.process(self._run_in_order(ids))
 
     def _done_event(self, task: int) -> simpy.Event:
         w = self._waiters(task)
@@ -321,13 +288,13 @@ class _Run:
         if w is not None:
             w.wake()
 
-    def _run_in_order(self, ids: list, durations: list, releases: list, preds: list):
-        """A resource that runs its tasks ``ids`` in order, each with its duration, release time
-        and predecessors (lists in the same order)."""
-        start, end = self.start, self.end
+    def _run_in_order(self, ids: list):
+        start, end, release, duration, preds = self.start, self.end, self.release, self.duration, self.c.preds
         waiting = self.waiting
         free = 0.0  # simulated time starts at the trace's first event
-        for t, ready, duration, own in zip(ids, releases, durations, preds):
+        for t in ids:
+            ready = release[t]
+            own = preds[t]
             if own:  # most tasks have none but the one before on their resource: no iterator made
                 for d, lag in own:
                     e = end[d]
@@ -338,7 +305,7 @@ class _Run:
                     if e > ready:
                         ready = e
             s = free if free > ready else ready
-            free = s + duration
+            free = s + duration[t]
             start[t] = s  # _finish, inlined: the innermost loop of the engine
             end[t] = free
             if t in waiting:  # a test, not a call, for the many tasks nobody waits on
@@ -449,7 +416,7 @@ class _Run:
         t0 = time.perf_counter()
         self.env.run()
         wall = time.perf_counter() - t0
-        start, end = (np.array(times, dtype=np.float64) for times in (self.start, self.end))
+        start, end = (np.fromiter(times, dtype=np.float64, count=len(times)) for times in (self.start, self.end))
         # a task never computed is None, which becomes NaN; a NaN computed (a NaN duration) is not stuck
         stuck = [i for i, e in enumerate(self.end) if e is None] if np.isnan(end).any() else []
         if stuck:
