@@ -519,14 +519,20 @@ def test_what_a_parallel_job_cannot_use_is_left_out_or_said_never_dropped(recwar
         "no parallel configuration is left for the gradients to miss: nothing more to say"
 
 
-def test_a_pipelines_gradient_adds_are_said_with_their_price():
-    """A prediction that pipelines several microbatches says how their later backwards' gradient
-    adds were priced (``sim/parallel/accumulation.py``): on the CPU transformer, at its
-    optimizer's in-place rate; one that does not pipeline says nothing."""
+def test_a_pipelines_microbatch_times_and_gradient_adds_are_said():
+    """A prediction that pipelines several microbatches says what a microbatch's times rest on
+    (the microbatch trace, else the linear rule) and how the later backwards' gradient adds were
+    priced (``sim/parallel/accumulation.py``): on the CPU transformer, at its optimizer's in-place
+    rate; one that does not pipeline says nothing."""
     from whatif.pipeline import pipeline_note
     from whatif.sim.frameworks.copies import pass_rate_bytes_per_us
 
     piped = predict(_scenario({"pipeline": {"stages": 2, "microbatches": 4}}, gpus=2).request())
     rate = pass_rate_bytes_per_us(piped.study.graph)
-    assert rate and f"in-place add at the optimizer's {rate / 1e3:.3g} GB/s" in pipeline_note(piped)
+    note = pipeline_note(piped)
+    assert rate and f"in-place add at the optimizer's {rate / 1e3:.3g} GB/s" in note
+    assert "microbatch times linear in the batch, each CPU operator at 1/m" in note
+    measured = predict(_scenario({"pipeline": {"stages": 2, "microbatches": 4, "microbatch_trace": str(TRANSFORMER_MICRO)}},
+                                 gpus=2).request())
+    assert f"microbatch times as the microbatch trace measured them ({TRANSFORMER_MICRO})" in pipeline_note(measured)
     assert pipeline_note(predict(_scenario({"tensor": 2}, gpus=2).request())) == ""

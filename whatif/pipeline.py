@@ -353,15 +353,26 @@ def slowest_rank_note(prediction: "Prediction") -> str:
 
 
 def pipeline_note(prediction: "Prediction") -> str:
-    """How a pipeline's later microbatches add their gradients into those the first wrote, and
-    at what price (``sim/parallel/accumulation.py``), where a configuration pipelines more than
-    one microbatch; empty otherwise."""
+    """Where a configuration pipelines more than one microbatch, what a microbatch's forward and
+    backward take (``sim/parallel/pipeline.py``: measured by the microbatch trace, else linear in
+    the batch, which a GPU's small kernels do not keep to) and how its later backwards add their
+    gradients into those the first wrote (``sim/parallel/accumulation.py``); empty otherwise."""
     if not any(c.parallelism is not None and int(c.parallelism.pipeline) > 1 and int(c.parallelism.microbatches) > 1
                for c in prediction.request.clusters):
         return ""
     graph = prediction.study.graph
+    if prediction.request.microbatch_trace is not None:
+        times = f"as the microbatch trace measured them ({prediction.request.microbatch_trace})"
+    elif graph.workload.has_gpu:
+        times = ("linear in the batch, each GPU task at 1/m of its traced time: a GPU runs a small microbatch's "
+                 "kernels less efficiently, so this is likely optimistic; parallelism.pipeline.microbatch_trace, "
+                 "a trace of one microbatch, gives measured times")
+    else:
+        times = ("linear in the batch, each CPU operator at 1/m of its traced time; "
+                 "parallelism.pipeline.microbatch_trace, a trace of one microbatch, gives measured times")
     rule = accumulation(graph, np.ones(len(graph.tasks), dtype=bool)).rule
-    return f"pipeline: each later microbatch's backward adds its gradients into the first's: {rule}"
+    return (f"pipeline: microbatch times {times}; each later microbatch's backward adds its gradients into the "
+            f"first's: {rule}")
 
 
 def _hierarchical(config: ClusterConfig) -> bool:
