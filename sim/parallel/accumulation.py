@@ -98,8 +98,11 @@ def accumulation(graph: TaskGraph, among: np.ndarray, stage: Optional[np.ndarray
     placed = kernels >= 0
     np.add.at(extra, kernels[placed], 3.0 * nbytes[placed] / bytes_per_us)
     extra[firsts[placed]] += cpu_us
-    return Accumulation(extra, f"each by an add kernel at the trace's element-wise {bytes_per_us / 1e6:.3g} TB/s "
-                               f"and {cpu_us:.3g} us of CPU to launch it")
+    rule = f"each by an add kernel at the trace's element-wise {bytes_per_us / 1e6:.3g} TB/s and {cpu_us:.3g} us of CPU"
+    if not placed.all():
+        rule += (f" ({int((~placed).sum())} of {len(placed)} AccumulateGrad left without: their thread launches no "
+                 "kernel in their stage's backward)")
+    return Accumulation(extra, rule)
 
 
 def already_adds(graph: TaskGraph, events: np.ndarray) -> np.ndarray:
