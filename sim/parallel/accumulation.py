@@ -19,7 +19,7 @@ operator's recorded input shape):
 * **a GPU trace**: a kernel that reads the gradient and the incoming tensor and writes the sum,
   three times the bytes, at the rate the trace's own element-wise kernels move memory: every
   ``aten::add``, ``sub``, ``mul`` or ``div`` (in place or not) with its tensors' shapes recorded
-  that launched one kernel moving at least 8 MB (bytes read and written over the kernel's
+  that launched one kernel moving at least 8 MB (bytes read and written over the kernel's traced
   time; a small kernel's time is mostly its start). The stream runs the add just before the
   next kernel the same thread launches in the same stage, so that kernel takes the add's time;
   the thread pays the operator's dispatch and launch, the median CPU time of those same
@@ -31,8 +31,10 @@ operator's recorded input shape):
 
 from __future__ import annotations
 
+import functools
 import json
 import re
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional
 
@@ -110,66 +112,71 @@ def already_adds(graph: TaskGraph, events: np.ndarray) -> np.ndarray:
     ``aten::add_`` (or, building a graph of the backward, ``aten::add``) inside it on its thread:
     it adds into a gradient that was zeroed. A copy inside it (a gradient whose layout it
     changes) is a first write, not an add."""
-    ops = graph.ops
-    names = ops["name"].astype(str).to_numpy()
-    update = np.flatnonzero(np.array([bool(ADDS.match(n)) for n in names]))
-    out = np.zeros(len(events), dtype=bool)
-    if not len(update):
-        return out
-    threads = ops["thread"].astype(str).to_numpy()
+    return np.isin(events, _of_trace(graph, "adding", lambda: _adding_accumulations(graph.ops)))
+
+
+def _adding_accumulations(ops) -> np.ndarray:
+    """The ``AccumulateGrad`` operators of the operator table ``ops`` that add (their rows)."""
+    names = ops["name"]
+    accumulations = np.flatnonzero(_matches(names, re.compile(re.escape(ACCUMULATE_GRAD) + "$")))
+    update = np.flatnonzero(_matches(names, ADDS))
+    if not len(update) or not len(accumulations):
+        return np.zeros(0, dtype=ops.index.dtype)
+    threads = ops["thread"].cat.codes.to_numpy() if hasattr(ops["thread"], "cat") else \
+        np.unique(ops["thread"].astype(str).to_numpy(), return_inverse=True)[1]
     start = ops["start_us"].to_numpy(dtype=float)
     end = start + ops["dur_us"].to_numpy(dtype=float)
-    positions = ops.index.get_indexer(events)
+    adding = np.zeros(len(accumulations), dtype=bool)
     for thread in np.unique(threads[update]):
-        mine = update[threads[update] == thread]
-        starts = np.sort(start[mine])
-        for k, row in enumerate(positions.tolist()):
-            if row >= 0 and threads[row] == thread:
-                at = np.searchsorted(starts, start[row], side="left")
-                out[k] = at < len(starts) and starts[at] <= end[row]
-    return out
+        starts = np.sort(start[update[threads[update] == thread]])
+        mine = threads[accumulations] == thread
+        at = np.searchsorted(starts, start[accumulations[mine]], side="left")
+        inside = at < len(starts)
+        inside[inside] = starts[at[inside]] <= end[accumulations[mine]][inside]
+        adding[mine] = inside
+    return ops.index.to_numpy()[accumulations[adding]]
 
 
 def elementwise_rate(graph: TaskGraph) -> Optional[tuple[float, float]]:
-    """Bytes per microsecond the GPU trace's element-wise binary kernels move, and the median
-    CPU time of their operators (see the module doc); None where the trace has none to count."""
+    """Bytes per microsecond the GPU trace's element-wise binary kernels move (their traced
+    times), and the median CPU time of their operators (see the module doc); None where the
+    trace has none to count. A fact of the trace: found once for every graph made from it."""
+    return _of_trace(graph, "elementwise", lambda: _elementwise_rate(graph))
+
+
+def _elementwise_rate(graph: TaskGraph) -> Optional[tuple[float, float]]:
     ops = graph.ops
-    names = ops["name"].astype(str).to_numpy()
-    rows = np.flatnonzero(np.array([bool(ELEMENTWISE.match(n)) for n in names]))
+    rows = np.flatnonzero(_matches(ops["name"], ELEMENTWISE))
     if not len(rows):
         return None
-    tasks = graph.tasks
-    edges = graph.edges
+    tasks, edges = graph.tasks, graph.edges
     launch = edges["kind"].to_numpy() == int(EdgeKind.LAUNCH)
     src, dst = edges["src"].to_numpy()[launch], edges["dst"].to_numpy()[launch]
-    kernel_of = dict(zip(src.tolist(), dst.tolist()))
-    duration = tasks["duration_us"].to_numpy(dtype=float)
-    resource = tasks["resource"].astype(str).to_numpy()
     measured = tasks["measured_start_us"].to_numpy(dtype=float)
-    launches_on = {}
-    for r in np.unique(resource[src]):
-        on = src[resource[src] == r]
-        on = on[np.argsort(measured[on], kind="stable")]
-        launches_on[r] = (on, measured[on])
-    moved = spent = 0.0
-    cpu = []
+    duration = (tasks["measured_end_us"] - tasks["measured_start_us"]).to_numpy(dtype=float)
+    resource = tasks["resource"].astype(str).to_numpy()
     threads = ops["thread"].astype(str).to_numpy()
     starts, durs = ops["start_us"].to_numpy(dtype=float), ops["dur_us"].to_numpy(dtype=float)
-    dims, types = ops["input_dims"].to_numpy(), ops["input_types"].to_numpy()
-    for row in rows.tolist():
-        found = launches_on.get(threads[row])
-        if found is None:
-            continue
-        ids, at = found
-        inside = ids[np.searchsorted(at, starts[row], "left"):np.searchsorted(at, starts[row] + durs[row], "right")]
-        if len(inside) != 1:
-            continue
-        traffic = _elementwise_bytes(dims[row], types[row], in_place=names[row].endswith("_"))
-        kernel = kernel_of[int(inside[0])]
-        if traffic is None or traffic < MIN_RATE_BYTES or not duration[kernel] > 0:
+    kernel = np.full(len(rows), -1, dtype=np.int64)  # each operator's one launched kernel
+    for thread in np.unique(threads[rows]):
+        on = resource[src] == thread
+        order = np.argsort(measured[src[on]], kind="stable")
+        at, launched = measured[src[on]][order], dst[on][order]
+        mine = np.flatnonzero(threads[rows] == thread)
+        first = np.searchsorted(at, starts[rows[mine]], "left")
+        last = np.searchsorted(at, starts[rows[mine]] + durs[rows[mine]], "right")
+        one = last - first == 1
+        kernel[mine[one]] = launched[first[one]]
+    names, dims, types = ops["name"].to_numpy(), ops["input_dims"].to_numpy(), ops["input_types"].to_numpy()
+    moved = spent = 0.0
+    cpu = []
+    for k in np.flatnonzero(kernel >= 0).tolist():
+        row = rows[k]
+        traffic = _elementwise_bytes(dims[row], types[row], str(names[row]).endswith("_"))
+        if traffic is None or traffic < MIN_RATE_BYTES or not duration[kernel[k]] > 0:
             continue
         moved += traffic
-        spent += duration[kernel]
+        spent += duration[kernel[k]]
         cpu.append(durs[row])
     if not spent:
         return None
@@ -177,6 +184,17 @@ def elementwise_rate(graph: TaskGraph) -> Optional[tuple[float, float]]:
 
 
 def _elementwise_bytes(dims_text, types_text, in_place: bool) -> Optional[float]:
+    """:func:`_bytes_moved`, kept per recorded texts (a trace repeats its shapes every iteration)."""
+    try:
+        return _kept_bytes_moved(dims_text, types_text, in_place)
+    except TypeError:  # not texts
+        return _bytes_moved(dims_text, types_text, in_place)
+
+
+_kept_bytes_moved = functools.lru_cache(maxsize=1 << 14)(lambda d, t, i: _bytes_moved(d, t, i))
+
+
+def _bytes_moved(dims_text, types_text, in_place: bool) -> Optional[float]:
     """Bytes an element-wise binary operator reads and writes, from its recorded inputs: its
     tensor operands read, and its output (the first operand in place, else the broadcast of the
     two) written; None where the shapes were not recorded."""
@@ -226,3 +244,30 @@ def _next_kernels(graph: TaskGraph, firsts: np.ndarray, among: np.ndarray, stage
         out[i] = kernels[min(at, len(kernels) - 1)]
     return out
 
+
+def _matches(column, pattern: "re.Pattern") -> np.ndarray:
+    """Per row of a (categorical) name column, whether ``pattern`` matches it: each name once."""
+    if hasattr(column, "cat"):
+        hit = np.array([bool(pattern.match(str(c))) for c in column.cat.categories] + [False])
+        return hit[column.cat.codes.to_numpy()]
+    return np.array([bool(pattern.match(str(v))) for v in column.tolist()], dtype=bool)
+
+
+#: facts of a trace found once for all graphs made from it, by its operator table (which every
+#: graph made from a trace shares): (the table, {what: value}), the last few traces
+_FACTS: "OrderedDict[int, tuple]" = OrderedDict()
+_FACTS_KEPT = 4
+
+
+def _of_trace(graph: TaskGraph, what: str, find):
+    """``find()``, kept for ``graph``'s trace (its operator table) under ``what``."""
+    key = id(graph.ops)
+    kept = _FACTS.get(key)
+    if kept is None or kept[0] is not graph.ops:
+        kept = _FACTS[key] = (graph.ops, {})
+        while len(_FACTS) > _FACTS_KEPT:
+            _FACTS.popitem(last=False)
+    _FACTS.move_to_end(key)
+    if what not in kept[1]:
+        kept[1][what] = find()
+    return kept[1][what]
