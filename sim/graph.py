@@ -58,6 +58,16 @@ class GraphError(Exception):
     """A graph that cannot be built, transformed or scheduled as asked."""
 
 
+def names_matching(column: pd.Series, test: Callable[[str], object]) -> np.ndarray:
+    """Per row of a column of names, whether ``test`` (a compiled pattern's ``search`` or
+    ``match``) accepts it; a categorical column's names are each tested once, and a missing
+    name is no match."""
+    if hasattr(column, "cat"):
+        hit = np.array([bool(test(str(c))) for c in column.cat.categories] + [False])
+        return hit[column.cat.codes.to_numpy()]  # code -1 (missing) maps to False
+    return np.array([bool(test(str(v))) for v in column.tolist()], dtype=bool)
+
+
 @dataclass
 class TaskGraph:
     """Tasks and edges as two pandas frames of numbers (names are categoricals).
@@ -118,12 +128,13 @@ class TaskGraph:
             regex = re.compile(pattern)
         except re.error as err:
             raise GraphError(f"pattern {pattern!r} is not a valid regular expression ({err})") from None
-        hits = np.zeros(len(self.tasks), dtype=bool)
-        for column in ("name", "context"):
-            col = self.tasks[column]
-            category_hit = np.array([bool(regex.search(c)) for c in col.cat.categories] + [False])
-            hits |= category_hit[col.cat.codes.to_numpy()]  # code -1 (missing) maps to False
-        return hits
+        return names_matching(self.tasks["name"], regex.search) | names_matching(self.tasks["context"], regex.search)
+
+    def launch_pairs(self) -> tuple[np.ndarray, np.ndarray]:
+        """Each launch edge's CPU call and the GPU task it launched (two arrays of task ids, in
+        the edge table's order)."""
+        launch = self.edges["kind"].to_numpy() == int(EdgeKind.LAUNCH)
+        return self.edges["src"].to_numpy()[launch], self.edges["dst"].to_numpy()[launch]
 
     # -- transformation primitives -------------------------------------------------------------
 

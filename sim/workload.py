@@ -116,22 +116,26 @@ def first_inputs_bytes(ops: pd.DataFrame, rows: list) -> list:
     return [first_input_bytes_of(d, t) for d, t in zip(dims, types)]
 
 
+def kept_per_texts(function):
+    """``function`` of an operator's recorded texts (its ``input_dims``, ``input_types``, ...),
+    kept per texts: a trace repeats each layer's shapes every iteration, and the passes read them
+    again at every point of a grid. Arguments that cannot be kept (not hashable) are computed
+    each time."""
+    kept = functools.lru_cache(maxsize=1 << 16)(function)
+
+    @functools.wraps(function)
+    def call(*args):
+        try:
+            return kept(*args)
+        except TypeError:  # not texts
+            return function(*args)
+
+    return call
+
+
+@kept_per_texts
 def first_input_bytes_of(dims_text, types) -> Optional[float]:
-    """:func:`first_input_bytes` of an operator's recorded ``input_dims`` and ``input_types``
-    (kept per pair of texts: a trace repeats each layer's shapes every iteration, and the
-    passes read them again at every point of a grid)."""
-    try:
-        return _kept_first_input_bytes(dims_text, types)
-    except TypeError:  # not texts
-        return _first_input_bytes(dims_text, types)
-
-
-@functools.lru_cache(maxsize=1 << 16)
-def _kept_first_input_bytes(dims_text, types) -> Optional[float]:
-    return _first_input_bytes(dims_text, types)
-
-
-def _first_input_bytes(dims_text, types) -> Optional[float]:
+    """:func:`first_input_bytes` of an operator's recorded ``input_dims`` and ``input_types``."""
     try:
         dims = json.loads(dims_text or "null")
     except json.JSONDecodeError:

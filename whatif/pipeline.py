@@ -68,7 +68,7 @@ from whatif.sim.frameworks.copies import pass_rate_bytes_per_us
 from whatif.sim.gradients import Gradients, find_gradients
 from whatif.sim.graph import GraphError, TaskGraph, TaskKind
 from whatif.sim.parallel import Parallelism, is_parallel_job
-from whatif.sim.parallel.accumulation import accumulation
+from whatif.sim.parallel.accumulation import accumulation_rule
 from whatif.sim.parallel.memory import gpu_memory_bytes, memory_per_gpu
 from whatif.sim.parallel.recompute import apply_recompute
 from whatif.sim.parallel.units import Units, UnitsError, find_units, no_units, parameters_from_shapes
@@ -370,7 +370,7 @@ def pipeline_note(prediction: "Prediction") -> str:
     else:
         times = ("linear in the batch, each CPU operator at 1/m of its traced time; "
                  "parallelism.pipeline.microbatch_trace, a trace of one microbatch, gives measured times")
-    rule = accumulation(graph, np.ones(len(graph.tasks), dtype=bool)).rule
+    rule = accumulation_rule(graph)
     return (f"pipeline: microbatch times {times}; each later microbatch's backward adds its gradients into the "
             f"first's: {rule}")
 

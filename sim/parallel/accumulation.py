@@ -31,7 +31,6 @@ operator's recorded input shape):
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 from collections import OrderedDict
@@ -44,8 +43,8 @@ from whatif.collectors.kineto import element_bytes
 
 from ..frameworks.copies import pass_rate_bytes_per_us
 from ..gradients import ACCUMULATE_GRAD
-from ..graph import EdgeKind, TaskGraph, TaskKind
-from ..workload import first_inputs_bytes
+from ..graph import TaskGraph, TaskKind, names_matching
+from ..workload import first_inputs_bytes, kept_per_texts
 
 #: element-wise binary operators whose kernels give a GPU trace's memory rate
 ELEMENTWISE = re.compile(r"^aten::(add|sub|mul|div)_?$")
@@ -69,42 +68,61 @@ def accumulation(graph: TaskGraph, among: np.ndarray, stage: Optional[np.ndarray
     the ``AccumulateGrad`` operators among ``among`` (a mask: the traced backward) and, on a GPU
     trace, the kernels that take the adds; ``stage``: each task's pipeline stage (-1: none), so
     that an add lands on a kernel of its own stage."""
+    priced = _priced(graph, among)
+    if isinstance(priced, str):
+        return Accumulation(None, priced)
+    firsts, nbytes, rate, rule = priced
+    extra = np.zeros(len(graph.tasks))
+    if not graph.workload.has_gpu:
+        extra[firsts] = nbytes / rate
+    else:
+        bytes_per_us, cpu_us = rate
+        kernels = _next_kernels(graph, firsts, among, stage)
+        placed = kernels >= 0
+        np.add.at(extra, kernels[placed], 3.0 * nbytes[placed] / bytes_per_us)
+        extra[firsts[placed]] += cpu_us
+        if not placed.all():
+            rule += (f" ({int((~placed).sum())} of {len(placed)} AccumulateGrad left without: their thread launches "
+                     "no kernel in their stage's backward)")
+    return Accumulation(extra, rule)
+
+
+def accumulation_rule(graph: TaskGraph) -> str:
+    """How :func:`accumulation` prices the adds of ``graph``'s backward, in words (or why it adds
+    nothing), without placing them: what a report says of the rule."""
+    priced = _priced(graph, np.ones(len(graph.tasks), dtype=bool))
+    return priced if isinstance(priced, str) else priced[3]
+
+
+def _priced(graph: TaskGraph, among: np.ndarray):
+    """The ``AccumulateGrad`` tasks among ``among`` that keep the incoming tensor (one per
+    operator), their gradients' bytes, the rate that prices them (a CPU trace's in-place update
+    rate; a GPU trace's element-wise rate and CPU time) and the rule in words; or, where nothing
+    is added, why (a text)."""
     tasks = graph.tasks
     events = tasks["event"].to_numpy()
     chosen = np.flatnonzero(among & (tasks["name"] == ACCUMULATE_GRAD).to_numpy() & (events >= 0))
     if not len(chosen):
-        return Accumulation(None, "no AccumulateGrad in the backward: nothing added")
+        return "no AccumulateGrad in the backward: nothing added"
     firsts = chosen[np.unique(events[chosen], return_index=True)[1]]  # an operator cut into several tasks: once
     adds = already_adds(graph, events[firsts])
     if adds.all():
-        return Accumulation(None, "the trace's AccumulateGrad already adds (zero_grad without set_to_none): "
-                                  "nothing added")
+        return "the trace's AccumulateGrad already adds (zero_grad without set_to_none): nothing added"
     firsts = firsts[~adds]
     nbytes = np.array([b or 0.0 for b in first_inputs_bytes(graph.ops, events[firsts].tolist())], dtype=float)
     if not (nbytes > 0).any():
-        return Accumulation(None, "the AccumulateGrad operators' shapes were not recorded (record_shapes): "
-                                  "nothing added")
-    extra = np.zeros(len(tasks))
+        return "the AccumulateGrad operators' shapes were not recorded (record_shapes): nothing added"
     if not graph.workload.has_gpu:
         rate = pass_rate_bytes_per_us(graph)
         if not rate:
-            return Accumulation(None, "no in-place update in the trace to price the adds by: nothing added")
-        extra[firsts] = nbytes / rate
-        return Accumulation(extra, f"each by an in-place add at the optimizer's {rate / 1e3:.3g} GB/s")
+            return "no in-place update in the trace to price the adds by: nothing added"
+        return firsts, nbytes, rate, f"each by an in-place add at the optimizer's {rate / 1e3:.3g} GB/s"
     rate = elementwise_rate(graph)
     if rate is None:
-        return Accumulation(None, "no element-wise kernel of known size in the trace to price the adds by: "
-                                  "nothing added")
+        return "no element-wise kernel of known size in the trace to price the adds by: nothing added"
     bytes_per_us, cpu_us = rate
-    kernels = _next_kernels(graph, firsts, among, stage)
-    placed = kernels >= 0
-    np.add.at(extra, kernels[placed], 3.0 * nbytes[placed] / bytes_per_us)
-    extra[firsts[placed]] += cpu_us
-    rule = f"each by an add kernel at the trace's element-wise {bytes_per_us / 1e6:.3g} TB/s and {cpu_us:.3g} us of CPU"
-    if not placed.all():
-        rule += (f" ({int((~placed).sum())} of {len(placed)} AccumulateGrad left without: their thread launches no "
-                 "kernel in their stage's backward)")
-    return Accumulation(extra, rule)
+    return firsts, nbytes, rate, (f"each by an add kernel at the trace's element-wise {bytes_per_us / 1e6:.3g} TB/s "
+                                  f"and {cpu_us:.3g} us of CPU")
 
 
 def already_adds(graph: TaskGraph, events: np.ndarray) -> np.ndarray:
@@ -118,8 +136,8 @@ def already_adds(graph: TaskGraph, events: np.ndarray) -> np.ndarray:
 def _adding_accumulations(ops) -> np.ndarray:
     """The ``AccumulateGrad`` operators of the operator table ``ops`` that add (their rows)."""
     names = ops["name"]
-    accumulations = np.flatnonzero(_matches(names, re.compile(re.escape(ACCUMULATE_GRAD) + "$")))
-    update = np.flatnonzero(_matches(names, ADDS))
+    accumulations = np.flatnonzero(names_matching(names, re.compile(re.escape(ACCUMULATE_GRAD) + "$").match))
+    update = np.flatnonzero(names_matching(names, ADDS.match))
     if not len(update) or not len(accumulations):
         return np.zeros(0, dtype=ops.index.dtype)
     threads = ops["thread"].cat.codes.to_numpy() if hasattr(ops["thread"], "cat") else \
@@ -146,12 +164,11 @@ def elementwise_rate(graph: TaskGraph) -> Optional[tuple[float, float]]:
 
 def _elementwise_rate(graph: TaskGraph) -> Optional[tuple[float, float]]:
     ops = graph.ops
-    rows = np.flatnonzero(_matches(ops["name"], ELEMENTWISE))
+    rows = np.flatnonzero(names_matching(ops["name"], ELEMENTWISE.match))
     if not len(rows):
         return None
-    tasks, edges = graph.tasks, graph.edges
-    launch = edges["kind"].to_numpy() == int(EdgeKind.LAUNCH)
-    src, dst = edges["src"].to_numpy()[launch], edges["dst"].to_numpy()[launch]
+    tasks = graph.tasks
+    src, dst = graph.launch_pairs()
     measured = tasks["measured_start_us"].to_numpy(dtype=float)
     duration = (tasks["measured_end_us"] - tasks["measured_start_us"]).to_numpy(dtype=float)
     resource = tasks["resource"].astype(str).to_numpy()
@@ -172,7 +189,7 @@ def _elementwise_rate(graph: TaskGraph) -> Optional[tuple[float, float]]:
     cpu = []
     for k in np.flatnonzero(kernel >= 0).tolist():
         row = rows[k]
-        traffic = _elementwise_bytes(dims[row], types[row], str(names[row]).endswith("_"))
+        traffic = _bytes_moved(dims[row], types[row], str(names[row]).endswith("_"))
         if traffic is None or traffic < MIN_RATE_BYTES or not duration[kernel[k]] > 0:
             continue
         moved += traffic
@@ -183,17 +200,7 @@ def _elementwise_rate(graph: TaskGraph) -> Optional[tuple[float, float]]:
     return moved / spent, float(np.median(cpu))
 
 
-def _elementwise_bytes(dims_text, types_text, in_place: bool) -> Optional[float]:
-    """:func:`_bytes_moved`, kept per recorded texts (a trace repeats its shapes every iteration)."""
-    try:
-        return _kept_bytes_moved(dims_text, types_text, in_place)
-    except TypeError:  # not texts
-        return _bytes_moved(dims_text, types_text, in_place)
-
-
-_kept_bytes_moved = functools.lru_cache(maxsize=1 << 14)(lambda d, t, i: _bytes_moved(d, t, i))
-
-
+@kept_per_texts
 def _bytes_moved(dims_text, types_text, in_place: bool) -> Optional[float]:
     """Bytes an element-wise binary operator reads and writes, from its recorded inputs: its
     tensor operands read, and its output (the first operand in place, else the broadcast of the
@@ -220,10 +227,8 @@ def _next_kernels(graph: TaskGraph, firsts: np.ndarray, among: np.ndarray, stage
     """For each ``AccumulateGrad`` task, the kernel its thread launches next among ``among`` in
     its stage (the last one before it where none follows); -1 where its thread launches none."""
     tasks = graph.tasks
-    edges = graph.edges
     kinds = tasks["kind"].to_numpy()
-    launch = edges["kind"].to_numpy() == int(EdgeKind.LAUNCH)
-    src, dst = edges["src"].to_numpy()[launch], edges["dst"].to_numpy()[launch]
+    src, dst = graph.launch_pairs()
     keep = among[src] & (kinds[dst] == int(TaskKind.KERNEL))
     src, dst = src[keep], dst[keep]
     stage = stage if stage is not None else np.zeros(len(tasks), dtype=np.int64)
@@ -243,14 +248,6 @@ def _next_kernels(graph: TaskGraph, firsts: np.ndarray, among: np.ndarray, stage
         at = np.searchsorted(keys, key[t], side="right")
         out[i] = kernels[min(at, len(kernels) - 1)]
     return out
-
-
-def _matches(column, pattern: "re.Pattern") -> np.ndarray:
-    """Per row of a (categorical) name column, whether ``pattern`` matches it: each name once."""
-    if hasattr(column, "cat"):
-        hit = np.array([bool(pattern.match(str(c))) for c in column.cat.categories] + [False])
-        return hit[column.cat.codes.to_numpy()]
-    return np.array([bool(pattern.match(str(v))) for v in column.tolist()], dtype=bool)
 
 
 #: facts of a trace found once for all graphs made from it, by its operator table (which every
