@@ -49,7 +49,7 @@ def synthetic(n_units: int, forward_us: float, backward_us: float, activation_by
 
 def par(p, m, schedule="1f1b", v=1, partition="balanced"):
     return SimpleNamespace(pipeline=p, microbatches=m, schedule=schedule, virtual_stages=v, partition=partition,
-                           units=None)
+                           units=None, tensor=1)
 
 
 def run(graph, units, parallelism, cluster=None):
@@ -351,6 +351,55 @@ def test_later_backwards_of_a_chunk_add_their_gradients_into_the_first(real, sch
             assert kernels_extra[slot] == pytest.approx(expected, rel=1e-9), slot
     else:
         assert not any(kernels_extra.values())
+
+
+def test_a_tensor_parallel_rank_adds_only_its_shard_of_a_units_gradients():
+    """Tensor parallel 2 with a pipeline on the transformer bundle (CPU): a rank holds half of
+    each unit's parameters (the memory count's rule), so each later ``AccumulateGrad`` of a
+    unit's gradient adds half its traced bytes (counted here from its recorded shape) at the
+    trace's in-place update rate; a gradient outside the units (the embeddings, the head) is
+    replicated and adds all of it."""
+    import json
+
+    from trace_corpus import REPO
+    from whatif import TraceStudy
+    from whatif.sim.frameworks.copies import pass_rate_bytes_per_us
+    from whatif.sim.gradients import ACCUMULATE_GRAD
+    from whatif.sim.parallel import Parallelism
+    from whatif.sim.parallel.job import parallelize
+    from whatif.sim.parallel.units import find_units
+    from whatif.topology import Cluster
+
+    graph = TraceStudy.from_trace(REPO / "data/transformer_cpu.bundle").graph
+    units = find_units(graph)
+    cluster = Cluster.from_config({"machines": 2, "gpus_per_machine": 2, "intra_node": "nvlink2",
+                                   "inter_node": {"bandwidth": "10Gbps", "latency": "50us"}})
+    job = parallelize(graph, units, Parallelism(tensor=2, pipeline=2, microbatches=4), cluster)
+    assert job.passes == ["tensor", "pipeline"]
+    note = job.graph.last_note(PipelineSchedule)
+    assert "gradients split over the tensor group" in note.accumulation
+    rate = pass_rate_bytes_per_us(graph)
+    unit_of_event = {int(e): int(u) for e, u in zip(graph.tasks["event"].to_numpy(), units.task_unit) if e >= 0}
+    duration = job.graph.tasks["duration_us"].to_numpy()
+    names = job.graph.tasks["name"].astype(str).to_numpy()
+    events = job.graph.tasks["event"].to_numpy()
+    backward = (note.task_phase == BACKWARD) & (note.task_source >= 0)
+    first = {(d, s): t for t, d, s in zip(np.flatnonzero(backward & (note.task_microbatch == 0)),
+                                          note.task_device[backward & (note.task_microbatch == 0)],
+                                          note.task_source[backward & (note.task_microbatch == 0)])}
+    extra = {}
+    for t in np.flatnonzero(backward & (note.task_microbatch > 0) & (names == ACCUMULATE_GRAD)):
+        key = (int(events[t]), int(note.task_microbatch[t]))
+        extra[key] = extra.get(key, 0.0) + duration[t] - duration[first[(note.task_device[t], note.task_source[t])]]
+    split = {True: 0, False: 0}
+    for (event, _), added in extra.items():
+        dims, types = (json.loads(graph.ops.loc[event, c]) for c in ("input_dims", "input_types"))
+        assert types[0] == "float"
+        in_unit = unit_of_event[event] >= 0
+        expected = float(np.prod(dims[0])) * 4 / rate / (2 if in_unit else 1)
+        assert added == pytest.approx(expected, rel=1e-9), (event, in_unit)
+        split[in_unit] += 1
+    assert split[True] > 0 and split[False] > 0
 
 
 def test_a_gpu_traces_element_wise_kernels_move_memory_near_its_gpus_bandwidth():

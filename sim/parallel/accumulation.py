@@ -27,6 +27,11 @@ operator's recorded input shape):
   rate is 2.36 TB/s, 70 % of the H100's 3.35 TB/s; on the ResNet-50 V100 trace (its
   ``AccumulateGrad`` 's own adds) 0.82 TB/s, 91 % of the V100's 900 GB/s. A trace without such a
   kernel, or whose ``AccumulateGrad`` shapes were not recorded, gets nothing, and says so.
+
+Under tensor parallelism a rank holds a shard of each unit's parameters (``memory.py``'s count:
+1/t of a unit's, the few replicated norm weights counted split too, a stated approximation), so
+it adds 1/t of a unit's gradient bytes; a gradient outside the units (embeddings, a head) is
+replicated, and all of it is added.
 """
 
 from __future__ import annotations
@@ -63,15 +68,19 @@ class Accumulation:
     rule: str
 
 
-def accumulation(graph: TaskGraph, among: np.ndarray, stage: Optional[np.ndarray] = None) -> Accumulation:
+def accumulation(graph: TaskGraph, among: np.ndarray, stage: Optional[np.ndarray] = None,
+                 shards: Optional[np.ndarray] = None) -> Accumulation:
     """What adding a microbatch's gradients costs, per task of ``graph`` (see the module doc):
     the ``AccumulateGrad`` operators among ``among`` (a mask: the traced backward) and, on a GPU
     trace, the kernels that take the adds; ``stage``: each task's pipeline stage (-1: none), so
-    that an add lands on a kernel of its own stage."""
+    that an add lands on a kernel of its own stage; ``shards``: per task, over how many ranks of the
+    tensor group its gradient is split (a rank adds only its shard's bytes; None: none is)."""
     priced = _priced(graph, among)
     if isinstance(priced, str):
         return Accumulation(None, priced)
     firsts, nbytes, rate, rule = priced
+    split = shards[firsts] if shards is not None else np.ones(len(firsts))
+    nbytes = nbytes / split
     extra = np.zeros(len(graph.tasks))
     if not graph.workload.has_gpu:
         extra[firsts] = nbytes / rate
@@ -84,6 +93,9 @@ def accumulation(graph: TaskGraph, among: np.ndarray, stage: Optional[np.ndarray
         if not placed.all():
             rule += (f" ({int((~placed).sum())} of {len(placed)} AccumulateGrad left without: their thread launches "
                      "no kernel in their stage's backward)")
+    if (split > 1).any():
+        rule += (f"; {int((split > 1).sum())} of {len(split)} gradients split over the tensor group, each rank adding "
+                 "its shard")
     return Accumulation(extra, rule)
 
 

@@ -48,7 +48,8 @@ holding every device, whose resources are named ``stage D: <the traced resource>
   (2 stages, 4 microbatches) the first stage's three accumulations measured 6.3 ms a step more
   than its first backward's (``aten::add_``, ``lab/probes/parallel_profile.py``). Where the traced
   one already adds (a zeroed gradient), its copies hold the add and nothing is added; nor to a
-  microbatch trace's backward, whose backward is a first one too.
+  microbatch trace's backward, whose backward is a first one too. Under tensor parallelism a
+  rank adds 1/t of each unit's gradient bytes (its shard) and all of a replicated one's.
 * **The schedule** orders each device's (forward|backward, microbatch, chunk) slots, and every
   resource of the device runs its copies in slot order (its traced order inside a slot):
   GPipe (all forwards, then all backwards, Huang et al. 2019); 1F1B (PipeDream-flush, Narayanan
@@ -254,7 +255,9 @@ def apply_pipeline(graph: TaskGraph, units, par, cluster, ranks_of: dict, *, mod
     share = np.array([param_bytes[device_of_stage[stage_of_unit] == d].sum() for d in range(p)])
     share = share / share.sum() if share.sum() > 0 else np.full(p, 1.0 / p)
 
-    added = accumulation(graph, in_iteration & (phase == BACKWARD), stage) if m > 1 else None
+    # a tensor-parallel rank holds 1/t of each unit's parameters (memory.py's count), so adds 1/t of their gradients
+    shards = np.where(np.asarray(units.task_unit) >= 0, int(par.tensor), 1) if int(par.tensor) > 1 else None
+    added = accumulation(graph, in_iteration & (phase == BACKWARD), stage, shards) if m > 1 else None
     accumulate = added.extra_us if added is not None else None
     builder = _Builder(graph, duration, window[0], _main_thread(graph, in_iteration))
     for d in range(p):
