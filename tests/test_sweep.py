@@ -1,5 +1,5 @@
 """A grid's configurations give the same prediction whichever way they run: one after the other,
-on two processes of this machine, or on a local Dask cluster of two workers; and the sweep keeps
+on two processes of this machine, or on a local Dask or Ray cluster of two workers; and the sweep keeps
 the grid's order, the warnings, the errors and stdout as a serial run would.
 """
 
@@ -83,6 +83,40 @@ def test_a_local_dask_cluster_of_two_workers_predicts_exactly_what_one_process_d
     assert_same_prediction(got, serial)
 
 
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local Ray cluster of two nodes of one CPU each: two workers, as a user's cluster has
+    several; the sweep connects to it by its address, as to any existing one."""
+    pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    yield cluster
+    cluster.shutdown()
+
+
+def test_a_local_ray_cluster_of_two_workers_predicts_exactly_what_one_process_does(serial, ray_cluster):
+    import ray
+
+    assert len([node for node in ray_cluster.list_all_nodes()]) == 2
+    got = predict(Scenario.from_dict(GRID).request(), Sweep(executor="ray", address=ray_cluster.address))
+    assert not ray.is_initialized(), "the sweep disconnects from the cluster it connected to"
+    assert_same_prediction(got, serial)
+
+
+def test_on_ray_the_items_order_stays_and_an_error_is_raised_as_it_is(ray_cluster):
+    """Builtins run on any worker: ``operator.truediv(shared, item)``."""
+    import operator
+
+    assert run_sweep(operator.truediv, 1.0, [1, 2, 4, 8], Sweep(executor="ray", address=ray_cluster.address)) == \
+        [1.0, 0.5, 0.25, 0.125]
+    with pytest.raises(ZeroDivisionError) as raised:
+        run_sweep(operator.truediv, 1.0, [1, 0, 2], Sweep(executor="ray", address=ray_cluster.address))
+    assert str(raised.value) == "float division by zero", "the error itself, not Ray's wrapping with its traceback"
+
+
 # -- the sweep itself, with small functions ------------------------------------------------------
 
 def later_for_earlier_items(shared, item):
@@ -158,6 +192,13 @@ def test_dask_without_a_scheduler_address_is_one_sentence(monkeypatch):
         run_sweep(later_for_earlier_items, 0.0, [0], Sweep(executor="dask"))
 
 
+def test_ray_without_an_address_is_one_sentence(monkeypatch):
+    pytest.importorskip("ray")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with pytest.raises(SweepError, match="address"):
+        run_sweep(later_for_earlier_items, 0.0, [0], Sweep(executor="ray"))
+
+
 # -- the command line ------------------------------------------------------------------------------
 
 def scenario_file(tmp_path):
@@ -170,9 +211,12 @@ def scenario_file(tmp_path):
     (["--jobs", "0"], "--jobs 0"),
     (["--address", "tcp://127.0.0.1:8786"], "--address"),
     (["--executor", "dask"], "address"),
+    (["--executor", "ray"], "address"),
+    (["--executor", "ray", "--address", "127.0.0.1:1"], "cannot connect"),  # not minutes of Ray's retries
 ])
 def test_a_sweep_that_cannot_run_is_one_line(capsys, tmp_path, monkeypatch, options, named):
     monkeypatch.delenv("DASK_SCHEDULER_ADDRESS", raising=False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
     status = main(["predict", str(scenario_file(tmp_path)), *options])
     out, err = capsys.readouterr()
     assert status == 2 and out == ""

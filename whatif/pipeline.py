@@ -29,7 +29,7 @@ step does:
    0's graph, which is simulated); every configuration with a ``parallelism`` reports its
    memory per GPU and whether it fits (``sim/parallel/memory.py``). The configurations are
    independent of one another: they run one after the other, or on several processes or a
-   Dask cluster (``whatif/sweep.py``), with the same results in the same order.
+   Dask or Ray cluster (``whatif/sweep.py``), with the same results in the same order.
 4. **simulation** (``sim/engine.py``) and 5. **report** (``report/``): per iteration of the
    worker, and a row per cluster configuration, each with an interval (``report/intervals.py``)
    that holds the same prediction made on each run of the links' calibration and on each

@@ -1,4 +1,4 @@
-"""A grid's configurations run one after the other, on this machine's cores, or on a Dask cluster.
+"""A grid's configurations run one after the other, on this machine's cores, or on a Dask or Ray cluster.
 
 ``whatif predict`` simulates each configuration of a scenario's grid from the same inputs (the
 worker graph, its gradients and iterations, made once before), and no configuration depends on
@@ -15,6 +15,11 @@ wherever it was made (``tests/test_sweep.py`` holds each way equal to the serial
 * ``Sweep(executor="dask", address=...)``: the workers of an existing Dask cluster
   (``distributed``, the ``whatif[dask]`` extra), which must have the same ``whatif``
   installed. The shared inputs are sent to each worker once (``Client.scatter``).
+* ``Sweep(executor="ray", address=...)``: the workers of an existing Ray cluster (the
+  ``whatif[ray]`` extra; ``HOST:6379``, ``ray://HOST:10001`` or ``auto``), one CPU a
+  configuration, with the same ``whatif`` installed. The shared inputs go to the object store
+  once (``ray.put``); a connection the sweep opened is closed after it. A configuration's error
+  comes back as itself, not as Ray's wrapping with the worker's traceback.
 
 Run elsewhere than in this process, a configuration's warnings (``collectors/diagnostics.py``)
 are collected where it ran and recorded here once all have run, in the grid's order
@@ -30,6 +35,7 @@ import gc
 import multiprocessing
 import os
 import pickle
+import socket
 import sys
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
@@ -37,20 +43,20 @@ from typing import Any, Callable, Optional, Sequence
 
 from whatif.collectors.diagnostics import Diagnostics, collecting, report
 
-EXECUTORS = ("local", "dask")
+EXECUTORS = ("local", "dask", "ray")
 #: A sweep shorter than this shows no progress bar (tqdm's ``delay``)
 PROGRESS_DELAY_S = 2.0
 
 
 class SweepError(Exception):
-    """A sweep that cannot run as asked (no Dask installed, no cluster to reach)."""
+    """A sweep that cannot run as asked (no Dask or Ray installed, no cluster to reach)."""
 
 
 @dataclass(frozen=True)
 class Sweep:
     """How to run a grid: ``jobs`` processes of this machine (``executor="local"``), or the
-    workers of the Dask cluster at ``address`` (``executor="dask"``); ``progress``: a bar on
-    stderr."""
+    workers of the Dask or Ray cluster at ``address`` (``executor="dask"`` or ``"ray"``);
+    ``progress``: a bar on stderr."""
 
     jobs: int = 1
     executor: str = "local"
@@ -73,8 +79,8 @@ def available_cores() -> int:
 
 
 def runs_elsewhere(sweep: Sweep, items: int) -> bool:
-    """Whether :func:`run_sweep` runs ``items`` items in other processes or on Dask workers."""
-    return sweep.executor == "dask" or min(sweep.jobs, items) > 1
+    """Whether :func:`run_sweep` runs ``items`` items in other processes or on a cluster's workers."""
+    return sweep.executor != "local" or min(sweep.jobs, items) > 1
 
 
 def run_sweep(function: Callable[[Any, Any], Any], shared: Any, items: Sequence, sweep: Sweep = Sweep(),
@@ -92,6 +98,8 @@ def run_sweep(function: Callable[[Any, Any], Any], shared: Any, items: Sequence,
 
     if sweep.executor == "dask":
         outcomes = _on_dask(function, shared, items, sweep.address, progress_bar, pack)
+    elif sweep.executor == "ray":
+        outcomes = _on_ray(function, shared, items, sweep.address, progress_bar, pack)
     elif runs_elsewhere(sweep, len(items)):
         outcomes = _on_processes(function, shared, items, min(sweep.jobs, len(items)), progress_bar, pack)
     else:
@@ -117,7 +125,7 @@ def _collected(function, shared, item) -> tuple[Any, list]:
 
 
 def _sent_back(function, shared, item, pack=None) -> tuple[Any, list]:
-    """:func:`_collected` where it runs in another process or on a Dask worker, its result as
+    """:func:`_collected` where it runs in another process or on a cluster's worker, its result as
     ``pack`` makes it: an error it raises is one that survives the trip back."""
     try:
         result, warnings = _collected(function, shared, item)
@@ -176,7 +184,16 @@ def _picklable(err: Exception) -> Exception:
         return SweepError(f"{type(err).__name__}: {err}")
 
 
-# -- a Dask cluster ----------------------------------------------------------------------------
+# -- a Dask or Ray cluster ---------------------------------------------------------------------
+
+def _address(given: Optional[str], variable: str, needs: str, forms: str) -> str:
+    """The cluster's address: ``given``, else the environment's ``variable``; a one-sentence
+    error saying both where there is neither."""
+    address = given or os.environ.get(variable)
+    if not address:
+        raise SweepError(f"{needs}: --address {forms} or {variable}")
+    return address
+
 
 def _on_dask(function, shared, items: list, address: Optional[str], progress_bar, pack=None) -> list:
     try:
@@ -184,10 +201,8 @@ def _on_dask(function, shared, items: list, address: Optional[str], progress_bar
         from distributed import as_completed as dask_completed
     except ImportError:
         raise SweepError("--executor dask needs Dask's distributed scheduler: pip install 'whatif[dask]'") from None
-    address = address or os.environ.get("DASK_SCHEDULER_ADDRESS")
-    if not address:
-        raise SweepError("--executor dask needs the scheduler's address: --address tcp://HOST:8786 "
-                         "or DASK_SCHEDULER_ADDRESS")
+    address = _address(address, "DASK_SCHEDULER_ADDRESS", "--executor dask needs the scheduler's address",
+                       "tcp://HOST:8786")
     try:
         client = Client(address, timeout="10s", set_as_default=False)
     except OSError as err:
@@ -204,6 +219,57 @@ def _on_dask(function, shared, items: list, address: Optional[str], progress_bar
             client.cancel(futures)
             raise
         return client.gather(futures)
+
+
+def _on_ray(function, shared, items: list, address: Optional[str], progress_bar, pack=None) -> list:
+    try:
+        import ray
+    except ImportError:
+        raise SweepError("--executor ray needs Ray: pip install 'whatif[ray]'") from None
+    address = _address(address, "RAY_ADDRESS", "--executor ray needs the cluster's address",
+                       "HOST:6379, ray://HOST:10001 or auto,")
+    connected_here = not ray.is_initialized()
+    if connected_here:
+        _reachable(address)
+        try:
+            ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+        except (ConnectionError, RuntimeError, ValueError) as err:
+            raise SweepError(f"Ray cluster {address}: cannot connect ({str(err).splitlines()[0]})") from None
+    try:
+        remote = ray.remote(_sent_back).options(num_cpus=1, max_retries=0)
+        on_workers = ray.put(shared)  # sent to each node once, read by its workers from shared memory
+        refs = [remote.remote(function, on_workers, item, pack) for item in items]
+        try:
+            with progress_bar() as bar:
+                pending = list(refs)
+                while pending:
+                    done, pending = ray.wait(pending, num_returns=1)
+                    ray.get(done)  # the first failure is raised at once
+                    bar.update()
+            return ray.get(refs)
+        except BaseException as err:
+            for ref in refs:
+                ray.cancel(ref)
+            if not isinstance(err, ray.exceptions.RayTaskError):
+                raise
+            cause = getattr(err, "cause", None)  # the error itself, without the worker's traceback
+            raise (cause if isinstance(cause, Exception) else SweepError(str(err).splitlines()[0])) from None
+    finally:
+        if connected_here:
+            ray.shutdown()
+
+
+def _reachable(address: str, timeout_s: float = 10.0) -> None:
+    """A one-sentence error where a Ray address's host does not answer on its port within
+    ``timeout_s``: Ray itself retries an unreachable cluster for minutes. ``auto`` (the cluster
+    this machine runs) is left to Ray, which says at once where there is none."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as err:
+        raise SweepError(f"Ray cluster {address}: cannot connect ({err})") from None
 
 
 # -- progress ----------------------------------------------------------------------------------

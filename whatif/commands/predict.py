@@ -44,9 +44,11 @@ def add_parsers(sub) -> None:
                                "(default: this machine's cores, %(default)s; 1: one after the other, in this process)")
     predict_.add_argument("--executor", choices=EXECUTORS, default="local",
                           help="where the configurations run: this machine (default), or the workers of a Dask "
-                               "cluster (pip install 'whatif[dask]'; --jobs is then the cluster's)")
-    predict_.add_argument("--address", metavar="tcp://HOST:PORT",
-                          help="the Dask scheduler's address (default: DASK_SCHEDULER_ADDRESS)")
+                               "or Ray cluster (pip install 'whatif[dask]' or 'whatif[ray]'; --jobs is then the "
+                               "cluster's)")
+    predict_.add_argument("--address", metavar="ADDRESS",
+                          help="the cluster's address: Dask's scheduler, tcp://HOST:8786 (default: "
+                               "DASK_SCHEDULER_ADDRESS); Ray's, HOST:6379, ray://HOST:10001 or auto (default: RAY_ADDRESS)")
 
 
 def plot_titles(path: Path, scenario: Scenario) -> tuple[str, str]:
@@ -63,8 +65,8 @@ def ends_quickly(args: argparse.Namespace) -> bool:
     interpreter's teardown (``whatif.cli.main``), which on Daydream's grid of the ResNet-50 trace
     is a tenth of the command's time: on this machine's cores, yes; the command leaves nothing
     for the teardown to do (every file it writes is closed and renamed into place before it
-    returns, its processes are joined). A Dask client's threads and connections are left to
-    close as Python closes them."""
+    returns, its processes are joined). A Dask or Ray client's threads and connections are left
+    to close as Python closes them."""
     return args.executor == "local"
 
 
@@ -73,8 +75,8 @@ def run(args: argparse.Namespace) -> int:
     check_grid_size(args.scenario, scenario, args.yes)
     if args.jobs < 1:
         raise UsageError(f"--jobs {args.jobs}: at least 1")
-    if args.address is not None and args.executor != "dask":
-        raise UsageError("--address is the Dask scheduler's: give it with --executor dask")
+    if args.address is not None and args.executor == "local":
+        raise UsageError("--address is a Dask or Ray cluster's: give it with --executor dask or --executor ray")
     if scenario.job_traces:
         return _run_job(args, scenario)
     inputs = (args.scenario, scenario.trace)
