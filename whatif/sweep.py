@@ -263,7 +263,9 @@ def _reachable(address: str, timeout_s: float = 10.0) -> None:
     """A one-sentence error where a Ray address's host does not answer on its port within
     ``timeout_s``: Ray itself retries an unreachable cluster for minutes. ``auto`` (the cluster
     this machine runs) is left to Ray, which says at once where there is none."""
-    host, _, port = address.removeprefix("ray://").rpartition(":")
+    host, colon, port = address.removeprefix("ray://").rpartition(":")
+    if colon and not host:
+        raise SweepError(f"Ray cluster {address}: no host before the port")
     if not host or not port.isdigit():
         return
     try:
