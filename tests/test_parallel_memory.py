@@ -113,10 +113,20 @@ def test_in_flight_microbatches_by_schedule():
     assert in_flight_microbatches(interleaved) == pytest.approx(4 * (1 + 3 / 8))
 
 
+def test_every_gpu_preset_says_its_memory():
+    from whatif.topology.fabric import Gpu, preset_names
+
+    for name in preset_names("gpus"):
+        memory = Gpu.from_config(name, "gpu").memory_bytes
+        assert memory is not None and 8e9 <= memory <= 300e9, name
+
+
 def test_fits_and_the_gpus_memory():
     breakdown = MemoryBreakdown(1e9, 1e9, 2e9, 0.0, 4e9)
     assert breakdown.total_gb == 8
     assert fits(breakdown, 80e9) is True and fits(breakdown, 7e9) is False and fits(breakdown, None) is None
     assert gpu_memory_bytes(Cluster.from_config({"machine": "dgx_h100", "machines": 2})) == 80e9
+    assert gpu_memory_bytes(Cluster.from_config({"machine": "p4d", "machines": 2})) == 40e9  # A100 40GB
+    assert gpu_memory_bytes(Cluster.from_config({"machine": "p4d", "machines": 2, "gpu": "a100"})) == 80e9
     assert gpu_memory_bytes(Cluster.from_config({"machines": 2, "gpus_per_machine": 1, "intra_node": "pcie3",
                                                  "inter_node": "10gbe"})) is None

@@ -44,12 +44,12 @@ from .nccl.tuning import ALGORITHMS, LINK_CLASSES, PROTOCOLS, parse_choices
 from .nccl.measured import KINDS as MEASURED_KINDS
 from .nccl.measured import SPEC, Measured, public
 from .nccl.versions import parse_version
-from .units import TopologyError, gigabytes_per_s, parse_bandwidth, parse_fraction, parse_latency
+from .units import TopologyError, gigabytes_per_s, parse_bandwidth, parse_fraction, parse_latency, parse_size
 from .yamlfile import load_preset
 
 FABRIC_KEYS = ("machine", "gpu", "nvlink_domain", "nvswitch", "nics_per_machine", "nic", "cpu", "network", "nccl")
 _MACHINE_KEYS = ("gpu", "gpus_per_machine", "nvlink_domain", "nvswitch", "nics_per_machine", "nic", "cpu")
-_GPU_KEYS = ("compute_capability", "nvlinks", "nvlink_bandwidth", "nccl_nvlink_bandwidth", "nvls", "pcie")
+_GPU_KEYS = ("compute_capability", "nvlinks", "nvlink_bandwidth", "nccl_nvlink_bandwidth", "nvls", "pcie", "memory")
 _NIC_KEYS = ("preset", "bandwidth", "transport", "kind", "latency", "efficiency")
 _NETWORK_KEYS = ("rails", "machines_per_leaf", "oversubscription", "sharp")
 TRANSPORTS = ("ib", "roce", "efa", "socket", "ofi")
@@ -128,6 +128,7 @@ class Gpu:
     nccl_nvlink_bandwidth_bytes_per_us: float  # per link, NCCL's topology model's
     nvls: bool
     pcie: str
+    memory_bytes: Optional[float] = None  # what a job can use (None: not known)
 
     @property
     def nvlink_total_bytes_per_us(self) -> float:
@@ -156,6 +157,7 @@ class Gpu:
             nccl_nvlink_bandwidth_bytes_per_us=_bandwidth0(entry.get("nccl_nvlink_bandwidth", zero), f"{where}.nccl_nvlink_bandwidth"),
             nvls=_flag(entry.get("nvls", False), f"{where}.nvls"),
             pcie=pcie,
+            memory_bytes=parse_size(entry["memory"], f"{where}.memory") if "memory" in entry else None,
         )
 
 

@@ -54,8 +54,6 @@ from .units import PHASE_FORWARD, Units
 #: Bytes of optimizer state per parameter beyond the parameters: (fp32 training, mixed precision).
 OPTIMIZER_STATE_BYTES = {"adam": (8, 12), "adamw": (8, 12), "sgd": (4, 8), "sgd-plain": (0, 4)}
 #: The datasheet memory of the GPUs of ``topology/presets/gpus.yaml`` (GB, 1e9 bytes).
-GPU_MEMORY_GB = {"v100": 32, "a100": 80, "h100": 80, "h200": 141, "h800": 80, "h20": 96, "b200": 192,
-                 "gb200": 186, "gb300": 288, "gh200": 96, "l40s": 48, "a10g": 24, "rtx2080ti": 11}
 _ATTENTION_FUSED = re.compile(r"scaled_dot_product|flash_attention|efficient_attention")
 _SOFTMAX = re.compile(r"^aten::_?softmax$")
 
@@ -92,8 +90,7 @@ def gpu_memory_bytes(cluster) -> Optional[float]:
     fabric = getattr(cluster, "fabric", None)
     if fabric is None:
         return None
-    gb = GPU_MEMORY_GB.get("".join(ch for ch in fabric.gpu.name.lower() if ch not in " -_"))
-    return gb * 1e9 if gb else None
+    return fabric.gpu.memory_bytes
 
 
 def memory_per_gpu(graph: TaskGraph, units: Units, par: Parallelism, optimizer: str = "adam",
