@@ -132,6 +132,12 @@ def test_a_cluster_file_names_the_cluster_and_the_scenario_changes_what_it_gives
     assert [p.cluster.machines for p in grid.points] == [8, 64]
     assert all(p.cluster.fabric.calibration.version == (2, 25, 1) and p.cluster.fabric.calibration.protocol == "simple"
                and p.cluster.fabric.calibration.algorithm == "ring" for p in grid.points)
+    # a calibration's measured constants list the tables they were fitted on: data, not a grid
+    (tmp_path / "fitted.yaml").write_text("machine: hgx_h100\nmachines: 1\nnccl:\n  measured:\n    p2p_efficiency: 0.5\n"
+                                          "    fitted_on: [a.txt, b.txt, c.txt]\n")
+    fitted = Scenario.from_file(write_scenario(tmp_path, GOOD_TRACE + "cluster: {file: fitted.yaml, machines: [2, 4]}\n"))
+    assert [p.cluster.machines for p in fitted.points] == [2, 4]
+    assert all(p.cluster.fabric.calibration.measured.fitted_on == ("a.txt", "b.txt", "c.txt") for p in fitted.points)
     for text, message in (("cluster: missing.yaml\n", "cluster: "), ("cluster: {file: missing.yaml}\n", "cluster.file: "),
                           ("cluster: {file: other.yaml}\n", "names another file"),
                           ("cluster: {file: [a.yaml, b.yaml]}\n", "cluster.file: expected the name of one cluster file")):

@@ -497,12 +497,19 @@ def _grid_of(name: str, linked: dict) -> list[Cluster]:
 
 def _axes(value: Any, where: tuple = ()) -> list[tuple[tuple, list]]:
     """The lists in ``value`` (a mapping, at any depth): each one's key path and items, in the
-    order the mapping writes them."""
+    order the mapping writes them. A calibration's measured constants (``nccl: {measured: {...}}``,
+    what ``whatif calibrate nccl-tests`` writes) are one set, whose lists (``fitted_on``: the
+    tables it was fitted on) are data, not a grid."""
     if isinstance(value, list):
         return [(where, value)]
+    if where == _MEASURED and isinstance(value, dict):
+        return []
     if isinstance(value, dict):
         return [axis for key, item in value.items() for axis in _axes(item, (*where, key))]
     return []
+
+
+_MEASURED = ("nccl", "measured")
 
 
 def _replaced(mapping: dict, where: tuple, value: Any) -> dict:
