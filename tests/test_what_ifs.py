@@ -107,19 +107,44 @@ def test_amp_never_predicts_a_slower_iteration(traces, kineto_trace):
 
 
 def test_amp_runs_tensor_core_kernels_three_times_and_other_kernels_twice_as_fast(traces):
+    """On the A100 trace: fp32 GEMMs and convolutions 3x, those already on Tensor Cores in TF32
+    (``sm80_xmma_..._tf32f32_...``) and every other kernel 2x."""
     graph = traces.study(A100_DDP2).graph
     amp = WhatIf(optimizations=["amp"]).apply(graph)
     kinds = graph.tasks["kind"].to_numpy()
     names = graph.tasks["name"].astype(str)
-    eligible = names.str.contains(TENSOR_CORE_ELIGIBLE).to_numpy()
+    eligible = names.str.contains(TENSOR_CORE_ELIGIBLE).to_numpy() & ~names.str.contains("tf32").to_numpy()
     before, after = graph.tasks["duration_us"].to_numpy(), amp.tasks["duration_us"].to_numpy()
     kernel = kinds == int(TaskKind.KERNEL)
     assert (kernel & eligible).sum() > 100 and (kernel & ~eligible).sum() > 100
+    assert (kernel & names.str.contains("tf32").to_numpy()).sum() > 10
     np.testing.assert_allclose(after[kernel & eligible], before[kernel & eligible] / 3)
     np.testing.assert_allclose(after[kernel & ~eligible], before[kernel & ~eligible] / 2)
     untouched = ~kernel  # CPU work, copies, memsets, and NCCL kernels (all-reduced in fp32)
     assert (kinds == int(TaskKind.COMM)).sum() == 21
     np.testing.assert_array_equal(after[untouched], before[untouched])
+
+
+@pytest.mark.parametrize("name, eligible", [
+    # GEMMs and convolutions, as the shared V100, A100 and H100 traces name them
+    ("volta_sgemm_64x64_nt", True),
+    ("cudnn_infer_volta_scudnn_128x64_relu_medium_nn_v1", True),
+    ("void cudnn::detail::dgrad_engine<float, 512, 6, 5, 3, 3, 3, false>(int, int, int)", True),
+    ("void wgrad_alg0_engine<float, 128, 6, 7, 3, 3, 5, false, 512>(int, int, int)", True),
+    ("void cudnn::winograd_nonfused::winogradForwardData4x4<float, float>(cudnn::winograd_nonfused::Param)", True),
+    ("void cutlass::Kernel<cutlass_80_tensorop_s1688gemm_64x64_32x4_nn_align1>(Params)", True),
+    ("sm90_xmma_fprop_implicit_gemm_f32f32_tf32f32_f32_nhwckrsc_nhwc_tilesize256x64x32", True),
+    ("ampere_sgemm_128x128_tn", True),
+    # memory-bound kernels of cuDNN and FBGEMM, which a library name alone made eligible
+    ("void cudnn::bn_bw_1C11_kernel_new<float, float, float2, 128, true, 1>(float, float)", False),
+    ("void cudnn::bn_fw_tr_1C11_kernel_NCHW<float, float, int, 128, true, 1, true>(cudnnTensorStruct)", False),
+    ("void cudnn::ops::nchwToNhwcKernel<float, float, float, false, true, (cudnnKernelDataType_t)0>(params)", False),
+    ("void cudnn::ops::scalePackedTensor_kernel<float, float>(long, float*, float)", False),
+    ("void fbgemm_gpu::permute_indices_weights_kernel<false, int, decltype(nullptr)>(int, int)", False),
+    ("void at::native::(anonymous namespace)::max_pool_backward_nchw<float, float>(float const*)", False),
+])
+def test_the_tensor_core_kernels_are_the_gemms_and_convolutions(name, eligible):
+    assert bool(TENSOR_CORE_ELIGIBLE.search(name)) == eligible
 
 
 def test_amp_changes_nothing_on_a_cpu_only_trace(traces):
