@@ -56,6 +56,21 @@ def test_a_communicator_counts_each_nodes_rails_as_device_of_assigns_them(machin
             assert Comm.of(fabric, ids.tolist()).node_nics == fewest
 
 
+def test_a_machine_used_with_fewer_gpus_keeps_its_nvlink_domain_to_them():
+    """``machine: dgx_h100, gpus_per_machine: 1`` is one GPU of each machine: its NVLink domain
+    is that GPU, so the GPUs of four machines talk over the network (one rail NIC each, about
+    48 GB/s), not over NVLink as if the four were one machine. A rack's domain, which spans its
+    trays, stays; an nvlink_domain given wins."""
+    one = Cluster.from_config({"machine": "dgx_h100", "machines": 4, "gpus_per_machine": 1})
+    assert one.fabric.nvlink_domain == 1
+    cost = collective_cost(one, "all_gather", 256 * MB)
+    assert cost.algorithm == "ring" and cost.time_us > 256 * MB * 3 / 4 / 50e3  # bus bandwidth under one NIC's 50 GB/s
+    assert Cluster.from_config({"machine": "dgx_h100", "machines": 2, "gpus_per_machine": 2}).fabric.nvlink_domain == 2
+    assert Cluster.from_config({"machine": "gb200_nvl72", "machines": 36, "gpus_per_machine": 2}).fabric.nvlink_domain == 72
+    given = Cluster.from_config({"machine": "dgx_h100", "machines": 2, "gpus_per_machine": 2, "nvlink_domain": 4})
+    assert given.fabric.nvlink_domain == 4
+
+
 def test_a_gb200_nvl72_rack_is_one_nvlink_domain_across_eighteen_trays():
     rack = Cluster.from_config({"machine": "gb200_nvl72", "machines": 18})
     assert rack.fabric.node_size == 72 and rack.fabric.node_of(71) == 0

@@ -505,6 +505,8 @@ class Fabric:
         gpu = Gpu.from_config(spec["gpu"], at("gpu"))
         per_machine = _count(spec.get("gpus_per_machine", config.get("gpus_per_machine", 1)), at("gpus_per_machine"))
         default_domain = per_machine if gpu.nvlinks else 1
+        if "nvlink_domain" not in config and base.get("nvlink_domain") == base.get("gpus_per_machine"):
+            spec.pop("nvlink_domain", None)  # a machine's own NVLink domain: its GPUs, however many are used
         cpu = str(spec.get("cpu", "intel")).lower()
         if cpu not in CPUS:
             raise TopologyError(at("cpu"), f"must be one of {', '.join(CPUS)}, got {cpu!r}")
