@@ -188,3 +188,17 @@ def test_a_factor_kept_to_a_node_count_applies_there_before_one_for_any_and_roun
     assert Calibration.from_config(calibration.as_config(), "nccl") == calibration
     with pytest.raises(TopologyError, match=r"nccl\.net\.tree/simple@4"):
         Calibration.from_config({"net": {"tree/simple@4": {"bandwidth": 0.5}}}, "nccl")
+
+
+def test_a_memory_variant_of_the_traced_gpu_needs_no_note_that_its_kernels_keep_their_times():
+    """An A100 80 GB trace on AWS p4d (A100 40 GB, preset ``a100_40gb``): the same chip, so no
+    note that the kernels keep their traced times; on DGX H100s the note stays."""
+    from whatif.pipeline import clusters_gpu_note
+    from whatif.topology.fabric import gpu_chip
+
+    assert gpu_chip("a100_40gb") == gpu_chip("a100") == "a100" and gpu_chip("h100") == "h100"
+    traced = [{"name": "NVIDIA A100-SXM4-80GB"}]
+    p4d = Cluster.from_config({"machine": "p4d", "machines": 2})
+    h100 = Cluster.from_config({"machine": "dgx_h100", "machines": 2})
+    assert clusters_gpu_note(traced, [p4d], []) == ""
+    assert "on the clusters' h100 GPUs its kernels keep their traced times" in clusters_gpu_note(traced, [p4d, h100], [])

@@ -96,6 +96,12 @@ def preset_names(kind: str) -> list:
     return [name for name, _ in _presets(kind).values()]
 
 
+def gpu_chip(preset: str) -> str:
+    """The chip a GPU preset is: a preset named ``CHIP_VARIANT`` (``a100_40gb``) is ``CHIP``'s
+    part with other memory, whose kernels run as fast."""
+    return str(preset).partition("_")[0]
+
+
 def gpu_of_device(device_name: str) -> Optional[str]:
     """The GPU preset a CUDA device name is (``NVIDIA H100 80GB HBM3``: ``h100``; ``Tesla
     V100-SXM2-32GB``: ``v100``; ``NVIDIA GH200 480GB``: ``gh200``, the longest preset name the

@@ -79,7 +79,7 @@ from whatif.sim.passes.profiler_overhead import ProfilerOverhead, remove_profile
 from whatif.sim.passes.shared_memory import add_memory_bytes
 from whatif.sim.perfmodels.cache import default_models
 from whatif.sim.perfmodels.models import PerfModels, load_models
-from whatif.topology.fabric import gpu_of_device
+from whatif.topology.fabric import gpu_chip, gpu_of_device
 
 from .study import TraceStudy
 from .sweep import Sweep, run_sweep, runs_elsewhere
@@ -326,10 +326,10 @@ def clusters_gpu_note(device_properties: Sequence, clusters: Sequence, optimizat
     if any(str(name).startswith("faster-gpu") for name in optimizations):
         return ""
     devices = sorted({str(d.get("name", "")) for d in device_properties if isinstance(d, dict)})
-    traced = {gpu_of_device(name) for name in devices} - {None}
+    traced = {gpu_chip(gpu) for gpu in (gpu_of_device(name) for name in devices) if gpu is not None}
     if len(traced) != 1:
         return ""
-    others = sorted({c.fabric.gpu.name for c in clusters if c.fabric is not None} - traced)
+    others = sorted({c.fabric.gpu.name for c in clusters if c.fabric is not None and gpu_chip(c.fabric.gpu.name) not in traced})
     if not others:
         return ""
     return (f"the trace ran on {', '.join(devices)}; on the clusters' {', '.join(others)} GPUs its kernels keep their "
