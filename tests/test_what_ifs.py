@@ -142,6 +142,7 @@ def test_amp_runs_tensor_core_kernels_three_times_and_other_kernels_twice_as_fas
     ("void cudnn::ops::scalePackedTensor_kernel<float, float>(long, float*, float)", False),
     ("void fbgemm_gpu::permute_indices_weights_kernel<false, int, decltype(nullptr)>(int, int)", False),
     ("void at::native::(anonymous namespace)::max_pool_backward_nchw<float, float>(float const*)", False),
+    ("void at::native::(anonymous namespace)::conv_depthwise2d_forward_kernel<3, float, int>(float const*)", False),
 ])
 def test_the_tensor_core_kernels_are_the_gemms_and_convolutions(name, eligible):
     assert bool(TENSOR_CORE_ELIGIBLE.search(name)) == eligible

@@ -20,10 +20,11 @@ from ..graph import CPU_WORK_KINDS, GPU_TASK_KINDS, EdgeKind, GraphError, TaskGr
 #: the transforms of a Winograd convolution. Not every cuDNN kernel: its batch norm
 #: (``cudnn::bn_fw_tr_1C11_kernel_NCHW``, ``bn_bw_1C11_kernel_new``), pooling, softmax and layout
 #: transposes (``cudnn::ops::nchwToNhwcKernel``) read and write memory, so half the bytes make
-#: them twice as fast, as any other kernel; nor FBGEMM's kernels by their library's name alone
-#: (``fbgemm_gpu::permute_indices_weights_kernel``).
+#: them twice as fast, as any other kernel; nor PyTorch's depthwise convolutions
+#: (``conv_depthwise2d_forward_kernel``, memory-bound: no Tensor Core kernel), nor FBGEMM's
+#: kernels by their library's name alone (``fbgemm_gpu::permute_indices_weights_kernel``).
 TENSOR_CORE_ELIGIBLE = re.compile(
-    r"(?<!fb)gemm|conv(?!ert)|cutlass|xmma|wgrad|dgrad|fprop|scudnn|hcudnn|winograd|s884|s1688|h884|h1688",
+    r"(?<!fb)gemm|conv(?!ert|_depthwise)|cutlass|xmma|wgrad|dgrad|fprop|scudnn|hcudnn|winograd|s884|s1688|h884|h1688",
     re.IGNORECASE,
 )
 #: Of those, the ones on Tensor Cores already in TF32 (an Ampere or later GPU running fp32 convolutions,
