@@ -125,8 +125,8 @@ def test_transfers_cost_and_order():
 REAL = {
     "convnet bundle": ("data/convnet_cpu.bundle", None),
     "transformer bundle": ("data/transformer_cpu.bundle", None),
-    # a GPU trace with module names (its backward is not attributed to units: all of it goes with
-    # the last stage, so its bubbles say little; its structure is what is tested)
+    # a GPU trace with module names, its units found by a pattern (its convolutions; the
+    # classifier's linear layers, outside them, go with the last stage)
     "vgg13 h100": ("../shared/traces/triosim-vgg13-h100/vgg13_bs512_iter41.json.gz", r"nn\.Module: Conv2d_\d+"),
 }
 
