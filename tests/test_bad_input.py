@@ -96,6 +96,8 @@ def test_a_directory_is_not_a_trace(tmp_path, capsys):
         (["simulate", "--scale", "conv=nan"], "conv=nan"),
         (["simulate", "--scale", "=0.5"], "=0.5"),
         (["simulate", "--optimization", "warp-drive"], "warp-drive"),
+        (["simulate", "--optimization", "fused-adam"], "did you mean 'fused-optimizer'?"),
+        (["simulate", "--optimization", "bf16"], "did you mean 'amp'?"),
         (["simulate", "--optimization", "faster-gpu=twice"], "twice"),
         (["simulate", "--optimization", "faster-gpu=0"], "faster"),
         (["simulate", "--optimization", "amp=2"], "amp"),

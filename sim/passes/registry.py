@@ -28,6 +28,12 @@ OPTIMIZATIONS: dict[str, Callable] = {
     "metaflow-fusion": metaflow_fusion,
     "blueconnect": blueconnect,
 }
+#: what users also call an optimization, for the hint of an unknown name (not accepted as names:
+#: one spelling each keeps scenarios and reports comparable)
+ALSO_CALLED = {"fused-adam": "fused-optimizer", "fused-adamw": "fused-optimizer", "fused-sgd": "fused-optimizer",
+               "apex": "fused-optimizer", "mixed-precision": "amp", "fp16": "amp", "bf16": "amp", "half": "amp",
+               "autocast": "amp", "compression": "gradient-compression", "powersgd": "gradient-compression",
+               "offload": "vdnn", "activation-offload": "vdnn"}
 #: the optimizations that take a value (``NAME=VALUE``), what it is, and its least value
 VALUED = {"faster-gpu": ("speed-up", 0.0), "faster-cpu": ("speed-up", 0.0),
           "gradient-compression": ("compression ratio", 1.0)}
@@ -44,7 +50,7 @@ def parse_optimization(spec: str) -> tuple[str, Optional[float]]:
     and its value (None: none given); a :class:`GraphError` where it is not one."""
     name, value = optimization_name(spec), str(spec).partition("=")[2]
     if name not in OPTIMIZATIONS:
-        close = difflib.get_close_matches(name, OPTIMIZATIONS, n=1)
+        close = [ALSO_CALLED[name]] if name in ALSO_CALLED else difflib.get_close_matches(name, OPTIMIZATIONS, n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
         raise GraphError(f"unknown optimization {spec!r}; {hint}choose from {', '.join(OPTIMIZATIONS)}")
     if not value:
