@@ -138,6 +138,9 @@ def test_a_cluster_file_names_the_cluster_and_the_scenario_changes_what_it_gives
     fitted = Scenario.from_file(write_scenario(tmp_path, GOOD_TRACE + "cluster: {file: fitted.yaml, machines: [2, 4]}\n"))
     assert [p.cluster.machines for p in fitted.points] == [2, 4]
     assert all(p.cluster.fabric.calibration.measured.fitted_on == ("a.txt", "b.txt", "c.txt") for p in fitted.points)
+    (tmp_path / "fitted.yaml").write_text("machine: hgx_h100\nnccl: {measured: {fitted_on: a.txt}}\n")
+    one = Scenario.from_file(write_scenario(tmp_path, GOOD_TRACE + "cluster: fitted.yaml\n"))
+    assert one.points[0].cluster.fabric.calibration.measured.fitted_on == ("a.txt",), "one name, not its letters"
     for text, message in (("cluster: missing.yaml\n", "cluster: "), ("cluster: {file: missing.yaml}\n", "cluster.file: "),
                           ("cluster: {file: other.yaml}\n", "names another file"),
                           ("cluster: {file: [a.yaml, b.yaml]}\n", "cluster.file: expected the name of one cluster file")):

@@ -150,7 +150,14 @@ class Measured:
                    host_launch_us=_number(value.get("host_launch_us", 0.0), f"{key}.host_launch_us",
                                           BOUNDS["host_launch_us"]),
                    host_call_us=_number(value.get("host_call_us", 0.0), f"{key}.host_call_us", BOUNDS["host_call_us"]),
-                   source=str(value.get("source", "")), fitted_on=tuple(value.get("fitted_on") or ()))
+                   source=str(value.get("source", "")), fitted_on=_names(value.get("fitted_on")))
+
+
+def _names(value: Any) -> tuple:
+    """The tables a fit names (``fitted_on``): a list of them, or one name."""
+    if value is None or value == "":
+        return ()
+    return tuple(str(v) for v in value) if isinstance(value, (list, tuple)) else (str(value),)
 
 
 def _lookup(pairs: tuple, kind: str, transport: str, default: float) -> float:
