@@ -53,7 +53,6 @@ from .units import PHASE_FORWARD, Units
 
 #: Bytes of optimizer state per parameter beyond the parameters: (fp32 training, mixed precision).
 OPTIMIZER_STATE_BYTES = {"adam": (8, 12), "adamw": (8, 12), "sgd": (4, 8), "sgd-plain": (0, 4)}
-#: The datasheet memory of the GPUs of ``topology/presets/gpus.yaml`` (GB, 1e9 bytes).
 _ATTENTION_FUSED = re.compile(r"scaled_dot_product|flash_attention|efficient_attention")
 _SOFTMAX = re.compile(r"^aten::_?softmax$")
 
