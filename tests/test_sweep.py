@@ -106,9 +106,18 @@ def test_a_local_ray_cluster_of_two_workers_predicts_exactly_what_one_process_do
     assert_same_prediction(got, serial)
 
 
-def test_on_ray_the_items_order_stays_and_an_error_is_raised_as_it_is(ray_cluster):
-    """Builtins run on any worker: ``operator.truediv(shared, item)``."""
+def test_on_ray_the_items_order_stays_and_an_error_is_raised_as_it_is(ray_cluster, monkeypatch):
+    """Builtins run on any worker: ``operator.truediv(shared, item)``. The sweep leaves the
+    configurations still running to end with its job: cancelling them raced their replies in
+    Ray 2.60 and aborted this process about one run in ten (the CI run of 2026-12-05)."""
     import operator
+
+    import ray
+
+    def cancel(*args, **kwargs):
+        raise AssertionError("ray.cancel can abort the driver")
+
+    monkeypatch.setattr(ray, "cancel", cancel)
 
     assert run_sweep(operator.truediv, 1.0, [1, 2, 4, 8], Sweep(executor="ray", address=ray_cluster.address)) == \
         [1.0, 0.5, 0.25, 0.125]

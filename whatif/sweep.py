@@ -19,7 +19,8 @@ wherever it was made (``tests/test_sweep.py`` holds each way equal to the serial
   ``whatif[ray]`` extra; ``HOST:6379``, ``ray://HOST:10001`` or ``auto``), one CPU a
   configuration, with the same ``whatif`` installed. The shared inputs go to the object store
   once (``ray.put``); a connection the sweep opened is closed after it. A configuration's error
-  comes back as itself, not as Ray's wrapping with the worker's traceback.
+  comes back as itself, not as Ray's wrapping with the worker's traceback; the others are left
+  to end with the sweep's Ray job rather than cancelled (see :func:`_on_ray`).
 
 Run elsewhere than in this process, a configuration's warnings (``collectors/diagnostics.py``)
 are collected where it ran and recorded here once all have run, in the grid's order
@@ -248,8 +249,11 @@ def _on_ray(function, shared, items: list, address: Optional[str], progress_bar,
                     bar.update()
             return ray.get(refs)
         except BaseException as err:
-            for ref in refs:
-                ray.cancel(ref)
+            # the configurations still running are not cancelled: Ray 2.60's ray.cancel races a
+            # task's reply and can abort this process ("Tried to complete task that was not
+            # pending", ray-project/ray#54846). Where the sweep connected, ray.shutdown() below
+            # ends its job, and the cluster stops the job's workers; on a connection the caller
+            # opened, they run to their end and their results are dropped with ``refs``.
             if not isinstance(err, ray.exceptions.RayTaskError):
                 raise
             cause = getattr(err, "cause", None)  # the error itself, without the worker's traceback
