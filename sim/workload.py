@@ -106,7 +106,8 @@ def decode_inputs(text) -> list:
 
 def first_input_bytes(ops: pd.DataFrame, row: int) -> Optional[float]:
     """Bytes of the first input an operator recorded (its shape and type); None where the
-    trace recorded no shape."""
+    trace recorded no shape. A list of tensors (``aten::cat``'s, ``aten::stack``'s) counts
+    them all, at 4 bytes an element (the profiler records no dtype for a ``TensorList``)."""
     return first_input_bytes_of(ops.at[row, "input_dims"], ops.at[row, "input_types"])
 
 
@@ -142,7 +143,13 @@ def first_input_bytes_of(dims_text, types) -> Optional[float]:
         return None
     if not dims or not isinstance(dims, list) or not isinstance(dims[0], list) or not dims[0]:
         return None
-    elements = float(np.prod(dims[0]))
+    first = dims[0]
+    if all(isinstance(d, list) for d in first):  # a TensorList (cat, stack): its tensors together
+        elements = float(sum(np.prod(d, dtype=float) for d in first))
+    elif all(isinstance(d, (int, float)) for d in first):
+        elements = float(np.prod(first, dtype=float))
+    else:
+        return None
     size = 4
     if types is not None:
         try:

@@ -23,6 +23,7 @@ from whatif.sim.engine import simulate
 from whatif.sim.graph import EdgeKind, GraphError, TaskKind
 from whatif.sim.parallel import Parallelism
 from whatif.sim.parallel.expert import ExpertParallelChange, apply_expert
+from whatif.sim.workload import decode_inputs, first_input_bytes
 from whatif.sim.parallel.tensor import TensorParallelChange, apply_tensor, shard_dims, with_collectives
 from whatif.sim.perfmodels.models import load_models
 from whatif.sim.parallel.units import PHASE_BACKWARD, PHASE_FORWARD, PHASE_OPTIMIZER, find_units
@@ -360,6 +361,21 @@ def test_expert_parallel_all_to_alls_around_each_moe_layer_of_the_buffer(moe):
     assert set(comm["resource"].astype(str)) == {"network expert"}
     assert np.allclose(comm["duration_us"], collective_cost(FAST, "all_to_all", experts * capacity * D_MODEL * 4,
                                                             ranks=(0, 1)).time_us)
+
+
+def test_a_list_of_tensors_counts_its_tensors_bytes_together(moe):
+    """``torch.stack`` of the experts' outputs reads a TensorList: its bytes are its tensors',
+    not the product of every dimension of every tensor (1e19 bytes, which made a MoE block's
+    activations 2e12 GB)."""
+    graph, units = moe
+    ops = graph.ops
+    rows = [r for r in ops.index[(ops["name"] == "aten::stack").to_numpy()] if ops.at[r, "input_dims"]]
+    assert rows, "the experts' outputs are stacked"
+    for row in rows:
+        tensors = decode_inputs(ops.at[row, "input_dims"])[0]
+        assert first_input_bytes(ops, row) == 4 * sum(math.prod(shape) for shape in tensors)
+    total = float(units.table["param_bytes"].sum())
+    assert (units.table["activation_bytes"] < total).all(), "a block's output, not a product of a list"
 
 
 def test_a_rank_runs_its_local_experts_on_every_ranks_tokens(moe):
