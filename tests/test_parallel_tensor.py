@@ -23,6 +23,8 @@ from whatif.sim.engine import simulate
 from whatif.sim.graph import EdgeKind, GraphError, TaskKind
 from whatif.sim.parallel import Parallelism
 from whatif.sim.parallel.expert import ExpertParallelChange, apply_expert
+from whatif.sim.parallel.fsdp import ShardedDataParallel, apply_fsdp
+from whatif.sim.parallel.job import comm_dimension
 from whatif.sim.workload import decode_inputs, first_input_bytes
 from whatif.sim.parallel.tensor import TensorParallelChange, apply_tensor, shard_dims, with_collectives
 from whatif.sim.perfmodels.models import load_models
@@ -361,6 +363,36 @@ def test_expert_parallel_all_to_alls_around_each_moe_layer_of_the_buffer(moe):
     assert set(comm["resource"].astype(str)) == {"network expert"}
     assert np.allclose(comm["duration_us"], collective_cost(FAST, "all_to_all", experts * capacity * D_MODEL * 4,
                                                             ranks=(0, 1)).time_us)
+
+
+def test_data_parallelism_reduces_a_ranks_own_experts_over_their_replicas_only(moe):
+    """Beside expert parallelism a rank holds 1/ep of the experts: the data group reduces the
+    other parameters, and an expert's gradient goes over the ranks that hold the same expert
+    (``expert_data``), none where every rank of the data group holds its own (Megatron's
+    expert-data-parallel group; the lab's DDP leaves the experts out)."""
+    graph, units = moe
+    parameters = graph.workload.parameters
+    size = parameters["numel"].astype(float) * parameters["element_size"].astype(float)
+    expert = parameters["name"].astype(str).str.contains("expert").to_numpy()
+    experts, others = float(size[expert].sum()), float(size[~expert].sum())
+    assert experts > others > 0, "the MoE blocks' experts hold most of the model"
+
+    one_each = apply_fsdp(graph, units, Parallelism(data=2, expert=2), FAST, {"data": (0, 1), "expert_data": (0,)})
+    note = one_each.last_note(ShardedDataParallel)
+    assert set(note.collectives["group"]) == {"data"}
+    assert np.allclose(note.collectives.groupby("iteration")["nbytes"].sum(), others)
+    assert note.optimizer_scale == pytest.approx((others + experts / 2) / (others + experts)), "a rank steps its own"
+
+    replicas = apply_fsdp(graph, units, Parallelism(data=4, expert=2), FAST,
+                          {"data": (0, 1, 2, 3), "expert_data": (0, 2)})
+    c = replicas.last_note(ShardedDataParallel).collectives
+    per_group = c.groupby(["iteration", "group"])["nbytes"].sum().unstack()
+    assert np.allclose(per_group["data"], others) and np.allclose(per_group["expert_data"], experts / 2)
+    own = c[c["group"] == "expert_data"]
+    priced = [collective_cost(FAST, "all_reduce", b, ranks=(0, 2)).time_us for b in own["nbytes"]]
+    assert np.allclose(replicas.tasks["duration_us"].to_numpy()[own["task"].to_numpy()], priced)
+    names = replicas.tasks["name"].astype(str).to_numpy()[own["task"].to_numpy()]
+    assert all(comm_dimension(n) == "data" for n in names), "reported with the data-parallel reduction"
 
 
 def test_a_list_of_tensors_counts_its_tensors_bytes_together(moe):

@@ -23,7 +23,7 @@ bound), their dispatch overheads as traced; the other experts' tasks, forward an
 no time on this rank. Total expert FLOPs per rank are unchanged; per-call overheads fall by
 ``ep``. The router stays replicated (every rank routes its own tokens). The experts'
 gradients are all-reduced over the ``expert_data`` group, which is the data-parallel pass's
-business, not this one's.
+business (``fsdp.py``), not this one's.
 
 **Sharded embeddings** (DLRM, Naumov et al. 2019; the ``param-dlrm-8rank`` traces): where the
 graph has no mixture of experts but embedding lookups (``aten::embedding_bag``,

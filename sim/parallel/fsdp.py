@@ -92,6 +92,13 @@ the GPU runs behind). A unit with no backward task found (a plain trace names th
 forward only) has its gradients reduced with the root's. Under tensor parallelism a rank holds
 and gathers 1/tensor of each unit's parameters and the whole root (embeddings and head
 replicated, as ``examples/parallel.py`` runs them); the units' table is the whole model's.
+Under expert parallelism a rank holds 1/expert of the experts (the parameters whose name holds
+``expert``, as ``memory.py`` counts them): the data group reduces (shards, gathers) the other
+parameters, and a rank's own experts go, with the same collectives, over the ranks that hold
+the same experts (``expert_data``: data / expert of them, Megatron-LM's expert-data-parallel
+group), not at all where that group is one rank (the lab's DDP leaves the experts out); a
+replicated optimizer steps the rank's own experts only. The experts' collectives share the data
+group's queue and are reported with it.
 
 Not modelled: FSDP2's copy kernels on a GPU, the Gloo reduce-scatter's copy of its input
 (about 13 ms for the lab's 17 MB root on one core; the calibration's reduce-scatter holds it
@@ -122,11 +129,16 @@ from . import PASSES, Parallelism
 from .units import PHASE_BACKWARD as BACKWARD
 from .units import PHASE_FORWARD as FORWARD
 from .units import PHASE_OPTIMIZER as OPTIMIZER
+from .memory import expert_parameter_bytes
 from .placement import nic_sharing, with_nic_shared
 from .units import Units
 
 ROOT = -1
 GROUP = "data"
+EXPERT_GROUP = "expert_data"  # the ranks that hold the same experts (placement.py)
+#: what a COMM task's name says of its group: the experts' reduction is the data-parallel one
+#: (``job.comm_dimension`` reads ``data``)
+_NAMED = {GROUP: "data", EXPERT_GROUP: "data experts"}
 _GPU_COMPUTE = (int(TaskKind.KERNEL), int(TaskKind.MEMCPY), int(TaskKind.MEMSET))
 _CPU_COMPUTE = (int(TaskKind.CPU), int(TaskKind.RUNTIME), int(TaskKind.GAP))
 COLLECTIVE_COLUMNS = ["task", "iteration", "unit", "phase", "op", "nbytes", "group", "time_us", "algorithm", "protocol"]
@@ -200,24 +212,37 @@ def apply_fsdp(graph: TaskGraph, units: Units, par: Parallelism, cluster, ranks_
         raise GraphError("the units were found on another graph: run find_units on the graph given to apply_fsdp")
     plan = _Plan(graph, unit_of, phase, d)
     nbytes = _unit_bytes(graph, units.table, par.tensor)
-    if zero == 3:
-        plan.fully_sharded(nbytes, reshard_after_forward)
-    elif zero == 0:
-        plan.replicated(nbytes)
-    else:
-        plan.sharded_optimizer(nbytes, "all_reduce" if zero == 1 else "reduce_scatter")
+    experts = _expert_bytes(graph, units, par.tensor) if par.expert > 1 else {}
+    nbytes = {u: b - experts.get(u, 0.0) for u, b in nbytes.items()}
+    groups = {GROUP: ranks, EXPERT_GROUP: tuple(ranks_of.get(EXPERT_GROUP, ()))}
 
-    priced_on = with_nic_shared(cluster, nic_sharing(cluster, ranks)) if cluster is not None else None
+    def plan_for(sizes: dict) -> None:
+        if zero == 3:
+            plan.fully_sharded(sizes, reshard_after_forward)
+        elif zero == 0:
+            plan.replicated(sizes)
+        else:
+            plan.sharded_optimizer(sizes, "all_reduce" if zero == 1 else "reduce_scatter")
+
+    plan_for(nbytes)
+    if any(experts.values()) and len(groups[EXPERT_GROUP]) > 1:  # a rank's own experts, over their replicas
+        plan.group, plan.ranks = EXPERT_GROUP, len(groups[EXPERT_GROUP])
+        plan_for({u: b / par.expert for u, b in experts.items()})
 
     @lru_cache(maxsize=None)
-    def price(op: str, size: float):
-        return collective_cost(priced_on, op, size, ranks=ranks)
+    def price(op: str, size: float, group: str = GROUP):
+        on = groups[group]
+        priced_on = with_nic_shared(cluster, nic_sharing(cluster, on)) if cluster is not None else None
+        return collective_cost(priced_on, op, size, ranks=on)
 
     out = graph.copy()
     # the optimizer's own work: not a wait, nor a collective a pass before this one put there
     optimizer = np.flatnonzero((phase == OPTIMIZER) & ~np.isin(graph.tasks["kind"].to_numpy(),
                                                                 [int(TaskKind.WAIT), int(TaskKind.COMM)]))
     share = 1.0 / d if zero else 1.0  # DDP keeps the whole optimizer step on every rank
+    held = sum(nbytes.values()) + sum(experts.values())
+    if experts and not zero and held > 0:  # of the experts, a rank steps its own
+        share = (sum(nbytes.values()) + sum(experts.values()) / par.expert) / held
     out.scale(optimizer, share)
     if zero == 3:
         plan.host_us += _add_dispatch(out, plan, nbytes, par.fsdp_dispatch)
@@ -256,6 +281,16 @@ def _add_dispatch(graph: TaskGraph, plan: "_Plan", nbytes: dict, per_unit: tuple
     return float(extra.sum())
 
 
+def _expert_bytes(graph: TaskGraph, units: Units, tensor: int) -> dict:
+    """Of :func:`_unit_bytes`, the experts' (the parameters whose name holds ``expert``, as
+    ``memory.py`` counts them), before expert parallelism splits them: by unit index (divided
+    by ``tensor`` as the unit is) and the root's (-1)."""
+    per_unit, outside = expert_parameter_bytes(graph, units)
+    sizes = {int(u): float(b) / tensor for u, b in zip(units.table["unit"], per_unit)}
+    sizes[ROOT] = outside
+    return sizes
+
+
 def _unit_bytes(graph: TaskGraph, table: pd.DataFrame, tensor: int) -> dict:
     """This rank's parameter bytes of each unit by unit index, and the root's (-1): every
     parameter the capture recorded that no unit holds; 0 where the graph carries no parameter
@@ -283,6 +318,8 @@ class _Collective:
     waiters: list  # task ids that wait for it
     queue: str
     returns_after: Optional[int] = None  # a zero-length task put after this one waits for it
+    group: str = GROUP  # or EXPERT_GROUP: an expert-parallel rank's own experts
+    ranks: int = 0  # the group's ranks
 
 
 class _Plan:
@@ -291,6 +328,7 @@ class _Plan:
 
     def __init__(self, graph: TaskGraph, unit_of: np.ndarray, phase: np.ndarray, ranks: int):
         self.graph, self.ranks = graph, ranks
+        self.group = GROUP  # the group the collectives planned next go over (ranks: its size)
         tasks = graph.tasks
         kind = tasks["kind"].to_numpy()
         # each task's resource as its category's number (one to one with its name), so that
@@ -435,9 +473,9 @@ class _Plan:
              returns_after: Optional[int] = None) -> None:
         if nbytes <= 0:
             return
-        queue = f"network {GROUP}: {op}"
+        queue = f"network {GROUP}: {op}"  # the experts' on the same queue: one data-parallel stream
         self.collectives.append(_Collective(op, float(nbytes), unit, phase, it, list(after), list(waiters), queue,
-                                            returns_after))
+                                            returns_after, self.group, self.ranks))
 
     # -- into the graph ----------------------------------------------------------------------------
 
@@ -451,7 +489,8 @@ class _Plan:
         waits = {}  # the task a wait follows -> the wait, inserted in the order first asked for
         for c in self.collectives:
             if c.returns_after is not None and c.returns_after not in waits:
-                waits[c.returns_after] = (c.returns_after, f"wait for {c.op} {GROUP}", 0.0, TaskKind.INSERTED)
+                waits[c.returns_after] = (c.returns_after, f"wait for {c.op} {_NAMED[c.group]}", 0.0,
+                                          TaskKind.INSERTED)
         returns = dict(zip(waits, graph.insert_many(list(waits.values()))))
         if returns:
             ends = self.end[np.fromiter(returns, dtype=np.int64, count=len(returns))]
@@ -465,14 +504,14 @@ class _Plan:
             if c.queue not in keys:
                 on_queue = tasks["order_key"][resource == c.queue]
                 keys[c.queue] = float(on_queue.max()) + 1.0 if len(on_queue) else 0.0
-            cost = price(c.op, c.nbytes)
+            cost = price(c.op, c.nbytes, c.group)
             tid = base + k
             rows.append(_row(c, cost.time_us, keys[c.queue], tasks))
             keys[c.queue] += 1.0
             waiters = c.waiters + ([returns[c.returns_after]] if c.returns_after is not None else [])
             edges += [(int(a), tid, 0.0, int(EdgeKind.USER)) for a in c.after]
             edges += [(tid, int(w), 0.0, int(EdgeKind.USER)) for w in waiters]
-            table.append((tid, c.iteration, c.unit, _PHASES[c.phase], c.op, c.nbytes, GROUP, cost.time_us,
+            table.append((tid, c.iteration, c.unit, _PHASES[c.phase], c.op, c.nbytes, c.group, cost.time_us,
                           cost.algorithm, cost.protocol))
         if rows:
             _append(graph, rows)
@@ -499,9 +538,9 @@ class _Plan:
             pending.clear(), pending_edges.clear()
 
         for c in self.collectives:
-            cost = price(c.op, c.nbytes)
+            cost = price(c.op, c.nbytes, c.group)
             unit = "root" if c.unit == ROOT else f"unit {c.unit}"
-            name = f"{c.op} {GROUP} {c.nbytes / 1e6:.3f} MB {unit} {_PHASES[c.phase]}"
+            name = f"{c.op} {_NAMED[c.group]} {c.nbytes / 1e6:.3f} MB {unit} {_PHASES[c.phase]}"
             anchor = c.after[0] if c.after else None
             waits = [(int(w), 0.0, int(EdgeKind.USER)) for w in c.waiters]
             copy_us = self.copies_us(c)
@@ -526,7 +565,7 @@ class _Plan:
                 else:
                     tail[anchor] = tid
                 pending_edges.append([(tail[anchor],) + w for w in waits])
-            table.append((tid, c.iteration, c.unit, _PHASES[c.phase], c.op, c.nbytes, GROUP, cost.time_us,
+            table.append((tid, c.iteration, c.unit, _PHASES[c.phase], c.op, c.nbytes, c.group, cost.time_us,
                           cost.algorithm, cost.protocol))
         flush()
         assert next_id == len(graph.tasks)
@@ -546,7 +585,7 @@ class _Plan:
         other collectives or without a rate."""
         if c.op != "all_gather" or not self.copy_rate:
             return 0.0
-        return (c.nbytes / self.ranks + c.nbytes) / self.copy_rate
+        return (c.nbytes / c.ranks + c.nbytes) / self.copy_rate
 
 
 def _append(graph: TaskGraph, rows: list) -> None:
@@ -560,7 +599,7 @@ _PHASE_NUMBERS = {name: number for number, name in _PHASES.items()}
 
 def _row(c: _Collective, time_us: float, key: float, tasks: pd.DataFrame) -> dict:
     unit = "root" if c.unit == ROOT else f"unit {c.unit}"
-    name = f"{c.op} {GROUP} {c.nbytes / 1e6:.3f} MB {unit} {_PHASES[c.phase]}"
+    name = f"{c.op} {_NAMED[c.group]} {c.nbytes / 1e6:.3f} MB {unit} {_PHASES[c.phase]}"
     row = {column: np.nan for column in tasks.columns}
     row.update({
         "name": name,

@@ -192,6 +192,14 @@ def _parameter_elements(graph: TaskGraph, units: Units):
     return unit_params, unit_experts, before, after
 
 
+def expert_parameter_bytes(graph: TaskGraph, units: Units) -> tuple[np.ndarray, float]:
+    """The bytes of the parameters whose name holds ``expert`` (the count's rule above): per
+    unit, and outside the units."""
+    _, unit_experts, before, after = _parameter_elements(graph, units)
+    e = _parameter_dtype_bytes(graph)
+    return unit_experts * e, float(before[2] + after[2]) * e
+
+
 def _in_unit(name: str, unit: str) -> bool:
     return f".{unit}." in f".{name}."
 
