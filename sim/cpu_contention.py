@@ -55,9 +55,9 @@ def with_cpu_contention(graph: TaskGraph, schedule: Schedule, comm: np.ndarray, 
     waits = _CommWaits(graph, comm, polling_thread) if polling_thread else None
     for _ in range(_CONTENTION_PASSES):
         wait_start, wait_end = waits.intervals(schedule) if waits else ([], [])
-        busy = _Union(np.concatenate([schedule.start_us[worker0_cpu], wait_start]),
+        busy = Intervals(np.concatenate([schedule.start_us[worker0_cpu], wait_start]),
                       np.concatenate([schedule.end_us[worker0_cpu], wait_end]))
-        in_flight = _Union(schedule.start_us[comm], schedule.end_us[comm])
+        in_flight = Intervals(schedule.start_us[comm], schedule.end_us[comm])
         batch_bytes = fused_bytes(comm_resource, schedule.start_us[comm], schedule.end_us[comm], comm_bytes)
         comm_factor = 1 + (link.comm_slowdown_at(batch_bytes) - 1) * busy.fraction_of(schedule.start_us[comm], schedule.end_us[comm])
         cpu_factor = 1 + (link.compute_slowdown - 1) * in_flight.fraction_of(schedule.start_us[cpu], schedule.end_us[cpu])
@@ -117,7 +117,7 @@ class _CommWaits:
         return starts[ends > starts], ends[ends > starts]
 
 
-class _Union:
+class Intervals:
     """A set of time intervals, merged, for measuring how much of another interval it covers."""
 
     def __init__(self, starts: np.ndarray, ends: np.ndarray):

@@ -80,7 +80,8 @@ parallelism alone without sharding is DDP's path
 Every collective is priced by ``topology.collective_cost(cluster, op, nbytes, ranks=the data
 group)``, on the NIC's share that the group gets beside the other data groups crossing it at
 the same time (``placement.nic_sharing``: half of it for each of the lab's 2 x 2 FSDP+TP data
-groups), ``nbytes`` in nccl-tests' convention (``docs/communication.md``: d times a rank's
+groups; where the rank's collectives of another queue are in flight at once, the two share it
+too: ``job.with_nic_sharing``), ``nbytes`` in nccl-tests' convention (``docs/communication.md``: d times a rank's
 shard for all-gather and reduce-scatter, which is the unit's parameter bytes; the whole buffer
 for all-reduce). Each inserted task is a COMM task whose name says its op, bytes, group and
 unit; the pass's note (:class:`ShardedDataParallel`) lists them with the algorithm and protocol
@@ -105,9 +106,7 @@ Not modelled: FSDP2's copy kernels on a GPU, the Gloo reduce-scatter's copy of i
 where it times the call), the ranks' skew at each blocking collective (the rank that arrives
 first waits for the other: the lab's root all-gather took 111 ms on one rank and 88 on the
 other in one step at 1000 Mbps), the padding of shards to a multiple of d, a mixed-precision
-reduce dtype, the all-gather and reduce-scatter queues sharing links with other dimensions'
-collectives (a data group's share of the NIC is its own, as if the other dimensions were
-idle), and FSDP2's memory rate limit beyond the one-unit prefetch; and, on CPU workers whose cores drive the link
+reduce dtype, and FSDP2's memory rate limit beyond the one-unit prefetch; and, on CPU workers whose cores drive the link
 (Gloo), the CPU time the collectives take from compute (``sim/cpu_contention.py`` models it for
 the data-parallel frameworks, not here).
 """
