@@ -410,6 +410,29 @@ def test_a_list_of_tensors_counts_its_tensors_bytes_together(moe):
     assert (units.table["activation_bytes"] < total).all(), "a block's output, not a product of a list"
 
 
+def test_another_ranks_experts_write_no_gradient_here(moe):
+    """The autograd engine writes an expert's gradients after its backward nodes (AccumulateGrad
+    of fc1's bias, TBackward0, of its weight): for the other ranks' experts those take no time on
+    this rank either, and the note lists them, so that a pipeline adds no later microbatch into
+    them (sim/parallel/pipeline.py)."""
+    graph, units = moe
+    _, moe_module = examples()
+    ep, experts = 2, moe_module.NUM_EXPERTS
+    out = apply_expert(graph, units, Parallelism(data=4, expert=ep), FAST, {"expert": (0, 1)})
+    note = out.last_note(ExpertParallelChange)
+    tasks = out.tasks
+    writes = np.flatnonzero((tasks["name"].astype(str) == "torch::autograd::AccumulateGrad").to_numpy())
+    gone = np.intersect1d(writes, note.elsewhere)
+    assert (tasks["duration_us"].to_numpy()[gone] == 0).all()
+    events = np.unique(tasks["event"].to_numpy()[gone])
+    # weight and bias of two linears of each other rank's expert, in every block and step
+    assert len(events) == (experts - experts // ep) * 4 * BLOCKS * STEPS
+    parameters = graph.workload.parameters
+    size = parameters["numel"].astype(float) * parameters["element_size"].astype(float)
+    others = parameters["name"].astype(str).str.contains(r"experts\.[23]\.").to_numpy()
+    assert sum(first_input_bytes(graph.ops, int(e)) for e in events) == float(size[others].sum()) * STEPS
+
+
 def test_a_rank_runs_its_local_experts_on_every_ranks_tokens(moe):
     graph, units = moe
     _, moe_module = examples()

@@ -48,6 +48,7 @@ import pandas as pd
 
 from whatif.collectors.kineto import element_bytes
 
+from ..gradients import ACCUMULATE_GRAD
 from ..graph import GraphError, TaskGraph
 from ..passes.batch_size import parameter_shapes
 from ..workload import decode_inputs
@@ -57,6 +58,11 @@ from .tensor import (COLLECTIVE_COLUMNS, DISPATCH, LINEAR_BACKWARD, Calls, Colle
 from .units import PHASE_BACKWARD, PHASE_FORWARD, Units
 
 GROUP = "expert"
+#: what the autograd engine runs after a linear's backward to write its parameters' gradients:
+#: ``AccumulateGrad`` (with and without its wrapper), and the transpose of the weight's gradient
+#: (``TBackward0``) between the bias's and the weight's
+_WRITES_GRADIENT = ("autograd::engine::evaluate_function: torch::autograd::AccumulateGrad", ACCUMULATE_GRAD,
+                    "autograd::engine::evaluate_function: TBackward0", "TBackward0")
 COMBINE = "moe.combine"
 LOOKUPS = ("aten::embedding_bag", "aten::_embedding_bag", "aten::embedding")
 LOOKUP_BACKWARD = re.compile(r"^autograd::engine::evaluate_function: Embedding(Bag)?Backward\d*$")
@@ -73,6 +79,9 @@ class ExpertParallelChange:
     experts: int = 0  # experts per layer, as traced
     unmatched_backward: int = 0
     collectives: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=COLLECTIVE_COLUMNS))
+    #: the tasks of the other ranks' experts, which take no time on this rank (their backward's
+    #: gradient writes too: a pipeline adds no later microbatch into them)
+    elsewhere: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
     def describe(self) -> str:
         n, total = len(self.collectives), float(self.collectives["nbytes"].sum()) if len(self.collectives) else 0.0
@@ -105,6 +114,8 @@ def apply_expert(graph: TaskGraph, units: Units, par: Parallelism, cluster, rank
         raise GraphError(f"parallelism.expert: {graph.workload.source} has no mixture-of-experts layer (no "
                          f"{DISPATCH!r} range) and no embedding lookup to shard")
     graph.scale(np.arange(len(graph.tasks)), factor)
+    if change.kind == "moe":
+        change.elsewhere = np.flatnonzero(factor == 0.0)
     change.collectives = comm.commit()
     graph.notes.append(change)
     return graph
@@ -152,12 +163,31 @@ def _experts(calls: Calls, comm: Collectives, change: ExpertParallelChange, fact
         for e, rows in enumerate(experts):
             nodes = [back_of[r] for r in rows]
             lo, hi = min(calls.op_start[nodes]), max(calls.op_end[nodes])
-            _run_expert(calls, calls.span_tasks(calls.op_thread[nodes[0]], lo, hi), factor, e < local, ep)
+            thread = calls.op_thread[nodes[0]]
+            if e >= local:  # another rank's expert writes its gradients there too
+                hi = _gradients_written(calls, thread, hi)
+            _run_expert(calls, calls.span_tasks(thread, lo, hi), factor, e < local, ep)
         nodes = [back_of[r] for rows in experts for r in rows]
         first = min(nodes, key=lambda r: calls.op_start[r])
         last = max(nodes, key=lambda r: calls.op_end[r])
         comm.before(calls.first_task(first), "all_to_all", back, unit, PHASE_BACKWARD, it)
         comm.after(calls.last_task(last), "all_to_all", send, unit, PHASE_BACKWARD, it)
+
+
+def _gradients_written(calls: Calls, thread: str, after: float) -> float:
+    """The end of the calls that write gradients (:data:`_WRITES_GRADIENT`) that the autograd
+    engine runs on ``thread`` right after ``after`` (``after`` itself where none does): the last
+    of an expert's gradients is written once its backward has ended, after the span of its
+    backward nodes."""
+    rows = np.flatnonzero((calls.op_thread == thread) & (calls.op_start >= after))
+    end = after
+    for row in rows[np.argsort(calls.op_start[rows], kind="stable")].tolist():
+        if calls.op_start[row] < end:
+            continue  # inside the call before
+        if calls.op_name.iat[row] not in _WRITES_GRADIENT:
+            break
+        end = calls.op_end[row]
+    return end
 
 
 def _run_expert(calls: Calls, span: np.ndarray, factor: np.ndarray, local: bool, ep: int) -> None:

@@ -94,6 +94,7 @@ from ..graph import GPU_TASK_KINDS, EdgeKind, GraphError, TaskGraph, TaskKind, c
 from ..passes.batch_size import change_batch_size, infer_batch_size, parameter_shapes
 from . import PASSES
 from .accumulation import accumulation
+from .expert import ExpertParallelChange
 from .units import Units, find_units
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -257,7 +258,12 @@ def apply_pipeline(graph: TaskGraph, units, par, cluster, ranks_of: dict, *, mod
 
     # a tensor-parallel rank holds 1/t of each unit's parameters (memory.py's count), so adds 1/t of their gradients
     shards = np.where(np.asarray(units.task_unit) >= 0, int(par.tensor), 1) if int(par.tensor) > 1 else None
-    added = accumulation(graph, in_iteration & (phase == BACKWARD), stage, shards) if m > 1 else None
+    # an expert-parallel rank adds into its own experts' gradients only
+    held = np.ones(len(graph.tasks), dtype=bool)
+    experts = graph.last_note(ExpertParallelChange)
+    if experts is not None:
+        held[experts.elsewhere] = False
+    added = accumulation(graph, in_iteration & (phase == BACKWARD) & held, stage, shards) if m > 1 else None
     accumulate = added.extra_us if added is not None else None
     builder = _Builder(graph, duration, window[0], _main_thread(graph, in_iteration))
     for d in range(p):
