@@ -410,6 +410,26 @@ def test_a_list_of_tensors_counts_its_tensors_bytes_together(moe):
     assert (units.table["activation_bytes"] < total).all(), "a block's output, not a product of a list"
 
 
+def test_fsdp_beside_expert_parallelism_shards_a_ranks_experts_over_their_replicas(moe):
+    """FSDP (zero 3) with data 4, expert 2: the other parameters gathered and reduce-scattered
+    over the data group, a rank's half of the experts over the two ranks that hold it."""
+    graph, units = moe
+    parameters = graph.workload.parameters
+    size = parameters["numel"].astype(float) * parameters["element_size"].astype(float)
+    expert = parameters["name"].astype(str).str.contains("expert").to_numpy()
+    experts, others = float(size[expert].sum()), float(size[~expert].sum())
+    out = apply_fsdp(graph, units, Parallelism(data=4, expert=2, zero=3), FAST,
+                     {"data": (0, 1, 2, 3), "expert_data": (0, 2)})
+    c = out.last_note(ShardedDataParallel).collectives
+    per = c.groupby(["iteration", "group", "op", "phase"])["nbytes"].sum()
+    for it in range(STEPS):
+        assert per[it, "data", "all_gather", "forward"] == pytest.approx(others)
+        assert per[it, "data", "reduce_scatter", "backward"] == pytest.approx(others)
+        for op, phase in (("all_gather", "forward"), ("all_gather", "backward"), ("reduce_scatter", "backward")):
+            assert per[it, "expert_data", op, phase] == pytest.approx(experts / 2)
+    assert simulate(out).makespan_us > 0
+
+
 def test_another_ranks_experts_write_no_gradient_here(moe):
     """The autograd engine writes an expert's gradients after its backward nodes (AccumulateGrad
     of fc1's bias, TBackward0, of its weight): for the other ranks' experts those take no time on
