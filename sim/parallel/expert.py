@@ -179,9 +179,8 @@ def _gradients_written(calls: Calls, thread: str, after: float) -> float:
     engine runs on ``thread`` right after ``after`` (``after`` itself where none does): the last
     of an expert's gradients is written once its backward has ended, after the span of its
     backward nodes."""
-    rows = np.flatnonzero((calls.op_thread == thread) & (calls.op_start >= after))
     end = after
-    for row in rows[np.argsort(calls.op_start[rows], kind="stable")].tolist():
+    for row in calls.ops_from(thread, after).tolist():
         if calls.op_start[row] < end:
             continue  # inside the call before
         if calls.op_name.iat[row] not in _WRITES_GRADIENT:

@@ -99,7 +99,7 @@ import dataclasses
 import re
 import warnings
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Optional
 
 import numpy as np
@@ -205,6 +205,19 @@ class Calls:
         steps = ops[self.op_name.str.match(r"^ProfilerStep#\d+$").to_numpy()]
         self.steps = sorted(zip(steps["start_us"].to_numpy(dtype=float),
                                 (steps["start_us"] + steps["dur_us"]).to_numpy(dtype=float)))
+
+    @cached_property
+    def _ops_by_thread(self) -> dict:
+        """Per thread, its operators (rows) in start order and their starts."""
+        order = np.argsort(self.op_start, kind="stable")
+        threads = self.op_thread[order]
+        return {thread: (order[threads == thread], self.op_start[order[threads == thread]])
+                for thread in np.unique(threads).tolist()}
+
+    def ops_from(self, thread: str, start: float) -> np.ndarray:
+        """The operators of ``thread`` that start at or after ``start``, in start order."""
+        rows, starts = self._ops_by_thread.get(thread, (np.zeros(0, dtype=np.int64), np.zeros(0)))
+        return rows[np.searchsorted(starts, start, side="left"):]
 
     def cpu_tasks(self, row: int) -> np.ndarray:
         """The CPU tasks inside operator ``row``, in time order."""
