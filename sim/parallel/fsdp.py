@@ -228,20 +228,21 @@ def apply_fsdp(graph: TaskGraph, units: Units, par: Parallelism, cluster, ranks_
         plan.group, plan.ranks = EXPERT_GROUP, len(groups[EXPERT_GROUP])
         plan_for({u: b / par.expert for u, b in experts.items()})
 
+    priced_on = {group: with_nic_shared(cluster, nic_sharing(cluster, on)) if cluster is not None else None
+                 for group, on in groups.items()}
+
     @lru_cache(maxsize=None)
     def price(op: str, size: float, group: str = GROUP):
-        on = groups[group]
-        priced_on = with_nic_shared(cluster, nic_sharing(cluster, on)) if cluster is not None else None
-        return collective_cost(priced_on, op, size, ranks=on)
+        return collective_cost(priced_on[group], op, size, ranks=groups[group])
 
     out = graph.copy()
     # the optimizer's own work: not a wait, nor a collective a pass before this one put there
     optimizer = np.flatnonzero((phase == OPTIMIZER) & ~np.isin(graph.tasks["kind"].to_numpy(),
                                                                 [int(TaskKind.WAIT), int(TaskKind.COMM)]))
     share = 1.0 / d if zero else 1.0  # DDP keeps the whole optimizer step on every rank
-    held = sum(nbytes.values()) + sum(experts.values())
-    if experts and not zero and held > 0:  # of the experts, a rank steps its own
-        share = (sum(nbytes.values()) + sum(experts.values()) / par.expert) / held
+    others, own = sum(nbytes.values()), sum(experts.values())
+    if own and not zero:  # of the experts, a rank steps its own
+        share = (others + own / par.expert) / (others + own)
     out.scale(optimizer, share)
     if zero == 3:
         plan.host_us += _add_dispatch(out, plan, nbytes, par.fsdp_dispatch)
