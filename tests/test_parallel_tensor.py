@@ -118,6 +118,14 @@ def tensor(graph, units, t, sequence_parallel=False, cluster=FAST):
     return apply_tensor(graph, units, par, cluster, {"tensor": tuple(range(t))})
 
 
+def expert_and_other_bytes(graph):
+    """The bytes of the parameters whose name holds ``expert``, and of the rest."""
+    parameters = graph.workload.parameters
+    size = parameters["numel"].astype(float) * parameters["element_size"].astype(float)
+    expert = parameters["name"].astype(str).str.contains("expert").to_numpy()
+    return float(size[expert].sum()), float(size[~expert].sum())
+
+
 def per_block(collectives):
     return collectives.groupby(["unit", "iteration", "phase", "op"]).size()
 
@@ -371,10 +379,7 @@ def test_data_parallelism_reduces_a_ranks_own_experts_over_their_replicas_only(m
     (``expert_data``), none where every rank of the data group holds its own (Megatron's
     expert-data-parallel group; the lab's DDP leaves the experts out)."""
     graph, units = moe
-    parameters = graph.workload.parameters
-    size = parameters["numel"].astype(float) * parameters["element_size"].astype(float)
-    expert = parameters["name"].astype(str).str.contains("expert").to_numpy()
-    experts, others = float(size[expert].sum()), float(size[~expert].sum())
+    experts, others = expert_and_other_bytes(graph)
     assert experts > others > 0, "the MoE blocks' experts hold most of the model"
 
     one_each = apply_fsdp(graph, units, Parallelism(data=2, expert=2), FAST, {"data": (0, 1), "expert_data": (0,)})
@@ -414,10 +419,7 @@ def test_fsdp_beside_expert_parallelism_shards_a_ranks_experts_over_their_replic
     """FSDP (zero 3) with data 4, expert 2: the other parameters gathered and reduce-scattered
     over the data group, a rank's half of the experts over the two ranks that hold it."""
     graph, units = moe
-    parameters = graph.workload.parameters
-    size = parameters["numel"].astype(float) * parameters["element_size"].astype(float)
-    expert = parameters["name"].astype(str).str.contains("expert").to_numpy()
-    experts, others = float(size[expert].sum()), float(size[~expert].sum())
+    experts, others = expert_and_other_bytes(graph)
     out = apply_fsdp(graph, units, Parallelism(data=4, expert=2, zero=3), FAST,
                      {"data": (0, 1, 2, 3), "expert_data": (0, 2)})
     c = out.last_note(ShardedDataParallel).collectives
